@@ -1,0 +1,16 @@
+"""Pure-PyTorch KDA: the ground truth for every kernel and distributed path.
+
+Runs on any device and dtype (float64 included) and is differentiable end to end.
+"""
+from .chunk import ChunkIntermediates, chunk_bounds, chunk_kda, chunk_kda_intermediates
+from .gates import kda_gate, l2norm, prepare_inputs, sequence_bounds
+from .recurrent import recurrent_kda
+from .summary import (StateSummary, apply_state_gradient_summary, apply_state_summary, chunk_dv_local,
+                      compose_state_summaries, state_gradient_summary, state_summary, transition)
+
+__all__ = [
+    "ChunkIntermediates", "StateSummary", "apply_state_gradient_summary", "apply_state_summary",
+    "chunk_bounds", "chunk_dv_local", "chunk_kda", "chunk_kda_intermediates", "compose_state_summaries",
+    "kda_gate", "l2norm", "prepare_inputs", "recurrent_kda", "sequence_bounds", "state_gradient_summary",
+    "state_summary", "transition",
+]

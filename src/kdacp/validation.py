@@ -1,0 +1,116 @@
+"""Input checks shared by every public KDA entry point.
+
+Each check raises ``TypeError`` or ``ValueError`` naming the argument and what was expected,
+before any computation runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KDADims", "check_kda_inputs", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
+
+
+@dataclass(frozen=True)
+class KDADims:
+    """Sizes of one KDA call: batch ``B``, tokens ``T``, q/k heads ``H``, value heads ``HV``,
+    key dim ``K``, value dim ``V`` and number of sequences ``N`` (``B``, or ``len(cu_seqlens) - 1``)."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+
+
+def check_tensor(name: str, x, ndim: int | None = None, floating: bool = True) -> None:
+    """Raise unless ``x`` is a tensor of ``ndim`` dims with a floating dtype (when ``floating``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Validate ``cu_seqlens`` ``[N+1]`` (int, starting at 0, strictly increasing, ending at ``T``,
+    ``B == 1``) and return ``N``."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"cu_seqlens must have dtype int64 (or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size B must be 1 (packed sequences), got B={B}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens[-1] must equal T={T} (the number of tokens), got {cu[-1]}")
+    return len(cu) - 1
+
+
+def check_kda_inputs(
+    q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, use_gate_in_kernel: bool = False,
+    A_log=None, dt_bias=None, lower_bound=None, chunk_size: int | None = None,
+) -> KDADims:
+    """Check the FLA-layout KDA arguments and return their sizes.
+
+    Expected: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``,
+    ``HV % H == 0``, ``initial_state [N, HV, K, V]``; with ``use_gate_in_kernel``, ``A_log [HV]``
+    and ``dt_bias [HV*K]`` (optional); ``lower_bound`` in [-5, 0).
+    """
+    for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
+        check_tensor(name, x, nd)
+    B, T, H, K = q.shape
+    if tuple(k.shape) != (B, T, H, K):
+        raise ValueError(f"k must have the shape of q [B, T, H, K] = {(B, T, H, K)}, got {tuple(k.shape)}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] with B, T = {(B, T)}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if T < 1 or H < 1 or K < 1 or V < 1:
+        raise ValueError(f"q and v must be non-empty, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a multiple of the q/k heads H={H}")
+    if tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"g must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, 4)
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(
+                f"initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool) or not -5 <= lower_bound < 0:
+            raise ValueError(f"lower_bound must be a float in [-5, 0), got {lower_bound!r}")
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log of shape [HV] (or a lower_bound)")
+        if A_log is not None:
+            check_tensor("A_log", A_log)
+            if A_log.numel() != HV or A_log.dim() != 1:
+                raise ValueError(f"A_log must have shape [HV] = [{HV}], got {tuple(A_log.shape)}")
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias)
+            if dt_bias.numel() != HV * K or dt_bias.dim() != 1:
+                raise ValueError(f"dt_bias must have shape [HV*K] = [{HV * K}], got {tuple(dt_bias.shape)}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    return KDADims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
