@@ -72,10 +72,12 @@ def _sequence_terms(q, k, v, g, beta, chunk_size):
     """State-independent chunk terms of one sequence; inputs ``[L, HV, *]``, outputs ``[NT, C, HV, *]``."""
     q, k, v, g, beta = (_pad_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     C = chunk_size
-    gc = g.cumsum(1) / _LN2
+    # The gate path runs in float64: cumulative log-gates of a chunk reach hundreds, and their
+    # differences (the only thing the outputs depend on) would lose ~1e-5 relative in float32.
+    gc = g.double().cumsum(1) / _LN2
     gc_last = gc[:, -1:]
-    kg = k * torch.exp2(gc_last - gc)
-    qg = q * torch.exp2(gc)
+    kg = k * torch.exp2(gc_last - gc).to(k.dtype)
+    qg = q * torch.exp2(gc).to(q.dtype)
     idx = torch.arange(C, device=q.device)
     strict = (idx[:, None] > idx[None, :])[None, :, :, None, None]
     incl = (idx[:, None] >= idx[None, :])[None, :, :, None, None]
@@ -84,18 +86,18 @@ def _sequence_terms(q, k, v, g, beta, chunk_size):
     for s in range(0, gc.shape[0], group):
         gcs = gc[s:s + group]
         diff = gcs[:, :, None] - gcs[:, None, :]                      # [n, C(i), C(j), HV, K]
-        e_strict = torch.exp2(diff.masked_fill(~strict, 0.0)) * strict
-        e_incl = torch.exp2(diff.masked_fill(~incl, 0.0)) * incl
+        e_strict = (torch.exp2(diff.masked_fill(~strict, 0.0)) * strict).to(q.dtype)
+        e_incl = (torch.exp2(diff.masked_fill(~incl, 0.0)) * incl).to(q.dtype)
         Akk_raw.append(torch.einsum("nihk,njhk,nijhk->nhij", k[s:s + group], k[s:s + group], e_strict))
         Aqk.append(torch.einsum("nihk,njhk,nijhk->nihj", q[s:s + group], k[s:s + group], e_incl))
     Akk_raw, Aqk = torch.cat(Akk_raw), torch.cat(Aqk)
     bt = beta.permute(0, 2, 1)                                          # [NT, HV, C]
     lower = torch.eye(C, dtype=q.dtype, device=q.device) + bt[..., None] * Akk_raw
-    ke = (k * torch.exp2(gc)).permute(0, 2, 1, 3)                        # [NT, HV, C, K]
+    ke = (k * torch.exp2(gc).to(k.dtype)).permute(0, 2, 1, 3)                        # [NT, HV, C, K]
     w = torch.linalg.solve_triangular(lower, bt[..., None] * ke, upper=False, unitriangular=True)
     u = torch.linalg.solve_triangular(lower, bt[..., None] * v.permute(0, 2, 1, 3), upper=False,
                                       unitriangular=True)
-    return gc, qg, kg, w.permute(0, 2, 1, 3), u.permute(0, 2, 1, 3), Aqk
+    return gc.to(q.dtype), qg, kg, w.permute(0, 2, 1, 3), u.permute(0, 2, 1, 3), Aqk
 
 
 def _sequence_state_pass(kg, w, u, gc, S):

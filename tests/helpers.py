@@ -1,0 +1,61 @@
+"""Random KDA inputs and error measures shared by the tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (``0`` when both are zero)."""
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def random_cu_seqlens(T: int, num_seqs: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[0, ..., T]`` with ``min(num_seqs, T)`` sequences cut at random points."""
+    n = min(num_seqs, T)
+    cuts = torch.randperm(T - 1, generator=generator)[: n - 1] + 1 if n > 1 else torch.tensor([], dtype=torch.long)
+    return torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([T])]).long()
+
+
+def make_kda_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="plain", initial_state=False,
+                    cu_seqlens=None, requires_grad=True, device="cpu", seed=None):
+    """Fresh random inputs for ``chunk_kda``-style calls as a kwargs dict.
+
+    ``gate``: ``"plain"`` (natural-log decay given, pre-normalised k), ``"default"``
+    (``-exp(A_log) softplus``) or ``"safe"`` (lower bound -5); the last two use the gate and the
+    L2 norm in kernel. Leaf tensors require grad when ``requires_grad``.
+    """
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, HV, V)
+    beta = torch.sigmoid(rnd(B, T, HV))
+    args = dict(q=q, k=k, v=v, beta=beta)
+    if gate == "plain":
+        args["k"] = F.normalize(k, dim=-1)
+        args["q"] = F.normalize(q, dim=-1)
+        args["g"] = F.logsigmoid(rnd(B, T, HV, K) + 2.0)
+    else:
+        args["g"] = rnd(B, T, HV, K)
+        args["A_log"] = 0.5 * rnd(HV)
+        args["dt_bias"] = 0.5 * rnd(HV * K)
+    if initial_state:
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1
+        args["initial_state"] = rnd(N, HV, K, V) * 0.5
+    args = {name: x.to(device=device, dtype=dtype).requires_grad_(requires_grad) for name, x in args.items()}
+    if gate != "plain":
+        args.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+        if gate == "safe":
+            args["lower_bound"] = -5.0
+    if cu_seqlens is not None:
+        args["cu_seqlens"] = cu_seqlens.to(device)
+    return args
+
+
+def differentiable_inputs(args: dict) -> dict:
+    """The tensors of ``args`` that require grad, by name."""
+    return {n: x for n, x in args.items() if isinstance(x, torch.Tensor) and x.requires_grad}
