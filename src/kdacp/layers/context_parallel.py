@@ -1,0 +1,202 @@
+"""How a :class:`~kdacp.layers.KimiDeltaAttention` layer runs: on one device or context-parallel.
+
+The layer calls the same seven hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
+``chunk_kda``, ``to_sequence``, ``gather_heads``, and ``validate_heads`` once); :data:`SINGLE_DEVICE`
+implements them as identities and a local ``chunk_kda``, :class:`KDAContextParallel` with exchanges.
+Nothing per call is stored on these objects, so several calls may be in flight at once.
+
+Token layout: the global batch (``B`` equal-length sequences, or one packed batch described by the
+global ``cu_seqlens``) is split along time into equal shards, shard ``r`` on rank ``r`` of ``group``.
+Under ``hybrid`` with Ulysses size ``U``, ranks ``g*U ... g*U+U-1`` form Ulysses group ``g`` (their
+shards are contiguous); ranks with the same index in their Ulysses group form a state group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_dim, all_to_all, shift_right
+from .short_conv import sequence_positions
+
+__all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
+
+MODES = ("state", "ulysses", "hybrid")
+
+
+@dataclass(frozen=True)
+class ConvContext:
+    """Where the short convolution's local tokens sit in the global batch.
+
+    ``state_group``: the group whose previous rank supplies the left halo (None: no halo needed);
+    ``positions [T]``: each token's position inside its sequence (None without packed sequences).
+    """
+
+    state_group: object
+    positions: torch.Tensor | None
+
+    def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
+        """The ``width`` tokens before each ``x [B, T, C_i]`` on the previous state rank (zeros on the
+        first), fetched in one exchange; Nones when there is no previous rank."""
+        if self.state_group is None or width == 0:
+            return [None] * len(xs)
+        if xs[0].shape[1] < width:
+            raise ValueError(f"each rank needs at least conv_size-1={width} tokens for the convolution halo, "
+                             f"got {xs[0].shape[1]}")
+        tails = torch.cat([x[:, -width:] for x in xs], dim=-1)
+        return list(shift_right(tails, self.state_group).split([x.shape[-1] for x in xs], dim=-1))
+
+
+def _local_chunk_kda(q, k, v, g, beta, *, backend, safe_gate, **kwargs):
+    """Single-device KDA: ``kdacp.ops.chunk_kda`` (the PyTorch reference until that lands)."""
+    try:
+        from ..ops import chunk_kda
+    except ImportError:
+        from ..reference import chunk_kda
+        return chunk_kda(q, k, v, g, beta, **kwargs)
+    return chunk_kda(q, k, v, g, beta, backend=backend, safe_gate=safe_gate, **kwargs)
+
+
+class _SingleDevice:
+    """The layer's hooks without context parallelism: every exchange is the identity."""
+
+    ulysses_size = 1
+    backend = None
+
+    def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
+        pass
+
+    def head_shard(self) -> tuple[int, int]:
+        """``(index, count)`` of this rank's head shard."""
+        return 0, 1
+
+    def to_heads(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return xs
+
+    def to_sequence(self, o: torch.Tensor) -> torch.Tensor:
+        return o
+
+    def gather_heads(self, state: torch.Tensor | None) -> torch.Tensor | None:
+        return state
+
+    def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
+        return ConvContext(None, None if cu_seqlens is None else sequence_positions(cu_seqlens, 0, T))
+
+    def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+        return _local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+
+
+SINGLE_DEVICE = _SingleDevice()
+
+
+class KDAContextParallel(_SingleDevice):
+    """Context-parallel execution of KDA layers over a process group.
+
+    Args:
+        mode: ``"state"`` (time shards; convolution halo from the previous rank, recurrence by
+            ``kdacp.distributed.cp_chunk_kda``), ``"ulysses"`` (all-to-all to head shards, local KDA
+            on full sequences, all-to-all back; needs ``H % P == 0`` and ``HV % P == 0``) or
+            ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, state across them).
+        group: the context-parallel process group (default: the world).
+        ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
+        strategy: state-exchange strategy for ``cp_chunk_kda`` (``"p2p"``, ...).
+        backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
+
+    Raises:
+        ValueError: unknown mode, or a Ulysses size that does not fit the group.
+
+    Building one is collective over the world when ``mode="hybrid"`` (it creates subgroups).
+    """
+
+    def __init__(self, mode: str, group=None, *, ulysses_size: int | None = None, strategy: str = "p2p",
+                 backend: str | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.strategy, self.backend = mode, strategy, backend
+        self.group = dist.group.WORLD if group is None else group
+        ranks = dist.get_process_group_ranks(self.group)
+        P = len(ranks)
+        if mode == "hybrid":
+            if ulysses_size is None or not 1 < ulysses_size < P or P % ulysses_size:
+                raise ValueError(f"hybrid mode needs 1 < ulysses_size < P with P % ulysses_size == 0; "
+                                 f"got ulysses_size={ulysses_size}, P={P}")
+        elif ulysses_size is not None and ulysses_size != (P if mode == "ulysses" else 1):
+            raise ValueError(f"ulysses_size is only set for mode='hybrid' (mode={mode!r}, got {ulysses_size})")
+        U = {"state": 1, "ulysses": P, "hybrid": ulysses_size}[mode]
+        self.ulysses_size, self.state_size = U, P // U
+        rank = ranks.index(dist.get_rank())
+        self.ulysses_rank, self.state_rank = rank % U, rank // U
+        self.ulysses_group = self.group if U == P else None
+        self.state_group = self.group if U == 1 else None
+        if mode == "hybrid":
+            # new_group is collective over the world: every rank creates every subgroup, in one order.
+            for g in range(P // U):
+                sub = dist.new_group(ranks[g * U:(g + 1) * U])
+                if g == self.state_rank:
+                    self.ulysses_group = sub
+            for u in range(U):
+                sub = dist.new_group(ranks[u::U])
+                if u == self.ulysses_rank:
+                    self.state_group = sub
+
+    def __repr__(self) -> str:
+        return (f"KDAContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
+                f"state_size={self.state_size}, strategy={self.strategy!r})")
+
+    def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
+        """Raise ``ValueError`` unless both head counts split evenly over the Ulysses group."""
+        U = self.ulysses_size
+        if num_heads % U or num_v_heads % U:
+            raise ValueError(f"mode={self.mode!r} shards heads over {U} ranks: needs num_heads % {U} == 0 and "
+                             f"num_v_heads % {U} == 0, got num_heads={num_heads}, num_v_heads={num_v_heads}")
+
+    def head_shard(self) -> tuple[int, int]:
+        return self.ulysses_rank, self.ulysses_size
+
+    def to_heads(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sequence shards ``[B, T, C_i]`` -> head shards ``[B, U*T, C_i/U]``, in one all-to-all.
+
+        Each ``C_i`` is head-major, so channel block ``u`` holds head shard ``u``.
+        """
+        U = self.ulysses_size
+        if U == 1:
+            return xs
+        B, T = xs[0].shape[:2]
+        widths = [x.shape[-1] // U for x in xs]
+        packed = torch.cat([x.reshape(B, T, U, w) for x, w in zip(xs, widths)], dim=-1)   # [B, T, U, Cs]
+        recv = all_to_all(packed.permute(2, 0, 1, 3), self.ulysses_group)               # [U(src), B, T, Cs]
+        out = recv.permute(1, 0, 2, 3).reshape(B, U * T, -1)
+        return list(out.split(widths, dim=-1))
+
+    def to_sequence(self, o: torch.Tensor) -> torch.Tensor:
+        """Head shard ``[B, U*T, HV/U, V]`` -> sequence shard ``[B, T, HV, V]``."""
+        U = self.ulysses_size
+        if U == 1:
+            return o
+        B, TU, HVs, V = o.shape
+        send = o.reshape(B, U, TU // U, HVs, V).transpose(0, 1)                         # [U(dst), B, T, HVs, V]
+        recv = all_to_all(send, self.ulysses_group)                                     # [U(head shard), B, T, HVs, V]
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, TU // U, U * HVs, V)
+
+    def gather_heads(self, state: torch.Tensor | None) -> torch.Tensor | None:
+        """Head-sharded ``[N, HV/U, K, V]`` -> ``[N, HV, K, V]`` on every rank."""
+        if state is None or self.ulysses_size == 1:
+            return state
+        return all_gather_dim(state, 1, self.ulysses_group)
+
+    def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
+        """``T``: tokens of this state rank (after ``to_heads``); they start at ``state_rank * T``."""
+        positions = None if cu_seqlens is None else sequence_positions(cu_seqlens, self.state_rank * T, T)
+        return ConvContext(self.state_group if self.state_size > 1 else None, positions)
+
+    def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+        backend = self.backend or backend
+        if self.state_size == 1:
+            return _local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+        from ..distributed import build_cp_plan, cp_chunk_kda
+        B, T = q.shape[:2]
+        plan = build_cp_plan(cu_seqlens, local_lengths=[T] * self.state_size,
+                             batch_size=None if cu_seqlens is not None else B,
+                             group=self.state_group, strategy=self.strategy)
+        return cp_chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)

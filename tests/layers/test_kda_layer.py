@@ -1,0 +1,146 @@
+"""Single-process tests of the KDA layer: FLA parameter layout, math against an independent
+composition of the reference, short convolution, checkpointing and calls in flight."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from kdacp.layers import KimiDeltaAttention, apply_context_parallel, causal_conv1d, sequence_positions
+from kdacp.reference import l2norm, recurrent_kda
+from tests.helpers import rel_err
+
+# FLA 0.6.0's KimiDeltaAttention(hidden_size=32, head_dim=16, num_heads=2, num_v_heads=4,
+# safe_gate=True, lower_bound=-5, conv_size=4), state dict names and shapes read from its source.
+FLA_STATE_DICT = {
+    "A_log": (4,), "dt_bias": (64,),
+    "q_proj.weight": (32, 32), "k_proj.weight": (32, 32), "v_proj.weight": (64, 32),
+    "q_conv1d.weight": (32, 1, 4), "k_conv1d.weight": (32, 1, 4), "v_conv1d.weight": (64, 1, 4),
+    "f_proj.0.weight": (16, 32), "f_proj.1.weight": (64, 16), "b_proj.weight": (4, 32),
+    "g_proj.0.weight": (16, 32), "g_proj.1.weight": (64, 16), "g_proj.1.bias": (64,),
+    "o_norm.weight": (16,), "o_proj.weight": (32, 64),
+}
+
+
+def small_layer(gate_lower_bound=-5.0, seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = KimiDeltaAttention(32, 2, 4, head_k_dim=16, head_v_dim=16, gate_lower_bound=gate_lower_bound,
+                               backend="torch", **kw).double()
+    with torch.no_grad():  # move off the initial values (A_log = 0, unit norm weight) so every term is exercised
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
+    """The layer's math written out per sequence: F.conv1d, the token-by-token recurrence, explicit norm."""
+    K, V, W, lb = layer.head_k_dim, layer.head_v_dim, layer.conv_size, layer.gate_lower_bound
+    B, T, _ = x.shape
+    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+        [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+    ys, finals = torch.zeros(B, T, layer.hidden_size, dtype=x.dtype), []
+    for n, (b, s, e) in enumerate(bounds):
+        xs = x[b:b + 1, s:e]
+
+        def conv(proj, mod):
+            return F.silu(F.conv1d(proj(xs).transpose(1, 2), mod.weight, mod.bias, padding=W - 1,
+                                   groups=mod.weight.shape[0])[..., :e - s].transpose(1, 2))
+
+        q, k, v = conv(layer.q_proj, layer.q_conv1d), conv(layer.k_proj, layer.k_conv1d), conv(layer.v_proj, layer.v_conv1d)
+        z = layer.f_proj(xs) + layer.dt_bias
+        z = z.unflatten(-1, (-1, K))
+        if lb is None:
+            g = -layer.A_log.exp()[:, None] * F.softplus(z)
+        else:
+            g = lb * torch.sigmoid(layer.A_log.exp()[:, None] * z)
+        beta = torch.sigmoid(layer.b_proj(xs))
+        o, S = recurrent_kda(l2norm(q.unflatten(-1, (-1, K))), l2norm(k.unflatten(-1, (-1, K))),
+                             v.unflatten(-1, (-1, V)), g, beta, output_final_state=True,
+                             initial_state=None if initial_state is None else initial_state[n:n + 1])
+        gate = torch.sigmoid(layer.g_proj(xs).unflatten(-1, (-1, V)))
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight * gate
+        ys[b, s:e] = layer.o_proj(o.flatten(-2))[0]
+        finals.append(S[0])
+    return ys, torch.stack(finals)
+
+
+def test_state_dict_matches_fla_names_and_shapes():
+    layer = KimiDeltaAttention(32, 2, 4, head_k_dim=16, head_v_dim=16)
+    assert {n: tuple(p.shape) for n, p in layer.state_dict().items()} == FLA_STATE_DICT
+
+
+def test_state_dict_round_trip_with_fla():
+    fla_layers = pytest.importorskip("fla.layers", reason="needs the flash-linear-attention layers")
+    fla = fla_layers.KimiDeltaAttention(hidden_size=32, head_dim=16, num_heads=2, num_v_heads=4,
+                                        safe_gate=True, lower_bound=-5.0, conv_size=4)
+    ours = KimiDeltaAttention(32, 2, 4, head_k_dim=16, head_v_dim=16)
+    ours.load_state_dict(fla.state_dict())
+    fla.load_state_dict(ours.state_dict())
+    for name, p in fla.state_dict().items():
+        assert torch.equal(p, ours.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("gate_lower_bound", [-5.0, None])
+@pytest.mark.parametrize("packed", [False, True])
+def test_layer_matches_naive_composition(gate_lower_bound, packed):
+    layer = small_layer(gate_lower_bound, conv_bias=True)
+    torch.manual_seed(1)
+    B, T = (1, 70) if packed else (2, 40)
+    cu = torch.tensor([0, 2, 31, 33, 70]) if packed else None
+    N = 4 if packed else B
+    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+    h0 = 0.5 * torch.randn(N, 4, 16, 16, dtype=torch.float64, requires_grad=True)
+    y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    y_ref, S_ref = naive_layer(layer, x, cu, h0)
+    assert rel_err(y, y_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+    w = torch.randn_like(y)
+    grads = torch.autograd.grad((y * w).sum() + S.sum(), [x, h0, *layer.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * w).sum() + S_ref.sum(), [x, h0, *layer.parameters()])
+    for (name, _), a, b in zip([("x", 0), ("h0", 0), *layer.named_parameters()], grads, grads_ref):
+        assert rel_err(a, b) < 1e-10, name
+
+
+def test_causal_conv1d_halo_and_positions():
+    torch.manual_seed(0)
+    x = torch.randn(2, 30, 8, dtype=torch.float64)
+    w, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    whole = causal_conv1d(x, w, b)
+    # A shard with the previous shard's last W-1 tokens as halo continues the sequence exactly.
+    assert torch.allclose(causal_conv1d(x[:, 10:], w, b, halo=x[:, 7:10]), whole[:, 10:], rtol=0, atol=1e-14)
+    # Positions cut the window at sequence starts: a packed batch equals its sequences run apart.
+    cu = torch.tensor([0, 1, 12, 30])
+    packed = causal_conv1d(x[:1], w, b, positions=sequence_positions(cu, 0, 30))
+    apart = torch.cat([causal_conv1d(x[:1, s:e], w, b) for s, e in [(0, 1), (1, 12), (12, 30)]], 1)
+    assert torch.allclose(packed, apart, rtol=0, atol=1e-14)
+    assert sequence_positions(cu, 10, 5).tolist() == [9, 10, 0, 1, 2]
+
+
+def test_checkpointing_and_calls_in_flight():
+    layer = small_layer()
+    torch.manual_seed(2)
+    xs = [torch.randn(1, 50, 32, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    ws = [torch.randn(1, 50, 32, dtype=torch.float64) for _ in range(2)]
+    ref = [torch.autograd.grad((layer(x)[0] * w).sum(), [x, *layer.parameters()]) for x, w in zip(xs, ws)]
+    # Both forwards first (checkpointed, so each is recomputed inside its backward), backwards in reverse.
+    losses = [(checkpoint(lambda t: layer(t)[0], x, use_reentrant=False) * w).sum() for x, w in zip(xs, ws)]
+    for i in (1, 0):
+        got = torch.autograd.grad(losses[i], [xs[i], *layer.parameters()])
+        for a, b in zip(got, ref[i]):
+            assert rel_err(a, b) < 1e-13
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_v_heads"):
+        KimiDeltaAttention(32, 2, 3, head_k_dim=16, head_v_dim=16)
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        KimiDeltaAttention(32, 2, gate_lower_bound=-6.0, head_k_dim=16, head_v_dim=16)
+
+
+def test_apply_context_parallel_sets_every_layer():
+    model = torch.nn.Sequential(small_layer(), small_layer())
+    marker = type("CP", (), {"validate_heads": lambda self, h, hv: None})()
+    apply_context_parallel(model, marker)
+    assert all(m.cp is marker for m in model)
+    apply_context_parallel(model, None)
+    assert all(m.cp is None for m in model)
