@@ -1,0 +1,14 @@
+"""Triton kernels for the affine state summaries exchanged between context-parallel ranks.
+
+Launchers validate their inputs (raising ``TypeError``/``ValueError`` naming the argument) before any
+kernel runs; every summary is float32. See DESIGN.md section 1 for the math.
+"""
+from .compose import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
+from .state_gradient import state_gradient_summary
+from .state_summary import state_summary, transition
+from .utils import SummaryConfig
+
+__all__ = [
+    "StateSummary", "SummaryConfig", "apply_state_gradient_summary", "apply_state_summary",
+    "compose_state_summaries", "state_gradient_summary", "state_summary", "transition",
+]

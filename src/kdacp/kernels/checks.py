@@ -1,0 +1,137 @@
+"""Input checks of the kernel launchers: raise ``TypeError``/``ValueError`` naming the argument and
+what was expected, before any kernel runs."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..validation import check_cu_seqlens, check_tensor
+
+__all__ = ["SummaryDims", "check_summary_inputs", "sequence_ranges"]
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_K = (64, 128)
+SUPPORTED_V = (64, 128, 256)
+SUPPORTED_CHUNK = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class SummaryDims:
+    """Sizes of one launch: batch ``B``, tokens ``T``, heads of the given tensors ``HV_total``, the
+    selected heads ``[head_start, head_start + HV)``, ``K``, ``V``, and the sequences
+    ``(batch row, first token, end token)``."""
+
+    B: int
+    T: int
+    HV_total: int
+    head_start: int
+    HV: int
+    K: int
+    V: int
+    bounds: tuple
+
+
+def _check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the first input is on {device}; all inputs must share a device")
+
+
+def _check_layout(name: str, x: torch.Tensor) -> None:
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.stride())}")
+    if any(s < 0 for s in x.stride()):
+        raise ValueError(f"{name} must have non-negative strides, got {tuple(x.stride())}")
+
+
+def _check_dtype(name: str, x: torch.Tensor, allowed, like: torch.Tensor | None = None, like_name: str = "") -> None:
+    if x.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype bfloat16, float16 or float32, got {x.dtype}")
+    if like is not None and x.dtype != like.dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {x.dtype}")
+
+
+def sequence_ranges(B: int, T: int, cu_seqlens, segment) -> tuple:
+    """``(batch row, first token, end token)`` of every sequence to summarise."""
+    if cu_seqlens is not None and segment is not None:
+        raise ValueError("pass at most one of cu_seqlens and segment")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T)
+        cu = cu_seqlens.tolist()
+        return tuple((0, cu[n], cu[n + 1]) for n in range(len(cu) - 1))
+    if segment is not None:
+        if (not isinstance(segment, (tuple, list)) or len(segment) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in segment)):
+            raise TypeError(f"segment must be a pair of ints (start, end), got {segment!r}")
+        start, end = segment
+        if B != 1:
+            raise ValueError(f"segment needs a packed batch with B == 1, got B={B}")
+        if not 0 <= start < end <= T:
+            raise ValueError(f"segment must satisfy 0 <= start < end <= T={T}, got {tuple(segment)}")
+        return ((0, start, end),)
+    return tuple((b, 0, T) for b in range(B))
+
+
+def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_size, head_start, num_heads,
+                         w_head_first: bool, cu_seqlens, segment, dv=None) -> SummaryDims:
+    """Check the launcher arguments and return their sizes.
+
+    Args:
+        keys: ``name -> tensor`` of the key-side inputs ``[B, T, HV, K]`` (``w`` may be head-first
+            ``[B, HV, T, K]``); the first one fixes the shapes, dtype and device.
+        values: ``name -> tensor`` of the value-side inputs ``[B, T, HV, V]`` in the same dtype.
+        gc: the within-chunk cumulative log2 gate ``[B, T, HV, K]``, any supported float dtype.
+        dv: optional ``[B, T, HV, V]`` tensor allowed its own float dtype.
+    """
+    names = list(keys) + list(values) + ["gc"] + (["dv"] if dv is not None else [])
+    tensors = list(keys.values()) + list(values.values()) + [gc] + ([dv] if dv is not None else [])
+    for name, x in zip(names, tensors):
+        check_tensor(name, x, 4)
+    first_name, first = next(iter(keys.items()))
+    B, T, HV_total, K = first.shape
+    if T < 1 or HV_total < 1:
+        raise ValueError(f"{first_name} must have T >= 1 and at least one head, got shape {tuple(first.shape)}")
+    device = first.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{first_name} is on {device}; the kernels need a CUDA device "
+                         "(or TRITON_INTERPRET=1 set before triton is imported)")
+    for name, x in keys.items():
+        expected = (B, HV_total, T, K) if (name == "w" and w_head_first) else (B, T, HV_total, K)
+        layout = "[B, HV, T, K]" if (name == "w" and w_head_first) else "[B, T, HV, K]"
+        if tuple(x.shape) != expected:
+            raise ValueError(f"{name} must have shape {layout} = {expected}, got {tuple(x.shape)}")
+        _check_dtype(name, x, INPUT_DTYPES, None if x is first else first, first_name)
+    V = 0  # no value-side inputs: the transition only
+    for name, x in values.items():
+        V = x.shape[3] if V == 0 else V
+        if tuple(x.shape) != (B, T, HV_total, V):
+            raise ValueError(f"{name} must have shape [B, T, HV, V] = {(B, T, HV_total, V)}, got {tuple(x.shape)}")
+        _check_dtype(name, x, INPUT_DTYPES, first, first_name)
+    if tuple(gc.shape) != (B, T, HV_total, K):
+        raise ValueError(f"gc must have shape [B, T, HV, K] = {(B, T, HV_total, K)}, got {tuple(gc.shape)}")
+    _check_dtype("gc", gc, INPUT_DTYPES)
+    if dv is not None:
+        if tuple(dv.shape) != (B, T, HV_total, V):
+            raise ValueError(f"dv must have shape [B, T, HV, V] = {(B, T, HV_total, V)}, got {tuple(dv.shape)}")
+        _check_dtype("dv", dv, INPUT_DTYPES)
+    for name, x in zip(names, tensors):
+        _check_device(name, x, device)
+        _check_layout(name, x)
+    if K == 256:
+        raise NotImplementedError("K=256 is not supported by the summary kernels (the float32 K x K transition "
+                                  "does not fit one tile); use K=64 or 128")
+    if K not in SUPPORTED_K:
+        raise ValueError(f"the key dim K (last dim of {first_name}) must be one of {SUPPORTED_K}, got {K}")
+    if values and V not in SUPPORTED_V:
+        raise ValueError(f"the value dim V (last dim of {next(iter(values))}) must be one of {SUPPORTED_V}, got {V}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in SUPPORTED_CHUNK:
+        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK}, got {chunk_size!r}")
+    if isinstance(head_start, bool) or not isinstance(head_start, int) or not 0 <= head_start < HV_total:
+        raise ValueError(f"head_start must be an int in [0, HV={HV_total}), got {head_start!r}")
+    HV = HV_total - head_start if num_heads is None else num_heads
+    if isinstance(HV, bool) or not isinstance(HV, int) or HV < 1 or head_start + HV > HV_total:
+        raise ValueError(f"num_heads must be an int >= 1 with head_start + num_heads <= HV={HV_total}, "
+                         f"got head_start={head_start}, num_heads={num_heads!r}")
+    bounds = sequence_ranges(B, T, cu_seqlens, segment)
+    return SummaryDims(B=B, T=T, HV_total=HV_total, head_start=head_start, HV=HV, K=K, V=V, bounds=bounds)

@@ -1,0 +1,120 @@
+"""Backward state summary ``G``: the gradient of a segment's own outputs w.r.t. its input state.
+
+From ``dS = 0`` at the segment end, chunks in reverse::
+
+    dv' = kg dS + dv;    dS <- Diag(exp2(gc_last)) dS + scale qg^T do - w^T dv'
+
+The recurrence acts column by column on ``dS [K, V]``: the grid runs over heads x ``[K, BV]`` column
+tiles. A long sequence may be cut into sub-segments run in parallel; each then also walks ``K`` extra
+columns from the identity with ``do = dv = 0``, which yields its ``M^T`` (no ``dM`` is formed), and the
+fold computes ``G = G_1 + M_1^T (G_2 + M_2^T (...))`` in float32. ``dv`` is only read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_summary_inputs
+from .compose import fold_summaries
+from .state_summary import _strides
+from .utils import SummaryConfig, dot_inputs, dot_state, pick_chunks_per_program, plan_summary, split_bf16
+
+__all__ = ["state_gradient_summary"]
+
+
+@triton.jit
+def _state_gradient_kernel(
+    qg, kg, w, gc, do, dv, ws, work,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_gb, s_gt, s_gh,
+    s_ob, s_ot, s_oh, s_vb, s_vt, s_vh,
+    scale, head_start, HV,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+):
+    """One ``[K, BV]`` tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
+    chunks in reverse. ``qg, kg, gc [B, T, HV, K]``, ``w`` via strides, ``do, dv [B, T, HV, V]``;
+    writes ``ws [NW, HV_out, K, NCOL]`` float32 (``M^T`` columns from ``V``)."""
+    i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = tl.load(work + 4 * i_w)
+    start = tl.load(work + 4 * i_w + 1)
+    end = tl.load(work + 4 * i_w + 2)
+    needs_m = tl.load(work + 4 * i_w + 3)
+    is_m = i_c * BV >= V
+    n_chunks = tl.cdiv(end - start, BT)
+    # the last sub-segment's M^T is never read: skip its chunk loop
+    n_run = tl.where(is_m & (needs_m == 0), 0, n_chunks)
+
+    h = (head_start + i_h).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    o_c = i_c * BV + tl.arange(0, BV)
+    m_v = o_c < V
+    p_q = qg + b * s_qb + h * s_qh
+    p_k = kg + b * s_kb + h * s_kh
+    p_w = w + b * s_wb + h * s_wh
+    p_g = gc + b * s_gb + h * s_gh
+    p_do = do + b * s_ob + h * s_oh
+    p_dv = dv + b * s_vb + h * s_vh
+
+    # G columns start from zero, M^T columns from the identity
+    st = tl.where(o_k[:, None] == (o_c - V)[None, :], 1.0, 0.0).to(tl.float32)
+    for i in range(n_run):
+        t0 = start + (n_chunks - 1 - i) * BT
+        rows = t0 + o_t
+        m_t = rows < end
+        m_tv = m_t[:, None] & m_v[None, :]
+        last = tl.minimum(t0 + BT, end) - 1
+        b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_decay = tl.exp2(tl.load(p_g + last * s_gt + o_k).to(tl.float32))
+        # dv' = kg dS + dv, from the state before this chunk's update
+        b_dvp = dot_state(b_k, st, b_dv, SPLIT_BF16)
+        b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
+        acc = st * b_decay[:, None] + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
+        b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
+        st = dot_state(b_wt, -b_dvp, acc, SPLIT_BF16)
+    p_ws = ws + ((i_w * HV + i_h).to(tl.int64) * K + o_k[:, None]) * NCOL + o_c[None, :]
+    tl.store(p_ws, st)
+
+
+def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64, head_start: int = 0,
+                           num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
+                           config: SummaryConfig | None = None) -> torch.Tensor:
+    """``G [N, HV, K, V]`` float32: ``dS_in = M^T dS_out + G`` for each sequence.
+
+    Args:
+        qg, kg, gc: ``[B, T, HV, K]`` (``qg = q exp2(gc)``); ``w`` ``[B, T, HV, K]`` or ``[B, HV, T, K]``
+            with ``w_head_first``; ``do`` ``[B, T, HV, V]`` in the dtype of ``qg, kg, w``;
+            ``dv`` ``[B, T, HV, V]`` (bf16, fp16 or fp32; only read): the gradient reaching ``v_new``
+            from each chunk's own outputs. ``scale``: the output scale.
+        Other arguments as :func:`.state_summary.state_summary`.
+
+    Raises:
+        TypeError, ValueError: on a bad argument (before any kernel runs); NotImplementedError for K=256.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    dims = check_summary_inputs({"qg": qg, "kg": kg, "w": w}, {"do": do}, gc, chunk_size=chunk_size,
+                                head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
+                                cu_seqlens=cu_seqlens, segment=segment, dv=dv)
+    cfg = config or SummaryConfig()
+    K, V, HV = dims.K, dims.V, dims.HV
+    block_v = min(cfg.block_v, K, V)
+    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (V + K) // block_v, chunk_size,
+                                                          kg.device)
+    plan = plan_summary(dims.bounds, chunk_size, L, reverse=True, transition_everywhere=False, device=kg.device)
+    ncol = V + (K if plan.max_subsegments > 1 else 0)
+    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
+    grid = (ncol // block_v, plan.num_work, HV)
+    _state_gradient_kernel[grid](
+        qg, kg, w, gc, do, dv, ws, plan.work,
+        *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
+        float(scale), dims.head_start, HV,
+        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    G, _ = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=V, want_a=True, want_t=False, reverse=True,
+                          block_v=block_v)
+    return G

@@ -1,0 +1,156 @@
+"""Forward state summary: ``S_ext`` and the float32 transition ``M`` of a segment of chunks.
+
+Both are responses of the chunk recurrence ``S <- Diag(exp2(gc_last)) S + kg^T (u - w S)``, which acts
+column by column on ``S``: ``S_ext`` starts from zero with the real ``u``; ``M`` starts from the
+identity with ``u = 0``, so ``M = prod_c (Diag(exp2(gc_last_c)) - kg_c^T w_c)`` (later chunks on the left).
+One kernel walks the ``[K, V + K]`` state ``[S | M]`` in ``[K, BV]`` column tiles; a long sequence is cut
+into sub-segments summarised in parallel (grid: column tiles x sub-segments x heads) and folded in
+float32 by :func:`.compose.fold_summaries` (``S <- M_p S + S_p``, ``M <- M_p M``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_summary_inputs
+from .compose import StateSummary, fold_summaries
+from .utils import SummaryConfig, dot_state, pick_chunks_per_program, plan_summary, split_bf16
+
+__all__ = ["state_summary", "transition"]
+
+_OUTPUTS = ("both", "state", "transition")
+
+
+@triton.jit
+def _state_summary_kernel(
+    kg, w, u, gc, ws, work,
+    s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh,
+    head_start, HV,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
+    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
+):
+    """One ``[K, BV]`` tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
+
+    ``kg, gc [B, T, HV, K]``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
+    ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
+    """
+    i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = tl.load(work + 4 * i_w)
+    start = tl.load(work + 4 * i_w + 1)
+    end = tl.load(work + 4 * i_w + 2)
+    needs_m = tl.load(work + 4 * i_w + 3)
+    is_m = i_c * BV >= MOFF
+    n_chunks = tl.cdiv(end - start, BT)
+    # the first sub-segment's M is never read in state-only mode: skip its chunk loop
+    n_chunks = tl.where(is_m & (needs_m == 0), 0, n_chunks)
+
+    h = (head_start + i_h).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    o_c = i_c * BV + tl.arange(0, BV)
+    m_u = o_c < MOFF
+    p_kg = kg + b * s_kb + h * s_kh
+    p_w = w + b * s_wb + h * s_wh
+    p_u = u + b * s_ub + h * s_uh
+    p_g = gc + b * s_gb + h * s_gh
+
+    # S columns start from zero, M columns from the identity
+    st = tl.where(o_k[:, None] == (o_c - MOFF)[None, :], 1.0, 0.0).to(tl.float32)
+    for i in range(n_chunks):
+        t0 = start + i * BT
+        rows = t0 + o_t
+        m_t = rows < end
+        last = tl.minimum(t0 + BT, end) - 1
+        b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
+        b_decay = tl.exp2(tl.load(p_g + last * s_gt + o_k).to(tl.float32))
+        if HAS_S:
+            b_u = tl.load(p_u + rows[:, None] * s_ut + o_c[None, :], mask=m_t[:, None] & m_u[None, :],
+                          other=0.0).to(tl.float32)
+        else:
+            b_u = tl.zeros([BT, BV], dtype=tl.float32)
+        # v_new = u - w S, then S <- Diag(decay) S + kg^T v_new; padded rows load as zero and add nothing
+        b_v = dot_state(b_w, -st, b_u, SPLIT_BF16)
+        st = dot_state(b_kt, b_v, st * b_decay[:, None], SPLIT_BF16)
+    p_ws = ws + ((i_w * HV + i_h).to(tl.int64) * K + o_k[:, None]) * NCOL + o_c[None, :]
+    tl.store(p_ws, st)
+
+
+def _strides(x: torch.Tensor, head_first: bool = False):
+    """``(batch, token, head)`` strides of a 4-d tensor stored token-first or head-first."""
+    return (x.stride(0), x.stride(2), x.stride(1)) if head_first else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
+    cfg = config or SummaryConfig()
+    has_s = output != "transition"
+    K, V, HV = dims.K, dims.V, dims.HV
+    s_cols = V if has_s else 0
+    block_v = min(cfg.block_v, K, V) if has_s else min(cfg.block_v, K)
+    tiles_per_subsegment = HV * (s_cols + K) // block_v
+    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, tiles_per_subsegment, chunk_size, kg.device)
+    plan = plan_summary(dims.bounds, chunk_size, L, reverse=False, transition_everywhere=output != "state",
+                        device=kg.device)
+    # state-only with one sub-segment per sequence never needs M columns at all
+    with_m = output != "state" or plan.max_subsegments > 1
+    ncol = s_cols + (K if with_m else 0)
+    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
+    grid = (ncol // block_v, plan.num_work, HV)
+    _state_summary_kernel[grid](
+        kg, w, u if has_s else kg, gc, ws, plan.work,
+        *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
+        dims.head_start, HV,
+        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
+        SPLIT_BF16=split_bf16(kg.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",
+                          reverse=False, block_v=block_v)
+    return StateSummary(S, M)
+
+
+def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
+                  num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
+                  config: SummaryConfig | None = None) -> StateSummary:
+    """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
+
+    Args:
+        kg, gc: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)`` and the within-chunk cumulative
+            log2 gate (restarting every chunk; a partial chunk's ``gc_last`` is its last valid token).
+        w: ``[B, T, HV, K]``, or ``[B, HV, T, K]`` with ``w_head_first``. ``u``: ``[B, T, HV, V]``.
+            ``kg, w, u`` share one dtype (bf16, fp16 or fp32); any strides with a unit last dim.
+        chunk_size: 16, 32, 64 or 128.
+        output: ``"both"``, ``"state"`` (``S_ext`` only) or ``"transition"`` (``M`` only; ``u`` unused).
+        head_start, num_heads: summarise heads ``[head_start, head_start + num_heads)`` of the given
+            tensors (no copies); outputs have ``num_heads`` heads.
+        cu_seqlens: ``[N+1]`` int64 with ``B == 1``: summarise every packed sequence.
+        segment: ``(start, end)`` token offsets with ``B == 1``: summarise that one segment, chunked
+            from ``start``.
+        config: tiling, see :class:`SummaryConfig`.
+
+    Returns:
+        ``StateSummary(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
+        ``N`` is ``B``, the number of sequences with ``cu_seqlens``, or 1 with ``segment``.
+
+    Raises:
+        TypeError, ValueError: on a bad argument (before any kernel runs); NotImplementedError for K=256.
+    """
+    if output not in _OUTPUTS:
+        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    values = {} if output == "transition" else {"u": u}
+    dims = check_summary_inputs({"kg": kg, "w": w}, values, gc, chunk_size=chunk_size, head_start=head_start,
+                                num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens,
+                                segment=segment)
+    return _launch(kg, w, u, gc, dims, chunk_size=chunk_size, output=output, w_head_first=w_head_first,
+                   config=config)
+
+
+def transition(kg, w, gc, *, chunk_size: int = 64, head_start: int = 0, num_heads: int | None = None,
+               w_head_first: bool = False, cu_seqlens=None, segment=None,
+               config: SummaryConfig | None = None) -> torch.Tensor:
+    """``M [N, HV, K, K]`` float32: the product of the chunk factors ``Diag(exp2(gc_last)) - kg^T w``
+    (later chunks on the left), accumulated in float32 (bf16 inputs: products split into exact bf16
+    pieces; fp16/fp32 inputs: 3xTF32). Arguments as :func:`state_summary`."""
+    return state_summary(kg, w, None, gc, chunk_size=chunk_size, output="transition", head_start=head_start,
+                         num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens, segment=segment,
+                         config=config).transition

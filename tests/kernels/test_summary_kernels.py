@@ -1,0 +1,258 @@
+"""Triton summary kernels against the float64 reference (CPU: Triton interpreter; GPU: `gpu` marker).
+
+Inputs are real chunked-KDA intermediates rounded to the kernel dtype; the ground truth is the
+reference run in float64 on exactly those rounded values, so any gap is the kernels' own rounding.
+"""
+import functools
+
+import pytest
+import torch
+
+from kdacp import kernels as kn
+from kdacp import reference as ref
+from tests.helpers import make_kda_inputs, rel_err
+
+FIELDS = ("qg", "kg", "w", "u", "gc", "Aqk")
+TOL = 1e-5  # float32 rounding along the chunk chain (measured ~1e-7 .. 1e-6)
+SCALE = 0.125
+
+
+@functools.lru_cache(maxsize=None)
+def _intermediates(B, T, HV, K, V, cu=None, seed=0, device="cpu"):
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    args = make_kda_inputs(B, T, HV, HV, K, V, dtype=torch.float64, requires_grad=False, seed=seed,
+                           cu_seqlens=cu_seqlens)
+    args = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+    it = ref.chunk_kda_intermediates(**args)
+    out = {n: getattr(it, n) for n in FIELDS}
+    gen = torch.Generator().manual_seed(seed + 1)
+    out["do"] = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(device)
+    out["dv"] = ref.chunk_dv_local(out["Aqk"], out["do"], SCALE, cu_seqlens=args.get("cu_seqlens"))
+    return out
+
+
+def make(B, T, HV, K, V, dtype, cu=None, seed=0, device="cpu"):
+    """Kernel inputs in ``dtype`` (``gc`` float32) and the same values in float64."""
+    x = _intermediates(B, T, HV, K, V, cu, seed, device)
+    low = {n: x[n].to(torch.float32 if n in ("gc", "dv") else dtype) for n in x}
+    return low, {n: t.double() for n, t in low.items()}
+
+
+def cfg(L):
+    return None if L is None else kn.SummaryConfig(block_v=32, chunks_per_program=L)
+
+
+def ref_summary(x, cu=None):
+    return ref.state_summary(x["kg"], x["w"], x["u"], x["gc"], cu_seqlens=cu)
+
+
+def ref_grad(x, cu=None):
+    return ref.state_gradient_summary(x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], SCALE, cu_seqlens=cu)
+
+
+# (B, T, HV, K, V, dtype, chunks per program): partial last chunks, T < 64, one sub-segment or several
+CASES = [
+    (2, 150, 2, 64, 64, torch.float32, None),
+    (1, 37, 2, 64, 128, torch.float32, None),
+    (1, 1, 1, 64, 64, torch.float32, None),
+    (1, 200, 1, 128, 64, torch.float32, 1),
+    (1, 300, 2, 64, 64, torch.float32, 2),
+    (1, 130, 1, 64, 256, torch.float32, 1),
+    (1, 190, 2, 64, 64, torch.bfloat16, 1),
+    (1, 100, 1, 128, 128, torch.bfloat16, None),
+    (1, 129, 2, 64, 64, torch.float16, 2),
+]
+
+
+@pytest.mark.parametrize("B,T,HV,K,V,dtype,L", CASES)
+def test_state_summary_modes_match_reference(B, T, HV, K, V, dtype, L):
+    low, x = make(B, T, HV, K, V, dtype)
+    S_ref, M_ref = ref_summary(x)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(L))
+    assert S.dtype == M.dtype == torch.float32
+    assert S.shape == (B, HV, K, V) and M.shape == (B, HV, K, K)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    S_only, none = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", config=cfg(L))
+    assert none is None and rel_err(S_only, S_ref) < TOL
+    none, M_only = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="transition", config=cfg(L))
+    assert none is None and rel_err(M_only, M_ref) < TOL
+    M_t = kn.transition(low["kg"], low["w"], low["gc"], config=cfg(L))
+    assert rel_err(M_t, ref.transition(x["kg"], x["w"], x["gc"])) < TOL
+
+
+@pytest.mark.parametrize("B,T,HV,K,V,dtype,L", CASES)
+def test_state_gradient_summary_matches_reference(B, T, HV, K, V, dtype, L):
+    low, x = make(B, T, HV, K, V, dtype)
+    dv_before = low["dv"].clone()
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  config=cfg(L))
+    assert G.dtype == torch.float32 and G.shape == (B, HV, K, V)
+    assert rel_err(G, ref_grad(x)) < TOL
+    assert torch.equal(low["dv"], dv_before)
+
+
+def test_head_range_and_head_first_w_without_copies():
+    low, x = make(1, 140, 5, 64, 64, torch.float32)
+    hs, nh = 1, 3
+    sel = {n: t[:, :, hs:hs + nh] for n, t in x.items()}
+    w_hf = low["w"].transpose(1, 2).contiguous()  # [B, HV, T, K]
+    S, M = kn.state_summary(low["kg"], w_hf, low["u"], low["gc"], head_start=hs, num_heads=nh, w_head_first=True,
+                            config=cfg(1))
+    S_ref, M_ref = ref_summary(sel)
+    assert S.shape == (1, nh, 64, 64)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], low["kg"], w_hf, low["gc"], low["do"], low["dv"], SCALE,
+                                  head_start=hs, num_heads=nh, w_head_first=True, config=cfg(1))
+    assert rel_err(G, ref_grad(sel)) < TOL
+    # strided views (a head slice of the tensors) work too
+    views = {n: t[:, :, hs:hs + nh] for n, t in low.items()}
+    assert not views["kg"].is_contiguous()
+    S2, M2 = kn.state_summary(views["kg"], views["w"], views["u"], views["gc"])
+    assert rel_err(S2, S_ref) < TOL and rel_err(M2, M_ref) < TOL
+
+
+CU = (0, 70, 200, 261, 262)
+
+
+@pytest.mark.parametrize("L", [None, 1])
+def test_packed_sequences_and_segments(L):
+    low, x = make(1, CU[-1], 2, 64, 64, torch.float32, cu=CU)
+    cu = torch.tensor(CU, dtype=torch.int64)
+    S_ref, M_ref = ref_summary(x, cu)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(L))
+    assert S.shape == (len(CU) - 1, 2, 64, 64)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  cu_seqlens=cu, config=cfg(L))
+    assert rel_err(G, ref_grad(x, cu)) < TOL
+    s, e = CU[1], CU[2]
+    seg = {n: t[:, s:e] for n, t in x.items()}
+    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], segment=(s, e), config=cfg(L))
+    assert S1.shape == (1, 2, 64, 64)
+    assert rel_err(S1, S_ref[1:2]) < TOL and rel_err(M1, M_ref[1:2]) < TOL
+    G1 = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                   segment=(s, e), config=cfg(L))
+    assert rel_err(G1, ref_grad(seg)) < TOL
+
+
+def test_compose_and_apply_match_reference_in_float32_under_autocast():
+    low, x = make(1, 256, 2, 64, 64, torch.float32)
+    halves = [{n: t[:, a:b] for n, t in low.items()} for a, b in ((0, 128), (128, 256))]
+    first, second = (kn.state_summary(h["kg"], h["w"], h["u"], h["gc"]) for h in halves)
+    S_ref, M_ref = ref_summary(x)
+    S_in = torch.randn(1, 2, 64, 64, dtype=torch.float64)
+    dS_out = torch.randn(1, 2, 64, 64, dtype=torch.float64)
+    G1 = torch.randn(1, 2, 64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        S, M = kn.compose_state_summaries(first, second)
+        out = kn.apply_state_summary(S, M, S_in.float())
+        dS_in = kn.apply_state_gradient_summary(G1, M, dS_out.float())
+    assert S.dtype == M.dtype == out.dtype == dS_in.dtype == torch.float32
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    assert rel_err(out, ref.apply_state_summary(S_ref, M_ref, S_in)) < TOL
+    assert rel_err(dS_in, ref.apply_state_gradient_summary(G1.double(), M_ref, dS_out)) < TOL
+    # the kernel's folded summary equals the composition of its halves
+    S_k, M_k = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(2))
+    assert rel_err(S_k, S) < TOL and rel_err(M_k, M) < TOL
+
+
+def _bad_cases():
+    low, _ = make(1, 70, 2, 64, 64, torch.float32)
+    kg, w, u, gc = low["kg"], low["w"], low["u"], low["gc"]
+    return [
+        (dict(kg=kg.numpy()), TypeError, "kg must be a torch.Tensor"),
+        (dict(kg=kg[0]), ValueError, "kg must have 4 dims"),
+        (dict(w=w[:, :69]), ValueError, "w must have shape"),
+        (dict(w=w, w_head_first=True), ValueError, r"w must have shape \[B, HV, T, K\]"),
+        (dict(u=u[:, :, :1]), ValueError, "u must have shape"),
+        (dict(gc=gc[..., :32]), ValueError, "gc must have shape"),
+        (dict(w=w.half()), TypeError, "w must have the dtype of kg"),
+        (dict(kg=kg.double(), w=w.double(), u=u.double()), TypeError, "kg must have dtype"),
+        (dict(gc=gc.long()), TypeError, "gc must have a floating dtype"),
+        (dict(u=u.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "u must be contiguous in its last dim"),
+        (dict(chunk_size=48), ValueError, "chunk_size must be one of"),
+        (dict(output="all"), ValueError, "output must be one of"),
+        (dict(head_start=2), ValueError, "head_start must be"),
+        (dict(num_heads=2, head_start=1), ValueError, "num_heads must be"),
+        (dict(segment=(10, 71)), ValueError, "segment must satisfy"),
+        (dict(segment=(5, 10), cu_seqlens=torch.tensor([0, 70])), ValueError, "at most one of"),
+        (dict(cu_seqlens=torch.tensor([0, 60])), ValueError, "cu_seqlens"),
+        (dict(kg=kg[..., :32].contiguous(), w=w[..., :32].contiguous(), gc=gc[..., :32].contiguous()), ValueError,
+         "K .* must be one of"),
+        (dict(kg=torch.zeros(1, 70, 2, 256), w=torch.zeros(1, 70, 2, 256), gc=torch.zeros(1, 70, 2, 256)),
+         NotImplementedError, "K=256"),
+        (dict(u=torch.zeros(1, 70, 2, 96)), ValueError, "value dim V"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_bad_inputs_raise_before_running(case):
+    low, _ = make(1, 70, 2, 64, 64, torch.float32)
+    change, exc, match = _bad_cases()[case]
+    args = dict(kg=low["kg"], w=low["w"], u=low["u"], gc=low["gc"])
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        kn.state_summary(**args)
+
+
+def test_bad_gradient_inputs():
+    low, _ = make(1, 70, 2, 64, 64, torch.float32)
+    a = [low[n] for n in ("qg", "kg", "w", "gc", "do", "dv")]
+    with pytest.raises(TypeError, match="scale must be a float"):
+        kn.state_gradient_summary(*a, None)
+    with pytest.raises(TypeError, match="do must have the dtype of qg"):
+        kn.state_gradient_summary(*a[:4], a[4].half(), a[5], SCALE)
+    with pytest.raises(ValueError, match="dv must have shape"):
+        kn.state_gradient_summary(*a[:5], a[5][:, :10], SCALE)
+    with pytest.raises(ValueError, match="w must have shape"):
+        kn.state_gradient_summary(*a[:2], a[2][:, :, :1], *a[3:], SCALE)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+GPU_SHAPE = (1, 16384, 32, 128, 128)
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_inputs():
+    B, T, HV, K, V = GPU_SHAPE
+    torch.manual_seed(0)
+    args = make_kda_inputs(B, T, HV, HV, K, V, dtype=torch.float32, requires_grad=False, seed=0, device="cuda")
+    it = ref.chunk_kda_intermediates(**args)
+    low = {n: getattr(it, n).to(torch.bfloat16) for n in ("qg", "kg", "w", "u")}
+    low["gc"] = it.gc.float()
+    low["do"] = torch.randn(B, T, HV, V, device="cuda").to(torch.bfloat16)
+    low["dv"] = ref.chunk_dv_local(it.Aqk, low["do"].float(), SCALE).to(torch.bfloat16)
+    x = {n: t.double() for n, t in low.items()}
+    return low, x
+
+
+@pytest.mark.gpu
+def test_gpu_summaries_at_16k_bf16():
+    low, x = _gpu_inputs()
+    S_ref, M_ref = ref_summary(x)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"])
+    assert rel_err(S, S_ref) < 1e-4 and rel_err(M, M_ref) < 1e-4
+    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state")
+    assert rel_err(S_only, S_ref) < 1e-4
+    assert rel_err(kn.transition(low["kg"], low["w"], low["gc"]), M_ref) < 1e-4
+    dv_before = low["dv"].clone()
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE)
+    assert rel_err(G, ref_grad(x)) < 1e-4
+    assert torch.equal(low["dv"], dv_before)
+
+
+@pytest.mark.gpu
+def test_gpu_head_range_segment_and_fp32():
+    low, x = _gpu_inputs()
+    n = 4096
+    sub = {k: t[:, :n] for k, t in low.items()}
+    subx = {k: t[:, :n] for k, t in x.items()}
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], head_start=8, num_heads=8, segment=(0, n))
+    S_ref, M_ref = ref_summary({k: t[:, :, 8:16] for k, t in subx.items()})
+    assert rel_err(S, S_ref) < 1e-4 and rel_err(M, M_ref) < 1e-4
+    f32 = {k: t.float() for k, t in sub.items()}
+    S32, M32 = kn.state_summary(f32["kg"], f32["w"], f32["u"], f32["gc"])
+    S_ref, M_ref = ref_summary(subx)
+    assert rel_err(S32, S_ref) < 1e-4 and rel_err(M32, M_ref) < 1e-4
+    G32 = kn.state_gradient_summary(f32["qg"], f32["kg"], f32["w"], f32["gc"], f32["do"], f32["dv"], SCALE)
+    assert rel_err(G32, ref_grad(subx)) < 1e-4
