@@ -1,0 +1,126 @@
+"""The stage interface every local (one-rank) KDA backend implements.
+
+The stages are split where context parallelism has to wait: everything that does not depend on a
+sequence's incoming state (gates, intra-chunk WY work, state summaries, the state-gradient summary)
+is separate from the state pass and output (forward) and from the gradient pass (backward), so the
+distributed op can start it before the exchange completes.
+
+All tensors are one packed row: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``,
+``beta [1, T, HV]``; a :class:`Span` picks whole segments ``[start, end)`` of it. States and
+summaries are float32 (float64 for float64 inputs): ``[n, HV, K, V]`` with ``n`` the span's segments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+__all__ = ["KDAOptions", "KDAInputs", "Span", "LocalForward", "LocalGrads", "LocalBackend", "tensor_fields"]
+
+
+@dataclass(frozen=True)
+class KDAOptions:
+    """Per-call settings shared by all stages (FLA's argument names)."""
+
+    scale: float
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    lower_bound: float | None = None
+    safe_gate: bool = False
+    chunk_size: int = 64
+
+
+@dataclass
+class KDAInputs:
+    """The raw inputs of one packed row (``A_log [HV]`` and ``dt_bias [HV*K]`` only with the gate in kernel)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Span:
+    """Local tokens ``[start, end)`` made of whole segments; ``cu_seqlens`` relative to ``start``."""
+
+    start: int
+    end: int
+    cu_seqlens: tuple[int, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def empty(self) -> bool:
+        return self.end <= self.start
+
+    def cu_seqlens_tensor(self, device) -> torch.Tensor | None:
+        """``[n+1]`` int64 on ``device``, or ``None`` for a single segment (the faster unpacked path)."""
+        if self.num_segments == 1:
+            return None
+        return torch.tensor(self.cu_seqlens, dtype=torch.int64).to(device, non_blocking=True)
+
+
+@dataclass
+class LocalForward:
+    """``o [1, T_span, HV, V]`` (v's dtype) and each segment's final state ``[n, HV, K, V]`` (or ``None``)."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+
+
+@dataclass
+class LocalGrads:
+    """Gradients of one span: token-wise ``[1, T_span, ...]`` like the inputs, ``dA_log [HV]`` and
+    ``ddt_bias [HV*K]`` summed over the span (or ``None``), ``dinitial_state [n, HV, K, V]``."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dA_log: torch.Tensor | None
+    ddt_bias: torch.Tensor | None
+    dinitial_state: torch.Tensor
+
+
+class LocalBackend(Protocol):
+    """One rank's chunked KDA, in stages, for one call's :class:`KDAOptions`.
+
+    ``prepare`` runs the state-independent work on all local tokens and returns backend-specific
+    chunk data; ``to_saved`` keeps what backward needs (a dataclass whose fields are tensors or
+    ``None``, stored with ``save_for_backward``).
+    """
+
+    name: str
+    options: KDAOptions
+
+    def prepare(self, inputs: KDAInputs, span: Span): ...
+
+    def state_summary(self, chunks, span: Span, with_transition: bool):
+        """``StateSummary(state=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``."""
+
+    def forward_states(self, chunks, span: Span, initial_state: torch.Tensor,
+                       output_final_state: bool) -> LocalForward:
+        """State pass and output of ``span`` from ``initial_state [n, HV, K, V]``."""
+
+    def to_saved(self, chunks): ...
+
+    def state_gradient_summary(self, saved, span: Span, do: torch.Tensor) -> torch.Tensor:
+        """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
+        state's gradient is zero; ``do [1, T_span, HV, V]``."""
+
+    def backward(self, saved, span: Span, do: torch.Tensor, dht: torch.Tensor | None,
+                 initial_state: torch.Tensor) -> LocalGrads:
+        """All gradients of ``span`` given its output gradient and final-state gradient ``dht``."""
+
+
+def tensor_fields(obj) -> list:
+    """The field values of a dataclass of tensors, in order (for ``save_for_backward``)."""
+    return [getattr(obj, f.name) for f in fields(obj)]

@@ -1,0 +1,69 @@
+"""The only module that imports flash-linear-attention (``fla-core``).
+
+kdacp calls FLA's internal stage functions, which change between releases, so it pins the exact
+version and names every missing piece instead of failing deep inside a kernel call.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from types import SimpleNamespace
+
+__all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla"]
+
+REQUIRED_FLA_VERSION = "0.6.0"
+
+# name in the namespace -> (module, attribute)
+_STAGES = {
+    "l2norm_fwd": ("fla.modules.norm.l2norm", "l2norm_fwd"),
+    "l2norm_bwd": ("fla.modules.norm.l2norm", "l2norm_bwd"),
+    "kda_gate_chunk_cumsum": ("fla.ops.kda.gate", "kda_gate_chunk_cumsum"),
+    "chunk_local_cumsum": ("fla.ops.utils", "chunk_local_cumsum"),
+    "prepare_chunk_indices": ("fla.ops.utils", "prepare_chunk_indices"),
+    "RCP_LN2": ("fla.ops.utils.constant", "RCP_LN2"),
+    "chunk_kda_fwd_intra": ("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra"),
+    "chunk_gated_delta_rule_fwd_h": ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_h"),
+    "chunk_gla_fwd_o_gk": ("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk"),
+    "recompute_w_u_fwd": ("fla.ops.kda.wy_fast", "recompute_w_u_fwd"),
+    "chunk_kda_bwd_dAv": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv"),
+    "chunk_kda_bwd": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd"),
+    # whole ops, for comparisons and benchmarks
+    "chunk_kda": ("fla.ops.kda", "chunk_kda"),
+    "build_cp_context": ("fla.ops.cp", "build_cp_context"),
+}
+
+
+@functools.cache
+def _load() -> tuple[SimpleNamespace | None, str | None]:
+    try:
+        import fla
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        return None, f"fla-core is not importable ({type(e).__name__}: {e}); install fla-core=={REQUIRED_FLA_VERSION}"
+    version = getattr(fla, "__version__", "unknown")
+    if version != REQUIRED_FLA_VERSION:
+        return None, f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), found {version}"
+    found, missing = {}, []
+    for name, (module, attr) in _STAGES.items():
+        try:
+            found[name] = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{module}.{attr} ({type(e).__name__}: {e})")
+    if missing:
+        return None, "fla-core " + version + " lacks: " + "; ".join(missing)
+    return SimpleNamespace(**found), None
+
+
+def fla_available() -> bool:
+    return _load()[0] is not None
+
+
+def require_fla() -> None:
+    """Raise ImportError saying what is missing unless the FLA stages can be used."""
+    if _load()[0] is None:
+        raise ImportError(_load()[1])
+
+
+def load_fla() -> SimpleNamespace:
+    """FLA's stage functions by name (see ``_STAGES``); raises ImportError when unusable."""
+    require_fla()
+    return _load()[0]

@@ -1,0 +1,97 @@
+"""The ``torch`` backend: every stage built on :mod:`kdacp.reference`.
+
+Runs on any device and dtype (float64 included). It recomputes the chunked form inside each
+stage rather than caching intermediates: it exists to be obviously right, not fast. Backward
+differentiates the reference chunked form with autograd.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from .base import KDAInputs, KDAOptions, LocalForward, LocalGrads, Span
+
+__all__ = ["TorchBackend"]
+
+
+@dataclass
+class TorchChunks:
+    """The (detached) raw inputs of all local tokens; every stage recomputes from them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, options: KDAOptions):
+        self.options = options
+
+    def _span_inputs(self, chunks: TorchChunks, span: Span) -> KDAInputs:
+        cut = slice(span.start, span.end)
+        return KDAInputs(chunks.q[:, cut], chunks.k[:, cut], chunks.v[:, cut], chunks.g[:, cut],
+                         chunks.beta[:, cut], chunks.A_log, chunks.dt_bias)
+
+    def _kwargs(self, x: KDAInputs, span: Span) -> dict:
+        o = self.options
+        return dict(scale=o.scale, cu_seqlens=span.cu_seqlens_tensor(x.q.device),
+                    use_qk_l2norm_in_kernel=o.use_qk_l2norm_in_kernel, use_gate_in_kernel=o.use_gate_in_kernel,
+                    A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=o.lower_bound, chunk_size=o.chunk_size)
+
+    def _intermediates(self, chunks: TorchChunks, span: Span) -> reference.ChunkIntermediates:
+        x = self._span_inputs(chunks, span)
+        return reference.chunk_kda_intermediates(x.q, x.k, x.v, x.g, x.beta, **self._kwargs(x, span))
+
+    def prepare(self, inputs: KDAInputs, span: Span) -> TorchChunks:
+        return TorchChunks(*(None if t is None else t.detach() for t in
+                             (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.A_log, inputs.dt_bias)))
+
+    def state_summary(self, chunks: TorchChunks, span: Span, with_transition: bool) -> reference.StateSummary:
+        inter = self._intermediates(chunks, span)
+        cu = span.cu_seqlens_tensor(chunks.q.device)
+        summary = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, self.options.chunk_size, cu)
+        return summary if with_transition else summary._replace(transition=None)
+
+    def forward_states(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor,
+                       output_final_state: bool) -> LocalForward:
+        x = self._span_inputs(chunks, span)
+        o, final_state = reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
+                                             output_final_state=output_final_state, **self._kwargs(x, span))
+        return LocalForward(o, final_state)
+
+    def to_saved(self, chunks: TorchChunks) -> TorchChunks:
+        return chunks
+
+    def state_gradient_summary(self, saved: TorchChunks, span: Span, do: torch.Tensor) -> torch.Tensor:
+        inter = self._intermediates(saved, span)
+        cu, C, scale = span.cu_seqlens_tensor(do.device), self.options.chunk_size, self.options.scale
+        dv_local = reference.chunk_dv_local(inter.Aqk, do, scale, C, cu)
+        return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, do, dv_local, scale, C, cu)
+
+    def backward(self, saved: TorchChunks, span: Span, do: torch.Tensor, dht: torch.Tensor | None,
+                 initial_state: torch.Tensor) -> LocalGrads:
+        x = self._span_inputs(saved, span)
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_() for t in
+                      (x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, initial_state)]
+            q, k, v, g, beta, A_log, dt_bias, h0 = leaves
+            kwargs = self._kwargs(KDAInputs(q, k, v, g, beta, A_log, dt_bias), span)
+            o, final_state = reference.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kwargs)
+            outputs, grads_out = [o], [do]
+            if dht is not None:
+                outputs.append(final_state)
+                grads_out.append(dht.to(final_state.dtype))
+            wrt = [t for t in leaves if t is not None]
+            grads = iter(torch.autograd.grad(outputs, wrt, grads_out, allow_unused=True))
+            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (None if t is None else next(grads) for t in leaves)
+        dq, dk, dv, dg, dbeta, dh0 = (torch.zeros_like(t) if d is None else d for d, t in
+                                      ((dq, q), (dk, k), (dv, v), (dg, g), (dbeta, beta), (dh0, h0)))
+        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)

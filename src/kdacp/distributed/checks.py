@@ -1,0 +1,96 @@
+"""Cross-rank input checks: a bad or mismatched input raises on every rank instead of hanging.
+
+Each rank validates its own arguments, then all ranks exchange one small int64 signature in a
+single all-gather; every rank raises ``ValueError`` if any rank failed or the ranks disagree.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..validation import check_kda_inputs, check_tensor
+from . import comm
+from .plan import CPPlan
+
+__all__ = ["check_cp_call"]
+
+_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+# Fields every rank must agree on, in signature order (after the leading "ok" flag).
+_FIELDS = ("plan", "B", "T_local (equal split)", "H", "HV", "K", "V", "q/k dtype", "v dtype", "g dtype",
+           "beta dtype", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+           "A_log", "dt_bias", "lower_bound", "safe_gate", "scale", "backend")
+
+
+def _float_bits(x) -> int:
+    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _dtype_code(x) -> int:
+    dtype = getattr(x, "dtype", None)
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
+                 lower_bound):
+    dims = check_kda_inputs(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                            dt_bias=dt_bias, lower_bound=lower_bound)
+    if plan.cu_seqlens is not None and dims.B != 1:
+        raise ValueError(f"the plan packs sequences (cu_seqlens), so q must have B=1, got q {tuple(q.shape)}")
+    if plan.cu_seqlens is None and dims.B != plan.batch_size:
+        raise ValueError(f"the plan has batch_size={plan.batch_size} but q has B={dims.B}")
+    expected = plan.lengths_for(dims.T)[plan.rank]
+    if dims.T != expected:
+        raise ValueError(f"rank {plan.rank} holds {expected} tokens in the plan but q has T_local={dims.T}")
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, 4)
+        want = (plan.num_sequences, dims.HV, dims.K, dims.V)
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must have shape [N, HV, K, V] = {want} (N global sequences), "
+                             f"got {tuple(initial_state.shape)}")
+    return dims
+
+
+def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                  backend: str, resolve_backend) -> str:
+    """Validate one ``cp_chunk_kda`` call on every rank; return the resolved backend name.
+
+    ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
+
+    Raises:
+        ValueError (on every rank): a rank rejected its inputs, or the ranks disagree.
+    """
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
+    error, dims, name = None, None, ""
+    try:
+        dims = _check_local(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+        name = resolve_backend(backend, q.device)
+    except (TypeError, ValueError, ImportError) as e:
+        error = e
+    ok = error is None
+    open_split = plan.local_lengths is None
+    sizes = (dims.B, dims.T if open_split else 0, dims.H, dims.HV, dims.K, dims.V) if ok else (0,) * 6
+    signature = [int(ok), plan.signature, *sizes, _dtype_code(q), _dtype_code(v), _dtype_code(g), _dtype_code(beta),
+                 _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
+                 int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
+                 int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode())]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
+        else torch.device("cpu")
+    rows = comm.all_gather_signatures(signature, plan.group, device)
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if not row[0]]
+    if failed:
+        raise ValueError(f"cp_chunk_kda: rank(s) {failed} rejected their inputs (see the error raised there); "
+                         f"every rank stops here instead of waiting")
+    for i, field in enumerate(_FIELDS, start=1):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank {values}; every rank must "
+                             "pass the same plan, shapes (except T_local), dtypes and options")
+    return name

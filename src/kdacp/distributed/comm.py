@@ -1,0 +1,49 @@
+"""Every raw ``torch.distributed`` call kdacp makes, in one place.
+
+Ranks are ranks of the plan's group; point-to-point calls translate them to global ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["post_recv", "send", "wait", "all_gather", "all_reduce_sum", "all_gather_signatures"]
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def post_recv(buffer: torch.Tensor, src: int, group) -> dist.Work:
+    """Post a non-blocking receive into ``buffer`` from group rank ``src``."""
+    return dist.irecv(buffer, src=_global_rank(group, src), group=group)
+
+
+def send(tensor: torch.Tensor, dst: int, group) -> dist.Work:
+    """Start a non-blocking send of ``tensor`` to group rank ``dst``; keep ``tensor`` alive until waited."""
+    return dist.isend(tensor.contiguous(), dst=_global_rank(group, dst), group=group)
+
+
+def wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``[world_size, *tensor.shape]``: every rank's ``tensor``."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum of ``tensor`` over the group (in place, returned)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather_signatures(signature: list[int], group, device: torch.device) -> list[list[int]]:
+    """Every rank's small int64 ``signature``, gathered in one collective (on ``device``, which
+    must suit the group's backend: CUDA for NCCL)."""
+    local = torch.tensor(signature, dtype=torch.int64, device=device)
+    return all_gather(local, group).tolist()

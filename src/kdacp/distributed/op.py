@@ -1,0 +1,97 @@
+"""``cp_chunk_kda``: context-parallel chunk KDA, differentiable, over a :class:`CPPlan`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import make_backend, resolve_backend
+from ..backends.base import KDAInputs, KDAOptions, LocalBackend, tensor_fields
+from ..reference.gates import compute_dtype
+from .checks import check_cp_call
+from .orchestration import cp_backward, cp_forward
+from .plan import CPPlan
+
+__all__ = ["cp_chunk_kda"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What backward needs besides tensors."""
+
+    plan: CPPlan
+    backend: LocalBackend
+    output_final_state: bool
+    has_initial_state: bool
+    state_dtype: torch.dtype
+
+
+class CPChunkKDAFunction(torch.autograd.Function):
+    """Saves and restores; the work is in :mod:`.orchestration`. Inputs are one packed row."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, q, k, v, g, beta, A_log, dt_bias, initial_state):
+        inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias)
+        result = cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, call.state_dtype)
+        ctx.call, ctx.saved_type = call, type(result.saved)
+        ctx.save_for_backward(result.local_initial, result.transition, *tensor_fields(result.saved))
+        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
+        return result.o, result.final_state
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        local_initial, transition, *saved = ctx.saved_tensors
+        call: _Call = ctx.call
+        grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition,
+                            do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
+        out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
+        cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))
+        return (None, *cast, grads.dinitial_state)
+
+
+def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                 lower_bound=None, safe_gate=False, backend="auto", cp=None):
+    """Chunk KDA over tokens split across the ranks of ``cp.group``; call it on every rank.
+
+    Args:
+        q, k: this rank's ``[B, T_local, H, K]``; ``v [B, T_local, HV, V]``; ``g [B, T_local, HV, K]``
+            (natural-log decay, or raw logits with ``use_gate_in_kernel``); ``beta [B, T_local, HV]``.
+            ``B == 1`` when the plan packs sequences.
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` for the ``N`` global sequences; each enters at the rank
+            holding the sequence's first token (its gradient is returned there; zero elsewhere).
+        output_final_state: return every sequence's final state ``[N, HV, K, V]`` on every rank;
+            its gradients from all ranks add up at the rank that computed it.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log [HV], dt_bias [HV*K], lower_bound,
+            safe_gate: as FLA's ``chunk_kda``. ``A_log``/``dt_bias`` gradients are this rank's share
+            (sum them over the group, as for any parameter under context parallelism).
+        backend: ``"auto"``, ``"torch"`` or ``"fla"`` (see :mod:`kdacp.backends`).
+        cp: the :class:`CPPlan` of this batch (:func:`build_cp_plan`).
+
+    Returns:
+        ``(o [B, T_local, HV, V] in v's dtype, final_state [N, HV, K, V] or None)``; states are
+        float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: on every rank, when any rank's inputs are invalid or the ranks disagree on the
+            plan, shapes, dtypes or options.
+    """
+    name = check_cp_call(cp, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                         lower_bound=lower_bound, safe_gate=safe_gate, backend=backend,
+                         resolve_backend=resolve_backend)
+    B, T_local, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
+                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                         use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
+                         safe_gate=bool(safe_gate))
+    call = _Call(cp, make_backend(name, options), bool(output_final_state), initial_state is not None,
+                 compute_dtype(q))
+    packed = [x.reshape(1, B * T_local, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    o, final_state = CPChunkKDAFunction.apply(call, *packed, A_log, dt_bias, initial_state)
+    return o.view(B, T_local, HV, V), final_state

@@ -1,0 +1,198 @@
+"""The context-parallel partition plan: which tokens of which global sequences each rank holds.
+
+Every rank builds the same plan from the same global description, once per batch. The plan is
+frozen and holds no per-call state, so any number of ``cp_chunk_kda`` calls (and their backward
+passes) may share it.
+
+Layout: a rank's local tokens are processed as one packed row ``[1, B * T_local]``. With
+``cu_seqlens`` (packed sequences, ``B == 1``) they are the global tokens
+``[offset_r, offset_r + T_local_r)``; without it, batch row ``b`` of the local ``[B, T_local]``
+input holds tokens ``[offset_r, offset_r + T_local_r)`` of global sequence ``b``.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from ..validation import check_cu_seqlens
+
+__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "STRATEGIES"]
+
+STRATEGIES = ("p2p", "allgather")
+
+
+@dataclass(frozen=True)
+class LocalSegment:
+    """The part of global sequence ``sequence`` held by one rank, as local tokens ``[start, end)``.
+
+    ``receives``: the sequence began on an earlier rank (its state arrives from rank - 1).
+    ``sends``: the sequence continues on a later rank (its state goes to rank + 1).
+    """
+
+    sequence: int
+    start: int
+    end: int
+    receives: bool
+    sends: bool
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's local segments, in token order.
+
+    Receiving segments form a prefix and sending segments a suffix (one of each with packed
+    sequences, all ``B`` with equal-length batch rows).
+    """
+
+    segments: tuple[LocalSegment, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.segments[-1].end
+
+    @property
+    def num_receive(self) -> int:
+        return sum(s.receives for s in self.segments)
+
+    @property
+    def num_send(self) -> int:
+        return sum(s.sends for s in self.segments)
+
+    @property
+    def through(self) -> bool:
+        """Strictly inside a chain: every segment both receives and sends, so the outgoing
+        state is affine in the incoming one and the rank needs the transition ``M``."""
+        return all(s.receives and s.sends for s in self.segments)
+
+    @property
+    def head_end(self) -> int:
+        """End token of the receiving prefix (the part that waits for states from rank - 1)."""
+        return sum(s.end - s.start for s in self.segments if s.receives)
+
+    @property
+    def tail_start(self) -> int:
+        """First token of the sending suffix (the part that waits for gradients from rank + 1)."""
+        return self.num_tokens - sum(s.end - s.start for s in self.segments if s.sends)
+
+    def cu_seqlens(self, start: int, end: int) -> list[int]:
+        """Boundaries of the segments inside local tokens ``[start, end)``, relative to ``start``
+        (``start`` and ``end`` must fall on segment boundaries)."""
+        cuts = [s.start for s in self.segments if start <= s.start < end] + [end]
+        return [c - start for c in cuts]
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """Partition of one batch over a process group (see :func:`build_cp_plan`).
+
+    ``cu_seqlens`` is the global packed layout (``None`` for ``batch_size`` equal-length rows);
+    ``local_lengths`` the tokens per rank (``None``: an equal split, read from the call).
+    """
+
+    rank: int
+    world_size: int
+    group: object
+    strategy: str
+    batch_size: int
+    cu_seqlens: tuple[int, ...] | None
+    local_lengths: tuple[int, ...] | None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.batch_size if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    @cached_property
+    def signature(self) -> int:
+        """A 63-bit fingerprint of the global description, compared across ranks on each call."""
+        text = repr((self.world_size, self.strategy, self.batch_size, self.cu_seqlens, self.local_lengths))
+        return zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 31)
+
+    def lengths_for(self, local_length: int) -> tuple[int, ...]:
+        """Tokens per rank, given this rank's ``T_local`` when the plan left the split open."""
+        return self.local_lengths if self.local_lengths is not None else (local_length,) * self.world_size
+
+    def layouts(self, local_length: int) -> tuple[RankLayout, ...]:
+        """The :class:`RankLayout` of every rank."""
+        return _layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
+
+    def layout(self, local_length: int) -> RankLayout:
+        return self.layouts(local_length)[self.rank]
+
+
+_LAYOUT_CACHE: dict = {}
+
+
+def _layouts(cu_seqlens, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:
+    key = (cu_seqlens, batch_size, lengths)
+    if key not in _LAYOUT_CACHE:
+        offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
+        layouts = []
+        for r, L in enumerate(lengths):
+            lo, hi = offsets[r], offsets[r + 1]
+            if cu_seqlens is None:
+                segs = [LocalSegment(b, b * L, (b + 1) * L, lo > 0, hi < offsets[-1]) for b in range(batch_size)]
+            else:
+                segs = [LocalSegment(n, max(bos, lo) - lo, min(eos, hi) - lo, bos < lo, eos > hi)
+                        for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])) if bos < hi and eos > lo]
+            layouts.append(RankLayout(tuple(segs)))
+        if len(_LAYOUT_CACHE) > 256:  # plans are per batch; keep the cache from growing without bound
+            _LAYOUT_CACHE.clear()
+        _LAYOUT_CACHE[key] = tuple(layouts)
+    return _LAYOUT_CACHE[key]
+
+
+def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,
+                  strategy: str = "p2p") -> CPPlan:
+    """Build the context-parallel plan of one batch; call it on every rank with the same arguments.
+
+    Args:
+        cu_seqlens: global ``[N+1]`` boundaries of the packed batch (int tensor or sequence of ints),
+            or ``None`` for ``batch_size`` equal-length sequences.
+        local_lengths: tokens held by each rank, ``[world_size]`` positive ints; default an equal
+            split (of ``cu_seqlens[-1]``, or of whatever ``T_local`` every rank passes).
+        batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
+        group: the ``torch.distributed`` process group (default: the world).
+        strategy: state exchange, ``"p2p"`` (wavefront) or ``"allgather"``.
+
+    Raises:
+        ValueError: unknown strategy, invalid ``cu_seqlens``, lengths that do not add up.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_cp_plan needs an initialised torch.distributed process group")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = None
+    if cu_seqlens is not None:
+        if batch_size not in (None, 1):
+            raise ValueError(f"batch_size must be None or 1 with cu_seqlens (packed sequences), got {batch_size}")
+        cu_tensor = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(list(cu_seqlens))
+        if cu_tensor.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_tensor.dtype}")
+        total = int(cu_tensor[-1]) if cu_tensor.numel() else 0
+        check_cu_seqlens(cu_tensor.cpu(), 1, total)
+        if total < 1:
+            raise ValueError("cu_seqlens must describe at least one token")
+        cu = tuple(int(c) for c in cu_tensor.tolist())
+        batch_size = 1
+    elif batch_size is None:
+        batch_size = 1
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if local_lengths is not None:
+        local_lengths = tuple(int(x) for x in local_lengths)
+        if len(local_lengths) != world_size or any(x < 1 for x in local_lengths):
+            raise ValueError(f"local_lengths must hold {world_size} positive ints (one per rank), got {local_lengths}")
+        if cu is not None and sum(local_lengths) != cu[-1]:
+            raise ValueError(f"local_lengths must add up to cu_seqlens[-1]={cu[-1]}, got sum {sum(local_lengths)}")
+    elif cu is not None:
+        if cu[-1] % world_size:
+            raise ValueError(f"cu_seqlens[-1]={cu[-1]} tokens do not split evenly over {world_size} ranks; "
+                             "pass local_lengths")
+        local_lengths = (cu[-1] // world_size,) * world_size
+    return CPPlan(rank=rank, world_size=world_size, group=group, strategy=strategy, batch_size=batch_size,
+                  cu_seqlens=cu, local_lengths=local_lengths)

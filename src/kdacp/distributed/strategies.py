@@ -1,0 +1,153 @@
+"""State exchange strategies: how a rank's incoming state (forward) or state gradient (backward)
+is obtained from the other ranks' messages.
+
+Every rank that passes something on emits an :class:`AffineMessage` ``x_out = A x_in + b``:
+``A`` is ``None`` where the rank knows its outgoing value outright (the first rank of a chain),
+and ``M`` (forward) or ``M^T`` (backward) on ranks strictly inside a chain. A strategy turns the
+messages into each rank's incoming value. Both directions use the same code on a :class:`Route`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from . import comm
+
+__all__ = ["AffineMessage", "Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
+           "make_exchange"]
+
+
+@dataclass
+class AffineMessage:
+    """``x_out = transition @ x_in + offset``; ``offset [n, HV, K, V]``, ``transition [n, HV, K, K]`` or ``None``."""
+
+    offset: torch.Tensor
+    transition: torch.Tensor | None = None
+
+    def apply(self, x_in: torch.Tensor | None) -> torch.Tensor:
+        if self.transition is None:
+            return self.offset
+        return torch.matmul(self.transition, x_in) + self.offset
+
+
+@dataclass(frozen=True)
+class Route:
+    """One direction of the exchange, seen from ``rank``.
+
+    ``order`` lists the group's ranks in the direction states flow (ascending forward, descending
+    backward). For every rank ``emits[r]``: messages it passes to its successor in ``order``
+    (0 or ``n``); ``affine[r]``: its message depends on what it receives (it needs ``M``).
+    ``shape`` is one message's ``[n, HV, K, V]``; messages travel in ``dtype`` on ``device``.
+    """
+
+    rank: int
+    group: object
+    order: tuple[int, ...]
+    emits: tuple[int, ...]
+    affine: tuple[bool, ...]
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def predecessor(self) -> int | None:
+        i = self.order.index(self.rank)
+        return self.order[i - 1] if i > 0 and self.emits[self.order[i - 1]] else None
+
+    @property
+    def successor(self) -> int | None:
+        i = self.order.index(self.rank)
+        return self.order[i + 1] if self.emits[self.rank] and i + 1 < len(self.order) else None
+
+
+@dataclass
+class Pending:
+    """An exchange in flight: the posted receive and the sends to wait for before returning."""
+
+    route: Route
+    recv_buffer: torch.Tensor | None = None
+    recv_work: object = None
+    sends: list = field(default_factory=list)
+
+    def finish_sends(self) -> None:
+        comm.wait(self.sends)
+        self.sends.clear()
+
+
+class StateExchange(Protocol):
+    """``begin`` before the local work (post receives); ``exchange`` once this rank's message is
+    known: returns the incoming ``[n, HV, K, V]`` (or ``None`` when nothing comes in)."""
+
+    def begin(self, route: Route) -> Pending: ...
+
+    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None: ...
+
+
+class P2PExchange:
+    """Wavefront: receive from the predecessor, send ``A x_in + b`` to the successor.
+
+    A rank whose message does not depend on its input sends before it waits, so only ranks
+    strictly inside a chain are serial, each adding one ``K x K`` by ``K x V`` product and one message.
+    """
+
+    def begin(self, route: Route) -> Pending:
+        pending = Pending(route)
+        src = route.predecessor
+        if src is not None:
+            pending.recv_buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
+            pending.recv_work = comm.post_recv(pending.recv_buffer, src, route.group)
+        return pending
+
+    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None:
+        route = pending.route
+        dst = route.successor
+        if dst is not None and message.transition is None:
+            pending.sends.append(comm.send(message.offset.to(route.dtype), dst, route.group))
+        x_in = None
+        if pending.recv_work is not None:
+            pending.recv_work.wait()
+            x_in = pending.recv_buffer
+        if dst is not None and message.transition is not None:
+            pending.sends.append(comm.send(message.apply(x_in).to(route.dtype), dst, route.group))
+        return x_in
+
+
+class AllGatherExchange:
+    """One all-gather of every rank's message; each rank then folds the chain that ends at it."""
+
+    def begin(self, route: Route) -> Pending:
+        return Pending(route)
+
+    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None:
+        route = pending.route
+        if not any(route.emits):  # no sequence crosses a rank boundary (the same on every rank)
+            return None
+        n, HV, K, V = route.shape
+        with_transition = any(route.affine)
+        buffer = torch.zeros(n, HV, K, V + (K if with_transition else 0), dtype=route.dtype, device=route.device)
+        if message is not None and route.emits[route.rank]:
+            buffer[..., :V] = message.offset
+            if message.transition is not None:
+                buffer[..., V:] = message.transition
+        gathered = comm.all_gather(buffer, route.group)              # [P, n, HV, K, V (+K)]
+        chain = []
+        r = route.predecessor
+        while r is not None:
+            chain.append(r)
+            if not route.affine[r]:
+                break
+            r = route.order[route.order.index(r) - 1]
+        x = None
+        for r in reversed(chain):
+            x = AffineMessage(gathered[r, ..., :V], gathered[r, ..., V:] if route.affine[r] else None).apply(x)
+        return x
+
+
+def make_exchange(strategy: str) -> StateExchange:
+    if strategy == "p2p":
+        return P2PExchange()
+    if strategy == "allgather":
+        return AllGatherExchange()
+    raise ValueError(f"strategy must be 'p2p' or 'allgather', got {strategy!r}")

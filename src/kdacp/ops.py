@@ -1,0 +1,79 @@
+"""Single-device chunk KDA with FLA's arguments, on a selectable local backend."""
+from __future__ import annotations
+
+import torch
+
+from .backends import make_backend, resolve_backend
+from .backends.base import KDAInputs, KDAOptions, LocalBackend, Span, tensor_fields
+from .reference.gates import compute_dtype
+from .validation import check_kda_inputs
+
+__all__ = ["chunk_kda"]
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Saves and restores; the stages are the backend's. Inputs are one packed row."""
+
+    @staticmethod
+    def forward(ctx, backend: LocalBackend, span: Span, output_final_state: bool, q, k, v, g, beta, A_log,
+                dt_bias, initial_state):
+        chunks = backend.prepare(KDAInputs(q, k, v, g, beta, A_log, dt_bias), span)
+        h0 = initial_state
+        if h0 is None:
+            h0 = torch.zeros(span.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(q),
+                             device=q.device)
+        result = backend.forward_states(chunks, span, h0, output_final_state)
+        saved = backend.to_saved(chunks)
+        ctx.backend, ctx.span, ctx.saved_type = backend, span, type(saved)
+        ctx.has_initial_state = initial_state is not None
+        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
+        ctx.save_for_backward(h0, *tensor_fields(saved))
+        return result.o, result.final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        h0, *saved = ctx.saved_tensors
+        grads = ctx.backend.backward(ctx.saved_type(*saved), ctx.span, do.contiguous(), dht, h0)
+        out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
+        cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))
+        return (None, None, None, *cast, grads.dinitial_state if ctx.has_initial_state else None)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              lower_bound=None, safe_gate=False, cu_seqlens=None, backend="auto"):
+    """Chunk KDA on one device, differentiable.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (natural-log decay, or raw
+            logits with ``use_gate_in_kernel``); beta ``[B, T, HV]``.
+        scale: default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]``; ``N = B``, or ``len(cu_seqlens) - 1``.
+        output_final_state: also return the final states ``[N, HV, K, V]``.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log [HV], dt_bias [HV*K], lower_bound,
+            safe_gate: as FLA's ``chunk_kda``.
+        cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences (``B == 1``).
+        backend: ``"auto"`` (FLA on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
+
+    Raises:
+        TypeError, ValueError: invalid inputs or an unknown backend; ImportError: ``"fla"`` unusable.
+    """
+    dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound)
+    name = resolve_backend(backend, q.device)
+    options = KDAOptions(scale=dims.K ** -0.5 if scale is None else float(scale),
+                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                         use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
+                         safe_gate=bool(safe_gate))
+    B, T = dims.B, dims.T
+    cu = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
+    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    o, final_state = ChunkKDAFunction.apply(make_backend(name, options), Span(0, B * T, tuple(cu)),
+                                            bool(output_final_state), *packed, A_log, dt_bias, initial_state)
+    return o.view(B, T, dims.HV, dims.V), final_state

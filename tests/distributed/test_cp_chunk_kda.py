@@ -1,0 +1,140 @@
+"""Multi-process (gloo, CPU) tests of ``cp_chunk_kda`` against the single-process reference.
+
+Every rank builds the same global batch, runs its share through ``cp_chunk_kda`` and the whole
+batch through ``kdacp.reference.chunk_kda``, and compares outputs, final states and all gradients.
+Many cases run per spawn to keep the suite fast on a 2-core machine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kdacp import reference
+from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from tests.distributed.multiprocess import run_ranks
+from tests.helpers import make_kda_inputs, rel_err
+
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def _split(total: int, world_size: int, uneven: bool) -> list[int]:
+    """Tokens per rank: equal, or deliberately uneven and not multiples of 64."""
+    if not uneven:
+        return [total // world_size] * world_size
+    weights = [1 + 2 * r for r in range(world_size)]
+    lengths = [max(1, total * w // sum(weights)) for w in weights]
+    lengths[-1] = total - sum(lengths[:-1])
+    return lengths
+
+
+def _cases(world_size: int) -> list[dict]:
+    """Case dicts: global layout, sizes, gate, dtype, states. Sizes stay small for CI."""
+    P = world_size
+    long_middle = [0, 5, 40 * P - 7, 40 * P]         # the middle sequence spans every rank
+    many_short = list(range(0, 30 * P, 7)) + [30 * P]  # several whole sequences per rank
+    return [
+        dict(name="one-sequence", B=1, cu=None, T=50 * P, uneven=False, gate="plain"),
+        dict(name="batch-rows-uneven", B=2, cu=None, T=45 * P + 3, uneven=True, gate="default", init=True, final=True),
+        dict(name="packed-long-middle-uneven", B=1, cu=long_middle, uneven=True, gate="default", init=True, final=True),
+        dict(name="packed-many-short", B=1, cu=many_short, uneven=False, gate="safe", init=True, final=True, HV=2),
+        dict(name="packed-random-cuts-fp32", B=1, cu=[0, 33, 34, 70 * P - 50, 70 * P - 3, 70 * P], uneven=True,
+             gate="plain", init=True, final=True, dtype=torch.float32),
+    ]
+
+
+def _global_inputs(case: dict, seed: int) -> dict:
+    cu = None if case["cu"] is None else torch.tensor(case["cu"], dtype=torch.long)
+    T = case["T"] if cu is None else case["cu"][-1]
+    H, HV = 1, case.get("HV", 1)
+    return make_kda_inputs(case["B"], T, H, HV, 16, 16, dtype=case.get("dtype", torch.float64), gate=case["gate"],
+                           initial_state=case.get("init", False), cu_seqlens=cu, seed=seed)
+
+
+def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int) -> None:
+    args = _global_inputs(case, seed)
+    cu = args.pop("cu_seqlens", None)
+    total = args["q"].shape[1]
+    lengths = _split(total, world_size, case["uneven"])
+    lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    tol = 1e-9 if args["q"].dtype == torch.float64 else 1e-5
+    final = case.get("final", False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(args["v"].shape, generator=gen, dtype=torch.float64).to(args["v"].dtype)
+    N = case["B"] if cu is None else len(cu) - 1
+    HV, K, V = args["v"].shape[2], args["q"].shape[3], args["v"].shape[3]
+    # Each rank puts its own gradient on the replicated final states; the reference sees their sum.
+    dfinal = [torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64) for _ in range(world_size)]
+
+    ref_o, ref_final = reference.chunk_kda(**args, cu_seqlens=cu, output_final_state=True)
+    ref_loss = (ref_o * do).sum() + (final and (ref_final * sum(dfinal).to(ref_final)).sum())
+    names = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.requires_grad]
+    ref_grads = dict(zip(names, torch.autograd.grad(ref_loss, [args[n] for n in names])))
+
+    local = {n: (x[:, lo:hi].detach().clone().requires_grad_() if n in TOKEN_INPUTS else
+                 x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x)
+             for n, x in args.items()}
+    plan = build_cp_plan(cu, local_lengths=None if not case["uneven"] else lengths,
+                         batch_size=None if cu is not None else case["B"], strategy=strategy)
+    o, final_state = cp_chunk_kda(**local, output_final_state=final, backend="torch", cp=plan)
+    loss = (o * do[:, lo:hi]).sum() + (final and (final_state * dfinal[rank].to(final_state)).sum())
+    grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names])))
+
+    where = f"[{case['name']}, {strategy}, rank {rank}/{world_size}]"
+    assert rel_err(o, ref_o[:, lo:hi]) < tol, f"{where} o: {rel_err(o, ref_o[:, lo:hi]):.2e}"
+    if final:
+        assert rel_err(final_state, ref_final) < tol, f"{where} final_state: {rel_err(final_state, ref_final):.2e}"
+    for n in names:
+        got, want = grads[n], ref_grads[n]
+        if n in TOKEN_INPUTS:
+            want = want[:, lo:hi]
+        else:  # parameter and initial-state gradients are per-rank shares that add up
+            dist.all_reduce(got)
+        assert rel_err(got, want) < tol, f"{where} d{n}: {rel_err(got, want):.2e}"
+
+
+def _all_cases(rank: int, world_size: int) -> None:
+    for i, case in enumerate(_cases(world_size)):
+        for strategy in ("p2p", "allgather"):
+            _check_case(rank, world_size, case, strategy, seed=100 * world_size + i)
+
+
+def _expect_value_error(fn, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _bad_inputs(rank: int, world_size: int) -> None:
+    args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=0)
+    plan = build_cp_plan(batch_size=1)
+    # One rank passes a different value dim: every rank must raise, none may hang.
+    bad = dict(args, v=args["v"][..., :8] if rank == world_size - 1 else args["v"])
+    _expect_value_error(lambda: cp_chunk_kda(**bad, backend="torch", cp=plan), "disagree on V|rejected")
+    # A dtype mismatch on one rank.
+    mixed = dict(args, q=args["q"].float() if rank == 0 else args["q"], k=args["k"].float() if rank == 0 else args["k"])
+    _expect_value_error(lambda: cp_chunk_kda(**mixed, backend="torch", cp=plan), "disagree on q/k dtype")
+    # Ranks built different plans.
+    other = build_cp_plan(batch_size=1, strategy="allgather" if rank == 1 else "p2p")
+    _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=other), "disagree on plan")
+    # A shape error on a single rank is raised there and reported on the others.
+    broken = dict(args, beta=args["beta"][..., None] if rank == 0 else args["beta"])
+    _expect_value_error(lambda: cp_chunk_kda(**broken, backend="torch", cp=plan), "beta|rejected")
+    _expect_value_error(lambda: cp_chunk_kda(**args, backend="nope", cp=plan), "backend")
+    _expect_value_error(lambda: build_cp_plan(strategy="ring"), "strategy")
+    _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 5, 5, 12])), "strictly increasing")
+    _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 7]), local_lengths=[1] * world_size), "add up")
+    # The plan gives rank 0 one token more than it passes.
+    lengths = [21, 19] + [20] * (world_size - 2)
+    shifted = build_cp_plan(torch.tensor([0, 20 * world_size]), local_lengths=lengths)
+    _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=shifted), r"holds \d+ tokens|rejected")
+    dist.barrier()
+
+
+def _run(rank: int, world_size: int) -> None:
+    _bad_inputs(rank, world_size)
+    _all_cases(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_cp_chunk_kda_matches_reference(world_size):
+    run_ranks(_run, world_size, timeout=200)
