@@ -1,9 +1,80 @@
-"""`kdacp demo` runs end to end from the installed entry point and reports PASS."""
+"""`kdacp demo` end to end: passes with its defaults, and fails fast and clean when a worker dies."""
+import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 
-def test_demo_passes():
-    out = subprocess.run([sys.executable, "-m", "kdacp.cli", "demo"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "PASS" in out.stdout
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _demo(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kdacp.cli", "demo", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_demo_defaults_pass_within_two_minutes():
+    start = time.monotonic()
+    proc = _demo()
+    out, err = proc.communicate(timeout=170)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, err[-3000:]
+    assert "PASS" in out
+    lines = [ln for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
+    assert len(lines) == 4  # one row per rank of the default world size
+    assert elapsed < 120, f"the default demo took {elapsed:.0f} s"
+
+
+def test_demo_reports_a_killed_worker_and_leaves_no_process():
+    proc = _demo("--world-size", "2", "--steps", "50", "--mode", "ulysses", "--seq-lens", "100,156")
+    deadline = time.monotonic() + 90
+    workers: list[int] = []
+    while time.monotonic() < deadline:  # wait until both workers run
+        workers = _children(proc.pid)
+        workers = [w for w in workers if b"multiprocessing" in open(f"/proc/{w}/cmdline", "rb").read()]
+        if len(workers) >= 2:
+            break
+        time.sleep(0.5)
+    assert len(workers) >= 2, "the demo did not start its workers"
+    time.sleep(8)  # let them get into the training loop
+    killed_at = time.monotonic()
+    os.kill(workers[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert time.monotonic() - killed_at < 30
+    assert "died (signal SIGKILL)" in err
+    time.sleep(1)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    assert not alive, f"workers left running: {alive}"
+
+
+def test_demo_rejects_a_split_that_does_not_divide():
+    proc = _demo("--world-size", "3", "--seq-lens", "100,102")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "cannot split equally" in err
+
+
+@pytest.mark.parametrize("args,msg", [(("--device", "cuda"), "no CUDA GPU is visible")])
+def test_demo_explains_missing_gpu(args, msg):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = _demo(*args)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and msg in err
+
+
+def test_demo_explains_a_busy_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        proc = _demo("--world-size", "2", "--port", str(s.getsockname()[1]))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "is in use" in err and "--port 0" in err
