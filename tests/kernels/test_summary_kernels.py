@@ -15,14 +15,16 @@ from tests.helpers import make_kda_inputs, rel_err
 FIELDS = ("qg", "kg", "w", "u", "gc", "Aqk")
 TOL = 1e-5  # float32 rounding along the chunk chain (measured ~1e-7 .. 1e-6)
 SCALE = 0.125
+# the small cases run on the GPU too where there is one (there they exercise the bf16 split products,
+# which the interpreter cannot: it sends bf16 inputs through float32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=None)
-def _intermediates(B, T, HV, K, V, cu=None, seed=0, device="cpu"):
+def _intermediates(B, T, HV, K, V, cu=None, seed=0, device=DEVICE):
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int64)
     args = make_kda_inputs(B, T, HV, HV, K, V, dtype=torch.float64, requires_grad=False, seed=seed,
-                           cu_seqlens=cu_seqlens)
-    args = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+                           cu_seqlens=cu_seqlens, device=device)
     it = ref.chunk_kda_intermediates(**args)
     out = {n: getattr(it, n) for n in FIELDS}
     gen = torch.Generator().manual_seed(seed + 1)
@@ -31,7 +33,7 @@ def _intermediates(B, T, HV, K, V, cu=None, seed=0, device="cpu"):
     return out
 
 
-def make(B, T, HV, K, V, dtype, cu=None, seed=0, device="cpu"):
+def make(B, T, HV, K, V, dtype, cu=None, seed=0, device=DEVICE):
     """Kernel inputs in ``dtype`` (``gc`` float32) and the same values in float64."""
     x = _intermediates(B, T, HV, K, V, cu, seed, device)
     low = {n: x[n].to(torch.float32 if n in ("gc", "dv") else dtype) for n in x}
@@ -140,10 +142,10 @@ def test_compose_and_apply_match_reference_in_float32_under_autocast():
     halves = [{n: t[:, a:b] for n, t in low.items()} for a, b in ((0, 128), (128, 256))]
     first, second = (kn.state_summary(h["kg"], h["w"], h["u"], h["gc"]) for h in halves)
     S_ref, M_ref = ref_summary(x)
-    S_in = torch.randn(1, 2, 64, 64, dtype=torch.float64)
-    dS_out = torch.randn(1, 2, 64, 64, dtype=torch.float64)
-    G1 = torch.randn(1, 2, 64, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    S_in = torch.randn(1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
+    dS_out = torch.randn(1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
+    G1 = torch.randn(1, 2, 64, 64, device=DEVICE)
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         S, M = kn.compose_state_summaries(first, second)
         out = kn.apply_state_summary(S, M, S_in.float())
         dS_in = kn.apply_state_gradient_summary(G1, M, dS_out.float())
@@ -160,7 +162,7 @@ def _bad_cases():
     low, _ = make(1, 70, 2, 64, 64, torch.float32)
     kg, w, u, gc = low["kg"], low["w"], low["u"], low["gc"]
     return [
-        (dict(kg=kg.numpy()), TypeError, "kg must be a torch.Tensor"),
+        (dict(kg=kg.tolist()), TypeError, "kg must be a torch.Tensor"),
         (dict(kg=kg[0]), ValueError, "kg must have 4 dims"),
         (dict(w=w[:, :69]), ValueError, "w must have shape"),
         (dict(w=w, w_head_first=True), ValueError, r"w must have shape \[B, HV, T, K\]"),
@@ -177,15 +179,16 @@ def _bad_cases():
         (dict(segment=(10, 71)), ValueError, "segment must satisfy"),
         (dict(segment=(5, 10), cu_seqlens=torch.tensor([0, 70])), ValueError, "at most one of"),
         (dict(cu_seqlens=torch.tensor([0, 60])), ValueError, "cu_seqlens"),
+        (dict(w=w.to("meta")), ValueError, "w is on meta"),
         (dict(kg=kg[..., :32].contiguous(), w=w[..., :32].contiguous(), gc=gc[..., :32].contiguous()), ValueError,
          "K .* must be one of"),
-        (dict(kg=torch.zeros(1, 70, 2, 256), w=torch.zeros(1, 70, 2, 256), gc=torch.zeros(1, 70, 2, 256)),
+        (dict(kg=kg.new_zeros(1, 70, 2, 256), w=w.new_zeros(1, 70, 2, 256), gc=gc.new_zeros(1, 70, 2, 256)),
          NotImplementedError, "K=256"),
-        (dict(u=torch.zeros(1, 70, 2, 96)), ValueError, "value dim V"),
+        (dict(u=u.new_zeros(1, 70, 2, 96)), ValueError, "value dim V"),
     ]
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", range(21))
 def test_bad_inputs_raise_before_running(case):
     low, _ = make(1, 70, 2, 64, 64, torch.float32)
     change, exc, match = _bad_cases()[case]

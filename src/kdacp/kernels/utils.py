@@ -96,13 +96,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def pick_chunks_per_program(bounds, programs_per_subsegment: int, chunk_size: int, device) -> int:
-    """Chunks per program so that the grid fills the GPU about ``_WAVES`` times over."""
+    """Chunks per program so that the grid fills the GPU about ``_WAVES`` times over, with the
+    longest sequence cut into equal sub-segments."""
     target = _WAVES * _sm_count(device)
-    total_chunks = sum(-(-(e - s) // chunk_size) for _, s, e in bounds)
-    longest = max(-(-(e - s) // chunk_size) for _, s, e in bounds)
-    # programs ~= programs_per_subsegment * total_chunks / L  ->  L ~= that / target
-    L = max(_MIN_CHUNKS, -(-programs_per_subsegment * total_chunks // target))
-    return min(L, longest)
+    chunks = [-(-(e - s) // chunk_size) for _, s, e in bounds]
+    # programs ~= programs_per_subsegment * sum(chunks) / L
+    L = max(_MIN_CHUNKS, -(-programs_per_subsegment * sum(chunks) // target))
+    longest = max(chunks)
+    if L >= longest:
+        return longest
+    return -(-longest // -(-longest // L))
 
 
 # A sub-segment shorter than this costs more in transition columns and folding than it gains.

@@ -1,0 +1,244 @@
+"""Summary kernels on one GPU, side by side with FLA 0.6.0's CP summary kernels and its main state pass.
+
+Inputs are real chunked-KDA intermediates (reference ``chunk_kda_intermediates`` in float32 on the GPU)
+rounded to bf16 (``gc`` float32); each result's relative error is taken against the float64 reference
+summaries of exactly those values. Times are ``triton.testing.do_bench`` medians, warm.
+
+    python benchmarks/bench_kernels.py [--T 16384] [--heads 32] [--sweep] [--json out.json]
+
+``run(...)`` returns the table as a list of dicts (for ``kdacp bench --suite kernels``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from kdacp import kernels as kn
+from kdacp import reference as ref
+
+# H200 SXM: dense bf16 tensor-core peak and HBM3e bandwidth, for the roofline column
+PEAK_FLOPS = 989e12
+PEAK_BYTES = 4.8e12
+SCALE_DEFAULT = None  # K ** -0.5
+
+
+def make_inputs(B=1, T=16384, HV=32, K=128, V=128, *, dtype=torch.bfloat16, device="cuda", seed=0):
+    """Kernel inputs (``qg, kg, w, u, do, dv`` in ``dtype``, ``gc`` float32) from the reference chunked form."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q = torch.nn.functional.normalize(rnd(B, T, HV, K), dim=-1)
+    k = torch.nn.functional.normalize(rnd(B, T, HV, K), dim=-1)
+    v, beta = rnd(B, T, HV, V), torch.sigmoid(rnd(B, T, HV))
+    g = torch.nn.functional.logsigmoid(rnd(B, T, HV, K) + 2.0)
+    with torch.no_grad():
+        it = ref.chunk_kda_intermediates(q, k, v, g, beta)
+    x = {n: getattr(it, n).to(dtype) for n in ("qg", "kg", "w", "u")}
+    x["gc"] = it.gc.float()
+    scale = K ** -0.5
+    x["do"] = rnd(B, T, HV, V).to(dtype)
+    x["dv"] = ref.chunk_dv_local(it.Aqk, x["do"].float(), scale).to(dtype)
+    x["scale"] = scale
+    return x
+
+
+def reference_summaries(x):
+    """Float64 ``S_ext, M, G`` of the (rounded) inputs."""
+    d = {n: t.double() for n, t in x.items() if isinstance(t, torch.Tensor)}
+    S, M = ref.state_summary(d["kg"], d["w"], d["u"], d["gc"])
+    G = ref.state_gradient_summary(d["qg"], d["kg"], d["w"], d["gc"], d["do"], d["dv"], x["scale"])
+    return {"S": S, "M": M, "G": G}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _bench(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _costs(B, T, HV, K, V, BT, esize):
+    """Logical FLOPs (one product per multiply-add pair counted as 2) and minimal bytes."""
+    NT = B * math.ceil(T / BT)
+    tok = B * T * HV
+    ends = NT * HV * K * 4  # gc at each chunk's last token
+    return {
+        # per chunk: w S and kg^T v_new over V (+ K) columns
+        "both": (NT * HV * 4 * BT * K * (V + K), tok * (2 * K + V) * esize + ends + B * HV * K * (V + K) * 4),
+        "state": (NT * HV * 4 * BT * K * V, tok * (2 * K + V) * esize + ends + B * HV * K * V * 4),
+        "transition": (NT * HV * 4 * BT * K * K, tok * 2 * K * esize + ends + B * HV * K * K * 4),
+        # per chunk: kg dS, qg^T dO, w^T dv'
+        "grad": (NT * HV * 6 * BT * K * V, tok * (3 * K + 2 * V) * esize + ends + B * HV * K * V * 4),
+        # FLA main passes also write h per chunk (bf16) and v_new
+        "fwd_h": (NT * HV * 4 * BT * K * V, tok * (2 * K + 2 * V) * esize + ends + NT * HV * K * V * esize),
+    }
+
+
+def _row(name, ms, cost, **errs):
+    flops, nbytes = cost
+    roof = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
+    row = {"kernel": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "GB/s": nbytes / ms / 1e6,
+           "GFLOP": flops / 1e9, "MB": nbytes / 1e6, "roofline_ms": roof}
+    row.update({f"err_{k}": v for k, v in errs.items()})
+    return row
+
+
+def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
+    try:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
+        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+    except ImportError as e:  # FLA is optional
+        print(f"FLA not available ({e}); skipping its rows")
+        return []
+    rows = []
+    hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["kg"].device)
+
+    def fwd():
+        chunk_cp_fwd_h(k=x["kg"], w=x["w"], u=x["u"], hm=hm, gk=x["gc"], chunk_size=BT)
+
+    fwd()
+    ms = _bench(fwd)
+    rows.append(_row("FLA chunk_cp_fwd_h (S_ext+M)", ms, costs["both"], S=rel_err(hm[None, :, :, :V], r["S"]),
+                     M=rel_err(hm[None, :, :, V:], r["M"])))
+    dhm = torch.zeros_like(hm)
+
+    def bwd():
+        chunk_cp_bwd_dh(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], dhm=dhm, gk=x["gc"], scale=x["scale"],
+                        chunk_size=BT)
+
+    bwd()
+    ms = _bench(bwd)
+    # FLA also forms dM (= M^T); its cost is in the time, the FLOP count is ours (G only)
+    rows.append(_row("FLA chunk_cp_bwd_dh (G+dM)", ms, costs["grad"], G=rel_err(dhm[None, :, :, :V], r["G"]),
+                     M=rel_err(dhm[None, :, :, V:], r["M"].transpose(-1, -2))))
+
+    def main_fwd():
+        return chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"], output_final_state=True,
+                                            chunk_size=BT)
+
+    final = main_fwd()[2]
+    ms = _bench(main_fwd)
+    rows.append(_row("FLA chunk_gated_delta_rule_fwd_h (main fwd pass)", ms, costs["fwd_h"], S=rel_err(final, r["S"])))
+    h0 = torch.zeros(B, HV, K, V, dtype=torch.float32, device=x["kg"].device)
+
+    def main_bwd():
+        return chunk_gated_delta_rule_bwd_dhu(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], gk=x["gc"],
+                                              h0=h0, scale=x["scale"], chunk_size=BT)
+
+    dh0 = main_bwd()[1]
+    ms = _bench(main_bwd)
+    rows.append(_row("FLA chunk_gated_delta_rule_bwd_dhu (main bwd pass)", ms, costs["grad"], G=rel_err(dh0, r["G"])))
+    return rows
+
+
+def sweep(x, r, costs, BT):
+    """Time a few tilings of our kernels (to choose defaults); rows named by their config."""
+    rows = []
+    for bv in (32, 64):
+        for nw in (4, 8):
+            for L in (16, 32, 64, 256):
+                for ns in (1, 2):
+                    cfg = kn.SummaryConfig(block_v=bv, chunks_per_program=L, num_warps=nw, num_stages=ns)
+                    tag = f"bv={bv} L={L} w={nw} s={ns}"
+                    try:
+                        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=BT, config=cfg)
+                        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=BT,
+                                                             config=cfg))
+                        rows.append(_row(f"sweep both {tag}", ms, costs["both"], S=rel_err(S, r["S"]),
+                                         M=rel_err(M, r["M"])))
+                    except Exception as e:  # a tiling may not fit; report and go on
+                        print(f"sweep both {tag}: {type(e).__name__}: {str(e)[:200]}")
+    for bv in (16, 32, 64):
+        for nw in (4, 8):
+            for L in (32, 64, 256):
+                ns = 2
+                cfg = kn.SummaryConfig(block_v=bv, chunks_per_program=L, num_warps=nw, num_stages=ns)
+                tag = f"bv={bv} L={L} w={nw} s={ns}"
+                args = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
+                try:
+                    G = kn.state_gradient_summary(*args, chunk_size=BT, config=cfg)
+                    ms = _bench(lambda: kn.state_gradient_summary(*args, chunk_size=BT, config=cfg))
+                    rows.append(_row(f"sweep grad {tag}", ms, costs["grad"], G=rel_err(G, r["G"])))
+                except Exception as e:
+                    print(f"sweep grad {tag}: {type(e).__name__}: {str(e)[:200]}")
+    return rows
+
+
+def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True, do_sweep=False,
+        device="cuda"):
+    """Time every kernel on one set of inputs; returns rows (dicts) with ``kernel, ms, TFLOP/s, GB/s,
+    GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups."""
+    x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
+    r = reference_summaries(x)
+    costs = _costs(B, T, HV, K, V, chunk_size, x["kg"].element_size())
+    rows = []
+    for output, key in (("both", "both"), ("state", "state"), ("transition", "transition")):
+        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output)
+        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output))
+        errs = {}
+        if S is not None:
+            errs["S"] = rel_err(S, r["S"])
+        if M is not None:
+            errs["M"] = rel_err(M, r["M"])
+        label = {"both": "S_ext+M", "state": "S_ext only", "transition": "M only"}[output]
+        rows.append(_row(f"kdacp state_summary ({label})", ms, costs[key], **errs))
+    gargs = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
+    G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size)
+    ms = _bench(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size))
+    rows.append(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], G=rel_err(G, r["G"])))
+    if with_fla:
+        fla = _fla_rows(x, r, costs, B, T, HV, K, V, chunk_size)
+        by = {row["kernel"].split(" (")[0]: row for row in fla}
+        if "FLA chunk_cp_fwd_h" in by:
+            rows[0]["speedup_vs_fla"] = by["FLA chunk_cp_fwd_h"]["ms"] / rows[0]["ms"]
+        if "FLA chunk_cp_bwd_dh" in by:
+            rows[3]["speedup_vs_fla"] = by["FLA chunk_cp_bwd_dh"]["ms"] / rows[3]["ms"]
+        rows += fla
+    if do_sweep:
+        rows += sweep(x, r, costs, chunk_size)
+    return rows
+
+
+def format_table(rows) -> str:
+    cols = ["kernel", "ms", "roofline_ms", "TFLOP/s", "GB/s", "err_S", "err_M", "err_G", "speedup_vs_fla"]
+    fmt = {"ms": "{:.3f}", "roofline_ms": "{:.3f}", "TFLOP/s": "{:.1f}", "GB/s": "{:.0f}", "err_S": "{:.1e}",
+           "err_M": "{:.1e}", "err_G": "{:.1e}", "speedup_vs_fla": "{:.2f}x"}
+    cells = [[(fmt.get(c, "{}").format(row[c]) if row.get(c) is not None else "") for c in cols] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
+    p.add_argument("--json", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    rows = run(a.B, a.T, a.heads, a.K, a.V, with_fla=not a.no_fla, do_sweep=a.sweep)
+    print(f"{torch.cuda.get_device_name()}, B={a.B} T={a.T} HV={a.heads} K={a.K} V={a.V} bf16, "
+          f"roofline: {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16, {PEAK_BYTES / 1e12:.1f} TB/s")
+    print(format_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
