@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_dim", "all_to_all", "shift_right"]
+__all__ = ["all_to_all", "all_to_all_gather", "shift_right"]
 
 
 def _p2p(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None, group) -> None:
@@ -48,37 +48,49 @@ class _ShiftRight(torch.autograd.Function):
         return out, None
 
 
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """Equal-split ``all_to_all_single`` along dim 0; with equal splits it is its own adjoint."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
+        return _all_to_all(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _all_to_all(grad, ctx.group), None
 
 
-class _AllGatherDim(torch.autograd.Function):
-    """Concatenate every rank's ``x`` along ``dim``. The result is treated as replicated: each
-    rank's gradient for it is assumed equal, so backward keeps this rank's own slice (no sum)."""
+class _AllToAllGather(torch.autograd.Function):
+    """``all_to_all(x)`` and ``state`` of every rank concatenated along ``dim``, in one autograd node.
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
-        ctx.dim, ctx.rank, ctx.size = dim, dist.get_rank(group), dist.get_world_size(group)
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(ctx.size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim)
+    Every rank holds the gathered state and may use it, so backward sums all ranks' gradients and
+    keeps this rank's slice. Sharing the node with ``x`` (which every rank uses) makes every rank
+    run that backward collective even where its loss ignores the state.
+    """
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.size, ctx.dim)[ctx.rank], None, None
+    def forward(ctx, x: torch.Tensor, state: torch.Tensor, dim: int, group):
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(state, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, state.contiguous(), group=group)
+        return _all_to_all(x, group), torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor, grad_state: torch.Tensor):
+        group = ctx.group
+        # A whole-state all-reduce (states are small; gloo has no reduce-scatter).
+        total = grad_state.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        own = total.chunk(dist.get_world_size(group), ctx.dim)[dist.get_rank(group)]
+        return _all_to_all(grad_x, group), own, None, None
 
 
 def shift_right(x: torch.Tensor, group) -> torch.Tensor:
@@ -91,6 +103,7 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAll.apply(x, group)
 
 
-def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order (result replicated on all ranks)."""
-    return _AllGatherDim.apply(x, dim, group)
+def all_to_all_gather(x: torch.Tensor, state: torch.Tensor, dim: int, group):
+    """``(all_to_all(x), states of all ranks concatenated along dim)``; the gathered state's
+    gradients from all ranks add up (the convention of ``cp_chunk_kda``'s final state)."""
+    return _AllToAllGather.apply(x, state, dim, group)

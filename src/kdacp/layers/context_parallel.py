@@ -1,7 +1,7 @@
 """How a :class:`~kdacp.layers.KimiDeltaAttention` layer runs: on one device or context-parallel.
 
-The layer calls the same seven hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
-``chunk_kda``, ``to_sequence``, ``gather_heads``, and ``validate_heads`` once); :data:`SINGLE_DEVICE`
+The layer calls the same hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
+``chunk_kda``, ``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE`
 implements them as identities and a local ``chunk_kda``, :class:`KDAContextParallel` with exchanges.
 Nothing per call is stored on these objects, so several calls may be in flight at once.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_dim, all_to_all, shift_right
+from .comm import all_to_all, all_to_all_gather, shift_right
 from .short_conv import sequence_positions
 
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
@@ -74,11 +74,8 @@ class _SingleDevice:
     def to_heads(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return xs
 
-    def to_sequence(self, o: torch.Tensor) -> torch.Tensor:
-        return o
-
-    def gather_heads(self, state: torch.Tensor | None) -> torch.Tensor | None:
-        return state
+    def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
+        return o, final_state
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
         return ConvContext(None, None if cu_seqlens is None else sequence_positions(cu_seqlens, 0, T))
@@ -169,21 +166,20 @@ class KDAContextParallel(_SingleDevice):
         out = recv.permute(1, 0, 2, 3).reshape(B, U * T, -1)
         return list(out.split(widths, dim=-1))
 
-    def to_sequence(self, o: torch.Tensor) -> torch.Tensor:
-        """Head shard ``[B, U*T, HV/U, V]`` -> sequence shard ``[B, T, HV, V]``."""
+    def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
+        """Head shard ``o [B, U*T, HV/U, V]`` -> sequence shard ``[B, T, HV, V]``, and the head-sharded
+        ``final_state [N, HV/U, K, V]`` -> ``[N, HV, K, V]`` on every rank."""
         U = self.ulysses_size
         if U == 1:
-            return o
+            return o, final_state
         B, TU, HVs, V = o.shape
         send = o.reshape(B, U, TU // U, HVs, V).transpose(0, 1)                         # [U(dst), B, T, HVs, V]
-        recv = all_to_all(send, self.ulysses_group)                                     # [U(head shard), B, T, HVs, V]
-        return recv.permute(1, 2, 0, 3, 4).reshape(B, TU // U, U * HVs, V)
-
-    def gather_heads(self, state: torch.Tensor | None) -> torch.Tensor | None:
-        """Head-sharded ``[N, HV/U, K, V]`` -> ``[N, HV, K, V]`` on every rank."""
-        if state is None or self.ulysses_size == 1:
-            return state
-        return all_gather_dim(state, 1, self.ulysses_group)
+        if final_state is None:
+            recv = all_to_all(send, self.ulysses_group)
+        else:
+            recv, final_state = all_to_all_gather(send, final_state, 1, self.ulysses_group)
+        # recv: [U(head shard), B, T, HVs, V]
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, TU // U, U * HVs, V), final_state
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
         """``T``: tokens of this state rank (after ``to_heads``); they start at ``state_rank * T``."""

@@ -141,9 +141,9 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K],
             lower_bound=self.gate_lower_bound, safe_gate=self.gate_lower_bound is not None)
-        o = cp.to_sequence(o)
+        o, final_state = cp.to_sequence(o, final_state)
         o = self.o_norm(o, self.g_proj(x).unflatten(-1, (-1, V)))
-        return self.o_proj(o.flatten(-2)), cp.gather_heads(final_state)
+        return self.o_proj(o.flatten(-2)), final_state
 
 
 def apply_context_parallel(model: nn.Module, cp: KDAContextParallel | None) -> nn.Module:
