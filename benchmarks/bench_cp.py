@@ -1,0 +1,120 @@
+"""Context-parallel chunk KDA: kdacp's ``cp_chunk_kda`` (fla backend) and FLA 0.6.0's own CP, side by side.
+
+Per-rank forward+backward time of a CP step (the slowest rank's, CUDA events, warm) over the time of
+FLA ``chunk_kda`` on one GPU at the same ``T_local``. One sequence of ``world_size * T_local`` tokens,
+B=1, bf16, gate and L2 norm in kernel.
+
+    torchrun --nproc_per_node=2 benchmarks/bench_cp.py [--t-local 8192 16384 32768] [--json out.json]
+
+``run(...)`` returns the rows (for a CLI); call it on every rank of an initialised NCCL group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from kdacp.backends.fla_adapter import load_fla
+from kdacp.distributed import build_cp_plan, cp_chunk_kda
+
+
+def make_inputs(T: int, H: int, D: int, seed: int) -> dict:
+    """This rank's ``[1, T, H, D]`` bf16 inputs (raw gate logits), float32 ``A_log``/``dt_bias``, all leaves."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    x = dict(q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), g=rnd(1, T, H, D),
+             beta=torch.sigmoid(rnd(1, T, H, dtype=torch.float32)).bfloat16(),
+             A_log=rnd(H, dtype=torch.float32) * 0.5, dt_bias=rnd(H * D, dtype=torch.float32) * 0.5)
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def _step(fn, x: dict, do: torch.Tensor):
+    """One forward + backward; gradients returned, not accumulated."""
+    o, _ = fn(**x)
+    return o, torch.autograd.grad(o, list(x.values()), do)
+
+
+def time_ms(fn, warmup: int, iters: int, group) -> float:
+    """Milliseconds per call on this rank (CUDA events), the maximum over the group."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor(start.elapsed_time(end) / iters, device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    return ms.item()
+
+
+def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 10,
+        group=None) -> list[dict]:
+    """Rows ``T_local, one_gpu_ms, kdacp_cp_ms, kdacp_ratio, fla_cp_ms, fla_ratio, o_rel_diff`` (the last:
+    relative difference of kdacp's and FLA's CP outputs)."""
+    fla = load_fla()
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    rows = []
+    for T in t_locals:
+        x = make_inputs(T, heads, head_dim, seed=rank)
+        do = torch.randn(1, T, heads, head_dim, device="cuda").bfloat16()
+        plan = build_cp_plan(batch_size=1, group=group, strategy="p2p")
+        context = fla.build_cp_context(cu_seqlens=torch.tensor([0, world_size * T], device="cuda"), group=group,
+                                       cu_seqlens_cpu=torch.tensor([0, world_size * T]))
+        runs = {
+            "one_gpu": lambda **a: fla.chunk_kda(**a, **opts),
+            "kdacp_cp": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plan),
+            "fla_cp": lambda **a: fla.chunk_kda(**a, **opts, cp_context=context),
+        }
+        row = dict(T_local=T, world_size=world_size)
+        for name, fn in runs.items():
+            row[f"{name}_ms"] = time_ms(lambda: _step(fn, x, do), warmup, iters, group)
+        row["kdacp_ratio"] = row["kdacp_cp_ms"] / row["one_gpu_ms"]
+        row["fla_ratio"] = row["fla_cp_ms"] / row["one_gpu_ms"]
+        with torch.no_grad():
+            ours, theirs = runs["kdacp_cp"](**x)[0].float(), runs["fla_cp"](**x)[0].float()
+        diff = torch.stack([(ours - theirs).norm() ** 2, theirs.norm() ** 2])
+        dist.all_reduce(diff, group=group)
+        row["o_rel_diff"] = (diff[0] / diff[1]).sqrt().item()
+        rows.append(row)
+        del x, do
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--t-local", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rows = run(tuple(args.t_local), heads=args.heads, warmup=args.warmup, iters=args.iters)
+    if dist.get_rank() == 0:
+        cols = list(rows[0])
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+        if args.json:
+            info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, world_size=dist.get_world_size())
+            with open(args.json, "w") as f:
+                json.dump(dict(context=info, rows=rows), f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The ``fla`` backend's stages against the ``torch`` backend, and ``kdacp.ops.chunk_kda`` against
+FLA's own ``chunk_kda`` (CUDA only)."""
+import pytest
+import torch
+
+from kdacp.backends.base import KDAInputs, KDAOptions, Span
+from kdacp.backends.torch_backend import TorchBackend
+from kdacp.ops import chunk_kda
+from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _fla():
+    from kdacp.backends.fla_adapter import fla_available, load_fla
+    if not fla_available():
+        pytest.skip("fla-core 0.6.0 is not installed")
+    return load_fla()
+
+
+def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
+    chunks = backend.prepare(x, span)
+    fwd = backend.forward_states(chunks, span, h0, True)
+    saved = backend.to_saved(chunks)
+    grads = backend.backward(saved, span, do, dht, h0)
+    summary = backend.state_summary(chunks, head, True)
+    G = backend.state_gradient_summary(saved, head, do[:, head.start:head.end])
+    return fwd, grads, summary, G
+
+
+@pytest.mark.parametrize("gate", ["plain", "default"])
+def test_fla_stages_match_torch_stages(gate):
+    _fla()
+    from kdacp.backends.fla_backend import FlaBackend
+    T, HV, K, V = 300, 4, 64, 64
+    args = make_kda_inputs(1, T, 2, HV, K, V, gate=gate, dtype=torch.float32, requires_grad=False, device="cuda",
+                           seed=1)
+    options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=gate != "plain", use_gate_in_kernel=gate != "plain")
+    x = KDAInputs(*(args.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")))
+    span, head = Span(0, T, (0, 100, T)), Span(0, 100, (0, 100))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h0 = torch.randn(2, HV, K, V, device="cuda", generator=gen)
+    do = torch.randn(1, T, HV, V, device="cuda", generator=gen)
+    dht = torch.randn(2, HV, K, V, device="cuda", generator=gen)
+    ref = _stage_results(TorchBackend(options), KDAInputs(*(None if t is None else t.double() for t in vars(x).values())),
+                         span, h0.double(), do.double(), dht.double(), head)
+    got = _stage_results(FlaBackend(options), x, span, h0, do, dht, head)
+    tol = 5e-3  # FLA's float32 path multiplies in TF32
+    assert rel_err(got[0].o, ref[0].o) < tol and rel_err(got[0].final_state, ref[0].final_state) < tol
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state"):
+        a, b = getattr(got[1], name), getattr(ref[1], name)
+        assert (a is None) == (b is None), name
+        assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
+    assert rel_err(got[2].state, ref[2].state) < tol and rel_err(got[2].transition, ref[2].transition) < tol
+    assert rel_err(got[3], ref[3]) < tol
+
+
+def test_ops_chunk_kda_fla_matches_fla_chunk_kda():
+    fla = _fla()
+    cu = torch.tensor([0, 100, 1000, 1500], device="cuda")
+    args = make_kda_inputs(1, 1500, 2, 4, 128, 128, gate="default", dtype=torch.bfloat16, initial_state=True,
+                           cu_seqlens=cu, device="cuda", seed=3)
+    args["initial_state"] = args["initial_state"].detach().float().requires_grad_()
+    leaves = differentiable_inputs(args)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    do = torch.randn(1, 1500, 4, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dht = torch.randn(3, 4, 128, 128, device="cuda", generator=gen)
+    results = []
+    for fn in (lambda: chunk_kda(**args, output_final_state=True, backend="fla"),
+               lambda: fla.chunk_kda(**args, output_final_state=True)):
+        o, final = fn()
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), list(leaves.values()))
+        results.append((o, final, grads))
+    (o, final, grads), (ref_o, ref_final, ref_grads) = results
+    assert rel_err(o, ref_o) < 1e-3 and rel_err(final, ref_final) < 1e-3
+    for name, a, b in zip(leaves, grads, ref_grads):
+        assert rel_err(a, b) < 1e-3, (name, rel_err(a, b))
