@@ -35,6 +35,7 @@ def test_demo_reports_a_killed_worker_and_leaves_no_process():
     deadline = time.monotonic() + 90
     workers: list[int] = []
     while time.monotonic() < deadline:  # wait until both workers run
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
         workers = _children(proc.pid)
         workers = [w for w in workers if b"multiprocessing" in open(f"/proc/{w}/cmdline", "rb").read()]
         if len(workers) >= 2:
