@@ -32,7 +32,7 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
 def test_fla_stages_match_torch_stages(gate):
     _fla()
     from kdacp.backends.fla_backend import FlaBackend
-    T, HV, K, V = 300, 4, 64, 64
+    T, HV, K, V = 300, 4, 128, 128
     args = make_kda_inputs(1, T, 2, HV, K, V, gate=gate, dtype=torch.float32, requires_grad=False, device="cuda",
                            seed=1)
     options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=gate != "plain", use_gate_in_kernel=gate != "plain")

@@ -57,7 +57,7 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cu = None if case["cu"] is None else torch.tensor(case["cu"], device="cuda")
     T = case.get("T") or case["cu"][-1]
-    H, HV, K, V = 4, 4, 128, 128
+    H, HV, K, V = 2, 4, 128, 128
     args = make_kda_inputs(case["B"], T, H, HV, K, V, gate="default", dtype=torch.bfloat16, initial_state=case["init"],
                            cu_seqlens=cu, device="cuda", seed=7)
     args.pop("cu_seqlens", None)
