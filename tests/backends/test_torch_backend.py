@@ -1,0 +1,55 @@
+"""The ``torch`` backend's stages compose like the distributed op uses them."""
+import pytest
+import torch
+
+from kdacp.backends import make_backend, resolve_backend
+from kdacp.backends.base import KDAInputs, KDAOptions, Span
+from tests.helpers import make_kda_inputs, rel_err
+
+T, CUT, HV, K, V = 150, 70, 2, 16, 16
+
+
+def _setup(gate):
+    args = make_kda_inputs(1, T, 1, HV, K, V, gate=gate, requires_grad=False, seed=5)
+    options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=gate != "plain",
+                         use_gate_in_kernel=gate != "plain", lower_bound=args.get("lower_bound"))
+    x = KDAInputs(*(args.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")))
+    backend = make_backend("torch", options)
+    return backend, backend.prepare(x, Span(0, T, (0, T)))
+
+
+@pytest.mark.parametrize("gate", ["plain", "safe"])
+def test_summary_then_state_pass_equals_whole(gate):
+    backend, chunks = _setup(gate)
+    h0 = torch.randn(1, HV, K, V, dtype=torch.float64)
+    whole = backend.forward_states(chunks, Span(0, T, (0, T)), h0, True)
+    # one sequence cut in two: the second part starts from the first part's summary applied to h0
+    first = backend.state_summary(chunks, Span(0, CUT, (0, CUT)), with_transition=True)
+    S_mid = first.transition @ h0 + first.state
+    second = backend.forward_states(chunks, Span(CUT, T, (0, T - CUT)), S_mid, True)
+    assert rel_err(second.o, whole.o[:, CUT:]) < 1e-10
+    assert rel_err(second.final_state, whole.final_state) < 1e-10
+    assert backend.state_summary(chunks, Span(0, CUT, (0, CUT)), with_transition=False).transition is None
+
+
+@pytest.mark.parametrize("gate", ["plain", "default"])
+def test_gradient_summary_and_transition_give_the_input_gradient(gate):
+    backend, chunks = _setup(gate)
+    span = Span(0, T, (0, T))
+    gen = torch.Generator().manual_seed(6)
+    h0 = torch.randn(1, HV, K, V, dtype=torch.float64, generator=gen)
+    do = torch.randn(1, T, HV, V, dtype=torch.float64, generator=gen)
+    dht = torch.randn(1, HV, K, V, dtype=torch.float64, generator=gen)
+    grads = backend.backward(chunks, span, do, dht, h0)
+    G = backend.state_gradient_summary(chunks, span, do)
+    M = backend.state_summary(chunks, span, with_transition=True).transition
+    assert rel_err(M.transpose(-1, -2) @ dht + G, grads.dinitial_state) < 1e-10
+
+
+def test_resolve_backend_names():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_backend("fla", cpu)
