@@ -22,21 +22,25 @@ class ChunkKDAFunction(torch.autograd.Function):
         if h0 is None:
             h0 = torch.zeros(span.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(q),
                              device=q.device)
-        result = backend.forward_states(chunks, span, h0, output_final_state)
+        states = backend.state_pass(chunks, span, h0, output_final_state)
+        o = backend.output(chunks, span, h0, states)
         saved = backend.to_saved(chunks)
         ctx.backend, ctx.span, ctx.saved_type = backend, span, type(saved)
         ctx.has_initial_state = initial_state is not None
         ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
         ctx.save_for_backward(h0, *tensor_fields(saved))
-        return result.o, result.final_state
+        return o, states.final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         h0, *saved = ctx.saved_tensors
-        grads = ctx.backend.backward(ctx.saved_type(*saved), ctx.span, do.contiguous(), dht, h0)
+        # Like FLA, the state pass is recomputed rather than kept (memory).
+        local = ctx.backend.backward_local(ctx.saved_type(*saved), ctx.span, do.contiguous(), h0)
+        dh0 = ctx.backend.backward_states(local, dht)
+        grads = ctx.backend.backward_inputs(local)
         out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
         cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))
-        return (None, None, None, *cast, grads.dinitial_state if ctx.has_initial_state else None)
+        return (None, None, None, *cast, dh0 if ctx.has_initial_state else None)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -22,13 +22,14 @@ def _setup(gate):
 def test_summary_then_state_pass_equals_whole(gate):
     backend, chunks = _setup(gate)
     h0 = torch.randn(1, HV, K, V, dtype=torch.float64)
-    whole = backend.forward_states(chunks, Span(0, T, (0, T)), h0, True)
+    span, second = Span(0, T, (0, T)), Span(CUT, T, (0, T - CUT))
+    whole = backend.state_pass(chunks, span, h0, True)
     # one sequence cut in two: the second part starts from the first part's summary applied to h0
     first = backend.state_summary(chunks, Span(0, CUT, (0, CUT)), with_transition=True)
     S_mid = first.transition @ h0 + first.state
-    second = backend.forward_states(chunks, Span(CUT, T, (0, T - CUT)), S_mid, True)
-    assert rel_err(second.o, whole.o[:, CUT:]) < 1e-10
-    assert rel_err(second.final_state, whole.final_state) < 1e-10
+    assert rel_err(backend.state_pass(chunks, second, S_mid, True).final_state, whole.final_state) < 1e-10
+    o_second = backend.output(chunks, second, S_mid, None)
+    assert rel_err(o_second, backend.output(chunks, span, h0, whole)[:, CUT:]) < 1e-10
     assert backend.state_summary(chunks, Span(0, CUT, (0, CUT)), with_transition=False).transition is None
 
 
@@ -40,10 +41,11 @@ def test_gradient_summary_and_transition_give_the_input_gradient(gate):
     h0 = torch.randn(1, HV, K, V, dtype=torch.float64, generator=gen)
     do = torch.randn(1, T, HV, V, dtype=torch.float64, generator=gen)
     dht = torch.randn(1, HV, K, V, dtype=torch.float64, generator=gen)
-    grads = backend.backward(chunks, span, do, dht, h0)
-    G = backend.state_gradient_summary(chunks, span, do)
+    local = backend.backward_local(chunks, span, do, h0)
+    G = backend.state_gradient_summary(local)
+    dh0 = backend.backward_states(local, dht)
     M = backend.state_summary(chunks, span, with_transition=True).transition
-    assert rel_err(M.transpose(-1, -2) @ dht + G, grads.dinitial_state) < 1e-10
+    assert rel_err(M.transpose(-1, -2) @ dht + G, dh0) < 1e-10
 
 
 def test_resolve_backend_names():

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import KDAInputs, KDAOptions, LocalBackend, LocalForward, LocalGrads, Span
+from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads, LocalStates, Span
 from .torch_backend import TorchBackend
 
-__all__ = ["BACKENDS", "KDAInputs", "KDAOptions", "LocalBackend", "LocalForward", "LocalGrads", "Span",
+__all__ = ["BACKENDS", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads", "LocalStates", "Span",
            "TorchBackend", "make_backend", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fla")

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["KDAOptions", "KDAInputs", "Span", "LocalForward", "LocalGrads", "LocalBackend", "tensor_fields"]
+__all__ = ["KDAOptions", "KDAInputs", "Span", "LocalStates", "LocalGrads", "LocalBackend", "tensor_fields"]
 
 
 @dataclass(frozen=True)
@@ -68,17 +68,20 @@ class Span:
 
 
 @dataclass
-class LocalForward:
-    """``o [1, T_span, HV, V]`` (v's dtype) and each segment's final state ``[n, HV, K, V]`` (or ``None``)."""
+class LocalStates:
+    """A span's state pass: ``final_state [n, HV, K, V]`` (or ``None``); ``h`` (the state before
+    each chunk) and ``v_new [1, T_span, HV, V]`` where the backend exposes them (else ``None``),
+    which backward may reuse instead of recomputing."""
 
-    o: torch.Tensor
     final_state: torch.Tensor | None
+    h: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
 
 
 @dataclass
 class LocalGrads:
     """Gradients of one span: token-wise ``[1, T_span, ...]`` like the inputs, ``dA_log [HV]`` and
-    ``ddt_bias [HV*K]`` summed over the span (or ``None``), ``dinitial_state [n, HV, K, V]``."""
+    ``ddt_bias [HV*K]`` summed over the span (or ``None``)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -87,15 +90,17 @@ class LocalGrads:
     dbeta: torch.Tensor
     dA_log: torch.Tensor | None
     ddt_bias: torch.Tensor | None
-    dinitial_state: torch.Tensor
 
 
 class LocalBackend(Protocol):
     """One rank's chunked KDA, in stages, for one call's :class:`KDAOptions`.
 
-    ``prepare`` runs the state-independent work on all local tokens and returns backend-specific
-    chunk data; ``to_saved`` keeps what backward needs (a dataclass whose fields are tensors or
-    ``None``, stored with ``save_for_backward``).
+    Forward: ``prepare`` (state-independent work on all local tokens) -> per span ``state_summary``
+    and/or ``state_pass`` -> ``output``. ``to_saved`` keeps what backward needs (a dataclass whose
+    fields are tensors or ``None``, stored with ``save_for_backward``).
+    Backward per span: ``backward_local`` (everything that needs no final-state gradient) ->
+    ``state_gradient_summary`` and/or ``backward_states`` (the gradient state pass, giving the
+    initial-state gradient) -> ``backward_inputs``.
     """
 
     name: str
@@ -106,19 +111,29 @@ class LocalBackend(Protocol):
     def state_summary(self, chunks, span: Span, with_transition: bool):
         """``StateSummary(state=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``."""
 
-    def forward_states(self, chunks, span: Span, initial_state: torch.Tensor,
-                       output_final_state: bool) -> LocalForward:
-        """State pass and output of ``span`` from ``initial_state [n, HV, K, V]``."""
+    def state_pass(self, chunks, span: Span, initial_state: torch.Tensor, output_final_state: bool) -> LocalStates:
+        """The states of ``span`` from ``initial_state [n, HV, K, V]``."""
+
+    def output(self, chunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
+        """``o [1, T_span, HV, V]`` in v's dtype."""
 
     def to_saved(self, chunks): ...
 
-    def state_gradient_summary(self, saved, span: Span, do: torch.Tensor) -> torch.Tensor:
-        """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
-        state's gradient is zero; ``do [1, T_span, HV, V]``."""
+    def backward_local(self, saved, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
+                       states: LocalStates | None = None):
+        """Backward work of ``span`` that needs no final-state gradient; ``states`` from the
+        forward state pass of exactly this span, if kept."""
 
-    def backward(self, saved, span: Span, do: torch.Tensor, dht: torch.Tensor | None,
-                 initial_state: torch.Tensor) -> LocalGrads:
-        """All gradients of ``span`` given its output gradient and final-state gradient ``dht``."""
+    def state_gradient_summary(self, local) -> torch.Tensor:
+        """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
+        state's gradient is zero."""
+
+    def backward_states(self, local, dht: torch.Tensor | None) -> torch.Tensor:
+        """The gradient state pass given the final-state gradient ``dht [n, HV, K, V]`` (or
+        ``None``: zero); returns the initial-state gradient ``[n, HV, K, V]``."""
+
+    def backward_inputs(self, local) -> LocalGrads:
+        """The input gradients of the span (after :meth:`backward_states`)."""
 
 
 def tensor_fields(obj) -> list:

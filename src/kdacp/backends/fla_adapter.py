@@ -26,7 +26,10 @@ _STAGES = {
     "chunk_gla_fwd_o_gk": ("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk"),
     "recompute_w_u_fwd": ("fla.ops.kda.wy_fast", "recompute_w_u_fwd"),
     "chunk_kda_bwd_dAv": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv"),
-    "chunk_kda_bwd": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd"),
+    "chunk_gated_delta_rule_bwd_dhu": ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_bwd_dhu"),
+    "chunk_kda_bwd_wy_dqkg_fused": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused"),
+    "chunk_kda_bwd_intra": ("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra"),
+    "kda_gate_bwd": ("fla.ops.kda.gate", "kda_gate_bwd"),
     # whole ops, for comparisons and benchmarks
     "chunk_kda": ("fla.ops.kda", "chunk_kda"),
     "build_cp_context": ("fla.ops.cp", "build_cp_context"),

@@ -1,9 +1,12 @@
 """The ``fla`` backend: FLA 0.6.0's CUDA stage kernels, split where context parallelism waits.
 
-Stages map to FLA's own: ``prepare`` = L2 norm, gate cumsum (log2 units, chunk-local) and the
-intra-chunk WY kernel; ``forward_states`` = the state pass and the output kernel; ``backward`` =
-FLA's whole local backward given an initial state and a final-state gradient. What is saved for
-backward matches FLA's ``chunk_kda`` (``w``, ``u``, ``kg`` and ``h`` are recomputed).
+Stages map to FLA's own kernels: ``prepare`` = L2 norm, gate cumsum (log2 units, chunk-local) and
+the intra-chunk WY kernel; ``state_pass`` = the state kernel; ``output`` = the output kernel;
+``backward_local`` = WY recompute, (state recompute,) ``dAqk``/local ``dv``; ``backward_states`` =
+the gradient state kernel; ``backward_inputs`` = the fused WY/q/k/g gradient kernel, the
+intra-chunk backward, reverse gate cumsum, gate and L2-norm backward. What is saved for backward
+matches FLA's ``chunk_kda`` (``w``, ``u``, ``kg`` recomputed); a state pass's ``h``/``v_new`` are
+reused when the caller keeps them.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KDAInputs, KDAOptions, LocalForward, LocalGrads, Span
+from .base import KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
 from .summaries import state_gradient_summary, state_summary
 
@@ -41,6 +44,27 @@ class FlaSaved:
         cut = slice(span.start, span.end)
         return FlaSaved(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
                           for name, t in vars(self).items()))
+
+
+@dataclass
+class FlaBackward:
+    """One span's backward in progress: its saved inputs, FLA's packed-sequence arguments, ``do``,
+    the initial states, the recomputed ``gc, w, qg, kg``, the states ``h``, ``v_new``, the
+    intra-chunk gradients ``dAqk`` and ``dv`` (local, then after the gradient state pass), and ``dh``."""
+
+    saved: FlaSaved
+    varlen: dict
+    do: torch.Tensor
+    initial_state: torch.Tensor
+    gc: torch.Tensor
+    w: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
+    dAqk: torch.Tensor
+    dv: torch.Tensor
+    dh: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,46 +124,71 @@ class FlaBackend:
                                 chunk_size=self.options.chunk_size, cu_seqlens=span.cu_seqlens_tensor(chunks.kg.device))
         return summary if with_transition else summary._replace(transition=None)
 
-    def forward_states(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
-                       output_final_state: bool) -> LocalForward:
-        o, fla = self.options, self.fla
+    def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
+                   output_final_state: bool) -> LocalStates:
         cut = slice(span.start, span.end)
-        varlen = self._varlen(span, chunks.kg.device)
-        gc = chunks.gc[:, cut]
-        h, v_new, final_state = fla.chunk_gated_delta_rule_fwd_h(
-            k=chunks.kg[:, cut], w=chunks.w[:, cut], u=chunks.u[:, cut], gk=gc, initial_state=initial_state,
-            output_final_state=output_final_state, chunk_size=o.chunk_size, **varlen)
-        out = fla.chunk_gla_fwd_o_gk(q=chunks.saved.q[:, cut], v=v_new, g=gc, A=chunks.saved.Aqk[:, cut], h=h,
-                                     scale=o.scale, chunk_size=o.chunk_size, **varlen)
-        return LocalForward(out.to(chunks.saved.v.dtype), final_state)
+        h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
+            k=chunks.kg[:, cut], w=chunks.w[:, cut], u=chunks.u[:, cut], gk=chunks.gc[:, cut],
+            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
+            **self._varlen(span, chunks.kg.device))
+        return LocalStates(final_state, h, v_new)
+
+    def output(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
+        cut = slice(span.start, span.end)
+        o = self.fla.chunk_gla_fwd_o_gk(q=chunks.saved.q[:, cut], v=states.v_new, g=chunks.gc[:, cut],
+                                        A=chunks.saved.Aqk[:, cut], h=states.h, scale=self.options.scale,
+                                        chunk_size=self.options.chunk_size, **self._varlen(span, chunks.kg.device))
+        return o.to(chunks.saved.v.dtype)
 
     def to_saved(self, chunks: FlaChunks) -> FlaSaved:
         return chunks.saved
 
-    def state_gradient_summary(self, saved: FlaSaved, span: Span, do: torch.Tensor) -> torch.Tensor:
+    def backward_local(self, saved: FlaSaved, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
+                       states: LocalStates | None = None) -> FlaBackward:
         o, fla = self.options, self.fla
         x = saved.narrow(span)
         varlen = self._varlen(span, do.device)
         gc = x.gc if x.gc is not None else self._gate_cumsum(x.g, x.A_log, x.dt_bias, varlen)
-        w, _, qg, kg = fla.recompute_w_u_fwd(q=x.q, k=x.k, v=x.v, beta=x.beta, A=x.Akk, gk=gc, **varlen)
-        # dv_local = Aqk^T dO per chunk; the dA this kernel also returns needs v_new and is unused,
-        # so any [1, T, HV, V] tensor stands in for it.
-        _, dv_local = fla.chunk_kda_bwd_dAv(q=x.q, k=x.k, v=do, do=do, A=x.Aqk, scale=o.scale,
-                                            chunk_size=o.chunk_size, **varlen)
-        return state_gradient_summary(qg, kg, w, gc, do, dv_local, o.scale, chunk_size=o.chunk_size,
-                                      cu_seqlens=varlen["cu_seqlens"])
+        w, u, qg, kg = fla.recompute_w_u_fwd(q=x.q, k=x.k, v=x.v, beta=x.beta, A=x.Akk, gk=gc, **varlen)
+        if states is None or states.h is None:
+            h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=initial_state,
+                                                           output_final_state=False, chunk_size=o.chunk_size, **varlen)
+        else:
+            h, v_new = states.h, states.v_new
+        # dAqk = dO v_new^T (masked), dv_local = Aqk^T dO per chunk
+        dAqk, dv_local = fla.chunk_kda_bwd_dAv(q=x.q, k=x.k, v=v_new, do=do, A=x.Aqk, scale=o.scale,
+                                               chunk_size=o.chunk_size, **varlen)
+        return FlaBackward(x, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
 
-    def backward(self, saved: FlaSaved, span: Span, do: torch.Tensor, dht: torch.Tensor | None,
-                 initial_state: torch.Tensor) -> LocalGrads:
-        o, fla = self.options, self.fla
-        x = saved.narrow(span)
-        varlen = self._varlen(span, do.device)
-        dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = fla.chunk_kda_bwd(
-            q=x.q, k=x.k, v=x.v, beta=x.beta, Aqk=x.Aqk, Akk=x.Akk, scale=o.scale, initial_state=initial_state,
-            do=do, dht=None if dht is None else dht.float(), g=x.gc, g_org=x.g, chunk_size=o.chunk_size,
-            safe_gate=o.safe_gate, lower_bound=o.lower_bound, use_gate_in_kernel=o.use_gate_in_kernel,
-            A_log=x.A_log, dt_bias=x.dt_bias, disable_recompute=False, **varlen)
+    def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
+        return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv, self.options.scale,
+                                      chunk_size=self.options.chunk_size, cu_seqlens=local.varlen["cu_seqlens"])
+
+    def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> torch.Tensor:
+        local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
+            q=local.qg, k=local.kg, w=local.w, gk=local.gc, h0=local.initial_state,
+            dht=None if dht is None else dht.float(), do=local.do, dv=local.dv, scale=self.options.scale,
+            chunk_size=self.options.chunk_size, **local.varlen)
+        return dh0
+
+    def backward_inputs(self, local: FlaBackward) -> LocalGrads:
+        o, fla, x, varlen = self.options, self.fla, local.saved, local.varlen
+        dq, dk, dv, dbeta, dg, dAkk = fla.chunk_kda_bwd_wy_dqkg_fused(
+            q=x.q, k=x.k, v=x.v, v_new=local.v_new, g=local.gc, beta=x.beta, A=x.Akk, h=local.h, do=local.do,
+            dh=local.dh, dv=local.dv, scale=o.scale, chunk_size=o.chunk_size, **varlen)
+        dq, dk, dbeta, dg = fla.chunk_kda_bwd_intra(q=x.q, k=x.k, g=local.gc, beta=x.beta, dAqk=local.dAqk, dAkk=dAkk,
+                                                    dq=dq, dk=dk, db=dbeta, dg=dg, chunk_size=o.chunk_size,
+                                                    safe_gate=o.safe_gate, **varlen)
+        H, HV = x.q.shape[2], x.v.shape[2]
+        if HV > H:  # grouped values: q/k head h served HV/H value heads
+            dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(3)
+            dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(3)
+        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
+        dA_log = ddt_bias = None
+        if o.use_gate_in_kernel:
+            dg, dA_log, ddt_bias = fla.kda_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg,
+                                                    lower_bound=o.lower_bound)
         if o.use_qk_l2norm_in_kernel:
             dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
             dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
-        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)
+        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)

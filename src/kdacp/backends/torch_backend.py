@@ -2,7 +2,7 @@
 
 Runs on any device and dtype (float64 included). It recomputes the chunked form inside each
 stage rather than caching intermediates: it exists to be obviously right, not fast. Backward
-differentiates the reference chunked form with autograd.
+differentiates the reference chunked form with autograd (in :meth:`TorchBackend.backward_states`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from .base import KDAInputs, KDAOptions, LocalForward, LocalGrads, Span
+from .base import KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 
 __all__ = ["TorchBackend"]
 
@@ -27,6 +27,17 @@ class TorchChunks:
     beta: torch.Tensor
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
+
+
+@dataclass
+class TorchBackward:
+    """One span's backward: its inputs, output gradient and initial state; ``grads`` once computed."""
+
+    saved: TorchChunks
+    span: Span
+    do: torch.Tensor
+    initial_state: torch.Tensor
+    grads: LocalGrads | None = None
 
 
 class TorchBackend:
@@ -60,38 +71,49 @@ class TorchBackend:
         summary = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, self.options.chunk_size, cu)
         return summary if with_transition else summary._replace(transition=None)
 
-    def forward_states(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor,
-                       output_final_state: bool) -> LocalForward:
+    def state_pass(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor,
+                   output_final_state: bool) -> LocalStates:
         x = self._span_inputs(chunks, span)
-        o, final_state = reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
+        _, final_state = reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
                                              output_final_state=output_final_state, **self._kwargs(x, span))
-        return LocalForward(o, final_state)
+        return LocalStates(final_state)
+
+    def output(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
+        x = self._span_inputs(chunks, span)
+        return reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
+                                   **self._kwargs(x, span))[0]
 
     def to_saved(self, chunks: TorchChunks) -> TorchChunks:
         return chunks
 
-    def state_gradient_summary(self, saved: TorchChunks, span: Span, do: torch.Tensor) -> torch.Tensor:
-        inter = self._intermediates(saved, span)
-        cu, C, scale = span.cu_seqlens_tensor(do.device), self.options.chunk_size, self.options.scale
-        dv_local = reference.chunk_dv_local(inter.Aqk, do, scale, C, cu)
-        return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, do, dv_local, scale, C, cu)
+    def backward_local(self, saved: TorchChunks, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
+                       states: LocalStates | None = None) -> TorchBackward:
+        return TorchBackward(saved, span, do, initial_state)
 
-    def backward(self, saved: TorchChunks, span: Span, do: torch.Tensor, dht: torch.Tensor | None,
-                 initial_state: torch.Tensor) -> LocalGrads:
-        x = self._span_inputs(saved, span)
+    def state_gradient_summary(self, local: TorchBackward) -> torch.Tensor:
+        inter = self._intermediates(local.saved, local.span)
+        cu, C, scale = local.span.cu_seqlens_tensor(local.do.device), self.options.chunk_size, self.options.scale
+        dv_local = reference.chunk_dv_local(inter.Aqk, local.do, scale, C, cu)
+        return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, local.do, dv_local, scale, C, cu)
+
+    def backward_states(self, local: TorchBackward, dht: torch.Tensor | None) -> torch.Tensor:
+        """Differentiates the reference chunked form once; the input gradients wait in ``local``."""
+        x = self._span_inputs(local.saved, local.span)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_() for t in
-                      (x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, initial_state)]
+                      (x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, local.initial_state)]
             q, k, v, g, beta, A_log, dt_bias, h0 = leaves
-            kwargs = self._kwargs(KDAInputs(q, k, v, g, beta, A_log, dt_bias), span)
+            kwargs = self._kwargs(KDAInputs(q, k, v, g, beta, A_log, dt_bias), local.span)
             o, final_state = reference.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kwargs)
-            outputs, grads_out = [o], [do]
+            outputs, grads_out = [o], [local.do]
             if dht is not None:
                 outputs.append(final_state)
                 grads_out.append(dht.to(final_state.dtype))
             wrt = [t for t in leaves if t is not None]
             grads = iter(torch.autograd.grad(outputs, wrt, grads_out, allow_unused=True))
-            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (None if t is None else next(grads) for t in leaves)
-        dq, dk, dv, dg, dbeta, dh0 = (torch.zeros_like(t) if d is None else d for d, t in
-                                      ((dq, q), (dk, k), (dv, v), (dg, g), (dbeta, beta), (dh0, h0)))
-        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)
+            grads = [None if t is None else next(grads) for t in leaves]
+        local.grads = LocalGrads(*grads[:7])
+        return grads[7]
+
+    def backward_inputs(self, local: TorchBackward) -> LocalGrads:
+        return local.grads

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import make_backend, resolve_backend
-from ..backends.base import KDAInputs, KDAOptions, LocalBackend, tensor_fields
+from ..backends.base import KDAInputs, KDAOptions, LocalBackend, LocalStates, tensor_fields
 from ..reference.gates import compute_dtype
 from .checks import check_cp_call
 from .orchestration import cp_backward, cp_forward
@@ -34,15 +34,17 @@ class CPChunkKDAFunction(torch.autograd.Function):
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias)
         result = cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, call.state_dtype)
         ctx.call, ctx.saved_type = call, type(result.saved)
-        ctx.save_for_backward(result.local_initial, result.transition, *tensor_fields(result.saved))
+        kept = result.head_states or LocalStates(None)
+        ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new, *tensor_fields(result.saved))
         ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
         return result.o, result.final_state
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        local_initial, transition, *saved = ctx.saved_tensors
+        local_initial, transition, h, v_new, *saved = ctx.saved_tensors
         call: _Call = ctx.call
-        grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition,
+        head_states = None if h is None else LocalStates(None, h, v_new)
+        grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition, head_states,
                             do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
         out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
         cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))

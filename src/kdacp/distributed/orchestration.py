@@ -5,10 +5,12 @@ and the rest; in backward into the sending suffix ``tail`` (waits for state grad
 rank + 1) and the rest. Work that does not wait runs before the exchange:
 
 forward:  post receive -> prepare (gates, intra-chunk WY) -> [through rank: summary (S_ext, M)]
-          [else: state pass + output of the rest, whose last final state is sent on at once]
-          -> exchange -> state pass + output of the head
-backward: post receive -> [through rank: G] [else: gradients of the rest, whose head gradient is
-          sent back at once] -> exchange -> gradients of the tail
+          [else: state pass of the rest; its last final state is sent on at once] -> output of the
+          rest -> receive -> state pass + output of the head
+backward: post receive -> [through rank: local backward work of the tail and G]
+          [else: local work and gradient state pass of the rest; its head gradient is sent back at
+          once -> local work of the tail -> input gradients of the rest] -> receive -> gradient
+          state pass + input gradients of the tail
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward).
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import KDAInputs, LocalBackend, LocalGrads, Span
+from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
 from . import comm
 from .plan import CPPlan, RankLayout
 from .strategies import AffineMessage, Route, make_exchange
@@ -31,13 +33,16 @@ __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
 class CPForward:
     """``o [1, T_local, HV, V]``; ``final_state [N, HV, K, V]`` (every sequence, or ``None``);
     ``saved``: the backend's saved chunk data; ``local_initial [n_seg, HV, K, V]``: the state each
-    local segment started from; ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``."""
+    local segment started from; ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
+    ``head_states``: the head's state pass (``h``, ``v_new``), kept so that the backward of a rank
+    that sends gradients back does not recompute it on the critical path."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
     saved: object
     local_initial: torch.Tensor
     transition: torch.Tensor | None
+    head_states: LocalStates | None
 
 
 @dataclass
@@ -81,47 +86,50 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
                output_final_state: bool, state_dtype: torch.dtype) -> CPForward:
     """Run one rank's forward; see the module docstring for the order of stages."""
     T, HV, V, K = inputs.v.shape[1], inputs.v.shape[2], inputs.v.shape[3], inputs.q.shape[3]
-    layouts = plan.layouts(T // max(1, plan.batch_size))
+    device = inputs.q.device
+    layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
-    route, _ = _routes(plan, layouts, (HV, K, V), state_dtype, inputs.q.device)
+    route, _ = _routes(plan, layouts, (HV, K, V), state_dtype, device)
     exchange = make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
     head, rest = _span(layout, 0, layout.head_end), _span(layout, layout.head_end, T)
-    chunks = backend.prepare(inputs, _span(layout, 0, T))
     segments = layout.segments
-    known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=inputs.q.device)
+    chunks = backend.prepare(inputs, _span(layout, 0, T))
+    known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=device)
     if initial_state is not None:
         for i, seg in enumerate(segments[layout.num_receive:]):
             known_initial[i] = initial_state[seg.sequence]
 
-    message, transition, rest_out = None, None, None
+    message, transition, rest_states = None, None, None
     through = route.affine[plan.rank]
     if through:
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
     if not rest.empty:
-        need_final = output_final_state or layout.num_send > 0
-        rest_out = backend.forward_states(chunks, rest, known_initial, need_final)
+        rest_states = backend.state_pass(chunks, rest, known_initial, output_final_state or layout.num_send > 0)
         if layout.num_send and not through:
-            message = AffineMessage(rest_out.final_state[-layout.num_send:])
-    incoming = exchange.exchange(pending, message)
-    head_out = None
+            message = AffineMessage(rest_states.final_state[-layout.num_send:])
+    exchange.send(pending, message)
+    rest_o = None if rest.empty else backend.output(chunks, rest, known_initial, rest_states)
+    incoming = exchange.receive(pending)
+    head_states, head_o = None, None
     if not head.empty:
-        head_out = backend.forward_states(chunks, head, incoming, output_final_state)
+        head_states = backend.state_pass(chunks, head, incoming, output_final_state)
+        head_o = backend.output(chunks, head, incoming, head_states)
     pending.finish_sends()
 
-    o = _cat([head_out and head_out.o, rest_out and rest_out.o], 1)
+    o = _cat([head_o, rest_o], 1)
     final_state = None
     if output_final_state:
-        local_final = _cat([head_out and head_out.final_state, rest_out and rest_out.final_state], 0)
-        final_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=o.device)
+        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
+        final_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=device)
         for i, seg in enumerate(segments):
             if not seg.sends:
                 final_state[seg.sequence] = local_final[i]
         final_state = comm.all_reduce_sum(final_state, plan.group)
     local_initial = _cat([incoming, known_initial if len(known_initial) else None], 0)
-    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition)
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
 
 
 def _add(a, b):
@@ -129,14 +137,14 @@ def _add(a, b):
 
 
 def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch.Tensor,
-                transition: torch.Tensor | None, do: torch.Tensor, dfinal: torch.Tensor | None,
-                output_final_state: bool, has_initial_state: bool) -> CPGrads:
+                transition: torch.Tensor | None, head_states: LocalStates | None, do: torch.Tensor,
+                dfinal: torch.Tensor | None, output_final_state: bool, has_initial_state: bool) -> CPGrads:
     """Run one rank's backward, mirroring :func:`cp_forward`; ``do [1, T_local, HV, V]``,
     ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``)."""
     T, HV, V = do.shape[1], do.shape[2], do.shape[3]
     K = local_initial.shape[2]
     state_dtype = local_initial.dtype
-    layouts = plan.layouts(T // max(1, plan.batch_size))
+    layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
     segments = layout.segments
     dht_all = None
@@ -150,22 +158,33 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange = make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    tail_start = layout.tail_start
+    tail_start, head_end = layout.tail_start, layout.head_end
     known, tail = _span(layout, 0, tail_start), _span(layout, tail_start, T)
     n_known = len(segments) - layout.num_send
-    message, known_grads = None, None
+
+    def local_work(span: Span, initial: torch.Tensor):
+        kept = head_states if (span.start, span.end) == (0, head_end) else None
+        return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
+
+    message, known_local, tail_local, dinitial_known = None, None, None, None
     if route.affine[plan.rank]:
-        G = backend.state_gradient_summary(saved, tail, do)
-        message = AffineMessage(G, transition.transpose(-1, -2))
+        tail_local = local_work(tail, local_initial[n_known:])
+        message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
     elif not known.empty:
+        known_local = local_work(known, local_initial[:n_known])
         dht_known = None if dht_all is None else dht_all[[s.sequence for s in segments[:n_known]]]
-        known_grads = backend.backward(saved, known, do[:, :tail_start], dht_known, local_initial[:n_known])
+        dinitial_known = backend.backward_states(known_local, dht_known)
         if layout.num_receive:
-            message = AffineMessage(known_grads.dinitial_state[:layout.num_receive])
-    dS_out = exchange.exchange(pending, message)
-    tail_grads = None
+            message = AffineMessage(dinitial_known[:layout.num_receive])
+    exchange.send(pending, message)
+    if tail_local is None and not tail.empty:
+        tail_local = local_work(tail, local_initial[n_known:])
+    known_grads = None if known_local is None else backend.backward_inputs(known_local)
+    dS_out = exchange.receive(pending)
+    tail_grads, dinitial_tail = None, None
     if not tail.empty:
-        tail_grads = backend.backward(saved, tail, do[:, tail_start:], dS_out, local_initial[n_known:])
+        dinitial_tail = backend.backward_states(tail_local, dS_out)
+        tail_grads = backend.backward_inputs(tail_local)
     pending.finish_sends()
 
     parts: list[LocalGrads] = [g for g in (known_grads, tail_grads) if g is not None]
@@ -175,7 +194,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         dA_log, ddt_bias = _add(dA_log, g.dA_log), _add(ddt_bias, g.ddt_bias)
     dinitial_state = None
     if has_initial_state:
-        local = _cat([g.dinitial_state for g in parts], 0)
+        local = _cat([dinitial_known, dinitial_tail], 0)
         dinitial_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
         for i, seg in enumerate(segments):
             if not seg.receives:

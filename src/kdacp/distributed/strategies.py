@@ -64,11 +64,12 @@ class Route:
 
 @dataclass
 class Pending:
-    """An exchange in flight: the posted receive and the sends to wait for before returning."""
+    """An exchange in flight: the posted receive, this rank's message, the sends to wait for."""
 
     route: Route
     recv_buffer: torch.Tensor | None = None
     recv_work: object = None
+    message: AffineMessage | None = None
     sends: list = field(default_factory=list)
 
     def finish_sends(self) -> None:
@@ -77,12 +78,15 @@ class Pending:
 
 
 class StateExchange(Protocol):
-    """``begin`` before the local work (post receives); ``exchange`` once this rank's message is
-    known: returns the incoming ``[n, HV, K, V]`` (or ``None`` when nothing comes in)."""
+    """``begin`` before the local work (posts receives); ``send`` as soon as this rank's message is
+    known; ``receive`` when the incoming ``[n, HV, K, V]`` is needed (``None`` when nothing comes in).
+    Every rank calls all three, in this order, whether or not it has anything to pass on."""
 
     def begin(self, route: Route) -> Pending: ...
 
-    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None: ...
+    def send(self, pending: Pending, message: AffineMessage | None) -> None: ...
+
+    def receive(self, pending: Pending) -> torch.Tensor | None: ...
 
 
 class P2PExchange:
@@ -100,17 +104,20 @@ class P2PExchange:
             pending.recv_work = comm.post_recv(pending.recv_buffer, src, route.group)
         return pending
 
-    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None:
-        route = pending.route
-        dst = route.successor
+    def send(self, pending: Pending, message: AffineMessage | None) -> None:
+        pending.message = message
+        dst = pending.route.successor
         if dst is not None and message.transition is None:
-            pending.sends.append(comm.send(message.offset.to(route.dtype), dst, route.group))
+            pending.sends.append(comm.send(message.offset.to(pending.route.dtype), dst, pending.route.group))
+
+    def receive(self, pending: Pending) -> torch.Tensor | None:
+        route, message = pending.route, pending.message
         x_in = None
         if pending.recv_work is not None:
             pending.recv_work.wait()
             x_in = pending.recv_buffer
-        if dst is not None and message.transition is not None:
-            pending.sends.append(comm.send(message.apply(x_in).to(route.dtype), dst, route.group))
+        if route.successor is not None and message.transition is not None:
+            pending.sends.append(comm.send(message.apply(x_in).to(route.dtype), route.successor, route.group))
         return x_in
 
 
@@ -120,8 +127,11 @@ class AllGatherExchange:
     def begin(self, route: Route) -> Pending:
         return Pending(route)
 
-    def exchange(self, pending: Pending, message: AffineMessage | None) -> torch.Tensor | None:
-        route = pending.route
+    def send(self, pending: Pending, message: AffineMessage | None) -> None:
+        pending.message = message
+
+    def receive(self, pending: Pending) -> torch.Tensor | None:
+        route, message = pending.route, pending.message
         if not any(route.emits):  # no sequence crosses a rank boundary (the same on every rank)
             return None
         n, HV, K, V = route.shape
