@@ -6,6 +6,7 @@ import socket
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -18,6 +19,8 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=90))
     try:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..distributed import build_cp_plan, cp_chunk_kda
+from ..ops import chunk_kda as local_chunk_kda
 from .comm import all_to_all, all_to_all_gather, shift_right
 from .short_conv import sequence_positions
 
@@ -48,16 +50,6 @@ class ConvContext:
         return list(shift_right(tails, self.state_group).split([x.shape[-1] for x in xs], dim=-1))
 
 
-def _local_chunk_kda(q, k, v, g, beta, *, backend, safe_gate, **kwargs):
-    """Single-device KDA: ``kdacp.ops.chunk_kda`` (the PyTorch reference until that lands)."""
-    try:
-        from ..ops import chunk_kda
-    except ImportError:
-        from ..reference import chunk_kda
-        return chunk_kda(q, k, v, g, beta, **kwargs)
-    return chunk_kda(q, k, v, g, beta, backend=backend, safe_gate=safe_gate, **kwargs)
-
-
 class _SingleDevice:
     """The layer's hooks without context parallelism: every exchange is the identity."""
 
@@ -81,7 +73,7 @@ class _SingleDevice:
         return ConvContext(None, None if cu_seqlens is None else sequence_positions(cu_seqlens, 0, T))
 
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        return _local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+        return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
 
 
 SINGLE_DEVICE = _SingleDevice()
@@ -189,8 +181,7 @@ class KDAContextParallel(_SingleDevice):
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         backend = self.backend or backend
         if self.state_size == 1:
-            return _local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
-        from ..distributed import build_cp_plan, cp_chunk_kda
+            return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
         plan = build_cp_plan(cu_seqlens, local_lengths=[T] * self.state_size,
                              batch_size=None if cu_seqlens is not None else B,
