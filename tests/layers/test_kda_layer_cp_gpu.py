@@ -42,8 +42,8 @@ def _run(layer, x, h0, cu, w, w_state, with_state_loss, group_sum):
     return y.float(), S.float(), grads
 
 
-def _check(rank, world_size):
-    dev = torch.device("cuda", rank)
+def _check(rank, world_size, device_type="cuda", backend="fla"):
+    dev = torch.device(device_type, rank if device_type == "cuda" else None)
     for mode, B, T_local, cu in CASES:
         T = T_local * world_size
         cu = None if cu is None else torch.tensor(cu, device=dev)
@@ -51,7 +51,7 @@ def _check(rank, world_size):
         torch.manual_seed(0)  # the same parameters and global batch on both ranks
         ref32 = KimiDeltaAttention(256, 4, 4, head_k_dim=64, head_v_dim=64, conv_bias=True, backend="torch").to(dev)
         one = copy.deepcopy(ref32).to(torch.bfloat16)
-        one.backend = "fla"
+        one.backend = backend
         cp = copy.deepcopy(one)
         cp.cp = KDAContextParallel(mode)
         x = torch.randn(B, T, 256, device=dev)
