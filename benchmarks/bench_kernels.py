@@ -34,8 +34,10 @@ def make_inputs(B=1, T=16384, HV=32, K=128, V=128, *, dtype=torch.bfloat16, devi
 
     q = torch.nn.functional.normalize(rnd(B, T, HV, K), dim=-1)
     k = torch.nn.functional.normalize(rnd(B, T, HV, K), dim=-1)
-    v, beta = rnd(B, T, HV, V), torch.sigmoid(rnd(B, T, HV))
-    g = torch.nn.functional.logsigmoid(rnd(B, T, HV, K) + 2.0)
+    v, beta = rnd(B, T, HV, V), torch.sigmoid(rnd(B, T, HV) - 2.0)
+    # per-channel gate biases from fast (2) to slow (12) decay: M stays far above underflow at 16K tokens
+    bias = torch.linspace(2.0, 12.0, K, device=device)
+    g = torch.nn.functional.logsigmoid(rnd(B, T, HV, K) + bias)
     with torch.no_grad():
         it = ref.chunk_kda_intermediates(q, k, v, g, beta)
     x = {n: getattr(it, n).to(dtype) for n in ("qg", "kg", "w", "u")}
@@ -140,46 +142,73 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     return rows
 
 
-def sweep(x, r, costs, BT):
-    """Time a few tilings of our kernels (to choose defaults); rows named by their config."""
+def _sweep_cases(which):
+    """(output or "grad", SummaryConfig) pairs around the defaults."""
+    C = kn.SummaryConfig
+    if which == "fwd":
+        cases = [("both", C(chunks_per_program=L)) for L in (64, 128, 256)]
+        cases += [("both", C(chunks_per_program=128, bf16_pieces=3)),
+                  ("both", C(chunks_per_program=128, num_stages=3)),
+                  ("both", C(chunks_per_program=128, v_first=True)),
+                  ("both", C(chunks_per_program=128, v_first=True, bf16_pieces=3)),
+                  ("both", C(chunks_per_program=64, v_first=True)),
+                  ("both", C(chunks_per_program=128, num_warps=2)),
+                  ("both", C(chunks_per_program=128, num_warps=2, block_v=32)),
+                  ("both", C(chunks_per_program=128, num_warps=8, v_first=True))]
+        cases += [("transition", C(chunks_per_program=L, v_first=vf)) for vf in (False, True) for L in (64, 128)]
+        cases += [("state", C(v_first=vf)) for vf in (False, True)]
+        cases += [("state", C(bf16_pieces=3))]
+    else:
+        C = kn.SummaryConfig
+        cases = [("grad", C()), ("grad", C(bf16_pieces=2)), ("grad", C(block_v=16)), ("grad", C(num_stages=2)),
+                 ("grad", C(num_warps=2)), ("grad", C(num_warps=2, block_v=16)),
+                 ("grad", C(num_warps=2, bf16_pieces=2)), ("grad", C(num_warps=2, block_v=64)),
+                 ("grad", C(v_first=True, block_v=64)), ("grad", C(v_first=True, block_v=32)),
+                 ("grad", C(v_first=True, block_v=16)), ("grad", C(v_first=True, block_v=64, bf16_pieces=2)),
+                 ("grad", C(v_first=True, block_v=64, chunks_per_program=128)),
+                 ("grad", C(v_first=True, block_v=32, num_warps=2))]
+    return cases
+
+
+def sweep(x, r, costs, BT, which="fwd"):
+    """Time tilings of our kernels (to choose defaults); rows named by their config."""
     rows = []
-    for bv in (32, 64):
-        for nw in (4, 8):
-            for L in (16, 32, 64, 256):
-                for ns in (1, 2):
-                    cfg = kn.SummaryConfig(block_v=bv, chunks_per_program=L, num_warps=nw, num_stages=ns)
-                    tag = f"bv={bv} L={L} w={nw} s={ns}"
-                    try:
-                        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=BT, config=cfg)
-                        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=BT,
-                                                             config=cfg))
-                        rows.append(_row(f"sweep both {tag}", ms, costs["both"], S=rel_err(S, r["S"]),
-                                         M=rel_err(M, r["M"])))
-                    except Exception as e:  # a tiling may not fit; report and go on
-                        print(f"sweep both {tag}: {type(e).__name__}: {str(e)[:200]}")
-    for bv in (16, 32, 64):
-        for nw in (4, 8):
-            for L in (32, 64, 256):
-                ns = 2
-                cfg = kn.SummaryConfig(block_v=bv, chunks_per_program=L, num_warps=nw, num_stages=ns)
-                tag = f"bv={bv} L={L} w={nw} s={ns}"
-                args = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
-                try:
-                    G = kn.state_gradient_summary(*args, chunk_size=BT, config=cfg)
-                    ms = _bench(lambda: kn.state_gradient_summary(*args, chunk_size=BT, config=cfg))
-                    rows.append(_row(f"sweep grad {tag}", ms, costs["grad"], G=rel_err(G, r["G"])))
-                except Exception as e:
-                    print(f"sweep grad {tag}: {type(e).__name__}: {str(e)[:200]}")
+    gargs = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
+    for output, cfg in _sweep_cases(which):
+        tag = f"{output} " + " ".join(f"{k}={v}" for k, v in cfg.__dict__.items() if v is not None)
+        try:
+            if output == "grad":
+                def fn():
+                    return kn.state_gradient_summary(*gargs, chunk_size=BT, config=cfg)
+                G = fn()
+                torch.cuda.synchronize()
+                errs = {"G": rel_err(G, r["G"])}
+            else:
+                def fn():
+                    return kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=BT, output=output,
+                                            config=cfg)
+                S, M = fn()
+                torch.cuda.synchronize()
+                errs = {k: rel_err(v, r[k]) for k, v in (("S", S), ("M", M)) if v is not None}
+            ms = _bench(fn)
+            rows.append(_row(f"sweep {tag}", ms, costs[output], **errs))
+            print(f"sweep {tag}: {ms:.3f} ms {errs}", flush=True)
+        except Exception as e:  # a tiling may not fit; a fault poisons the context, so stop there
+            print(f"sweep {tag}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if "illegal" in str(e) or "CUDA error" in str(e):
+                break
     return rows
 
 
-def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True, do_sweep=False,
+def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True, do_sweep=None,
         device="cuda"):
     """Time every kernel on one set of inputs; returns rows (dicts) with ``kernel, ms, TFLOP/s, GB/s,
     GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups."""
     x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
     r = reference_summaries(x)
     costs = _costs(B, T, HV, K, V, chunk_size, x["kg"].element_size())
+    if do_sweep:  # "fwd" or "grad": only the tiling sweep
+        return sweep(x, r, costs, chunk_size, do_sweep)
     rows = []
     for output, key in (("both", "both"), ("state", "state"), ("transition", "transition")):
         S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output)
@@ -203,8 +232,6 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
         if "FLA chunk_cp_bwd_dh" in by:
             rows[3]["speedup_vs_fla"] = by["FLA chunk_cp_bwd_dh"]["ms"] / rows[3]["ms"]
         rows += fla
-    if do_sweep:
-        rows += sweep(x, r, costs, chunk_size)
     return rows
 
 
@@ -228,7 +255,7 @@ def main(argv=None):
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--no-fla", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
+    p.add_argument("--sweep", choices=("fwd", "grad"), default=None, help="only time a grid of tilings")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     rows = run(a.B, a.T, a.heads, a.K, a.V, with_fla=not a.no_fla, do_sweep=a.sweep)

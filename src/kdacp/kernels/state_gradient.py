@@ -18,9 +18,51 @@ import triton.language as tl
 from .checks import check_summary_inputs
 from .compose import fold_summaries
 from .state_summary import _strides
-from .utils import SummaryConfig, dot_inputs, dot_state, pick_chunks_per_program, plan_summary, split_bf16
+from .utils import (SummaryConfig, dot_inputs, dot_state, dot_state_left, exp2_f32, pick_chunks_per_program,
+                    plan_summary, split_bf16)
 
 __all__ = ["state_gradient_summary"]
+
+# Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md): a serial walk over
+# heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T).
+DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, bf16_pieces=3, v_first=False)
+
+
+@triton.jit
+def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end, n_chunks,
+               n_run, o_k, o_c, m_v, BT: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
+               VF: tl.constexpr):
+    """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile."""
+    o_t = tl.arange(0, BT)
+    for i in range(n_run):
+        t0 = start + (n_chunks - 1 - i) * BT
+        rows = t0 + o_t
+        m_t = rows < end
+        last = tl.minimum(t0 + BT, end) - 1
+        b_decay = exp2_f32(tl.load(p_g + last * s_gt + o_k))
+        if VF:  # st is dS^T [BV, K]
+            m_tv = m_v[:, None] & m_t[None, :]
+            b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            b_dv = tl.load(p_dv + rows[None, :] * s_vt + o_c[:, None], mask=m_tv, other=0.0).to(tl.float32)
+            # dv'^T = dS^T kg^T + dv^T, from the state before this chunk's update
+            b_dvp = dot_state_left(st, b_kt, b_dv, SPLIT_BF16, NSPLIT)
+            b_do = tl.load(p_do + rows[None, :] * s_ot + o_c[:, None], mask=m_tv, other=0.0)
+            b_q = tl.load(p_q + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            acc = st * b_decay[None, :] + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
+            b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            st = dot_state_left(-b_dvp, b_w, acc, SPLIT_BF16, NSPLIT)
+        else:  # st is dS [K, BV]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            # dv' = kg dS + dv, from the state before this chunk's update
+            b_dvp = dot_state(b_k, st, b_dv, SPLIT_BF16, NSPLIT)
+            b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
+            acc = st * b_decay[:, None] + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
+            b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            st = dot_state(b_wt, -b_dvp, acc, SPLIT_BF16, NSPLIT)
+    return st
 
 
 @triton.jit
@@ -30,9 +72,9 @@ def _state_gradient_kernel(
     s_ob, s_ot, s_oh, s_vb, s_vt, s_vh,
     scale, head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, NSPLIT_G: tl.constexpr, VF: tl.constexpr,
 ):
-    """One ``[K, BV]`` tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
+    """One ``BV``-column tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
     chunks in reverse. ``qg, kg, gc [B, T, HV, K]``, ``w`` via strides, ``do, dv [B, T, HV, V]``;
     writes ``ws [NW, HV_out, K, NCOL]`` float32 (``M^T`` columns from ``V``)."""
     i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -47,7 +89,6 @@ def _state_gradient_kernel(
 
     h = (head_start + i_h).to(tl.int64)
     o_k = tl.arange(0, K)
-    o_t = tl.arange(0, BT)
     o_c = i_c * BV + tl.arange(0, BV)
     m_v = o_c < V
     p_q = qg + b * s_qb + h * s_qh
@@ -56,27 +97,25 @@ def _state_gradient_kernel(
     p_g = gc + b * s_gb + h * s_gh
     p_do = do + b * s_ob + h * s_oh
     p_dv = dv + b * s_vb + h * s_vh
-
     # G columns start from zero, M^T columns from the identity
-    st = tl.where(o_k[:, None] == (o_c - V)[None, :], 1.0, 0.0).to(tl.float32)
-    for i in range(n_run):
-        t0 = start + (n_chunks - 1 - i) * BT
-        rows = t0 + o_t
-        m_t = rows < end
-        m_tv = m_t[:, None] & m_v[None, :]
-        last = tl.minimum(t0 + BT, end) - 1
-        b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_decay = tl.exp2(tl.load(p_g + last * s_gt + o_k).to(tl.float32))
-        # dv' = kg dS + dv, from the state before this chunk's update
-        b_dvp = dot_state(b_k, st, b_dv, SPLIT_BF16)
-        b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
-        b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
-        acc = st * b_decay[:, None] + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
-        b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
-        st = dot_state(b_wt, -b_dvp, acc, SPLIT_BF16)
-    p_ws = ws + ((i_w * HV + i_h).to(tl.int64) * K + o_k[:, None]) * NCOL + o_c[None, :]
-    tl.store(p_ws, st)
+    if VF:
+        st = tl.where((o_c - V)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
+    else:
+        st = tl.where(o_k[:, None] == (o_c - V)[None, :], 1.0, 0.0).to(tl.float32)
+    if NSPLIT_G == 3 or NCOL == V:
+        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
+                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT_G, VF)
+    elif is_m:  # products of M^T factors stay float32-faithful
+        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
+                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, 3, VF)
+    else:
+        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
+                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT_G, VF)
+    base = (i_w * HV + i_h).to(tl.int64) * K
+    if VF:
+        tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
+    else:
+        tl.store(ws + (base + o_k[:, None]) * NCOL + o_c[None, :], st)
 
 
 def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64, head_start: int = 0,
@@ -99,11 +138,11 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     dims = check_summary_inputs({"qg": qg, "kg": kg, "w": w}, {"do": do}, gc, chunk_size=chunk_size,
                                 head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
                                 cu_seqlens=cu_seqlens, segment=segment, dv=dv)
-    cfg = config or SummaryConfig()
+    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
     K, V, HV = dims.K, dims.V, dims.HV
     block_v = min(cfg.block_v, K, V)
     L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (V + K) // block_v, chunk_size,
-                                                          kg.device)
+                                                          kg.device, serial_programs=HV * V // block_v)
     plan = plan_summary(dims.bounds, chunk_size, L, reverse=True, transition_everywhere=False, device=kg.device)
     ncol = V + (K if plan.max_subsegments > 1 else 0)
     ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
@@ -112,7 +151,8 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
         qg, kg, w, gc, do, dv, ws, plan.work,
         *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
         float(scale), dims.head_start, HV,
-        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype),
+        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype), NSPLIT_G=cfg.bf16_pieces,
+        VF=cfg.v_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     G, _ = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=V, want_a=True, want_t=False, reverse=True,

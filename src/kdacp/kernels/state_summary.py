@@ -15,11 +15,50 @@ import triton.language as tl
 
 from .checks import check_summary_inputs
 from .compose import StateSummary, fold_summaries
-from .utils import SummaryConfig, dot_state, pick_chunks_per_program, plan_summary, split_bf16
+from .utils import (SummaryConfig, dot_state, dot_state_left, exp2_f32, pick_chunks_per_program, plan_summary,
+                    split_bf16)
 
 __all__ = ["state_summary", "transition"]
 
 _OUTPUTS = ("both", "state", "transition")
+# Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md).
+DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_pieces=2, v_first=False)
+
+
+@triton.jit
+def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
+          NSPLIT: tl.constexpr, VF: tl.constexpr):
+    """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile."""
+    o_t = tl.arange(0, BT)
+    for i in range(n_chunks):
+        t0 = start + i * BT
+        rows = t0 + o_t
+        m_t = rows < end
+        last = tl.minimum(t0 + BT, end) - 1
+        b_decay = exp2_f32(tl.load(p_g + last * s_gt + o_k))
+        # padded rows load as zero and add nothing
+        if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg
+            b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            b_kg = tl.load(p_kg + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if HAS_S:
+                b_u = tl.load(p_u + rows[None, :] * s_ut + o_c[:, None], mask=m_t[None, :] & m_u[:, None],
+                              other=0.0).to(tl.float32)
+            else:
+                b_u = tl.zeros([BV, BT], dtype=tl.float32)
+            b_v = dot_state_left(-st, b_wt, b_u, SPLIT_BF16, NSPLIT)
+            st = dot_state_left(b_v, b_kg, st * b_decay[None, :], SPLIT_BF16, NSPLIT)
+        else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
+            b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            if HAS_S:
+                b_u = tl.load(p_u + rows[:, None] * s_ut + o_c[None, :], mask=m_t[:, None] & m_u[None, :],
+                              other=0.0).to(tl.float32)
+            else:
+                b_u = tl.zeros([BT, BV], dtype=tl.float32)
+            b_v = dot_state(b_w, -st, b_u, SPLIT_BF16, NSPLIT)
+            st = dot_state(b_kt, b_v, st * b_decay[:, None], SPLIT_BF16, NSPLIT)
+    return st
 
 
 @triton.jit
@@ -28,9 +67,10 @@ def _state_summary_kernel(
     s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh,
     head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT_S: tl.constexpr,
+    VF: tl.constexpr,
 ):
-    """One ``[K, BV]`` tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
+    """One ``BV``-column tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
 
     ``kg, gc [B, T, HV, K]``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
     ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
@@ -47,34 +87,31 @@ def _state_summary_kernel(
 
     h = (head_start + i_h).to(tl.int64)
     o_k = tl.arange(0, K)
-    o_t = tl.arange(0, BT)
     o_c = i_c * BV + tl.arange(0, BV)
     m_u = o_c < MOFF
     p_kg = kg + b * s_kb + h * s_kh
     p_w = w + b * s_wb + h * s_wh
     p_u = u + b * s_ub + h * s_uh
     p_g = gc + b * s_gb + h * s_gh
-
     # S columns start from zero, M columns from the identity
-    st = tl.where(o_k[:, None] == (o_c - MOFF)[None, :], 1.0, 0.0).to(tl.float32)
-    for i in range(n_chunks):
-        t0 = start + i * BT
-        rows = t0 + o_t
-        m_t = rows < end
-        last = tl.minimum(t0 + BT, end) - 1
-        b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
-        b_decay = tl.exp2(tl.load(p_g + last * s_gt + o_k).to(tl.float32))
-        if HAS_S:
-            b_u = tl.load(p_u + rows[:, None] * s_ut + o_c[None, :], mask=m_t[:, None] & m_u[None, :],
-                          other=0.0).to(tl.float32)
-        else:
-            b_u = tl.zeros([BT, BV], dtype=tl.float32)
-        # v_new = u - w S, then S <- Diag(decay) S + kg^T v_new; padded rows load as zero and add nothing
-        b_v = dot_state(b_w, -st, b_u, SPLIT_BF16)
-        st = dot_state(b_kt, b_v, st * b_decay[:, None], SPLIT_BF16)
-    p_ws = ws + ((i_w * HV + i_h).to(tl.int64) * K + o_k[:, None]) * NCOL + o_c[None, :]
-    tl.store(p_ws, st)
+    if VF:
+        st = tl.where((o_c - MOFF)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
+    else:
+        st = tl.where(o_k[:, None] == (o_c - MOFF)[None, :], 1.0, 0.0).to(tl.float32)
+    if NSPLIT_S == 3 or not HAS_S:
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+                   BT, BV, HAS_S, SPLIT_BF16, 3, VF)
+    elif is_m:  # products of M factors stay float32-faithful
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+                   BT, BV, HAS_S, SPLIT_BF16, 3, VF)
+    else:
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+                   BT, BV, HAS_S, SPLIT_BF16, NSPLIT_S, VF)
+    base = (i_w * HV + i_h).to(tl.int64) * K
+    if VF:
+        tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
+    else:
+        tl.store(ws + (base + o_k[:, None]) * NCOL + o_c[None, :], st)
 
 
 def _strides(x: torch.Tensor, head_first: bool = False):
@@ -83,13 +120,15 @@ def _strides(x: torch.Tensor, head_first: bool = False):
 
 
 def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
-    cfg = config or SummaryConfig()
+    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
     has_s = output != "transition"
     K, V, HV = dims.K, dims.V, dims.HV
     s_cols = V if has_s else 0
     block_v = min(cfg.block_v, K, V) if has_s else min(cfg.block_v, K)
-    tiles_per_subsegment = HV * (s_cols + K) // block_v
-    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, tiles_per_subsegment, chunk_size, kg.device)
+    # cutting a state-only summary into sub-segments adds M columns: only worth it on a small grid
+    serial = HV * V // block_v if output == "state" else None
+    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (s_cols + K) // block_v, chunk_size,
+                                                          kg.device, serial_programs=serial)
     plan = plan_summary(dims.bounds, chunk_size, L, reverse=False, transition_everywhere=output != "state",
                         device=kg.device)
     # state-only with one sub-segment per sequence never needs M columns at all
@@ -102,7 +141,8 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
         *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
         dims.head_start, HV,
         K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
-        SPLIT_BF16=split_bf16(kg.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_BF16=split_bf16(kg.dtype), NSPLIT_S=cfg.bf16_pieces, VF=cfg.v_first, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",
                           reverse=False, block_v=block_v)

@@ -1,49 +1,80 @@
 """Shared Triton helpers and launch planning for the summary kernels.
 
-Precision: every product that touches a float32 state is accurate to float32 rounding.
-With bf16 inputs the float32 operand is split into three bf16 pieces (``b = b1 + b2 + b3``
-carries ~24 significant bits), so each of the three tensor-core products is exact and only
-the float32 accumulation rounds. With fp16/fp32 inputs both operands go to float32 and
-``tl.dot`` runs in 3xTF32 (about 2^-21 relative per product). Plain bf16 or TF32 products
-of the state would drift along the chunk chain (DESIGN.md, precision).
+Precision. Every product that touches a float32 state keeps the state's float32 value: with bf16
+inputs the float32 operand is split into bf16 pieces (``b = b1 + b2 (+ b3)``), each tensor-core
+product ``a * b_i`` is exact and only the float32 accumulation rounds. Three pieces carry ~24
+significant bits (float32-faithful, as accurate as 3xTF32 or better); two carry ~16. Transition
+columns (``M``, ``M^T``) always use three; ``S_ext``/``G`` columns use ``SummaryConfig.bf16_pieces``.
+With fp16/fp32 inputs both operands go to float32 and ``tl.dot`` runs in 3xTF32. The per-chunk
+decays ``exp2(gc_last)`` are computed in float64 and rounded once: the fast float32 ``exp2``
+(``ex2.approx``) is off by ~2^-22 with a bias that adds up along the chunk chain (~6e-5 on ``M``
+over 16K tokens of slowly decaying channels).
 """
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-__all__ = ["SummaryConfig", "SummaryPlan", "plan_summary", "dot_state", "dot_inputs", "split_bf16", "F32_DOT"]
+__all__ = ["SummaryConfig", "SummaryPlan", "plan_summary", "dot_state", "dot_state_left", "dot_inputs", "exp2_f32",
+           "split_bf16", "F32_DOT", "INTERPRET"]
 
 # tl.dot precision for float32 x float32 products (the interpreter ignores it and uses numpy float32).
 F32_DOT: tl.constexpr = tl.constexpr("tf32x3")
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def split_bf16(dtype: torch.dtype) -> bool:
-    """Whether to run the bf16 three-piece products. Triton 3.6's interpreter multiplies bf16 tiles as
-    raw uint16 and truncates float32 -> bf16 casts, so there every input goes through float32."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    """Whether to run the bf16 piece products. Triton 3.6's interpreter multiplies bf16 tiles as raw
+    uint16 and truncates float32 -> bf16 casts, so there every input goes through float32."""
+    return dtype == torch.bfloat16 and not INTERPRET
 
 
 @triton.jit
-def dot_state(a, b, acc, SPLIT_BF16: tl.constexpr):
-    """``acc + a @ b`` to float32 accuracy: ``a`` holds input values (bf16/fp16/fp32), ``b`` and
-    ``acc`` are float32."""
+def exp2_f32(x):
+    """``exp2(x)`` correctly rounded to float32 (float64 evaluation)."""
+    if INTERPRET:  # libdevice does not run in the interpreter
+        out = tl.exp2(x.to(tl.float64)).to(tl.float32)
+    else:
+        out = libdevice.exp2(x.to(tl.float64)).to(tl.float32)
+    return out
+
+
+@triton.jit
+def dot_state(a, b, acc, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """``acc + a @ b``: ``a`` an input-dtype tile, ``b`` and ``acc`` float32 (``NSPLIT`` bf16 pieces of ``b``)."""
     if SPLIT_BF16:
-        # a is bf16, so a * b_i is exact for bf16 pieces b_i; add the small pieces first.
         b1 = b.to(tl.bfloat16)
         r = b - b1.to(tl.float32)
         b2 = r.to(tl.bfloat16)
-        b3 = (r - b2.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(a, b3, acc)
+        # smallest pieces first
+        if NSPLIT == 3:
+            acc = tl.dot(a, (r - b2.to(tl.float32)).to(tl.bfloat16), acc)
         acc = tl.dot(a, b2, acc)
         acc = tl.dot(a, b1, acc)
     else:
         acc = tl.dot(a.to(tl.float32), b, acc, input_precision=F32_DOT)
+    return acc
+
+
+@triton.jit
+def dot_state_left(a, b, acc, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """``acc + a @ b``: ``a`` and ``acc`` float32 (split into ``NSPLIT`` bf16 pieces), ``b`` an input-dtype tile."""
+    if SPLIT_BF16:
+        a1 = a.to(tl.bfloat16)
+        r = a - a1.to(tl.float32)
+        a2 = r.to(tl.bfloat16)
+        if NSPLIT == 3:
+            acc = tl.dot((r - a2.to(tl.float32)).to(tl.bfloat16), b, acc)
+        acc = tl.dot(a2, b, acc)
+        acc = tl.dot(a1, b, acc)
+    else:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=F32_DOT)
     return acc
 
 
@@ -59,20 +90,30 @@ def dot_inputs(a, b, SPLIT_BF16: tl.constexpr):
 
 @dataclass(frozen=True)
 class SummaryConfig:
-    """Tiling of the summary kernels.
+    """Tiling and precision of the summary kernels; ``None`` fields take each kernel's default.
 
     Args:
-        block_v: columns of the ``[K, V (+K)]`` state per program (16, 32 or 64).
-        chunks_per_program: chunks one program walks serially; a sequence longer than that is cut
-            into sub-segments summarised in parallel and folded afterwards (which costs the extra
-            ``K`` transition columns per sub-segment). ``None``: pick from the GPU size.
+        block_v: state columns per program (16, 32 or 64).
+        chunks_per_program: chunks one program walks serially; a longer sequence is cut into
+            sub-segments summarised in parallel and folded afterwards (each but one then also walks
+            the ``K`` transition columns). ``None``: pick from the grid and the GPU size.
         num_warps, num_stages: Triton launch options of the main kernel.
+        bf16_pieces: bf16 pieces of the float32 state operand in the ``S_ext``/``G`` columns with
+            bf16 inputs: 3 (float32-faithful) or 2 (~16 bits, faster). Transition columns use 3.
+        v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
+            operand of every product.
     """
 
-    block_v: int = 64
+    block_v: int | None = None
     chunks_per_program: int | None = None
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bf16_pieces: int | None = None
+    v_first: bool | None = None
+
+    def resolved(self, default: "SummaryConfig") -> "SummaryConfig":
+        """This config with its ``None`` fields taken from ``default``."""
+        return replace(default, **{k: v for k, v in self.__dict__.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -95,22 +136,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_chunks_per_program(bounds, programs_per_subsegment: int, chunk_size: int, device) -> int:
-    """Chunks per program so that the grid fills the GPU about ``_WAVES`` times over, with the
-    longest sequence cut into equal sub-segments."""
-    target = _WAVES * _sm_count(device)
+def pick_chunks_per_program(bounds, programs_per_subsegment: int, chunk_size: int, device,
+                            serial_programs: int | None = None) -> int:
+    """Chunks per program: sequences are cut so that the grid holds about ``_WAVES`` programs per SM.
+
+    ``serial_programs``: the grid without cutting (when cutting adds transition columns); if that
+    already fills the GPU, nothing is cut.
+    """
+    sms = _sm_count(device)
     chunks = [-(-(e - s) // chunk_size) for _, s, e in bounds]
-    # programs ~= programs_per_subsegment * sum(chunks) / L
-    L = max(_MIN_CHUNKS, -(-programs_per_subsegment * sum(chunks) // target))
     longest = max(chunks)
+    if serial_programs is not None and serial_programs * len(bounds) >= sms:
+        return longest
+    num_work = max(len(bounds), (_WAVES * sms) // programs_per_subsegment)
+    L = max(_MIN_CHUNKS, -(-sum(chunks) // num_work))
     if L >= longest:
         return longest
-    return -(-longest // -(-longest // L))
+    return -(-longest // -(-longest // L))  # equal sub-segments of the longest sequence
 
 
-# A sub-segment shorter than this costs more in transition columns and folding than it gains.
+# Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
+# sub-segment shorter than this costs more in transition columns and folding than it gains.
 _MIN_CHUNKS = 8
-_WAVES = 4
+_WAVES = 2
 
 
 def plan_summary(bounds, chunk_size: int, chunks_per_program: int, reverse: bool, transition_everywhere: bool,
