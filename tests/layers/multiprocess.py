@@ -1,7 +1,6 @@
 """Run a test function on several gloo ranks (spawned processes) with timeouts, so a failure fails fast."""
 from __future__ import annotations
 
-import os
 import socket
 import time
 from datetime import timedelta
@@ -18,7 +17,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # ranks share the machine's few cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
