@@ -210,6 +210,11 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
     if do_sweep:  # "fwd" or "grad": only the tiling sweep
         return sweep(x, r, costs, chunk_size, do_sweep)
     rows = []
+
+    def add(row):
+        rows.append(row)
+        print(format_table([row]).splitlines()[-1], flush=True)
+
     for output, key in (("both", "both"), ("state", "state"), ("transition", "transition")):
         S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output)
         ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output))
@@ -219,19 +224,31 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
         if M is not None:
             errs["M"] = rel_err(M, r["M"])
         label = {"both": "S_ext+M", "state": "S_ext only", "transition": "M only"}[output]
-        rows.append(_row(f"kdacp state_summary ({label})", ms, costs[key], **errs))
+        add(_row(f"kdacp state_summary ({label})", ms, costs[key], **errs))
     gargs = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
     G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size)
     ms = _bench(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size))
-    rows.append(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], G=rel_err(G, r["G"])))
+    add(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], G=rel_err(G, r["G"])))
+    # the float32-faithful variants (three bf16 pieces per state product) and one layout alternative
+    for name, cfg in (("S_ext+M, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),):
+        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg)
+        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg))
+        add(_row(f"kdacp state_summary ({name})", ms, costs["both"], S=rel_err(S, r["S"]), M=rel_err(M, r["M"])))
+    for name, cfg in (("G, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),
+                      ("G, v_first block_v=16", kn.SummaryConfig(v_first=True, block_v=16))):
+        G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg)
+        ms = _bench(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg))
+        add(_row(f"kdacp state_gradient_summary ({name})", ms, costs["grad"], G=rel_err(G, r["G"])))
     if with_fla:
         fla = _fla_rows(x, r, costs, B, T, HV, K, V, chunk_size)
-        by = {row["kernel"].split(" (")[0]: row for row in fla}
-        if "FLA chunk_cp_fwd_h" in by:
-            rows[0]["speedup_vs_fla"] = by["FLA chunk_cp_fwd_h"]["ms"] / rows[0]["ms"]
-        if "FLA chunk_cp_bwd_dh" in by:
-            rows[3]["speedup_vs_fla"] = by["FLA chunk_cp_bwd_dh"]["ms"] / rows[3]["ms"]
-        rows += fla
+        for row in fla:
+            add(row)
+        base = {row["kernel"].split(" (")[0]: row["ms"] for row in fla}
+        for row in rows:
+            if row["kernel"].startswith("kdacp state_summary (S_ext+M") and "FLA chunk_cp_fwd_h" in base:
+                row["speedup_vs_fla"] = base["FLA chunk_cp_fwd_h"] / row["ms"]
+            if row["kernel"].startswith("kdacp state_gradient_summary") and "FLA chunk_cp_bwd_dh" in base:
+                row["speedup_vs_fla"] = base["FLA chunk_cp_bwd_dh"] / row["ms"]
     return rows
 
 
@@ -240,7 +257,7 @@ def format_table(rows) -> str:
     fmt = {"ms": "{:.3f}", "roofline_ms": "{:.3f}", "TFLOP/s": "{:.1f}", "GB/s": "{:.0f}", "err_S": "{:.1e}",
            "err_M": "{:.1e}", "err_G": "{:.1e}", "speedup_vs_fla": "{:.2f}x"}
     cells = [[(fmt.get(c, "{}").format(row[c]) if row.get(c) is not None else "") for c in cols] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in cells]
@@ -258,6 +275,7 @@ def main(argv=None):
     p.add_argument("--sweep", choices=("fwd", "grad"), default=None, help="only time a grid of tilings")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
+    print(format_table([]))  # header; rows print as they are measured
     rows = run(a.B, a.T, a.heads, a.K, a.V, with_fla=not a.no_fla, do_sweep=a.sweep)
     print(f"{torch.cuda.get_device_name()}, B={a.B} T={a.T} HV={a.heads} K={a.K} V={a.V} bf16, "
           f"roofline: {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16, {PEAK_BYTES / 1e12:.1f} TB/s")

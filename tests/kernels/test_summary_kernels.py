@@ -266,11 +266,11 @@ def test_gpu_summaries_at_16k_bf16():
     S_ref, M_ref = ref_summary(x)
     assert M_ref.norm() > 1e-20
     S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"])
-    # S_ext/G default to two bf16 pieces (~16 bits per product); M is float32-faithful
-    assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 1e-5
+    # default: two bf16 pieces per state product (~16 bits; measured errors in benchmarks/RESULTS.md)
+    assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
     S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state")
     assert rel_err(S_only, S_ref) < 5e-5
-    assert rel_err(kn.transition(low["kg"], low["w"], low["gc"]), M_ref) < 1e-5
+    assert rel_err(kn.transition(low["kg"], low["w"], low["gc"]), M_ref) < 2e-4
     dv_before = low["dv"].clone()
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE)
     assert rel_err(G, ref_grad(x)) < 5e-5

@@ -25,7 +25,7 @@ __all__ = ["state_gradient_summary"]
 
 # Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md): a serial walk over
 # heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T).
-DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, bf16_pieces=3, v_first=False)
+DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=2, bf16_pieces=2, v_first=False)
 
 
 @triton.jit
@@ -45,23 +45,23 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
             b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_dv = tl.load(p_dv + rows[None, :] * s_vt + o_c[:, None], mask=m_tv, other=0.0).to(tl.float32)
             # dv'^T = dS^T kg^T + dv^T, from the state before this chunk's update
-            b_dvp = dot_state_left(st, b_kt, b_dv, SPLIT_BF16, NSPLIT)
+            b_dvp = b_dv + dot_state_left(st, b_kt, SPLIT_BF16, NSPLIT)
             b_do = tl.load(p_do + rows[None, :] * s_ot + o_c[:, None], mask=m_tv, other=0.0)
             b_q = tl.load(p_q + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)
             acc = st * b_decay[None, :] + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
-            st = dot_state_left(-b_dvp, b_w, acc, SPLIT_BF16, NSPLIT)
+            st = acc - dot_state_left(b_dvp, b_w, SPLIT_BF16, NSPLIT)
         else:  # st is dS [K, BV]
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
             # dv' = kg dS + dv, from the state before this chunk's update
-            b_dvp = dot_state(b_k, st, b_dv, SPLIT_BF16, NSPLIT)
+            b_dvp = b_dv + dot_state(b_k, st, SPLIT_BF16, NSPLIT)
             b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
             acc = st * b_decay[:, None] + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
-            st = dot_state(b_wt, -b_dvp, acc, SPLIT_BF16, NSPLIT)
+            st = acc - dot_state(b_wt, b_dvp, SPLIT_BF16, NSPLIT)
     return st
 
 
@@ -72,7 +72,7 @@ def _state_gradient_kernel(
     s_ob, s_ot, s_oh, s_vb, s_vt, s_vh,
     scale, head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, NSPLIT_G: tl.constexpr, VF: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr, VF: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
     chunks in reverse. ``qg, kg, gc [B, T, HV, K]``, ``w`` via strides, ``do, dv [B, T, HV, V]``;
@@ -102,15 +102,8 @@ def _state_gradient_kernel(
         st = tl.where((o_c - V)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
     else:
         st = tl.where(o_k[:, None] == (o_c - V)[None, :], 1.0, 0.0).to(tl.float32)
-    if NSPLIT_G == 3 or NCOL == V:
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
-                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT_G, VF)
-    elif is_m:  # products of M^T factors stay float32-faithful
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
-                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, 3, VF)
-    else:
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
-                        n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT_G, VF)
+    st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
+                    n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF)
     base = (i_w * HV + i_h).to(tl.int64) * K
     if VF:
         tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
@@ -151,7 +144,7 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
         qg, kg, w, gc, do, dv, ws, plan.work,
         *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
         float(scale), dims.head_start, HV,
-        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype), NSPLIT_G=cfg.bf16_pieces,
+        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces,
         VF=cfg.v_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -46,8 +46,8 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BV, BT], dtype=tl.float32)
-            b_v = dot_state_left(-st, b_wt, b_u, SPLIT_BF16, NSPLIT)
-            st = dot_state_left(b_v, b_kg, st * b_decay[None, :], SPLIT_BF16, NSPLIT)
+            b_v = b_u - dot_state_left(st, b_wt, SPLIT_BF16, NSPLIT)
+            st = st * b_decay[None, :] + dot_state_left(b_v, b_kg, SPLIT_BF16, NSPLIT)
         else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -56,8 +56,8 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BT, BV], dtype=tl.float32)
-            b_v = dot_state(b_w, -st, b_u, SPLIT_BF16, NSPLIT)
-            st = dot_state(b_kt, b_v, st * b_decay[:, None], SPLIT_BF16, NSPLIT)
+            b_v = b_u - dot_state(b_w, st, SPLIT_BF16, NSPLIT)
+            st = st * b_decay[:, None] + dot_state(b_kt, b_v, SPLIT_BF16, NSPLIT)
     return st
 
 
@@ -67,7 +67,7 @@ def _state_summary_kernel(
     s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh,
     head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT_S: tl.constexpr,
+    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
     VF: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
@@ -98,15 +98,8 @@ def _state_summary_kernel(
         st = tl.where((o_c - MOFF)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
     else:
         st = tl.where(o_k[:, None] == (o_c - MOFF)[None, :], 1.0, 0.0).to(tl.float32)
-    if NSPLIT_S == 3 or not HAS_S:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
-                   BT, BV, HAS_S, SPLIT_BF16, 3, VF)
-    elif is_m:  # products of M factors stay float32-faithful
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
-                   BT, BV, HAS_S, SPLIT_BF16, 3, VF)
-    else:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
-                   BT, BV, HAS_S, SPLIT_BF16, NSPLIT_S, VF)
+    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF)
     base = (i_w * HV + i_h).to(tl.int64) * K
     if VF:
         tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
@@ -141,7 +134,7 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
         *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
         dims.head_start, HV,
         K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
-        SPLIT_BF16=split_bf16(kg.dtype), NSPLIT_S=cfg.bf16_pieces, VF=cfg.v_first, num_warps=cfg.num_warps,
+        SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces, VF=cfg.v_first, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",

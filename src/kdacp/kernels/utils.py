@@ -1,11 +1,11 @@
 """Shared Triton helpers and launch planning for the summary kernels.
 
-Precision. Every product that touches a float32 state keeps the state's float32 value: with bf16
-inputs the float32 operand is split into bf16 pieces (``b = b1 + b2 (+ b3)``), each tensor-core
-product ``a * b_i`` is exact and only the float32 accumulation rounds. Three pieces carry ~24
-significant bits (float32-faithful, as accurate as 3xTF32 or better); two carry ~16. Transition
-columns (``M``, ``M^T``) always use three; ``S_ext``/``G`` columns use ``SummaryConfig.bf16_pieces``.
-With fp16/fp32 inputs both operands go to float32 and ``tl.dot`` runs in 3xTF32. The per-chunk
+Precision. Every product that touches a float32 state keeps the state in float32: with bf16 inputs
+the float32 operand is split into bf16 pieces (``b = b1 + b2 (+ b3)``), each tensor-core product
+``a * b_i`` is exact and only the float32 accumulation rounds. Three pieces carry ~24 significant
+bits (float32-faithful), two ~16 (``SummaryConfig.bf16_pieces``). With fp16/fp32 inputs both
+operands go to float32 and ``tl.dot`` runs in 3xTF32. Products are formed from a zero accumulator
+and added to the state outside the tensor cores (see :func:`dot_state`). The per-chunk
 decays ``exp2(gc_last)`` are computed in float64 and rounded once: the fast float32 ``exp2``
 (``ex2.approx``) is off by ~2^-22 with a bias that adds up along the chunk chain (~6e-5 on ``M``
 over 16K tokens of slowly decaying channels).
@@ -46,35 +46,43 @@ def exp2_f32(x):
 
 
 @triton.jit
-def dot_state(a, b, acc, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
-    """``acc + a @ b``: ``a`` an input-dtype tile, ``b`` and ``acc`` float32 (``NSPLIT`` bf16 pieces of ``b``)."""
+def dot_state(a, b, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """``a @ b`` in float32: ``a`` an input-dtype tile, ``b`` float32 (``NSPLIT`` bf16 pieces of ``b``).
+
+    Callers add the result to the state themselves: a running state passed to ``tl.dot`` as the
+    accumulator is truncated at every tensor-core k-step, a bias that adds up along the chunk chain.
+    """
     if SPLIT_BF16:
         b1 = b.to(tl.bfloat16)
         r = b - b1.to(tl.float32)
         b2 = r.to(tl.bfloat16)
         # smallest pieces first
         if NSPLIT == 3:
-            acc = tl.dot(a, (r - b2.to(tl.float32)).to(tl.bfloat16), acc)
-        acc = tl.dot(a, b2, acc)
+            acc = tl.dot(a, (r - b2.to(tl.float32)).to(tl.bfloat16))
+            acc = tl.dot(a, b2, acc)
+        else:
+            acc = tl.dot(a, b2)
         acc = tl.dot(a, b1, acc)
     else:
-        acc = tl.dot(a.to(tl.float32), b, acc, input_precision=F32_DOT)
+        acc = tl.dot(a.to(tl.float32), b, input_precision=F32_DOT)
     return acc
 
 
 @triton.jit
-def dot_state_left(a, b, acc, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
-    """``acc + a @ b``: ``a`` and ``acc`` float32 (split into ``NSPLIT`` bf16 pieces), ``b`` an input-dtype tile."""
+def dot_state_left(a, b, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """``a @ b`` in float32: ``a`` float32 (split into ``NSPLIT`` bf16 pieces), ``b`` an input-dtype tile."""
     if SPLIT_BF16:
         a1 = a.to(tl.bfloat16)
         r = a - a1.to(tl.float32)
         a2 = r.to(tl.bfloat16)
         if NSPLIT == 3:
-            acc = tl.dot((r - a2.to(tl.float32)).to(tl.bfloat16), b, acc)
-        acc = tl.dot(a2, b, acc)
+            acc = tl.dot((r - a2.to(tl.float32)).to(tl.bfloat16), b)
+            acc = tl.dot(a2, b, acc)
+        else:
+            acc = tl.dot(a2, b)
         acc = tl.dot(a1, b, acc)
     else:
-        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=F32_DOT)
+        acc = tl.dot(a, b.to(tl.float32), input_precision=F32_DOT)
     return acc
 
 
@@ -98,8 +106,8 @@ class SummaryConfig:
             sub-segments summarised in parallel and folded afterwards (each but one then also walks
             the ``K`` transition columns). ``None``: pick from the grid and the GPU size.
         num_warps, num_stages: Triton launch options of the main kernel.
-        bf16_pieces: bf16 pieces of the float32 state operand in the ``S_ext``/``G`` columns with
-            bf16 inputs: 3 (float32-faithful) or 2 (~16 bits, faster). Transition columns use 3.
+        bf16_pieces: bf16 pieces of the float32 state operand with bf16 inputs: 3 (float32-faithful)
+            or 2 (~16 bits per product, faster).
         v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
             operand of every product.
     """
