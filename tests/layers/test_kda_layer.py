@@ -47,7 +47,8 @@ def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
             return F.silu(F.conv1d(proj(xs).transpose(1, 2), mod.weight, mod.bias, padding=W - 1,
                                    groups=mod.weight.shape[0])[..., :e - s].transpose(1, 2))
 
-        q, k, v = conv(layer.q_proj, layer.q_conv1d), conv(layer.k_proj, layer.k_conv1d), conv(layer.v_proj, layer.v_conv1d)
+        q, k = conv(layer.q_proj, layer.q_conv1d), conv(layer.k_proj, layer.k_conv1d)
+        v = conv(layer.v_proj, layer.v_conv1d)
         z = layer.f_proj(xs) + layer.dt_bias
         z = z.unflatten(-1, (-1, K))
         if lb is None:

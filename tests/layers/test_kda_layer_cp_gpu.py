@@ -76,4 +76,4 @@ def _check(rank, world_size, device_type="cuda", backend="fla"):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_layer_cp_2_gpus_bf16():
     pytest.importorskip("fla", reason="needs fla-core")
-    run_ranks(_check, 2, backend="nccl", timeout_s=400)
+    run_ranks(_check, 2, backend="nccl", timeout_s=240)

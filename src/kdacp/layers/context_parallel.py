@@ -156,7 +156,8 @@ class KDAContextParallel(_SingleDevice):
         packed = torch.cat([x.reshape(B, T, U, w) for x, w in zip(xs, widths)], dim=-1)   # [B, T, U, Cs]
         recv = all_to_all(packed.permute(2, 0, 1, 3), self.ulysses_group)               # [U(src), B, T, Cs]
         out = recv.permute(1, 0, 2, 3).reshape(B, U * T, -1)
-        return list(out.split(widths, dim=-1))
+        # Contiguous parts: the gate and beta go straight to the KDA kernels.
+        return [part.contiguous() for part in out.split(widths, dim=-1)]
 
     def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
         """Head shard ``o [B, U*T, HV/U, V]`` -> sequence shard ``[B, T, HV, V]``, and the head-sharded

@@ -137,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
         o, final_state = cp.chunk_kda(
             q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), g.unflatten(-1, (-1, K)),
             beta, cu_seqlens=cu_seqlens, backend=self.backend,
-            initial_state=None if initial_state is None else initial_state[:, v_heads],
+            initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K],
             lower_bound=self.gate_lower_bound, safe_gate=self.gate_lower_bound is not None)
