@@ -49,11 +49,12 @@ def layer_step(layer: KimiDeltaAttention, x: torch.Tensor, dy: torch.Tensor) -> 
 
 def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128,
         modes=("state", "ulysses"), warmup: int = 3, iters: int = 10, group=None, device="cuda",
-        dtype=torch.bfloat16, backend: str = "fla") -> list[dict]:
-    """Rows ``run, gpus, tokens_per_gpu, global_tokens, ms, speedup, peak_GB``.
+        dtype=torch.bfloat16, backend: str = "fla", report=None) -> list[dict]:
+    """Rows ``run, gpus, tokens_per_gpu, global_tokens, ms, peak_GB, speedup``.
 
     ``speedup``: the one-GPU time on ``global_tokens`` over the row's time; ``peak_GB``: the largest
-    peak memory over ranks (CUDA only). Call on every rank of ``group``.
+    peak memory over ranks (CUDA only). ``report``: called with each row as it completes (before
+    ``speedup`` is known). Call on every rank of ``group``.
     """
     device = torch.device(device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -77,6 +78,8 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         gpus = 1 if cp is None else world_size
         rows.append(dict(run=name, gpus=gpus, tokens_per_gpu=T, global_tokens=T * gpus, ms=ms, peak_GB=peak.item()))
+        if report is not None:
+            report(rows[-1])
         del x, dy
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -99,8 +102,9 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    report = (lambda row: print(row, flush=True)) if dist.get_rank() == 0 else None
     rows = run(args.t_local, hidden=args.hidden, heads=args.heads, modes=tuple(args.modes), warmup=args.warmup,
-               iters=args.iters)
+               iters=args.iters, report=report)
     if dist.get_rank() == 0:
         cols = list(rows[0])
         print(" | ".join(cols))
