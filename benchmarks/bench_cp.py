@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,12 @@ def _step(fn, x: dict, do: torch.Tensor):
     """One forward + backward; gradients returned, not accumulated."""
     o, _ = fn(**x)
     return o, torch.autograd.grad(o, list(x.values()), do)
+
+
+def log(message: str) -> None:
+    """Progress on rank 0's stderr, with wall time: FLA autotunes each kernel at first use (minutes, cold)."""
+    if dist.get_rank() == 0:
+        print(f"[bench_cp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def time_ms(fn, warmup: int, iters: int, group) -> float:
@@ -80,6 +88,7 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
         }
         row = dict(T_local=T, world_size=world_size)
         for name, fn in runs.items():
+            log(f"T_local={T} {name}")
             row[f"{name}_ms"] = time_ms(lambda: _step(fn, x, do), warmup, iters, group)
         row["kdacp_ratio"] = row["kdacp_cp_ms"] / row["one_gpu_ms"]
         row["fla_ratio"] = row["fla_cp_ms"] / row["one_gpu_ms"]
