@@ -130,8 +130,24 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _calls_in_flight(rank: int, world_size: int) -> None:
+    """Two calls share one plan before either backward runs; their gradients add up."""
+    args = make_kda_inputs(1, 40 * world_size, 1, 1, 16, 16, gate="default", seed=11)
+    lo, hi = 40 * rank, 40 * (rank + 1)
+    local = {n: (x[:, lo:hi].detach().clone().requires_grad_() if n in TOKEN_INPUTS else
+                 x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x) for n, x in args.items()}
+    plan = build_cp_plan(batch_size=1, strategy="p2p")
+    o1, _ = cp_chunk_kda(**local, backend="torch", cp=plan)
+    o2, _ = cp_chunk_kda(**dict(local, v=2 * local["v"]), backend="torch", cp=plan)
+    (dq,) = torch.autograd.grad(o1.sum() + o2.sum(), [local["q"]])
+    ref_o, _ = reference.chunk_kda(**args)
+    (ref_dq,) = torch.autograd.grad(3 * ref_o.sum(), [args["q"]])  # the output is linear in v
+    assert rel_err(dq, ref_dq[:, lo:hi]) < 1e-9, f"rank {rank}: {rel_err(dq, ref_dq[:, lo:hi]):.2e}"
+
+
 def _run(rank: int, world_size: int) -> None:
     _bad_inputs(rank, world_size)
+    _calls_in_flight(rank, world_size)
     _all_cases(rank, world_size)
 
 
