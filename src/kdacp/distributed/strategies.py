@@ -29,7 +29,9 @@ class AffineMessage:
     def apply(self, x_in: torch.Tensor | None) -> torch.Tensor:
         if self.transition is None:
             return self.offset
-        return torch.matmul(self.transition, x_in) + self.offset
+        # One small product per hop: done in float64 so that no TF32 setting can round the chain.
+        wide = torch.matmul(self.transition.double(), x_in.double()) + self.offset.double()
+        return wide.to(torch.promote_types(self.offset.dtype, x_in.dtype))
 
 
 @dataclass(frozen=True)
