@@ -37,7 +37,8 @@ def _cases(world_size: int) -> list[dict]:
         dict(name="one-sequence", B=1, cu=None, T=50 * P, uneven=False, gate="plain"),
         dict(name="batch-rows-uneven", B=2, cu=None, T=45 * P + 3, uneven=True, gate="default", init=True, final=True),
         dict(name="packed-long-middle-uneven", B=1, cu=long_middle, uneven=True, gate="default", init=True, final=True),
-        dict(name="packed-many-short", B=1, cu=many_short, uneven=False, gate="safe", init=True, final=True, HV=2),
+        dict(name="packed-many-short", B=1, cu=many_short, uneven=False, gate="safe", init=True, final=True, HV=2,
+             scale=0.3),
         dict(name="packed-random-cuts-fp32", B=1, cu=[0, 33, 34, 70 * P - 50, 70 * P - 3, 70 * P], uneven=True,
              gate="plain", init=True, final=True, dtype=torch.float32),
     ]
@@ -54,6 +55,8 @@ def _global_inputs(case: dict, seed: int) -> dict:
 def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int) -> None:
     args = _global_inputs(case, seed)
     cu = args.pop("cu_seqlens", None)
+    if "scale" in case:
+        args["scale"] = case["scale"]
     total = args["q"].shape[1]
     lengths = _split(total, world_size, case["uneven"])
     lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
