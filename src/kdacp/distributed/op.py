@@ -77,7 +77,8 @@ def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_
 
     Raises:
         ValueError: on every rank, when any rank's inputs are invalid or the ranks disagree on the
-            plan, shapes, dtypes or options.
+            plan, shapes, dtypes or options (the rank whose input is wrong raises its own
+            ``TypeError``/``ValueError``, naming the argument).
     """
     name = check_cp_call(cp, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
