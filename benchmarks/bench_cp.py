@@ -67,9 +67,10 @@ def time_ms(fn, warmup: int, iters: int, group) -> float:
 
 def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 10,
         group=None, on_row=None) -> list[dict]:
-    """Rows ``T_local, world_size, one_gpu_ms, kdacp_cp_ms, fla_cp_ms, kdacp_ratio, fla_ratio,
-    max_rel_diff_vs_fla_cp`` (the largest relative difference between kdacp's and FLA's CP output
-    and gradients); ``on_row(row)`` is called as each row completes."""
+    """Rows ``T_local, world_size``, times ``one_gpu_ms, kdacp_cp_ms`` (p2p), ``kdacp_allgather_ms``,
+    ``fla_cp_ms``, their ratios to ``one_gpu_ms``, and ``max_rel_diff_vs_fla_cp`` (the largest relative
+    difference between kdacp's p2p and FLA's CP output and gradients); ``on_row(row)`` is called as
+    each row completes."""
     fla = load_fla()
     group = group or dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -78,12 +79,13 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
     for T in t_locals:
         x = make_inputs(T, heads, head_dim, seed=rank)
         do = torch.randn(1, T, heads, head_dim, device="cuda").bfloat16()
-        plan = build_cp_plan(batch_size=1, group=group, strategy="p2p")
+        plans = {name: build_cp_plan(batch_size=1, group=group, strategy=name) for name in ("p2p", "allgather")}
         context = fla.build_cp_context(cu_seqlens=torch.tensor([0, world_size * T], device="cuda"), group=group,
                                        cu_seqlens_cpu=torch.tensor([0, world_size * T]))
         runs = {
             "one_gpu": lambda **a: fla.chunk_kda(**a, **opts),
-            "kdacp_cp": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plan),
+            "kdacp_cp": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plans["p2p"]),
+            "kdacp_allgather": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plans["allgather"]),
             "fla_cp": lambda **a: fla.chunk_kda(**a, **opts, cp_context=context),
         }
         row = dict(T_local=T, world_size=world_size)
@@ -91,6 +93,7 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
             log(f"T_local={T} {name}")
             row[f"{name}_ms"] = time_ms(lambda: _step(fn, x, do), warmup, iters, group)
         row["kdacp_ratio"] = row["kdacp_cp_ms"] / row["one_gpu_ms"]
+        row["kdacp_allgather_ratio"] = row["kdacp_allgather_ms"] / row["one_gpu_ms"]
         row["fla_ratio"] = row["fla_cp_ms"] / row["one_gpu_ms"]
         ours, theirs = _step(runs["kdacp_cp"], x, do), _step(runs["fla_cp"], x, do)
         pairs = [(ours[0], theirs[0])] + list(zip(ours[1], theirs[1]))
