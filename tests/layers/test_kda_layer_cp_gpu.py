@@ -17,6 +17,9 @@ from tests.layers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.gpu
 
+# H = HV = 32 and K = V = 128 as in benchmarks/bench_layer.py (and bench_cp.py): FLA autotunes per
+# head count and head dims, so sharing them saves minutes on a cold machine.
+H, K = 32, 128
 # (mode, B, T per rank, cu_seqlens or None)
 CASES = [
     ("state", 2, 512, None),
@@ -49,14 +52,14 @@ def _check(rank, world_size, device_type="cuda", backend="fla"):
         cu = None if cu is None else torch.tensor(cu, device=dev)
         N = B if cu is None else len(cu) - 1
         torch.manual_seed(0)  # the same parameters and global batch on both ranks
-        ref32 = KimiDeltaAttention(256, 4, 4, head_k_dim=64, head_v_dim=64, conv_bias=True, backend="torch").to(dev)
+        ref32 = KimiDeltaAttention(256, H, head_k_dim=K, head_v_dim=K, conv_bias=True, backend="torch").to(dev)
         one = copy.deepcopy(ref32).to(torch.bfloat16)
         one.backend = backend
         cp = copy.deepcopy(one)
         cp.cp = KDAContextParallel(mode)
         x = torch.randn(B, T, 256, device=dev)
-        h0 = 0.5 * torch.randn(N, 4, 64, 64, device=dev)
-        w, w_state = torch.randn(B, T, 256, device=dev), torch.randn(N, 4, 64, 64, device=dev)
+        h0 = 0.5 * torch.randn(N, H, K, K, device=dev)
+        w, w_state = torch.randn(B, T, 256, device=dev), torch.randn_like(h0)
         own = slice(rank * T_local, (rank + 1) * T_local)
 
         y32, S32, g32 = _run(ref32, x, h0, cu, w, w_state, True, False)
