@@ -114,6 +114,10 @@ def _check_bad_arguments():
         KimiDeltaAttention(32, 1, 2, head_k_dim=16, head_v_dim=16, cp=KDAContextParallel("ulysses"))
     with pytest.raises(ValueError, match="ulysses_size"):
         KDAContextParallel("hybrid", ulysses_size=2)
+    # Raised before any exchange, on every rank: the halo needs conv_size - 1 local tokens.
+    layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16, cp=KDAContextParallel("state"))
+    with pytest.raises(ValueError, match="conv_size-1=3 tokens"):
+        layer(torch.randn(1, 2, 32))
 
 
 def test_layer_cp_2_ranks():

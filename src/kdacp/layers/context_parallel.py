@@ -53,9 +53,6 @@ class ConvContext:
 class _SingleDevice:
     """The layer's hooks without context parallelism: every exchange is the identity."""
 
-    ulysses_size = 1
-    backend = None
-
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         pass
 
