@@ -1,6 +1,6 @@
 """Differentiable exchanges used by the layer's context-parallel modes.
 
-The only module in ``layers/`` that calls ``torch.distributed``. Every exchange is an
+The only module in ``layers/`` that moves data between ranks. Every exchange is an
 ``autograd.Function`` whose backward is the adjoint exchange, so gradients cross ranks exactly
 as activations did. Nothing here keeps state between calls: several forwards may be in flight
 before their backwards, and non-reentrant checkpointing may re-run a forward.
