@@ -154,7 +154,8 @@ class AllGatherExchange:
         x = None
         for r in reversed(chain):
             x = AffineMessage(gathered[r, ..., :V], gathered[r, ..., V:] if route.affine[r] else None).apply(x)
-        return x
+        # a column slice of the gathered buffer: kernels downstream need a dense state
+        return None if x is None else x.contiguous()
 
 
 def make_exchange(strategy: str) -> StateExchange:
