@@ -18,10 +18,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, backend: LocalBackend, span: Span, output_final_state: bool, q, k, v, g, beta, A_log,
                 dt_bias, initial_state):
         chunks = backend.prepare(KDAInputs(q, k, v, g, beta, A_log, dt_bias), span)
-        h0 = initial_state
-        if h0 is None:
-            h0 = torch.zeros(span.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(q),
-                             device=q.device)
+        state_dtype = compute_dtype(q)  # states are float32 (float64 for float64 inputs) whatever h0's dtype
+        if initial_state is None:
+            h0 = torch.zeros(span.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=state_dtype, device=q.device)
+        else:
+            h0 = initial_state.to(state_dtype).contiguous()
         states = backend.state_pass(chunks, span, h0, output_final_state)
         o = backend.output(chunks, span, h0, states)
         saved = backend.to_saved(chunks)
