@@ -97,7 +97,8 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
         row["fla_ratio"] = row["fla_cp_ms"] / row["one_gpu_ms"]
         ours, theirs = _step(runs["kdacp_cp"], x, do), _step(runs["fla_cp"], x, do)
         pairs = [(ours[0], theirs[0])] + list(zip(ours[1], theirs[1]))
-        diff = torch.stack([torch.stack([(a.float() - b.float()).norm() ** 2, b.float().norm() ** 2]) for a, b in pairs])
+        diff = torch.stack([torch.stack([(a.float() - b.float()).norm() ** 2, b.float().norm() ** 2])
+                            for a, b in pairs])
         dist.all_reduce(diff, group=group)  # A_log/dt_bias gradients are per-rank shares: compared per rank, summed
         row["max_rel_diff_vs_fla_cp"] = (diff[:, 0] / diff[:, 1]).sqrt().max().item()
         rows.append(row)
@@ -125,7 +126,8 @@ def main() -> None:
     def report(row: dict) -> None:  # print and save each row as it completes (first rows survive a timeout)
         done.append(row)
         if dist.get_rank() == 0:
-            print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            cells = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+            print(" | ".join(cells), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(dict(context=info, rows=done), f, indent=2)

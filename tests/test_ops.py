@@ -19,7 +19,8 @@ def test_chunk_kda_torch_backend_matches_recurrent(B, T, cu, gate, init, HV):
     ref_o, ref_final = reference.recurrent_kda(**args, output_final_state=True)
     assert rel_err(o, ref_o) < 1e-10 and rel_err(final, ref_final) < 1e-10
     gen = torch.Generator().manual_seed(1)
-    do, dfinal = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(final.shape, generator=gen, dtype=final.dtype)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dfinal = torch.randn(final.shape, generator=gen, dtype=final.dtype)
     leaves = differentiable_inputs(args)
     got = torch.autograd.grad((o * do).sum() + (final * dfinal).sum(), list(leaves.values()))
     want = torch.autograd.grad((ref_o * do).sum() + (ref_final * dfinal).sum(), list(leaves.values()))

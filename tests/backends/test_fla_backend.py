@@ -53,8 +53,8 @@ def test_fla_stages_match_torch_stages(gate):
     h0 = torch.randn(2, HV, K, V, device="cuda", generator=gen)
     do = torch.randn(1, T, HV, V, device="cuda", generator=gen).bfloat16()
     dht = torch.randn(2, HV, K, V, device="cuda", generator=gen)
-    ref = _stage_results(TorchBackend(options), KDAInputs(*(None if t is None else t.double() for t in vars(x).values())),
-                         span, h0.double(), do.double(), dht.double(), head)
+    x64 = KDAInputs(*(None if t is None else t.double() for t in vars(x).values()))
+    ref = _stage_results(TorchBackend(options), x64, span, h0.double(), do.double(), dht.double(), head)
     got = _stage_results(FlaBackend(options), x, span, h0, do, dht, head)
     tol = 2e-2  # bf16 inputs and intermediates against the float64 reference
     for name, b in ref.items():

@@ -77,7 +77,8 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
     ref_leaves = {n: x.detach().double().requires_grad_() for n, x in leaves.items()}
     ref_args = {**args, **ref_leaves}
     ref_o, ref_final = reference.chunk_kda(**ref_args, cu_seqlens=cu, output_final_state=True)
-    ref = dict(o=ref_o.detach(), final=ref_final.detach(), **_grads(loss_of(ref_o, ref_final, dfinal.sum(0)), ref_leaves))
+    ref = dict(o=ref_o.detach(), final=ref_final.detach(),
+               **_grads(loss_of(ref_o, ref_final, dfinal.sum(0)), ref_leaves))
     one_o, one_final = fla.chunk_kda(**args, cu_seqlens=cu, output_final_state=True)
     one = dict(o=one_o.detach(), final=one_final.detach(), **_grads(loss_of(one_o, one_final, dfinal.sum(0)), leaves))
 

@@ -44,7 +44,8 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
         return None, f"fla-core is not importable ({type(e).__name__}: {e}); install fla-core=={REQUIRED_FLA_VERSION}"
     version = getattr(fla, "__version__", "unknown")
     if version != REQUIRED_FLA_VERSION:
-        return None, f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), found {version}"
+        return None, (f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), "
+                      f"found {version}")
     found, missing = {}, []
     for name, (module, attr) in _STAGES.items():
         try:
