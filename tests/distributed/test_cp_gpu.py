@@ -39,6 +39,15 @@ def group():
     dist.barrier()
 
 
+def _gather_tokens(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Concatenate every rank's ``[B, T_local, ...]`` along T (padded to one size for the all-gather)."""
+    padded = x.new_zeros(x.shape[0], max(lengths), *x.shape[2:])
+    padded[:, :x.shape[1]] = x
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:, :L] for p, L in zip(parts, lengths)], 1)
+
+
 def _grads(loss, leaves: dict) -> dict:
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
@@ -93,16 +102,11 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
     grads = _grads((o.double() * do[:, lo:hi].double()).sum() + (final.double() * dfinal[rank].double()).sum(),
                    local_leaves)
     cp = dict(o=o.detach(), final=final.detach(), **grads)
-    for n in leaves:  # token gradients: gather the slices; parameter/state gradients: add the shares
-        if n in TOKEN_INPUTS:
-            parts = [torch.empty(case["B"], L, *cp[n].shape[2:], dtype=cp[n].dtype, device="cuda") for L in lengths]
-            dist.all_gather(parts, cp[n].contiguous())
-            cp[n] = torch.cat(parts, 1)
+    for n in ["o", *leaves]:  # token tensors: gather the slices; parameter/state gradients: add the shares
+        if n == "o" or n in TOKEN_INPUTS:
+            cp[n] = _gather_tokens(cp[n], lengths)
         else:
             dist.all_reduce(cp[n])
-    parts = [torch.empty(case["B"], L, HV, V, dtype=o.dtype, device="cuda") for L in lengths]
-    dist.all_gather(parts, cp["o"].contiguous())
-    cp["o"] = torch.cat(parts, 1)
 
     errors = {key: (rel_err(one[key], ref[key]), rel_err(cp[key], ref[key])) for key in ref}
     if rank == 0:
