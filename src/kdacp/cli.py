@@ -1,4 +1,4 @@
-"""Command line: ``kdacp demo`` (a checked context-parallel training run) and ``kdacp bench``."""
+"""Command line: ``kdacp demo`` (a checked context-parallel training run) and ``kdacp bench`` (benchmark suites)."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,47 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if _print_demo_table(results[0], TOLERANCE[cfg.dtype]) else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .bench import load_suite, run_suite
+    from .bench.harness import markdown_table, write_results
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if (device == "cuda" or args.suite != "layer") and not torch.cuda.is_available():
+        print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
+              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch runs without a GPU)", file=sys.stderr)
+        return 1
+    suite = load_suite(args.suite)
+    world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
+    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+    if args.suite == "kernels":
+        cases = [{"T": T} for T in (seq_lens or [16384])]
+    elif args.suite == "cp":
+        cases = [{"t_locals": tuple(seq_lens or (8192, 16384, 32768))}]
+    else:
+        layer = {"backend": args.backend} if args.backend else {}
+        if args.hidden:
+            layer.update(hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384])]
+    rows: list[dict] = []
+    bar = tqdm(desc=f"bench {args.suite}", unit="row", file=sys.stderr)
+    try:
+        for case in cases:
+            got = run_suite(args.suite, case, device=device, world_size=world, port=args.port,
+                            timeout_s=args.timeout, on_row=lambda row: bar.update())
+            rows += [{**{k: v for k, v in case.items() if k == "T"}, **row} for row in got]
+    except Exception as e:  # noqa: BLE001 - a failed suite ends the command with its reason
+        bar.close()
+        print(f"kdacp bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    bar.close()
+    paths = write_results(args.suite, rows, args.out, getattr(suite, "PLOTS", None))
+    print(markdown_table(rows))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
+    bench.add_argument("--suite", required=True, choices=["kernels", "cp", "layer"])
+    bench.add_argument("--seq-lens", default=None,
+                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K)")
+    bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
+    bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    bench.add_argument("--world-size", type=int, default=None, help="ranks for cp/layer (default: all GPUs)")
+    bench.add_argument("--backend", default=None, choices=["torch", "fla"], help="layer suite: KDA backend")
+    bench.add_argument("--hidden", type=int, default=None, help="layer suite: hidden size (default 2048)")
+    bench.add_argument("--heads", type=int, default=32, help="layer suite: heads (with --hidden)")
+    bench.add_argument("--head-dim", type=int, default=128, help="layer suite: head dim (with --hidden)")
+    bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
+    bench.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-rank run is stopped")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -33,7 +33,7 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
     return results
 
 
-# H = HV = 32, K = V = 128, bf16 as in benchmarks/bench_cp.py: FLA autotunes every kernel per head
+# H = HV = 32, K = V = 128, bf16 as in kdacp.bench.cp: FLA autotunes every kernel per head
 # shape and dtype, which takes minutes on a cold machine, so all GPU tests share one.
 H, HV, K, V = 32, 32, 128, 128
 

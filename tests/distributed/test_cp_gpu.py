@@ -52,7 +52,7 @@ def _grads(loss, leaves: dict) -> dict:
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
 
-# H = HV = 32, K = V = 128 as in benchmarks/bench_cp.py, so that FLA autotunes each kernel once.
+# H = HV = 32, K = V = 128 as in kdacp.bench.cp, so that FLA autotunes each kernel once.
 CASES = [
     dict(name="one-sequence", B=1, cu=None, T=2048, init=False),
     dict(name="packed-uneven", B=1, cu=[0, 300, 301, 1500, 1900, 2048], lengths=[1100, 948], init=True),

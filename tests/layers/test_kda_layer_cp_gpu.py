@@ -17,7 +17,7 @@ from tests.layers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.gpu
 
-# H = HV = 32 and K = V = 128 as in benchmarks/bench_layer.py (and bench_cp.py): FLA autotunes per
+# H = HV = 32 and K = V = 128 as in kdacp.bench.layer (and kdacp.bench.cp): FLA autotunes per
 # head count and head dims, so sharing them saves minutes on a cold machine.
 H, K = 32, 128
 # (mode, B, T per rank, cu_seqlens or None)

@@ -33,6 +33,8 @@ _STAGES = {
     # whole ops, for comparisons and benchmarks
     "chunk_kda": ("fla.ops.kda", "chunk_kda"),
     "build_cp_context": ("fla.ops.cp", "build_cp_context"),
+    "chunk_cp_fwd_h": ("fla.ops.cp.chunk_fwd", "chunk_cp_fwd_h"),
+    "chunk_cp_bwd_dh": ("fla.ops.cp.chunk_bwd", "chunk_cp_bwd_dh"),
 }
 
 

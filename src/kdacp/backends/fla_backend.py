@@ -120,9 +120,10 @@ class FlaBackend:
 
     def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool):
         cut = slice(span.start, span.end)
-        summary = state_summary(chunks.kg[:, cut], chunks.w[:, cut], chunks.u[:, cut], chunks.gc[:, cut],
-                                chunk_size=self.options.chunk_size, cu_seqlens=span.cu_seqlens_tensor(chunks.kg.device))
-        return summary if with_transition else summary._replace(transition=None)
+        # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
+        return state_summary(chunks.kg[:, cut], chunks.w[:, cut], chunks.u[:, cut], chunks.gc[:, cut],
+                             chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
+                             cu_seqlens=span.cu_seqlens_tensor(chunks.kg.device))
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:

@@ -4,15 +4,13 @@ Per-rank forward+backward time of a CP step (the slowest rank's, CUDA events, wa
 FLA ``chunk_kda`` on one GPU at the same ``T_local``. One sequence of ``world_size * T_local`` tokens,
 B=1, bf16, gate and L2 norm in kernel.
 
-    torchrun --nproc_per_node=2 benchmarks/bench_cp.py [--t-local 8192 16384 32768] [--json out.json]
+    kdacp bench --suite cp [--seq-lens 8192,16384,32768]
+    (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite cp)
 
-``run(...)`` returns the rows (for a CLI); call it on every rank of an initialised NCCL group.
+``run(...)`` returns the rows; call it on every rank of an initialised NCCL group.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 
@@ -21,6 +19,16 @@ import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import load_fla
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
+
+from .harness import PlotSpec
+
+MULTI_RANK = True
+PLOTS = {
+    "cp_vs_tokens": PlotSpec(x="T_local", y=("one_gpu_ms", "kdacp_cp_ms", "kdacp_allgather_ms", "fla_cp_ms"),
+                             title="fwd+bwd per rank vs tokens per rank", ylabel="ms"),
+    "cp_vs_ranks": PlotSpec(x="world_size", y=("kdacp_ratio", "kdacp_allgather_ratio", "fla_ratio"), panel="T_local",
+                            title="per-rank time / one-GPU time", ylabel="ratio", logx=False),
+}
 
 
 def make_inputs(T: int, H: int, D: int, seed: int) -> dict:
@@ -45,7 +53,7 @@ def _step(fn, x: dict, do: torch.Tensor):
 def log(message: str) -> None:
     """Progress on rank 0's stderr, with wall time: FLA autotunes each kernel at first use (minutes, cold)."""
     if dist.get_rank() == 0:
-        print(f"[bench_cp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        print(f"[kdacp bench cp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def time_ms(fn, warmup: int, iters: int, group) -> float:
@@ -66,11 +74,13 @@ def time_ms(fn, warmup: int, iters: int, group) -> float:
 
 
 def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 10,
-        group=None, on_row=None) -> list[dict]:
+        group=None, device: str = "cuda", report=None) -> list[dict]:
     """Rows ``T_local, world_size``, times ``one_gpu_ms, kdacp_cp_ms`` (p2p), ``kdacp_allgather_ms``,
     ``fla_cp_ms``, their ratios to ``one_gpu_ms``, and ``max_rel_diff_vs_fla_cp`` (the largest relative
-    difference between kdacp's p2p and FLA's CP output and gradients); ``on_row(row)`` is called as
+    difference between kdacp's p2p and FLA's CP output and gradients); ``report(row)`` is called as
     each row completes."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"the cp suite runs FLA's CUDA kernels; device must be cuda, got {device!r}")
     fla = load_fla()
     group = group or dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -102,39 +112,8 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
         dist.all_reduce(diff, group=group)  # A_log/dt_bias gradients are per-rank shares: compared per rank, summed
         row["max_rel_diff_vs_fla_cp"] = (diff[:, 0] / diff[:, 1]).sqrt().max().item()
         rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        if report is not None:
+            report(row)
         del x, do
         torch.cuda.empty_cache()
     return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--t-local", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
-    args = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, world_size=dist.get_world_size())
-    done = []
-
-    def report(row: dict) -> None:  # print and save each row as it completes (first rows survive a timeout)
-        done.append(row)
-        if dist.get_rank() == 0:
-            cells = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
-            print(" | ".join(cells), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(dict(context=info, rows=done), f, indent=2)
-
-    run(tuple(args.t_local), heads=args.heads, warmup=args.warmup, iters=args.iters, on_row=report)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -4,20 +4,24 @@ Inputs are real chunked-KDA intermediates (reference ``chunk_kda_intermediates``
 rounded to bf16 (``gc`` float32); each result's relative error is taken against the float64 reference
 summaries of exactly those values. Times are ``triton.testing.do_bench`` medians, warm.
 
-    python benchmarks/bench_kernels.py [--T 16384] [--heads 32] [--sweep] [--json out.json]
+    kdacp bench --suite kernels [--seq-lens 16384]
 
-``run(...)`` returns the table as a list of dicts (for ``kdacp bench --suite kernels``).
+``run(...)`` returns the table as a list of dicts; ``sweep(...)`` times tilings (to choose defaults).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
+import sys
 
 import torch
 
 from kdacp import kernels as kn
 from kdacp import reference as ref
+from kdacp.backends.fla_adapter import load_fla
+
+from .harness import PlotSpec
+
+PLOTS = {"kernels_vs_T": PlotSpec(x="T", y="ms", series="kernel", title="summary kernels vs tokens")}
 
 # H200 SXM: dense bf16 tensor-core peak and HBM3e bandwidth, for the roofline column
 PEAK_FLOPS = 989e12
@@ -95,12 +99,13 @@ def _row(name, ms, cost, **errs):
 
 def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     try:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
-        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+        fla = load_fla()
     except ImportError as e:  # FLA is optional
-        print(f"FLA not available ({e}); skipping its rows")
+        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
         return []
+    chunk_gated_delta_rule_fwd_h = fla.chunk_gated_delta_rule_fwd_h
+    chunk_gated_delta_rule_bwd_dhu = fla.chunk_gated_delta_rule_bwd_dhu
+    chunk_cp_fwd_h, chunk_cp_bwd_dh = fla.chunk_cp_fwd_h, fla.chunk_cp_bwd_dh
     rows = []
     hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["kg"].device)
 
@@ -201,7 +206,7 @@ def sweep(x, r, costs, BT, which="fwd"):
 
 
 def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True, do_sweep=None,
-        device="cuda"):
+        device="cuda", report=None):
     """Time every kernel on one set of inputs; returns rows (dicts) with ``kernel, ms, TFLOP/s, GB/s,
     GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups."""
     x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
@@ -213,7 +218,8 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
 
     def add(row):
         rows.append(row)
-        print(format_table([row]).splitlines()[-1], flush=True)
+        if report is not None:
+            report(row)
 
     for output, key in (("both", "both"), ("state", "state"), ("transition", "transition")):
         S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output)
@@ -250,40 +256,3 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
             if row["kernel"].startswith("kdacp state_gradient_summary") and "FLA chunk_cp_bwd_dh" in base:
                 row["speedup_vs_fla"] = base["FLA chunk_cp_bwd_dh"] / row["ms"]
     return rows
-
-
-def format_table(rows) -> str:
-    cols = ["kernel", "ms", "roofline_ms", "TFLOP/s", "GB/s", "err_S", "err_M", "err_G", "speedup_vs_fla"]
-    fmt = {"ms": "{:.3f}", "roofline_ms": "{:.3f}", "TFLOP/s": "{:.1f}", "GB/s": "{:.0f}", "err_S": "{:.1e}",
-           "err_M": "{:.1e}", "err_G": "{:.1e}", "speedup_vs_fla": "{:.2f}x"}
-    cells = [[(fmt.get(c, "{}").format(row[c]) if row.get(c) is not None else "") for c in cols] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in cells]
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--T", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--K", type=int, default=128)
-    p.add_argument("--V", type=int, default=128)
-    p.add_argument("--no-fla", action="store_true")
-    p.add_argument("--sweep", choices=("fwd", "grad"), default=None, help="only time a grid of tilings")
-    p.add_argument("--json", default=None, help="write the rows here")
-    a = p.parse_args(argv)
-    print(format_table([]))  # header; rows print as they are measured
-    rows = run(a.B, a.T, a.heads, a.K, a.V, with_fla=not a.no_fla, do_sweep=a.sweep)
-    print(f"{torch.cuda.get_device_name()}, B={a.B} T={a.T} HV={a.heads} K={a.K} V={a.V} bf16, "
-          f"roofline: {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16, {PEAK_BYTES / 1e12:.1f} TB/s")
-    print(format_table(rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,21 +4,23 @@ Each rank holds ``T_local`` tokens of one sequence (B=1, bf16, fla backend). Row
 ``T_local`` and at the global ``world_size * T_local`` tokens, then each CP mode; times are the
 slowest rank's (warm, synchronised), ``speedup`` is over the one-GPU layer on the same global batch.
 
-    torchrun --nproc_per_node=2 benchmarks/bench_layer.py [--t-local 16384] [--json out.json]
+    kdacp bench --suite layer            (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
 
 ``run(...)`` returns the rows (for a CLI); call it on every rank of an initialised NCCL group.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+
+from .harness import PlotSpec
+
+MULTI_RANK = True
+PLOTS = {"layer_vs_tokens": PlotSpec(x="global_tokens", y="ms", series="run", title="layer step (fwd+bwd) vs global tokens")}
 
 
 def _sync(device: torch.device) -> None:
@@ -87,35 +89,3 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
     for r in rows:
         r["speedup"] = one_gpu[r["global_tokens"]] / r["ms"]
     return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--t-local", type=int, default=16384)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--modes", nargs="+", default=["state", "ulysses"])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
-    args = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    report = (lambda row: print(row, flush=True)) if dist.get_rank() == 0 else None
-    rows = run(args.t_local, hidden=args.hidden, heads=args.heads, modes=tuple(args.modes), warmup=args.warmup,
-               iters=args.iters, report=report)
-    if dist.get_rank() == 0:
-        cols = list(rows[0])
-        print(" | ".join(cols))
-        for r in rows:
-            print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
-        if args.json:
-            info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, world_size=dist.get_world_size())
-            with open(args.json, "w") as f:
-                json.dump(dict(context=info, rows=rows), f, indent=2)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

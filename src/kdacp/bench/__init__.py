@@ -1,0 +1,41 @@
+"""Benchmark suites behind ``kdacp bench``: ``kernels`` (summary kernels on one GPU), ``cp``
+(``cp_chunk_kda`` against one GPU and FLA's CP) and ``layer`` (the layer's CP modes).
+
+Each suite module defines ``run(..., report=None) -> list[dict]`` and ``PLOTS`` (file stem ->
+:class:`~kdacp.bench.harness.PlotSpec`); multi-rank suites set ``MULTI_RANK = True`` and their
+``run`` is called on every rank of an initialised process group.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Callable
+
+from ..workers import RankContext, launch
+
+__all__ = ["SUITES", "load_suite", "run_suite"]
+
+SUITES = ("kernels", "cp", "layer")
+
+
+def load_suite(name: str) -> ModuleType:
+    if name not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}, got {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def _rank_worker(ctx: RankContext, name: str, options: dict) -> list[dict]:
+    suite = load_suite(name)
+    report = ctx.report if ctx.rank == 0 else None
+    return suite.run(**options, device=str(ctx.device), report=report)
+
+
+def run_suite(name: str, options: dict, *, device: str = "cuda", world_size: int = 1, port: int = 0,
+              timeout_s: float = 1800.0, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run one suite (spawning ``world_size`` ranks for a multi-rank suite) and return rank 0's rows."""
+    suite = load_suite(name)
+    if not getattr(suite, "MULTI_RANK", False):
+        return suite.run(**options, device=device, report=on_row)
+    results = launch(_rank_worker, world_size, (name, options), device=device, port=port, timeout_s=timeout_s,
+                     on_report=lambda rank, row: on_row and on_row(row))
+    return results[0]

@@ -1,0 +1,114 @@
+"""One harness for every benchmark suite: prints the table, writes JSON, Markdown and PNG.
+
+A suite is a function returning rows (flat dicts of numbers and strings). The harness adds the
+run's context (date, device, versions, commit) and writes ``<suite>.json``, ``<suite>.md`` and,
+when matplotlib is installed, one PNG per plot spec (one line per series, ``y`` against ``x``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["PlotSpec", "run_context", "markdown_table", "write_results"]
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """How to plot a suite's rows: ``y`` against ``x``, one line per distinct ``series`` value (or,
+    when ``y`` names several columns, one line per column), one panel per distinct ``panel`` value."""
+
+    x: str
+    y: str | tuple[str, ...]
+    series: str | None = None
+    panel: str | None = None
+    title: str = ""
+    ylabel: str = ""
+    logx: bool = True
+
+
+def run_context() -> dict:
+    """Date, device, library versions and git commit of this run."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    import triton
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+    }
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.3f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = list(dict.fromkeys(r.get(spec.panel) for r in rows)) if spec.panel else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        sel = [r for r in rows if spec.panel is None or r.get(spec.panel) == panel]
+        if isinstance(spec.y, tuple):
+            lines = {y: [(r[spec.x], r.get(y)) for r in sel] for y in spec.y}
+        else:
+            lines = {name: [(r[spec.x], r.get(spec.y)) for r in sel if r[spec.series] == name]
+                     for name in dict.fromkeys(r[spec.series] for r in sel)}
+        for name, pts in lines.items():
+            pts = sorted(p for p in pts if p[1] is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=str(name))
+        if spec.logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(spec.x)
+        ax.set_ylabel(spec.ylabel or str(spec.y))
+        ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    where = f"{context['gpus']}x {context['device']}" if context["gpus"] else "CPU"
+    fig.suptitle(f"{where}, commit {context['commit']}, {context['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(suite: str, rows: list[dict], out_dir: str | Path,
+                  plots: dict[str, PlotSpec] | None = None) -> list[Path]:
+    """Write ``<suite>.json`` (context + rows), ``<suite>.md`` and one ``<stem>.png`` per entry of
+    ``plots`` (when matplotlib is installed); return the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    context = run_context()
+    paths = [out / f"{suite}.json", out / f"{suite}.md"]
+    paths[0].write_text(json.dumps({"suite": suite, "context": context, "rows": rows}, indent=2))
+    head = ", ".join(f"{k} {v}" for k, v in context.items())
+    paths[1].write_text(f"# kdacp bench: {suite}\n\n{head}\n\n{markdown_table(rows)}\n")
+    for stem, spec in (plots or {}).items():
+        if rows and _plot(rows, spec, out / f"{stem}.png", context):
+            paths.append(out / f"{stem}.png")
+    return paths

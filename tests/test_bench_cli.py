@@ -1,0 +1,31 @@
+"""`kdacp bench` runs a suite through the harness and writes JSON, Markdown and PNG results."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_layer_suite_on_cpu_writes_results(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "layer", "--device", "cpu",
+                          "--backend", "torch", "--world-size", "2", "--hidden", "32", "--heads", "2",
+                          "--head-dim", "16", "--seq-lens", "64", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert data["suite"] == "layer" and data["context"]["commit"]
+    runs = {(r["run"], r["gpus"], r["global_tokens"]) for r in data["rows"]}
+    assert runs == {("one_gpu", 1, 64), ("one_gpu", 1, 128), ("state", 2, 128), ("ulysses", 2, 128)}
+    assert all(r["ms"] > 0 for r in data["rows"])
+    assert "| run |" in (tmp_path / "layer.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "layer_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_needs_a_gpu_for_fla_suites():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "kernels"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "no CUDA GPU is visible" in out.stderr
