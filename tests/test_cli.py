@@ -79,3 +79,12 @@ def test_demo_explains_a_busy_port():
         proc = _demo("--world-size", "2", "--port", str(s.getsockname()[1]))
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "is in use" in err and "--port 0" in err
+
+
+def test_demo_under_torchrun_uses_its_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kdacp.cli", "demo",
+           "--seq-lens", "100,156", "--steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [ln for ln in out.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
+    assert len(rows) == 2 and "PASS" in out.stdout

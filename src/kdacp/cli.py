@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -33,6 +34,12 @@ def _demo(args: argparse.Namespace) -> int:
         print("kdacp demo: --device cuda was asked for but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
         return 1
     world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 4)
+    if under_torchrun():
+        if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
+            print(f"kdacp demo: --world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
+                  f"{os.environ['WORLD_SIZE']}; leave it out under torchrun", file=sys.stderr)
+            return 2
+        world = int(os.environ["WORLD_SIZE"])
     cfg = DemoConfig(world_size=world, seq_lens=tuple(int(x) for x in args.seq_lens.split(",")), mode=args.mode,
                      strategy=args.strategy, ulysses_size=args.ulysses_size, backend=args.backend, device=device,
                      dtype=args.dtype or ("bfloat16" if device == "cuda" else "float64"), steps=args.steps,
@@ -42,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kdacp demo: {e}", file=sys.stderr)
         return 2
-    show = not under_torchrun() or int(__import__("os").environ["RANK"]) == 0
+    show = not under_torchrun() or int(os.environ["RANK"]) == 0
     bar = tqdm(total=cfg.steps, desc=f"demo: {world} ranks, {cfg.mode}", disable=not show, file=sys.stderr)
 
     def on_report(rank, message):
