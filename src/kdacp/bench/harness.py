@@ -29,6 +29,7 @@ class PlotSpec:
     title: str = ""
     ylabel: str = ""
     logx: bool = True
+    bars: bool = False  # ``x`` is a category: one horizontal bar per row instead of lines
 
 
 def run_context() -> dict:
@@ -70,9 +71,21 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
     except ImportError:
         return False
     panels = list(dict.fromkeys(r.get(spec.panel) for r in rows)) if spec.panel else [None]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    size = (10, 1.5 + 0.4 * len(rows)) if spec.bars else (5.5 * len(panels), 4)
+    fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
     for ax, panel in zip(axes[0], panels):
         sel = [r for r in rows if spec.panel is None or r.get(spec.panel) == panel]
+        if spec.bars:
+            names = [str(r[spec.x]) for r in sel]
+            # kdacp's rows in one colour, everything else (FLA's) in another
+            colors = ["tab:blue" if n.startswith("kdacp") else "tab:gray" for n in names]
+            bars = ax.barh(names, [r[spec.y] for r in sel], color=colors)
+            ax.bar_label(bars, fmt="%.3f", padding=3, fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(spec.ylabel or str(spec.y))
+            ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)
+            ax.grid(alpha=0.3, axis="x")
+            continue
         if isinstance(spec.y, tuple):
             lines = {y: [(r[spec.x], r.get(y)) for r in sel] for y in spec.y}
         else:
@@ -97,13 +110,14 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
     return True
 
 
-def write_results(suite: str, rows: list[dict], out_dir: str | Path,
-                  plots: dict[str, PlotSpec] | None = None) -> list[Path]:
+def write_results(suite: str, rows: list[dict], out_dir: str | Path, plots: dict[str, PlotSpec] | None = None,
+                  context: dict | None = None) -> list[Path]:
     """Write ``<suite>.json`` (context + rows), ``<suite>.md`` and one ``<stem>.png`` per entry of
-    ``plots`` (when matplotlib is installed); return the paths written."""
+    ``plots`` (when matplotlib is installed); return the paths written. ``context`` defaults to
+    this run's (:func:`run_context`); pass a recorded run's to re-render its results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    context = run_context()
+    context = run_context() if context is None else context
     paths = [out / f"{suite}.json", out / f"{suite}.md"]
     paths[0].write_text(json.dumps({"suite": suite, "context": context, "rows": rows}, indent=2))
     head = ", ".join(f"{k} {v}" for k, v in context.items())

@@ -21,7 +21,8 @@ from kdacp.backends.fla_adapter import load_fla
 
 from .harness import PlotSpec
 
-PLOTS = {"kernels_vs_T": PlotSpec(x="T", y="ms", series="kernel", title="summary kernels vs tokens")}
+PLOTS = {"kernels": PlotSpec(x="kernel", y="ms", bars=True, panel="T", ylabel="ms (median, warm)",
+                             title="state-summary kernels, B=1, HV=32, K=V=128, bf16,")}
 
 # H200 SXM: dense bf16 tensor-core peak and HBM3e bandwidth, for the roofline column
 PEAK_FLOPS = 989e12
