@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
-from tests.distributed.multiprocess import run_ranks
+from tests.multiprocess import run_ranks
 from tests.helpers import make_kda_inputs, rel_err
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
@@ -156,4 +156,4 @@ def _run(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_cp_chunk_kda_matches_reference(world_size):
-    run_ranks(_run, world_size, timeout=200)
+    run_ranks(_run, world_size, timeout_s=200)

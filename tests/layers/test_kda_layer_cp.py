@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 from tests.helpers import rel_err
-from tests.layers.multiprocess import run_ranks
+from tests.multiprocess import run_ranks
 
 TOL = 1e-9
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 from tests.helpers import rel_err
-from tests.layers.multiprocess import run_ranks
+from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.gpu
 

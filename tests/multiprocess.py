@@ -1,7 +1,8 @@
-"""Run a test function on several gloo ranks (spawned processes) with timeouts, so a failure fails fast."""
+"""Run a test function on several real ranks (spawned processes): gloo on CPU or NCCL, a free local
+port, and a hard deadline, so a failing rank fails the test fast instead of hanging it."""
 from __future__ import annotations
 
-import socket
+import os
 import time
 from datetime import timedelta
 
@@ -9,17 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kdacp.workers import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
     torch.set_num_threads(1)  # ranks share the machine's few cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any rank imports triton
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=90))
     try:
