@@ -13,6 +13,13 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"multiprocessing" in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:  # exited since ps listed it
+        return False
+
+
 def _demo(*args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kdacp.cli", "demo", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -37,7 +44,7 @@ def test_demo_reports_a_killed_worker_and_leaves_no_process():
     while time.monotonic() < deadline:  # wait until both workers run
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         workers = _children(proc.pid)
-        workers = [w for w in workers if b"multiprocessing" in open(f"/proc/{w}/cmdline", "rb").read()]
+        workers = [w for w in workers if _is_worker(w)]
         if len(workers) >= 2:
             break
         time.sleep(0.5)
