@@ -20,6 +20,13 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
 def _demo(*args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kdacp.cli", "demo", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -57,7 +64,7 @@ def test_demo_reports_a_killed_worker_and_leaves_no_process():
     assert time.monotonic() - killed_at < 30
     assert "died (signal SIGKILL)" in err
     time.sleep(1)
-    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    alive = [w for w in workers if _running(w)]
     assert not alive, f"workers left running: {alive}"
 
 
