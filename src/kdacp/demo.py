@@ -157,7 +157,8 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
         for p in replica.parameters():
             dist.broadcast(p.grad, 0)
         out_err = max(out_err, _rel_err(logits.detach(), full_logits[:, shard].detach()))
-        grad_err = max(grad_err, max(_rel_err(p.grad, r.grad) for p, r in zip(model.parameters(), replica.parameters())))
+        pairs = zip(model.parameters(), replica.parameters())
+        grad_err = max(grad_err, max(_rel_err(p.grad, r.grad) for p, r in pairs))
         _sgd_step([*model.parameters(), *replica.parameters()], cfg.lr)
         ctx.report(("step", step + 1))
 

@@ -104,14 +104,11 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     except ImportError as e:  # FLA is optional
         print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
         return []
-    chunk_gated_delta_rule_fwd_h = fla.chunk_gated_delta_rule_fwd_h
-    chunk_gated_delta_rule_bwd_dhu = fla.chunk_gated_delta_rule_bwd_dhu
-    chunk_cp_fwd_h, chunk_cp_bwd_dh = fla.chunk_cp_fwd_h, fla.chunk_cp_bwd_dh
     rows = []
     hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["kg"].device)
 
     def fwd():
-        chunk_cp_fwd_h(k=x["kg"], w=x["w"], u=x["u"], hm=hm, gk=x["gc"], chunk_size=BT)
+        fla.chunk_cp_fwd_h(k=x["kg"], w=x["w"], u=x["u"], hm=hm, gk=x["gc"], chunk_size=BT)
 
     fwd()
     ms = _bench(fwd)
@@ -120,8 +117,8 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     dhm = torch.zeros_like(hm)
 
     def bwd():
-        chunk_cp_bwd_dh(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], dhm=dhm, gk=x["gc"], scale=x["scale"],
-                        chunk_size=BT)
+        fla.chunk_cp_bwd_dh(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], dhm=dhm, gk=x["gc"],
+                            scale=x["scale"], chunk_size=BT)
 
     bwd()
     ms = _bench(bwd)
@@ -130,8 +127,8 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
                      M=rel_err(dhm[None, :, :, V:], r["M"].transpose(-1, -2))))
 
     def main_fwd():
-        return chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"], output_final_state=True,
-                                            chunk_size=BT)
+        return fla.chunk_gated_delta_rule_fwd_h(k=x["kg"], w=x["w"], u=x["u"], gk=x["gc"], output_final_state=True,
+                                                chunk_size=BT)
 
     final = main_fwd()[2]
     ms = _bench(main_fwd)
@@ -139,8 +136,8 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     h0 = torch.zeros(B, HV, K, V, dtype=torch.float32, device=x["kg"].device)
 
     def main_bwd():
-        return chunk_gated_delta_rule_bwd_dhu(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], gk=x["gc"],
-                                              h0=h0, scale=x["scale"], chunk_size=BT)
+        return fla.chunk_gated_delta_rule_bwd_dhu(q=x["qg"], k=x["kg"], w=x["w"], do=x["do"], dv=x["dv"], gk=x["gc"],
+                                                  h0=h0, scale=x["scale"], chunk_size=BT)
 
     dh0 = main_bwd()[1]
     ms = _bench(main_bwd)
@@ -218,6 +215,7 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat1
     rows = []
 
     def add(row):
+        row = {"T": T, **row}  # the plots' panel key
         rows.append(row)
         if report is not None:
             report(row)

@@ -4,7 +4,8 @@ Each rank holds ``T_local`` tokens of one sequence (B=1, bf16, fla backend). Row
 ``T_local`` and at the global ``world_size * T_local`` tokens, then each CP mode; times are the
 slowest rank's (warm, synchronised), ``speedup`` is over the one-GPU layer on the same global batch.
 
-    kdacp bench --suite layer            (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
+    kdacp bench --suite layer
+    (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
 
 ``run(...)`` returns the rows (for a CLI); call it on every rank of an initialised NCCL group.
 """
@@ -20,7 +21,8 @@ from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 from .harness import PlotSpec
 
 MULTI_RANK = True
-PLOTS = {"layer_vs_tokens": PlotSpec(x="global_tokens", y="ms", series="run", title="layer step (fwd+bwd) vs global tokens")}
+PLOTS = {"layer_vs_tokens": PlotSpec(x="global_tokens", y="ms", series="run",
+                                     title="layer step (fwd+bwd) vs global tokens")}
 
 
 def _sync(device: torch.device) -> None:
