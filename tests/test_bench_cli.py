@@ -29,3 +29,13 @@ def test_bench_needs_a_gpu_for_fla_suites():
     out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "kernels"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1 and "needs a CUDA GPU and none is visible" in out.stderr
+
+
+def test_harness_skips_line_plots_with_one_x_value(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kdacp.bench.harness import PlotSpec, write_results
+    rows = [dict(world_size=2, T=t, ms=float(t)) for t in (8, 16)]
+    plots = {"vs_T": PlotSpec(x="T", y=("ms",)), "vs_ranks": PlotSpec(x="world_size", y=("ms",))}
+    context = dict(date="d", device="cpu", gpus=0, torch="t", triton="t", commit="c")
+    paths = {p.name for p in write_results("s", rows, tmp_path, plots, context=context)}
+    assert paths == {"s.json", "s.md", "vs_T.png"}

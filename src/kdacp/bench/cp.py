@@ -28,6 +28,8 @@ MULTI_RANK = True
 PLOTS = {
     "cp_vs_tokens": PlotSpec(x="T_local", y=("one_gpu_ms", "kdacp_cp_ms", "kdacp_allgather_ms", "fla_cp_ms"),
                              title="fwd+bwd per rank vs tokens per rank", ylabel="ms"),
+    "cp_ratio_vs_tokens": PlotSpec(x="T_local", y=("kdacp_ratio", "kdacp_allgather_ratio", "fla_ratio"),
+                                   title="per-rank time / one-GPU time", ylabel="ratio"),
     "cp_vs_ranks": PlotSpec(x="world_size", y=("kdacp_ratio", "kdacp_allgather_ratio", "fla_ratio"), panel="T_local",
                             title="per-rank time / one-GPU time", ylabel="ratio", logx=False),
 }
@@ -78,7 +80,7 @@ def time_ms(fn, warmup: int, iters: int, group) -> float:
 CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "fla_cp")
 
 
-def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 10,
+def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 20,
         group=None, device: str = "cuda", report=None, contenders=CONTENDERS) -> list[dict]:
     """Rows ``T_local, world_size``, times ``one_gpu_ms, kdacp_cp_ms`` (p2p), ``kdacp_allgather_ms``,
     ``fla_cp_ms``, their ratios to ``one_gpu_ms``, and ``max_rel_diff_vs_fla_cp`` (the largest relative

@@ -70,6 +70,8 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if not spec.bars and len({r.get(spec.x) for r in rows}) < 2:
+        return False  # a line needs two x values (e.g. "vs ranks" from a run at one world size)
     panels = list(dict.fromkeys(r.get(spec.panel) for r in rows)) if spec.panel else [None]
     size = (10, 1.5 + 0.4 * len(rows)) if spec.bars else (5.5 * len(panels), 4)
     fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
