@@ -148,8 +148,36 @@ def _calls_in_flight(rank: int, world_size: int) -> None:
     assert rel_err(dq, ref_dq[:, lo:hi]) < 1e-9, f"rank {rank}: {rel_err(dq, ref_dq[:, lo:hi]):.2e}"
 
 
+def _checks_once_per_signature(rank: int, world_size: int) -> None:
+    """The cross-rank check's all-gather runs once per plan and call signature, or on every call
+    with ``check_every_call``; ranks that disagree on that option are told at the first call."""
+    from kdacp.distributed import comm
+    gathers = []
+    real = comm.all_gather_signatures
+    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
+    try:
+        args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=3)
+        plan = build_cp_plan(batch_size=1)
+        o1, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
+        o2, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
+        assert len(gathers) == 1 and torch.equal(o1, o2)
+        cp_chunk_kda(**{n: x.float() for n, x in args.items()}, backend="torch", cp=plan)  # a new signature
+        cp_chunk_kda(**args, backend="torch", cp=plan)
+        assert len(gathers) == 2
+        every = build_cp_plan(batch_size=1, check_every_call=True)
+        for _ in range(3):
+            cp_chunk_kda(**args, backend="torch", cp=every)
+        assert len(gathers) == 5
+        mixed = build_cp_plan(batch_size=1, check_every_call=rank == 0)
+        _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=mixed), "disagree on plan")
+    finally:
+        comm.all_gather_signatures = real
+    dist.barrier()
+
+
 def _run(rank: int, world_size: int) -> None:
     _bad_inputs(rank, world_size)
+    _checks_once_per_signature(rank, world_size)
     _calls_in_flight(rank, world_size)
     _all_cases(rank, world_size)
 

@@ -71,6 +71,10 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
     args = make_kda_inputs(case["B"], T, H, HV, K, V, gate="default", dtype=torch.bfloat16, initial_state=case["init"],
                            cu_seqlens=cu, device="cuda", seed=7)
     args.pop("cu_seqlens", None)
+    # float32, as FLA's and Kimi Linear's layers keep them: with bf16 parameters each rank's gradient
+    # share is rounded to bf16 before the sum, which alone costs about 1.22x the single-GPU error
+    for name in ("A_log", "dt_bias"):
+        args[name] = args[name].detach().float().requires_grad_()
     if case["init"]:
         args["initial_state"] = args["initial_state"].detach().float().requires_grad_()
     N = case["B"] if cu is None else len(cu) - 1

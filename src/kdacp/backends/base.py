@@ -66,6 +66,10 @@ class Span:
             return None
         return torch.tensor(self.cu_seqlens, dtype=torch.int64).to(device, non_blocking=True)
 
+    def cu_seqlens_host(self) -> torch.Tensor | None:
+        """The same on the CPU, for launchers that read the boundaries on the host (no device sync)."""
+        return None if self.num_segments == 1 else torch.tensor(self.cu_seqlens, dtype=torch.int64)
+
 
 @dataclass
 class LocalStates:

@@ -48,11 +48,12 @@ class FlaSaved:
 
 @dataclass
 class FlaBackward:
-    """One span's backward in progress: its saved inputs, FLA's packed-sequence arguments, ``do``,
-    the initial states, the recomputed ``gc, w, qg, kg``, the states ``h``, ``v_new``, the
+    """One span's backward in progress: its saved inputs, the span, FLA's packed-sequence arguments,
+    ``do``, the initial states, the recomputed ``gc, w, qg, kg``, the states ``h``, ``v_new``, the
     intra-chunk gradients ``dAqk`` and ``dv`` (local, then after the gradient state pass), and ``dh``."""
 
     saved: FlaSaved
+    span: Span
     varlen: dict
     do: torch.Tensor
     initial_state: torch.Tensor
@@ -123,7 +124,7 @@ class FlaBackend:
         # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
         return state_summary(chunks.kg[:, cut], chunks.w[:, cut], chunks.u[:, cut], chunks.gc[:, cut],
                              chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
-                             cu_seqlens=span.cu_seqlens_tensor(chunks.kg.device))
+                             cu_seqlens=span.cu_seqlens_host())
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
@@ -159,11 +160,11 @@ class FlaBackend:
         # dAqk = dO v_new^T (masked), dv_local = Aqk^T dO per chunk
         dAqk, dv_local = fla.chunk_kda_bwd_dAv(q=x.q, k=x.k, v=v_new, do=do, A=x.Aqk, scale=o.scale,
                                                chunk_size=o.chunk_size, **varlen)
-        return FlaBackward(x, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
+        return FlaBackward(x, span, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
 
     def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
         return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv, self.options.scale,
-                                      chunk_size=self.options.chunk_size, cu_seqlens=local.varlen["cu_seqlens"])
+                                      chunk_size=self.options.chunk_size, cu_seqlens=local.span.cu_seqlens_host())
 
     def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> torch.Tensor:
         local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(

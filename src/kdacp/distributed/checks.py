@@ -1,7 +1,8 @@
 """Cross-rank input checks: a bad or mismatched input raises on every rank instead of hanging.
 
 Each rank validates its own arguments, then all ranks exchange one small int64 signature in a
-single all-gather; every rank raises ``ValueError`` if any rank failed or the ranks disagree.
+single all-gather; every rank raises ``ValueError`` if any rank failed or the ranks disagree. A
+signature verified on a plan is not exchanged again (unless the plan checks every call).
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
                  _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
                  int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
                  int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode())]
+    if ok and not plan.check_every_call and tuple(signature) in plan.verified_calls:
+        return name  # every rank agreed on this signature before: no collective, no host sync
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
         else torch.device("cpu")
     rows = comm.all_gather_signatures(signature, plan.group, device)
@@ -93,4 +96,5 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         if len(set(values)) > 1:
             raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank {values}; every rank must "
                              "pass the same plan, shapes (except T_local), dtypes and options")
+    plan.verified_calls.add(tuple(signature))
     return name

@@ -12,7 +12,7 @@ input holds tokens ``[offset_r, offset_r + T_local_r)`` of global sequence ``b``
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -91,6 +91,8 @@ class CPPlan:
 
     ``cu_seqlens`` is the global packed layout (``None`` for ``batch_size`` equal-length rows);
     ``local_lengths`` the tokens per rank (``None``: an equal split, read from the call).
+    ``check_every_call``: run the cross-rank input check on every call instead of once per call
+    signature (``verified_calls`` holds the signatures already checked on every rank).
     """
 
     rank: int
@@ -100,6 +102,8 @@ class CPPlan:
     batch_size: int
     cu_seqlens: tuple[int, ...] | None
     local_lengths: tuple[int, ...] | None
+    check_every_call: bool = False
+    verified_calls: set = field(default_factory=set, compare=False, repr=False)
 
     @property
     def num_sequences(self) -> int:
@@ -108,7 +112,8 @@ class CPPlan:
     @cached_property
     def signature(self) -> int:
         """A 63-bit fingerprint of the global description, compared across ranks on each call."""
-        text = repr((self.world_size, self.strategy, self.batch_size, self.cu_seqlens, self.local_lengths))
+        text = repr((self.world_size, self.strategy, self.batch_size, self.cu_seqlens, self.local_lengths,
+                     self.check_every_call))
         return zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 31)
 
     def lengths_for(self, local_length: int) -> tuple[int, ...]:
@@ -146,7 +151,7 @@ def _layouts(cu_seqlens, batch_size: int, lengths: tuple[int, ...]) -> tuple[Ran
 
 
 def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,
-                  strategy: str = "p2p") -> CPPlan:
+                  strategy: str = "p2p", check_every_call: bool = False) -> CPPlan:
     """Build the context-parallel plan of one batch; call it on every rank with the same arguments.
 
     Args:
@@ -157,6 +162,11 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
         batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
         group: the ``torch.distributed`` process group (default: the world).
         strategy: state exchange, ``"p2p"`` (wavefront) or ``"allgather"``.
+        check_every_call: ``cp_chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
+            with one small all-gather, which ends in a host sync. By default it does so once per
+            call signature: later calls whose own signature was already verified skip it, so a rank
+            that alone changes its inputs afterwards is not caught (it waits in the check while the
+            others go on). ``True`` checks every call (for debugging).
 
     Raises:
         ValueError: unknown strategy, invalid ``cu_seqlens``, lengths that do not add up.
@@ -195,4 +205,4 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
                              "pass local_lengths")
         local_lengths = (cu[-1] // world_size,) * world_size
     return CPPlan(rank=rank, world_size=world_size, group=group, strategy=strategy, batch_size=batch_size,
-                  cu_seqlens=cu, local_lengths=local_lengths)
+                  cu_seqlens=cu, local_lengths=local_lengths, check_every_call=bool(check_every_call))

@@ -156,7 +156,8 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
         output: ``"both"``, ``"state"`` (``S_ext`` only) or ``"transition"`` (``M`` only; ``u`` unused).
         head_start, num_heads: summarise heads ``[head_start, head_start + num_heads)`` of the given
             tensors (no copies); outputs have ``num_heads`` heads.
-        cu_seqlens: ``[N+1]`` int64 with ``B == 1``: summarise every packed sequence.
+        cu_seqlens: ``[N+1]`` int64 with ``B == 1``: summarise every packed sequence (read on the host:
+            a CPU tensor avoids a device sync).
         segment: ``(start, end)`` token offsets with ``B == 1``: summarise that one segment, chunked
             from ``start``.
         config: tiling, see :class:`SummaryConfig`.

@@ -100,6 +100,7 @@ class KDAContextParallel(_SingleDevice):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode, self.strategy, self.backend = mode, strategy, backend
+        self._row_plans: dict = {}
         self.group = dist.group.WORLD if group is None else group
         ranks = dist.get_process_group_ranks(self.group)
         P = len(ranks)
@@ -181,7 +182,18 @@ class KDAContextParallel(_SingleDevice):
         if self.state_size == 1:
             return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
-        plan = build_cp_plan(cu_seqlens, local_lengths=[T] * self.state_size,
-                             batch_size=None if cu_seqlens is not None else B,
-                             group=self.state_group, strategy=self.strategy)
+        if cu_seqlens is not None:  # the layout is data: a plan per call
+            plan = build_cp_plan(cu_seqlens, local_lengths=[T] * self.state_size, group=self.state_group,
+                                 strategy=self.strategy)
+        else:
+            plan = self._row_plan(B, T)
         return cp_chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
+
+    def _row_plan(self, B: int, T: int):
+        """The plan of ``B`` rows of ``T`` tokens per rank, built once, so that ``cp_chunk_kda``
+        checks the ranks' agreement once per shape rather than on every layer call."""
+        key = (B, T)
+        if key not in self._row_plans:
+            self._row_plans[key] = build_cp_plan(local_lengths=[T] * self.state_size, batch_size=B,
+                                                 group=self.state_group, strategy=self.strategy)
+        return self._row_plans[key]
