@@ -156,7 +156,8 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
 
     Args:
         cu_seqlens: global ``[N+1]`` boundaries of the packed batch (int tensor or sequence of ints),
-            or ``None`` for ``batch_size`` equal-length sequences.
+            or ``None`` for ``batch_size`` equal-length sequences. It is read on the host: a CUDA
+            tensor costs one device sync, a CPU tensor or a list none.
         local_lengths: tokens held by each rank, ``[world_size]`` positive ints; default an equal
             split (of ``cu_seqlens[-1]``, or of whatever ``T_local`` every rank passes).
         batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
@@ -183,8 +184,9 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
         cu_tensor = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(list(cu_seqlens))
         if cu_tensor.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_tensor.dtype}")
+        cu_tensor = cu_tensor.cpu()  # the one device-to-host copy (a sync for a CUDA tensor)
         total = int(cu_tensor[-1]) if cu_tensor.numel() else 0
-        check_cu_seqlens(cu_tensor.cpu(), 1, total)
+        check_cu_seqlens(cu_tensor, 1, total)
         if total < 1:
             raise ValueError("cu_seqlens must describe at least one token")
         cu = tuple(int(c) for c in cu_tensor.tolist())
