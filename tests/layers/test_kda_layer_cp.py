@@ -100,6 +100,25 @@ def _check_checkpointing(rank, world_size, mode, ulysses_size):
             assert rel_err(a, b) < 1e-13, f"checkpointed {mode} call {i}, rank {rank}"
 
 
+def _check_row_plan_checked_once(rank, world_size):
+    """Unpacked rows reuse one plan per shape, so the ranks' agreement is gathered once, not per call."""
+    from kdacp.distributed import comm
+    gathers = []
+    real = comm.all_gather_signatures
+    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
+    try:
+        layer = _layer(2, 2)
+        layer.cp = KDAContextParallel("state")
+        x = torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        y1, _ = layer(x)
+        y2, _ = layer(x)
+        assert len(gathers) == 1 and torch.equal(y1, y2)
+        layer(x[:, :20])  # another shape: a new plan, checked once
+        assert len(gathers) == 2
+    finally:
+        comm.all_gather_signatures = real
+
+
 def _check_cases(rank, world_size, cases, refs, checkpoint_modes):
     for case, ref in zip(cases, refs):
         _check_case(rank, world_size, case, ref)
@@ -107,6 +126,7 @@ def _check_cases(rank, world_size, cases, refs, checkpoint_modes):
         _check_checkpointing(rank, world_size, mode, ulysses_size)
     if world_size == 2:
         _check_bad_arguments()
+        _check_row_plan_checked_once(rank, world_size)
 
 
 def _check_bad_arguments():
