@@ -60,15 +60,15 @@ class Span:
     def empty(self) -> bool:
         return self.end <= self.start
 
-    def cu_seqlens_tensor(self, device) -> torch.Tensor | None:
-        """``[n+1]`` int64 on ``device``, or ``None`` for a single segment (the faster unpacked path)."""
-        if self.num_segments == 1:
-            return None
-        return torch.tensor(self.cu_seqlens, dtype=torch.int64).to(device, non_blocking=True)
-
     def cu_seqlens_host(self) -> torch.Tensor | None:
-        """The same on the CPU, for launchers that read the boundaries on the host (no device sync)."""
+        """``[n+1]`` int64 on the CPU, or ``None`` for a single segment (the faster unpacked path); for
+        launchers that read the boundaries on the host (no device sync)."""
         return None if self.num_segments == 1 else torch.tensor(self.cu_seqlens, dtype=torch.int64)
+
+    def cu_seqlens_tensor(self, device) -> torch.Tensor | None:
+        """:meth:`cu_seqlens_host` on ``device``."""
+        host = self.cu_seqlens_host()
+        return None if host is None else host.to(device, non_blocking=True)
 
 
 @dataclass

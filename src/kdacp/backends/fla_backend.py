@@ -88,10 +88,10 @@ class FlaBackend:
 
     def _varlen(self, span: Span, device) -> dict:
         """FLA's packed-sequence arguments for ``span`` (none for a single segment)."""
-        cu = span.cu_seqlens_tensor(device)
-        if cu is None:
+        cu_cpu = span.cu_seqlens_host()
+        if cu_cpu is None:
             return dict(cu_seqlens=None, chunk_indices=None)
-        cu_cpu = torch.tensor(span.cu_seqlens, dtype=torch.int64)
+        cu = cu_cpu.to(device, non_blocking=True)
         indices = self.fla.prepare_chunk_indices(cu, self.options.chunk_size, cu_seqlens_cpu=cu_cpu)
         return dict(cu_seqlens=cu, chunk_indices=indices)
 
