@@ -46,17 +46,10 @@ class CPForward:
 
 
 @dataclass
-class CPGrads:
-    """Token gradients ``[1, T_local, ...]``, ``dA_log``/``ddt_bias`` summed over local tokens, and
+class CPGrads(LocalGrads):
+    """A rank's gradients: :class:`LocalGrads` over all ``T_local`` tokens, plus
     ``dinitial_state [N, HV, K, V]`` (rows of sequences that start on this rank; else zero) or ``None``."""
 
-    dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
-    dg: torch.Tensor
-    dbeta: torch.Tensor
-    dA_log: torch.Tensor | None
-    ddt_bias: torch.Tensor | None
     dinitial_state: torch.Tensor | None
 
 
