@@ -1,6 +1,8 @@
 """Random KDA inputs and error measures shared by the tests."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -59,3 +61,16 @@ def make_kda_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="plain", ini
 def differentiable_inputs(args: dict) -> dict:
     """The tensors of ``args`` that require grad, by name."""
     return {n: x for n, x in args.items() if isinstance(x, torch.Tensor) and x.requires_grad}
+
+
+@contextlib.contextmanager
+def count_signature_gathers():
+    """Count calls of the cross-rank check's all-gather (``kdacp.distributed.comm``) inside the block;
+    yields the list that grows by one per call."""
+    from kdacp.distributed import comm
+    gathers, real = [], comm.all_gather_signatures
+    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
+    try:
+        yield gathers
+    finally:
+        comm.all_gather_signatures = real

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from kdacp import reference
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
 from tests.multiprocess import run_ranks
-from tests.helpers import make_kda_inputs, rel_err
+from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
@@ -151,11 +151,7 @@ def _calls_in_flight(rank: int, world_size: int) -> None:
 def _checks_once_per_signature(rank: int, world_size: int) -> None:
     """The cross-rank check's all-gather runs once per plan and call signature, or on every call
     with ``check_every_call``; ranks that disagree on that option are told at the first call."""
-    from kdacp.distributed import comm
-    gathers = []
-    real = comm.all_gather_signatures
-    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
-    try:
+    with count_signature_gathers() as gathers:
         args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=3)
         plan = build_cp_plan(batch_size=1)
         o1, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
@@ -170,8 +166,6 @@ def _checks_once_per_signature(rank: int, world_size: int) -> None:
         assert len(gathers) == 5
         mixed = build_cp_plan(batch_size=1, check_every_call=rank == 0)
         _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=mixed), "disagree on plan")
-    finally:
-        comm.all_gather_signatures = real
     dist.barrier()
 
 

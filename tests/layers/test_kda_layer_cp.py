@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
-from tests.helpers import rel_err
+from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
 
 TOL = 1e-9
@@ -102,11 +102,7 @@ def _check_checkpointing(rank, world_size, mode, ulysses_size):
 
 def _check_row_plan_checked_once(rank, world_size):
     """Unpacked rows reuse one plan per shape, so the ranks' agreement is gathered once, not per call."""
-    from kdacp.distributed import comm
-    gathers = []
-    real = comm.all_gather_signatures
-    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
-    try:
+    with count_signature_gathers() as gathers:
         layer = _layer(2, 2)
         layer.cp = KDAContextParallel("state")
         x = torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
@@ -115,8 +111,6 @@ def _check_row_plan_checked_once(rank, world_size):
         assert len(gathers) == 1 and torch.equal(y1, y2)
         layer(x[:, :20])  # another shape: a new plan, checked once
         assert len(gathers) == 2
-    finally:
-        comm.all_gather_signatures = real
 
 
 def _check_cases(rank, world_size, cases, refs, checkpoint_modes):
