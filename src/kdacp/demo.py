@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .distributed import new_cp_group
 from .layers import KDAContextParallel, KimiDeltaAttention
 from .workers import RankContext
 
@@ -128,7 +129,8 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = DemoModel(cfg).to(ctx.device, dtype)
     replica = copy.deepcopy(model)  # same initial weights on every rank
-    model.set_context_parallel(KDAContextParallel(cfg.mode, strategy=cfg.strategy, ulysses_size=cfg.ulysses_size))
+    model.set_context_parallel(KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy,
+                                                  ulysses_size=cfg.ulysses_size))
     T = sum(cfg.seq_lens)
     T_local = T // ctx.world_size
     shard = slice(ctx.rank * T_local, (ctx.rank + 1) * T_local)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp import reference
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 from tests.multiprocess import run_ranks
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 
@@ -169,7 +169,29 @@ def _checks_once_per_signature(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _on_new_cp_group(rank: int, world_size: int) -> None:
+    """A plan over a ``new_cp_group`` of the last ``world_size - 1`` ranks (all ranks for 2) matches
+    the reference; ranks outside the group take no part."""
+    members = list(range(world_size)) if world_size == 2 else list(range(1, world_size))
+    group = new_cp_group(members)
+    if rank in members:
+        assert dist.get_backend(group) == dist.get_backend()
+        _run_on_group(members.index(rank), len(members), group)
+    dist.barrier()
+
+
+def _run_on_group(r: int, P: int, group) -> None:
+    """One sequence of ``24 P`` tokens over ``group``, seen from group rank ``r``."""
+    args = make_kda_inputs(1, 24 * P, 1, 1, 16, 16, gate="default", seed=13)
+    lo, hi = 24 * r, 24 * (r + 1)
+    local = {n: (x[:, lo:hi].detach().clone() if n in TOKEN_INPUTS else x) for n, x in args.items()}
+    o, _ = cp_chunk_kda(**local, backend="torch", cp=build_cp_plan(batch_size=1, group=group))
+    ref_o, _ = reference.chunk_kda(**args)
+    assert rel_err(o, ref_o[:, lo:hi]) < 1e-9, f"group rank {r}: {rel_err(o, ref_o[:, lo:hi]):.2e}"
+
+
 def _run(rank: int, world_size: int) -> None:
+    _on_new_cp_group(rank, world_size)
     _bad_inputs(rank, world_size)
     _checks_once_per_signature(rank, world_size)
     _calls_in_flight(rank, world_size)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import load_fla
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 
 from .harness import PlotSpec
 
@@ -85,11 +85,11 @@ def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, war
     """Rows ``T_local, world_size``, times ``one_gpu_ms, kdacp_cp_ms`` (p2p), ``kdacp_allgather_ms``,
     ``fla_cp_ms``, their ratios to ``one_gpu_ms``, and ``max_rel_diff_vs_fla_cp`` (the largest relative
     difference between kdacp's p2p and FLA's CP output and gradients); ``report(row)`` is called as
-    each row completes."""
+    each row completes. ``group``: default a new :func:`new_cp_group` (every contender uses it)."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"the cp suite runs FLA's CUDA kernels; device must be cuda, got {device!r}")
     fla = load_fla()
-    group = group or dist.group.WORLD
+    group = group or new_cp_group()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
     rows = []

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kdacp.distributed import new_cp_group
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 
 from .harness import PlotSpec
@@ -58,9 +59,10 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
 
     ``speedup``: the one-GPU time on ``global_tokens`` over the row's time; ``peak_GB``: the largest
     peak memory over ranks (CUDA only). ``report``: called with each row as it completes (before
-    ``speedup`` is known). Call on every rank of ``group``.
+    ``speedup`` is known). Call on every rank of ``group`` (default: a new :func:`new_cp_group`).
     """
     device = torch.device(device)
+    group = group or new_cp_group()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(0)  # replicated parameters
     layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..distributed import build_cp_plan, cp_chunk_kda
+from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 from ..ops import chunk_kda as local_chunk_kda
 from .comm import all_to_all, all_to_all_gather, shift_right
 from .short_conv import sequence_positions
@@ -84,7 +84,8 @@ class KDAContextParallel(_SingleDevice):
             ``kdacp.distributed.cp_chunk_kda``), ``"ulysses"`` (all-to-all to head shards, local KDA
             on full sequences, all-to-all back; needs ``H % P == 0`` and ``HV % P == 0``) or
             ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, state across them).
-        group: the context-parallel process group (default: the world).
+        group: the context-parallel process group (default: the world); best one from
+            :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
         strategy: state-exchange strategy for ``cp_chunk_kda`` (``"p2p"``, ...).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
@@ -117,13 +118,13 @@ class KDAContextParallel(_SingleDevice):
         self.ulysses_group = self.group if U == P else None
         self.state_group = self.group if U == 1 else None
         if mode == "hybrid":
-            # new_group is collective over the world: every rank creates every subgroup, in one order.
+            # Collective over the world: every rank creates every subgroup, in one order.
             for g in range(P // U):
-                sub = dist.new_group(ranks[g * U:(g + 1) * U])
+                sub = new_cp_group(ranks[g * U:(g + 1) * U])
                 if g == self.state_rank:
                     self.ulysses_group = sub
             for u in range(U):
-                sub = dist.new_group(ranks[u::U])
+                sub = new_cp_group(ranks[u::U])
                 if u == self.ulysses_rank:
                     self.state_group = sub
 
