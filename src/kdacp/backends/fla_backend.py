@@ -105,6 +105,9 @@ class FlaBackend:
 
     def prepare(self, inputs: KDAInputs, span: Span) -> FlaChunks:
         o, fla = self.options, self.fla
+        # FLA's stage kernels index dense tensors: strided views (a slice of a parameter, a permuted
+        # activation) are copied here, once, as FLA's own entry points do.
+        inputs = KDAInputs(*(None if t is None else t.contiguous() for t in vars(inputs).values()))
         varlen = self._varlen(span, inputs.q.device)
         q, k, q_rstd, k_rstd = inputs.q, inputs.k, None, None
         if o.use_qk_l2norm_in_kernel:
@@ -169,7 +172,7 @@ class FlaBackend:
     def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> torch.Tensor:
         local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.qg, k=local.kg, w=local.w, gk=local.gc, h0=local.initial_state,
-            dht=None if dht is None else dht.float(), do=local.do, dv=local.dv, scale=self.options.scale,
+            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
             chunk_size=self.options.chunk_size, **local.varlen)
         return dh0
 
