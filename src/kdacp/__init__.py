@@ -1,8 +1,8 @@
 """kdacp: context-parallel Kimi Delta Attention for PyTorch.
 
-Entry points: :func:`chunk_kda` (one device), :func:`cp_chunk_kda` with :func:`build_cp_plan`
-and :func:`new_cp_group` (context-parallel over ``torch.distributed``), :class:`KimiDeltaAttention` (the layer, with
-:class:`KDAContextParallel`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
+Entry points: :func:`chunk_kda` (one device), :func:`cp_chunk_kda` with :func:`build_cp_plan` and
+:func:`new_cp_group` (context-parallel over ``torch.distributed``), :class:`KimiDeltaAttention` (the
+layer, with :class:`KDAContextParallel`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
 """
 from . import reference
 from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
@@ -15,6 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPPlan", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary", "apply_state_summary",
-    "build_cp_plan", "chunk_kda", "compose_state_summaries", "cp_chunk_kda", "new_cp_group", "reference", "state_gradient_summary",
-    "state_summary", "transition",
+    "build_cp_plan", "chunk_kda", "compose_state_summaries", "cp_chunk_kda", "new_cp_group", "reference",
+    "state_gradient_summary", "state_summary", "transition",
 ]
