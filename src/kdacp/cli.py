@@ -59,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
             bar.n = message[1]
             bar.refresh()
 
-    timeout = args.timeout or (1800.0 if device == "cuda" else 300.0)
+    timeout = args.timeout if args.timeout is not None else (1800.0 if device == "cuda" else 300.0)
     if device == "cuda" and show:
         # Measured on 2 H200s: over 4 minutes before the first step completes on a cold Triton cache.
         print("kdacp demo: on a GPU the first step includes FLA's first-use autotuning (minutes on a cold "

@@ -161,10 +161,8 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
         local_lengths: tokens held by each rank, ``[world_size]`` positive ints; default an equal
             split (of ``cu_seqlens[-1]``, or of whatever ``T_local`` every rank passes).
         batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
-        group: the ``torch.distributed`` process group (default: the world). On NCCL prefer one
-            from :func:`new_cp_group`: on the default group's normal-priority streams the state
-            messages can wait behind large compute kernels (1.15-1.29x against 1.05x the one-GPU
-            step on 2 H200s).
+        group: the ``torch.distributed`` process group (default: the world); on NCCL prefer one
+            from :func:`new_cp_group` (high-priority streams: see there why).
         strategy: state exchange, ``"p2p"`` (wavefront) or ``"allgather"``.
         check_every_call: ``cp_chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
             with one small all-gather, which ends in a host sync. By default it does so once per
