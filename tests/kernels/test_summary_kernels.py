@@ -21,21 +21,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=None)
-def _intermediates(B, T, HV, K, V, cu=None, seed=0, device=DEVICE):
+def _intermediates(B, T, HV, K, V, cu=None, seed=0, device=DEVICE, chunk_size=64):
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int64)
     args = make_kda_inputs(B, T, HV, HV, K, V, dtype=torch.float64, requires_grad=False, seed=seed,
                            cu_seqlens=cu_seqlens, device=device)
-    it = ref.chunk_kda_intermediates(**args)
+    it = ref.chunk_kda_intermediates(**args, chunk_size=chunk_size)
     out = {n: getattr(it, n) for n in FIELDS}
     gen = torch.Generator().manual_seed(seed + 1)
     out["do"] = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(device)
-    out["dv"] = ref.chunk_dv_local(out["Aqk"], out["do"], SCALE, cu_seqlens=args.get("cu_seqlens"))
+    out["dv"] = ref.chunk_dv_local(out["Aqk"], out["do"], SCALE, chunk_size=chunk_size,
+                                   cu_seqlens=args.get("cu_seqlens"))
     return out
 
 
-def make(B, T, HV, K, V, dtype, cu=None, seed=0, device=DEVICE):
+def make(B, T, HV, K, V, dtype, cu=None, seed=0, device=DEVICE, chunk_size=64):
     """Kernel inputs in ``dtype`` (``gc`` float32) and the same values in float64."""
-    x = _intermediates(B, T, HV, K, V, cu, seed, device)
+    x = _intermediates(B, T, HV, K, V, cu, seed, device, chunk_size)
     low = {n: x[n].to(torch.float32 if n in ("gc", "dv") else dtype) for n in x}
     return low, {n: t.double() for n, t in low.items()}
 
@@ -44,12 +45,13 @@ def cfg(L):
     return None if L is None else kn.SummaryConfig(block_v=32, chunks_per_program=L)
 
 
-def ref_summary(x, cu=None):
-    return ref.state_summary(x["kg"], x["w"], x["u"], x["gc"], cu_seqlens=cu)
+def ref_summary(x, cu=None, chunk_size=64):
+    return ref.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, cu_seqlens=cu)
 
 
-def ref_grad(x, cu=None):
-    return ref.state_gradient_summary(x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], SCALE, cu_seqlens=cu)
+def ref_grad(x, cu=None, chunk_size=64):
+    return ref.state_gradient_summary(x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], SCALE,
+                                      chunk_size=chunk_size, cu_seqlens=cu)
 
 
 # (B, T, HV, K, V, dtype, chunks per program): partial last chunks, T < 64, one sub-segment or several
@@ -114,6 +116,55 @@ def test_layouts_and_precisions(T, K, V, dtype, config):
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
                                   config=config)
     assert rel_err(G, ref_grad(x)) < TOL
+
+
+@pytest.mark.parametrize("chunk_size,T,L", [(16, 90, None), (32, 100, 2), (128, 200, 1)])
+def test_other_chunk_sizes(chunk_size, T, L):
+    low, x = make(1, T, 2, 64, 64, torch.float32, chunk_size=chunk_size)
+    S_ref, M_ref = ref_summary(x, chunk_size=chunk_size)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=chunk_size, config=cfg(L))
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  chunk_size=chunk_size, config=cfg(L))
+    assert rel_err(G, ref_grad(x, chunk_size=chunk_size)) < TOL
+    # the chunking matters: the same inputs read at chunk size 64 (other last chunks) give another summary
+    if chunk_size != 64:
+        assert rel_err(kn.state_summary(low["kg"], low["w"], low["u"], low["gc"]).state, S_ref) > 1e-3
+
+
+@pytest.mark.parametrize("field,value", [("block_v", 48), ("bf16_pieces", 1), ("num_warps", 3), ("v_first", 1),
+                                         ("num_stages", 0), ("chunks_per_program", 2.0)])
+def test_bad_summary_config_raises(field, value):
+    with pytest.raises(ValueError, match=f"SummaryConfig.{field} must be"):
+        kn.SummaryConfig(**{field: value})
+
+
+def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
+    from triton.runtime.errors import OutOfResources
+
+    from kdacp.kernels.utils import launch_fitting_stages
+
+    class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory from 2 stages down
+        def __init__(self):
+            self.tried = []
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **constants):
+                self.tried.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    kernel = Kernel()
+    launch_fitting_stages(kernel, (1,), (torch.zeros(1),), {"BT": 64}, 4, 4)
+    assert kernel.tried == [4, 3, 2]
+    launch_fitting_stages(kernel, (1,), (torch.zeros(1),), {"BT": 64}, 4, 4)  # remembered
+    assert kernel.tried == [4, 3, 2, 2]
+    kernel = Kernel()
+    kernel.__class__.__getitem__ = lambda self, grid: (lambda *a, **k: (_ for _ in ()).throw(
+        OutOfResources(1, 0, "shared memory")))
+    with pytest.raises(OutOfResources):
+        launch_fitting_stages(kernel, (1,), (), {}, 4, 2)
 
 
 def test_head_range_and_head_first_w_without_copies():
@@ -239,7 +290,7 @@ GPU_SHAPE = (1, 16384, 32, 128, 128)
 
 
 @functools.lru_cache(maxsize=1)
-def _gpu_inputs():
+def _gpu_inputs(chunk_size=64):
     B, T, HV, K, V = GPU_SHAPE
     gen = torch.Generator().manual_seed(0)
 
@@ -251,11 +302,12 @@ def _gpu_inputs():
     # slowly decaying channels and a moderate beta keep M far from underflow over 16K tokens,
     # so that its relative error means something
     g = torch.nn.functional.logsigmoid(rnd(B, T, HV, K) + torch.linspace(2.0, 12.0, K, device="cuda"))
-    it = ref.chunk_kda_intermediates(q, k, rnd(B, T, HV, V), g, torch.sigmoid(rnd(B, T, HV) - 2.0))
+    it = ref.chunk_kda_intermediates(q, k, rnd(B, T, HV, V), g, torch.sigmoid(rnd(B, T, HV) - 2.0),
+                                     chunk_size=chunk_size)
     low = {n: getattr(it, n).to(torch.bfloat16) for n in ("qg", "kg", "w", "u")}
     low["gc"] = it.gc.float()
     low["do"] = rnd(B, T, HV, V).to(torch.bfloat16)
-    low["dv"] = ref.chunk_dv_local(it.Aqk, low["do"].float(), SCALE).to(torch.bfloat16)
+    low["dv"] = ref.chunk_dv_local(it.Aqk, low["do"].float(), SCALE, chunk_size=chunk_size).to(torch.bfloat16)
     x = {n: t.double() for n, t in low.items()}
     return low, x
 
@@ -292,3 +344,16 @@ def test_gpu_head_range_segment_and_fp32():
     assert rel_err(S32, S_ref) < 1e-4 and rel_err(M32, M_ref) < 1e-4
     G32 = kn.state_gradient_summary(f32["qg"], f32["kg"], f32["w"], f32["gc"], f32["do"], f32["dv"], SCALE)
     assert rel_err(G32, ref_grad(subx)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_size_128_bf16():
+    """128-token chunks need larger tiles: the launchers use fewer pipeline stages where the default
+    ones do not fit in shared memory."""
+    low, x = _gpu_inputs(128)
+    S_ref, M_ref = ref_summary(x, chunk_size=128)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=128)
+    assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  chunk_size=128)
+    assert rel_err(G, ref_grad(x, chunk_size=128)) < 5e-5

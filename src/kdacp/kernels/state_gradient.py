@@ -18,14 +18,15 @@ import triton.language as tl
 from .checks import check_summary_inputs
 from .compose import fold_summaries
 from .state_summary import _strides
-from .utils import (SummaryConfig, dot_inputs, dot_state, dot_state_left, exp2_f32, pick_chunks_per_program,
-                    plan_summary, split_bf16)
+from .utils import (SummaryConfig, dot_inputs, dot_state, dot_state_left, exp2_f32, initial_tile, launch_fitting_stages,
+                    load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16, store_tile)
 
 __all__ = ["state_gradient_summary"]
 
 # Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md): a serial walk over
-# heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T).
-DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=2, bf16_pieces=2, v_first=False)
+# heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T); three stages let
+# each step's input copies overlap the step before (two wait for them at once).
+DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, bf16_pieces=2, v_first=False)
 
 
 @triton.jit
@@ -34,12 +35,14 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
                VF: tl.constexpr):
     """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile."""
     o_t = tl.arange(0, BT)
+    # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
+    g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 1, o_k, n_run > 0, BT)
     for i in range(n_run):
         t0 = start + (n_chunks - 1 - i) * BT
         rows = t0 + o_t
         m_t = rows < end
-        last = tl.minimum(t0 + BT, end) - 1
-        b_decay = exp2_f32(tl.load(p_g + last * s_gt + o_k))
+        b_decay = exp2_f32(g_next)
+        g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT)
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]
             b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -77,19 +80,8 @@ def _state_gradient_kernel(
     """One ``BV``-column tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
     chunks in reverse. ``qg, kg, gc [B, T, HV, K]``, ``w`` via strides, ``do, dv [B, T, HV, V]``;
     writes ``ws [NW, HV_out, K, NCOL]`` float32 (``M^T`` columns from ``V``)."""
-    i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = tl.load(work + 4 * i_w)
-    start = tl.load(work + 4 * i_w + 1)
-    end = tl.load(work + 4 * i_w + 2)
-    needs_m = tl.load(work + 4 * i_w + 3)
-    is_m = i_c * BV >= V
-    n_chunks = tl.cdiv(end - start, BT)
-    # the last sub-segment's M^T is never read: skip its chunk loop
-    n_run = tl.where(is_m & (needs_m == 0), 0, n_chunks)
-
-    h = (head_start + i_h).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_c = i_c * BV + tl.arange(0, BV)
+    # the last sub-segment's M^T is never read: its chunk loop is skipped
+    b, h, start, end, n_chunks, n_run, o_k, o_c = locate_program(work, head_start, V, K, BT, BV)
     m_v = o_c < V
     p_q = qg + b * s_qb + h * s_qh
     p_k = kg + b * s_kb + h * s_kh
@@ -98,17 +90,10 @@ def _state_gradient_kernel(
     p_do = do + b * s_ob + h * s_oh
     p_dv = dv + b * s_vb + h * s_vh
     # G columns start from zero, M^T columns from the identity
-    if VF:
-        st = tl.where((o_c - V)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
-    else:
-        st = tl.where(o_k[:, None] == (o_c - V)[None, :], 1.0, 0.0).to(tl.float32)
+    st = initial_tile(o_k, o_c, V, VF)
     st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
                     n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF)
-    base = (i_w * HV + i_h).to(tl.int64) * K
-    if VF:
-        tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
-    else:
-        tl.store(ws + (base + o_k[:, None]) * NCOL + o_c[None, :], st)
+    store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
 def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64, head_start: int = 0,
@@ -140,14 +125,14 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     ncol = V + (K if plan.max_subsegments > 1 else 0)
     ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
     grid = (ncol // block_v, plan.num_work, HV)
-    _state_gradient_kernel[grid](
-        qg, kg, w, gc, do, dv, ws, plan.work,
-        *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
-        float(scale), dims.head_start, HV,
-        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces,
-        VF=cfg.v_first,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    launch_fitting_stages(
+        _state_gradient_kernel, grid,
+        (qg, kg, w, gc, do, dv, ws, plan.work,
+         *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
+         float(scale), dims.head_start, HV),
+        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype),
+             NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
+        cfg.num_warps, cfg.num_stages)
     G, _ = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=V, want_a=True, want_t=False, reverse=True,
                           block_v=block_v)
     return G

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .checks import check_summary_inputs
 from .compose import StateSummary, fold_summaries
-from .utils import (SummaryConfig, dot_state, dot_state_left, exp2_f32, pick_chunks_per_program, plan_summary,
-                    split_bf16)
+from .utils import (SummaryConfig, dot_state, dot_state_left, exp2_f32, initial_tile, launch_fitting_stages,
+                    load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16, store_tile)
 
 __all__ = ["state_summary", "transition"]
 
@@ -31,12 +31,14 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
           NSPLIT: tl.constexpr, VF: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile."""
     o_t = tl.arange(0, BT)
+    # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
+    g_next = load_last_gate(p_g, s_gt, start, end, 0, o_k, n_chunks > 0, BT)
     for i in range(n_chunks):
         t0 = start + i * BT
         rows = t0 + o_t
         m_t = rows < end
-        last = tl.minimum(t0 + BT, end) - 1
-        b_decay = exp2_f32(tl.load(p_g + last * s_gt + o_k))
+        b_decay = exp2_f32(g_next)
+        g_next = load_last_gate(p_g, s_gt, start, end, i + 1, o_k, i + 1 < n_chunks, BT)
         # padded rows load as zero and add nothing
         if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -75,36 +77,18 @@ def _state_summary_kernel(
     ``kg, gc [B, T, HV, K]``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
     ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
     """
-    i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = tl.load(work + 4 * i_w)
-    start = tl.load(work + 4 * i_w + 1)
-    end = tl.load(work + 4 * i_w + 2)
-    needs_m = tl.load(work + 4 * i_w + 3)
-    is_m = i_c * BV >= MOFF
-    n_chunks = tl.cdiv(end - start, BT)
-    # the first sub-segment's M is never read in state-only mode: skip its chunk loop
-    n_chunks = tl.where(is_m & (needs_m == 0), 0, n_chunks)
-
-    h = (head_start + i_h).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_c = i_c * BV + tl.arange(0, BV)
+    # the first sub-segment's M is never read in state-only mode: its chunk loop is skipped
+    b, h, start, end, _, n_run, o_k, o_c = locate_program(work, head_start, MOFF, K, BT, BV)
     m_u = o_c < MOFF
     p_kg = kg + b * s_kb + h * s_kh
     p_w = w + b * s_wb + h * s_wh
     p_u = u + b * s_ub + h * s_uh
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
-    if VF:
-        st = tl.where((o_c - MOFF)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
-    else:
-        st = tl.where(o_k[:, None] == (o_c - MOFF)[None, :], 1.0, 0.0).to(tl.float32)
-    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+    st = initial_tile(o_k, o_c, MOFF, VF)
+    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_run, o_k, o_c, m_u,
                BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF)
-    base = (i_w * HV + i_h).to(tl.int64) * K
-    if VF:
-        tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
-    else:
-        tl.store(ws + (base + o_k[:, None]) * NCOL + o_c[None, :], st)
+    store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
 def _strides(x: torch.Tensor, head_first: bool = False):
@@ -129,14 +113,14 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
     ncol = s_cols + (K if with_m else 0)
     ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
     grid = (ncol // block_v, plan.num_work, HV)
-    _state_summary_kernel[grid](
-        kg, w, u if has_s else kg, gc, ws, plan.work,
-        *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
-        dims.head_start, HV,
-        K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
-        SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces, VF=cfg.v_first, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    launch_fitting_stages(
+        _state_summary_kernel, grid,
+        (kg, w, u if has_s else kg, gc, ws, plan.work,
+         *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
+         dims.head_start, HV),
+        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
+             SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
+        cfg.num_warps, cfg.num_stages)
     S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",
                           reverse=False, block_v=block_v)
     return StateSummary(S, M)

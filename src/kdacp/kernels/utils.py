@@ -27,7 +27,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = ["SummaryConfig", "SummaryPlan", "plan_summary", "dot_state", "dot_state_left", "dot_inputs", "exp2_f32",
-           "split_bf16", "F32_DOT", "INTERPRET"]
+           "split_bf16", "load_last_gate", "locate_program", "initial_tile",
+           "store_tile", "launch_fitting_stages", "F32_DOT", "INTERPRET"]
 
 # tl.dot precision for float32 x float32 products (the interpreter ignores it and uses numpy float32).
 F32_DOT: tl.constexpr = tl.constexpr("tf32x3")
@@ -48,6 +49,51 @@ def exp2_f32(x):
     else:
         out = libdevice.exp2(x.to(tl.float64)).to(tl.float32)
     return out
+
+
+@triton.jit
+def locate_program(work, head_start, MOFF, K: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """This program's place in a ``(column tile, work item, head)`` grid.
+
+    ``work`` rows are ``(batch row, first token, end token, needs transition)``; columns from ``MOFF``
+    are transition columns. Returns ``(b, h, start, end, n_chunks, n_run, o_k, o_c)``: ``n_run`` is
+    ``n_chunks``, or 0 for transition columns of a work item whose transition is never read.
+    """
+    i_c, i_w, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = work + 4 * i_w
+    b, start, end, needs_t = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    n_chunks = tl.cdiv(end - start, BT)
+    n_run = tl.where((i_c * BV >= MOFF) & (needs_t == 0), 0, n_chunks)
+    h = (head_start + i_h).to(tl.int64)
+    return b, h, start, end, n_chunks, n_run, tl.arange(0, K), i_c * BV + tl.arange(0, BV)
+
+
+@triton.jit
+def initial_tile(o_k, o_c, first_identity_col, VF: tl.constexpr):
+    """A state tile's start, float32 ``[K, BV]`` (``[BV, K]`` with ``VF``): zero in columns before
+    ``first_identity_col``, identity columns from there on."""
+    if VF:
+        st = tl.where((o_c - first_identity_col)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
+    else:
+        st = tl.where(o_k[:, None] == (o_c - first_identity_col)[None, :], 1.0, 0.0).to(tl.float32)
+    return st
+
+
+@triton.jit
+def store_tile(ws, HV, st, o_k, o_c, K: tl.constexpr, NCOL: tl.constexpr, VF: tl.constexpr):
+    """Write this program's state tile into ``ws [NW, HV, K, NCOL]`` (work item and head from the grid)."""
+    base = (tl.program_id(1) * HV + tl.program_id(2)).to(tl.int64) * K
+    if VF:
+        tl.store(ws + (base + o_k[None, :]) * NCOL + o_c[:, None], st)
+    else:
+        tl.store(ws + (base + o_k[:, None]) * NCOL + o_c[None, :], st)
+
+
+@triton.jit
+def load_last_gate(p_g, s_gt, start, end, chunk, o_k, valid, BT: tl.constexpr):
+    """``gc`` at the last token of chunk ``chunk`` of the segment ``[start, end)`` (zeros where not ``valid``)."""
+    last = tl.minimum(start + (chunk + 1) * BT, end) - 1
+    return tl.load(p_g + last * s_gt + o_k, mask=(o_k >= 0) & valid, other=0.0)
 
 
 @triton.jit
@@ -110,7 +156,8 @@ class SummaryConfig:
         chunks_per_program: chunks one program walks serially; a longer sequence is cut into
             sub-segments summarised in parallel and folded afterwards (each but one then also walks
             the ``K`` transition columns). ``None``: pick from the grid and the GPU size.
-        num_warps, num_stages: Triton launch options of the main kernel.
+        num_warps, num_stages: Triton launch options of the main kernel (fewer stages are used where
+            the requested ones do not fit in shared memory).
         bf16_pieces: bf16 pieces of the float32 state operand with bf16 inputs: 3 (float32-faithful)
             or 2 (~16 bits per product, faster).
         v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
@@ -124,9 +171,43 @@ class SummaryConfig:
     bf16_pieces: int | None = None
     v_first: bool | None = None
 
+    def __post_init__(self):
+        allowed = {"block_v": (16, 32, 64), "num_warps": (1, 2, 4, 8, 16), "bf16_pieces": (2, 3),
+                   "v_first": (False, True)}
+        for name, values in allowed.items():
+            value = getattr(self, name)
+            if value is not None and (type(value) is not type(values[0]) or value not in values):
+                raise ValueError(f"SummaryConfig.{name} must be one of {values} or None, got {value!r}")
+        for name in ("chunks_per_program", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"SummaryConfig.{name} must be a positive int or None, got {value!r}")
+
     def resolved(self, default: "SummaryConfig") -> "SummaryConfig":
         """This config with its ``None`` fields taken from ``default``."""
         return replace(default, **{k: v for k, v in self.__dict__.items() if v is not None})
+
+
+# (kernel, launch constants, input dtypes, requested stages) -> stages whose buffers fit
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch_fitting_stages(kernel, grid, args, constants: dict, num_warps: int, num_stages: int) -> None:
+    """``kernel[grid](*args, **constants)`` with ``num_stages`` pipeline stages, or the most below that
+    whose buffers fit in shared memory (Triton's ``OutOfResources``; the choice is remembered)."""
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    key = (kernel, tuple(sorted(constants.items())), dtypes, num_warps, num_stages)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **constants, num_warps=num_warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+            continue
+        _STAGES_THAT_FIT[key] = stages
+        return
 
 
 @dataclass(frozen=True)
