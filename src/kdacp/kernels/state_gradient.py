@@ -18,8 +18,9 @@ import triton.language as tl
 from .checks import check_summary_inputs
 from .compose import fold_summaries
 from .state_summary import _strides
-from .utils import (SummaryConfig, dot_inputs, dot_state, dot_state_left, exp2_f32, initial_tile, launch_fitting_stages,
-                    load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16, store_tile)
+from .utils import (SummaryConfig, chunk_decay, dot_inputs, dot_state, dot_state_left, initial_tile,
+                    launch_fitting_stages, load_last_gate, locate_program, pick_chunks_per_program, plan_summary,
+                    split_bf16, store_tile)
 
 __all__ = ["state_gradient_summary"]
 
@@ -41,7 +42,7 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
         t0 = start + (n_chunks - 1 - i) * BT
         rows = t0 + o_t
         m_t = rows < end
-        b_decay = exp2_f32(g_next)
+        b_decay = chunk_decay(g_next, NSPLIT == 3 or not SPLIT_BF16)
         g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT)
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]
