@@ -39,3 +39,25 @@ def test_harness_skips_line_plots_with_one_x_value(tmp_path):
     context = dict(date="d", device="cpu", gpus=0, torch="t", triton="t", commit="c")
     paths = {p.name for p in write_results("s", rows, tmp_path, plots, context=context)}
     assert paths == {"s.json", "s.md", "vs_T.png"}
+
+
+def test_git_commit_marks_uncommitted_changes(tmp_path):
+    import shutil
+    import subprocess
+
+    from kdacp.bench.harness import git_commit
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    assert git_commit(tmp_path) == "unknown"
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    clean = git_commit(tmp_path)
+    assert clean != "unknown" and not clean.endswith("+dirty")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == clean + "+dirty"

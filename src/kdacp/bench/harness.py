@@ -32,13 +32,23 @@ class PlotSpec:
     bars: bool = False  # ``x`` is a category: one horizontal bar per row instead of lines
 
 
+def git_commit(path: Path) -> str:
+    """Short commit of the checkout holding ``path``, with ``+dirty`` when tracked files differ from it
+    (results of uncommitted code are not labelled as a commit's); ``"unknown"`` outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=path, timeout=5).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+dirty"
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return commit or "unknown"
+
+
 def run_context() -> dict:
     """Date, device, library versions and git commit of this run."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = git_commit(Path(__file__).parent)
     import triton
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
