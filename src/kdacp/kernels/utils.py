@@ -7,13 +7,13 @@ bits (float32-faithful), two ~16 (``SummaryConfig.bf16_pieces``, default 2). Wit
 both operands go to float32 and ``tl.dot`` runs in 3xTF32. Products are formed from a zero
 accumulator and added to the state outside the tensor cores (see :func:`dot_state`). The per-chunk
 decays ``exp2(gc_last)`` use the hardware float32 ``exp2`` with two pieces and are evaluated in
-float64 (correctly rounded) with three pieces or float32 inputs (:func:`chunk_decay`): with two
+float64 (correctly rounded) with three pieces or fp16/fp32 inputs (:func:`chunk_decay`): with two
 pieces the float64 evaluation left the errors as they were (``G`` 9.97e-7 against 1.00e-6, ``M``
 6.1e-6 against 5.8e-6) and cost ``G`` a fifth of its time, being on its serial chain.
 
 Measured (one H200, bf16, T=16K, 32 heads, K=V=128, slowly decaying channels; relative error against
 float64 on the same inputs): with the running state passed to ``tl.dot`` as its accumulator, ``M``
-was off by 6e-5 whether 2 or 3 pieces; with products from zero, ``M`` 6.1e-6 (2 pieces) / 2.3e-6
+was off by 6e-5 whether 2 or 3 pieces; with products from zero, ``M`` 5.8e-6 (2 pieces) / 2.3e-6
 (3), ``S_ext`` 2.7e-6 / 1.2e-7, ``G`` 1.0e-6 / 1.3e-7. FLA 0.6.0's CP kernels on the same inputs:
 ``S_ext`` 1.8e-3, ``M`` 2.2e-5, ``G`` 6.7e-4 (benchmarks/RESULTS.md).
 """
