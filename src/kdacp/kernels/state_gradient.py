@@ -42,7 +42,7 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
         t0 = start + (n_chunks - 1 - i) * BT
         rows = t0 + o_t
         m_t = rows < end
-        b_decay = chunk_decay(g_next, NSPLIT == 3 or not SPLIT_BF16)
+        b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
         g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT)
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]

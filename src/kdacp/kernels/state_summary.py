@@ -38,7 +38,7 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
         t0 = start + i * BT
         rows = t0 + o_t
         m_t = rows < end
-        b_decay = chunk_decay(g_next, NSPLIT == 3 or not SPLIT_BF16)
+        b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
         g_next = load_last_gate(p_g, s_gt, start, end, i + 1, o_k, i + 1 < n_chunks, BT)
         # padded rows load as zero and add nothing
         if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg

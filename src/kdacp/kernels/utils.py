@@ -44,12 +44,13 @@ def split_bf16(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def chunk_decay(g_last, FAITHFUL: tl.constexpr):
-    """``exp2(g_last)`` in float32: correctly rounded (float64 evaluation) when ``FAITHFUL``, else the
-    hardware float32 ``exp2`` (within 2 ulp, and 8x cheaper than float64 on an H200)."""
+def chunk_decay(g_last, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """``exp2(g_last)`` in float32, as precise as the products it scales: correctly rounded (float64
+    evaluation) with three bf16 pieces or fp16/fp32 inputs, else the hardware float32 ``exp2``
+    (within 2 ulp, and 8x cheaper than float64 on an H200)."""
     if INTERPRET:  # libdevice does not run in the interpreter
         out = tl.exp2(g_last.to(tl.float64)).to(tl.float32)
-    elif FAITHFUL:
+    elif NSPLIT == 3 or not SPLIT_BF16:
         out = libdevice.exp2(g_last.to(tl.float64)).to(tl.float32)
     else:
         out = tl.exp2(g_last)
