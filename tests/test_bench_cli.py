@@ -43,7 +43,6 @@ def test_harness_skips_line_plots_with_one_x_value(tmp_path):
 
 def test_git_commit_marks_uncommitted_changes(tmp_path):
     import shutil
-    import subprocess
 
     from kdacp.bench.harness import git_commit
     if shutil.which("git") is None:

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from .bench import SUITES
 from .workers import WorkerError, launch, under_torchrun
 
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
-    bench.add_argument("--suite", required=True, choices=["kernels", "cp", "layer"])
+    bench.add_argument("--suite", required=True, choices=SUITES)
     bench.add_argument("--seq-lens", default=None,
                        help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K)")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")

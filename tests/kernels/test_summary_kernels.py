@@ -144,27 +144,26 @@ def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
 
     from kdacp.kernels.utils import launch_fitting_stages
 
-    class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory from 2 stages down
-        def __init__(self):
-            self.tried = []
+    class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory up to ``fits`` stages
+        def __init__(self, fits):
+            self.fits, self.tried = fits, []
 
         def __getitem__(self, grid):
             def launch(*args, num_warps, num_stages, **constants):
                 self.tried.append(num_stages)
-                if num_stages > 2:
+                if num_stages > self.fits:
                     raise OutOfResources(300_000, 232_448, "shared memory")
             return launch
 
-    kernel = Kernel()
+    kernel = Kernel(fits=2)
     launch_fitting_stages(kernel, (1,), (torch.zeros(1),), {"BT": 64}, 4, 4)
     assert kernel.tried == [4, 3, 2]
     launch_fitting_stages(kernel, (1,), (torch.zeros(1),), {"BT": 64}, 4, 4)  # remembered
     assert kernel.tried == [4, 3, 2, 2]
-    kernel = Kernel()
-    kernel.__class__.__getitem__ = lambda self, grid: (lambda *a, **k: (_ for _ in ()).throw(
-        OutOfResources(1, 0, "shared memory")))
+    kernel = Kernel(fits=0)
     with pytest.raises(OutOfResources):
         launch_fitting_stages(kernel, (1,), (), {}, 4, 2)
+    assert kernel.tried == [2, 1]
 
 
 def test_head_range_and_head_first_w_without_copies():
