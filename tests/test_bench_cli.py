@@ -14,12 +14,13 @@ def test_layer_suite_on_cpu_writes_results(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "layer.json").read_text())
     assert data["suite"] == "layer" and data["context"]["commit"]
-    runs = {(r["run"], r["gpus"], r["global_tokens"]) for r in data["rows"]}
-    assert runs == {("one_gpu", 1, 64), ("one_gpu", 1, 128), ("state", 2, 128), ("ulysses", 2, 128)}
+    from kdacp.bench.batches import BATCHES
+    runs = {(r["batch"], r["run"], r["gpus"], r["tokens_per_gpu"]) for r in data["rows"]}
+    assert runs == {(b, run, gpus, 64) for b in BATCHES for run, gpus in (("kdacp_one_gpu", 1), ("kdacp_state", 2))}
     assert all(r["ms"] > 0 for r in data["rows"])
     assert "| run |" in (tmp_path / "layer.md").read_text()
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "layer_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "layer_step.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_needs_a_gpu_for_fla_suites():

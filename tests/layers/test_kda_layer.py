@@ -102,18 +102,26 @@ def test_layer_matches_naive_composition(gate_lower_bound, packed):
         assert rel_err(a, b) < 1e-10, name
 
 
-def test_causal_conv1d_halo_and_positions():
+def test_causal_conv1d_halo_and_packed_sequences():
     torch.manual_seed(0)
     x = torch.randn(2, 30, 8, dtype=torch.float64)
     w, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     whole = causal_conv1d(x, w, b)
     # A shard with the previous shard's last W-1 tokens as halo continues the sequence exactly.
     assert torch.allclose(causal_conv1d(x[:, 10:], w, b, halo=x[:, 7:10]), whole[:, 10:], rtol=0, atol=1e-14)
-    # Positions cut the window at sequence starts: a packed batch equals its sequences run apart.
+    # Sequence starts cut the window: a packed batch equals its sequences run apart.
     cu = torch.tensor([0, 1, 12, 30])
-    packed = causal_conv1d(x[:1], w, b, positions=sequence_positions(cu, 0, 30))
+    packed = causal_conv1d(x[:1], w, b, cu_seqlens=cu)
     apart = torch.cat([causal_conv1d(x[:1, s:e], w, b) for s, e in [(0, 1), (1, 12), (12, 30)]], 1)
     assert torch.allclose(packed, apart, rtol=0, atol=1e-14)
+    # A packed shard: only its first sequence continues the halo.
+    shard = causal_conv1d(x[:1, 10:], w, b, halo=x[:1, 7:10], cu_seqlens=torch.tensor([0, 2, 20]))
+    assert torch.allclose(shard, packed[:, 10:], rtol=0, atol=1e-14)
+    # A NaN stays in its own sequence.
+    bad = x[:1].clone()
+    bad[0, 5] = float("nan")
+    out = causal_conv1d(bad, w, b, cu_seqlens=cu)
+    assert out[0, 12:].isfinite().all() and out[0, 5].isnan().all()
     assert sequence_positions(cu, 10, 5).tolist() == [9, 10, 0, 1, 2]
 
 

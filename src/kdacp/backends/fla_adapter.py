@@ -9,7 +9,7 @@ import functools
 import importlib
 from types import SimpleNamespace
 
-__all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla"]
+__all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla", "load_fla_layer"]
 
 REQUIRED_FLA_VERSION = "0.6.0"
 
@@ -30,6 +30,9 @@ _STAGES = {
     "chunk_kda_bwd_wy_dqkg_fused": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused"),
     "chunk_kda_bwd_intra": ("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra"),
     "kda_gate_bwd": ("fla.ops.kda.gate", "kda_gate_bwd"),
+    # the layer's fused parts
+    "causal_conv1d": ("fla.modules.causal_conv1d", "causal_conv1d"),
+    "rms_norm_gated": ("fla.modules.norm.fused_norm_gate", "rms_norm_gated"),
     # whole ops, for comparisons and benchmarks
     "chunk_kda": ("fla.ops.kda", "chunk_kda"),
     "build_cp_context": ("fla.ops.cp", "build_cp_context"),
@@ -73,3 +76,25 @@ def load_fla() -> SimpleNamespace:
     """FLA's stage functions by name (see ``_STAGES``); raises ImportError when unusable."""
     require_fla()
     return _load()[0]
+
+
+def load_fla_layer(name: str = "KimiDeltaAttention"):
+    """FLA's own layer class ``fla.layers.<name>`` (package ``flash-linear-attention``, which ships
+    ``fla.layers`` beside ``fla-core``), for comparisons and benchmarks.
+
+    Raises:
+        ImportError: saying which package or version is missing.
+    """
+    require_fla()
+    from importlib import metadata
+    try:
+        version = metadata.version("flash-linear-attention")
+    except metadata.PackageNotFoundError:
+        raise ImportError(f"fla.layers needs flash-linear-attention=={REQUIRED_FLA_VERSION} "
+                          "(pip install 'kdacp[fla]')") from None
+    if version != REQUIRED_FLA_VERSION:
+        raise ImportError(f"kdacp compares against flash-linear-attention=={REQUIRED_FLA_VERSION}, found {version}")
+    try:
+        return getattr(importlib.import_module("fla.layers"), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"fla.layers.{name} is not usable ({type(e).__name__}: {e})") from None

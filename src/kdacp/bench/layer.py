@@ -1,17 +1,23 @@
-"""KimiDeltaAttention layer step (forward + backward) with context parallelism: state vs Ulysses vs one GPU.
+"""KimiDeltaAttention layer step (forward + backward): kdacp's layer beside FLA's, on one GPU and context-parallel.
 
-Each rank holds ``T_local`` tokens of one sequence (B=1, bf16, fla backend). Rows: the one-GPU layer at
-``T_local`` and at the global ``world_size * T_local`` tokens, then each CP mode; times are the
-slowest rank's (warm, synchronised), ``speedup`` is over the one-GPU layer on the same global batch.
+Every rank holds ``t_local`` tokens of a global batch (one sequence, or packed documents cut at the
+rank edges: :mod:`kdacp.bench.batches`). Contenders, timed round-robin in one run (blocks of warm
+iterations, CUDA events where there is CUDA, the slowest rank's time):
+
+- ``kdacp_one_gpu`` / ``fla_one_gpu``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
+  weights) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-GPU baseline
+  holding the same tokens;
+- ``kdacp_<mode>``: kdacp's layer with ``KDAContextParallel(mode)`` over the group, on the global batch.
+
+``ratio``: the row's time over ``fla_one_gpu``'s (over ``kdacp_one_gpu``'s where FLA's layer is not
+installed). Kimi Linear's settings: safe gate with ``lower_bound=-5``, ``conv_size=4``.
 
     kdacp bench --suite layer
     (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
 
-``run(...)`` returns the rows (for a CLI); call it on every rank of an initialised NCCL group.
+``run(...)`` returns the rows; call it on every rank of an initialised process group.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -19,11 +25,36 @@ import torch.distributed as dist
 from kdacp.distributed import new_cp_group
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 
+from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
 from .harness import PlotSpec
 
 MULTI_RANK = True
-PLOTS = {"layer_vs_tokens": PlotSpec(x="global_tokens", y="ms", series="run",
-                                     title="layer step (fwd+bwd) vs global tokens")}
+PLOTS = {"layer_step": PlotSpec(x="label", y="ms", panel="batch", bars=True,
+                                title="layer step (fwd+bwd) per GPU", ylabel="ms")}
+
+
+def fla_layer_like(layer: KimiDeltaAttention):
+    """FLA's ``KimiDeltaAttention`` with ``layer``'s configuration and weights (``A_log``/``dt_bias`` kept
+    float32, as in kdacp's layer), or None when ``flash-linear-attention`` is not installed."""
+    from kdacp.backends.fla_adapter import load_fla_layer
+    try:
+        cls = load_fla_layer()
+    except ImportError:
+        return None
+    p = next(layer.parameters())
+    fla = cls(hidden_size=layer.hidden_size, head_dim=layer.head_k_dim, expand_v=layer.head_v_dim / layer.head_k_dim,
+              num_heads=layer.num_heads, num_v_heads=layer.num_v_heads, conv_size=layer.conv_size,
+              conv_bias=layer.q_conv1d.bias is not None, safe_gate=layer.gate_lower_bound is not None,
+              lower_bound=layer.gate_lower_bound, norm_eps=layer.o_norm.eps).to(p.device, p.dtype)
+    fla.A_log.data, fla.dt_bias.data = fla.A_log.data.float(), fla.dt_bias.data.float()
+    fla.load_state_dict(layer.state_dict())
+    return fla
+
+
+def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    """Forward and backward of one layer call (kdacp's or FLA's); gradients of ``x`` and every parameter."""
+    y = layer(x, cu_seqlens=cu_seqlens)[0]
+    torch.autograd.grad(y, [x, *layer.parameters()], dy)
 
 
 def _sync(device: torch.device) -> None:
@@ -31,65 +62,111 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, warmup: int, iters: int, group, device: torch.device) -> float:
-    """Milliseconds per call (wall clock around synchronised loops), the maximum over the group."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    dist.barrier(group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    ms = torch.tensor((time.perf_counter() - start) * 1e3 / iters, device=device)
+def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device) -> dict:
+    """Milliseconds per call of each of ``fns`` (name -> callable), the slowest rank's.
+
+    After ``warmup`` calls of each, ``rounds`` times: each contender in turn runs ``iters`` calls
+    back to back (a warm queue), timed by CUDA events (wall clock on CPU) after a barrier, so a
+    context-parallel contender never waits for a peer still busy with the previous contender."""
+    import time
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    total = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _sync(device)
+            dist.barrier(group)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                _sync(device)
+                total[name] += start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                total[name] += (time.perf_counter() - t0) * 1e3
+    ms = torch.tensor([total[n] / (rounds * iters) for n in fns], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
-    return ms.item()
+    return dict(zip(fns, ms.tolist()))
 
 
-def layer_step(layer: KimiDeltaAttention, x: torch.Tensor, dy: torch.Tensor) -> None:
-    """Forward and backward of one layer call; gradients of the input and every parameter."""
-    y, _ = layer(x)
-    torch.autograd.grad(y, [x, *layer.parameters()], dy)
+def _peak_gb(fn, group, device: torch.device) -> float:
+    """Peak allocated GiB during one call, the largest over ranks (0 on CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return peak.item()
 
 
-def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128,
-        modes=("state", "ulysses"), warmup: int = 3, iters: int = 10, group=None, device="cuda",
-        dtype=torch.bfloat16, backend: str = "fla", report=None) -> list[dict]:
-    """Rows ``run, gpus, tokens_per_gpu, global_tokens, ms, peak_GB, speedup``.
+def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128, modes=("state",),
+        batches=BATCHES, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device="cuda",
+        dtype=torch.bfloat16, backend: str = "fla", seed: int = 0, report=None) -> list[dict]:
+    """Rows ``batch, docs, run, label, gpus, tokens_per_gpu, ms, ratio, peak_GB`` per batch and contender.
 
-    ``speedup``: the one-GPU time on ``global_tokens`` over the row's time; ``peak_GB``: the largest
-    peak memory over ranks (CUDA only). ``report``: called with each row as it completes (before
-    ``speedup`` is known). Call on every rank of ``group`` (default: a new :func:`new_cp_group`).
+    ``batches``: names from :data:`kdacp.bench.batches.BATCHES`; ``modes``: the context-parallel modes
+    (none on one rank); ``report(row)``: called as each row completes. Call on every rank of ``group``
+    (default: a new :func:`new_cp_group`).
     """
     device = torch.device(device)
     group = group or new_cp_group()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    torch.manual_seed(0)  # replicated parameters
-    layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
-                               device=device, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(1 + rank)
-    cases = [("one_gpu", None, 1), ("one_gpu", None, world_size)]
-    cases += [(mode, KDAContextParallel(mode, group), 1) for mode in modes]
+    torch.manual_seed(seed)  # replicated parameters
+    ours = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
+                              device=device, dtype=dtype)
+    fla = fla_layer_like(ours) if device.type == "cuda" else None
+    cps = {mode: KDAContextParallel(mode, group) for mode in (modes if world_size > 1 else ())}
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     rows = []
-    for name, cp, scale in cases:
-        layer.cp = cp
-        T = t_local * scale
-        x = torch.randn(1, T, hidden, device=device, generator=gen, dtype=dtype).requires_grad_()
+    for batch in batches:
+        T = t_local * world_size
+        lengths = document_lengths(batch, T, seed=seed)
+        cu = cu_seqlens_of(lengths)
+        x = torch.randn(1, T, hidden, device=device, generator=gen, dtype=dtype)
         dy = torch.randn(1, T, hidden, device=device, generator=gen, dtype=dtype)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = time_ms(lambda: layer_step(layer, x, dy), warmup, iters, group, device)
-        peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                            device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        gpus = 1 if cp is None else world_size
-        rows.append(dict(run=name, gpus=gpus, tokens_per_gpu=T, global_tokens=T * gpus, ms=ms, peak_GB=peak.item()))
-        if report is not None:
-            report(rows[-1])
-        del x, dy
+        own = slice(rank * t_local, (rank + 1) * t_local)
+        x_own, dy_own = x[:, own].clone().requires_grad_(), dy[:, own].contiguous()
+        packed = len(lengths) > 1
+        cu_global = torch.tensor(cu, device=device) if packed else None
+        cu_own = local_cu_seqlens(cu, own.start, own.stop)
+        cu_own = torch.tensor(cu_own, device=device) if len(cu_own) > 2 else None
+
+        def one_gpu(layer):
+            return lambda: layer_step(layer, x_own, dy_own, cu_own)
+
+        def context_parallel(cp):
+            def step():
+                ours.cp = cp
+                try:
+                    layer_step(ours, x_own, dy_own, cu_global)
+                finally:
+                    ours.cp = None
+            return step
+
+        fns = {"kdacp_one_gpu": one_gpu(ours)}
+        if fla is not None:
+            fns["fla_one_gpu"] = one_gpu(fla)
+        fns.update({f"kdacp_{mode}": context_parallel(cp) for mode, cp in cps.items()})
+        ms = time_round_robin(fns, warmup, rounds, iters, group, device)
+        base = ms.get("fla_one_gpu", ms["kdacp_one_gpu"])
+        for name, fn in fns.items():
+            gpus = world_size if name in {f"kdacp_{m}" for m in cps} else 1
+            row = dict(batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})", gpus=gpus,
+                       tokens_per_gpu=t_local, ms=ms[name], ratio=ms[name] / base,
+                       peak_GB=_peak_gb(fn, group, device))
+            rows.append(row)
+            if report is not None:
+                report(row)
+        del x, dy, x_own, dy_own
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    one_gpu = {r["global_tokens"]: r["ms"] for r in rows if r["run"] == "one_gpu"}
-    for r in rows:
-        r["speedup"] = one_gpu[r["global_tokens"]] / r["ms"]
     return rows

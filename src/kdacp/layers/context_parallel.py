@@ -12,6 +12,7 @@ shards are contiguous); ranks with the same index in their Ulysses group form a 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,6 @@ import torch.distributed as dist
 from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 from ..ops import chunk_kda as local_chunk_kda
 from .comm import all_to_all, all_to_all_gather, shift_right
-from .short_conv import sequence_positions
 
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
 
@@ -32,26 +32,48 @@ class ConvContext:
     """Where the short convolution's local tokens sit in the global batch.
 
     ``state_group``: the group whose previous rank supplies the left halo (None: no halo needed);
-    ``positions [T]``: each token's position inside its sequence (None without packed sequences).
+    ``cu_seqlens`` / ``cu_seqlens_cpu``: ``[n+1]`` int64 boundaries of the local sequences on the device
+    and on the host (None without packed sequences; the host copy may be None on one device);
+    ``halo_tokens``: how many of the tokens just before this rank belong to the first local sequence
+    (0: it starts here; the halo's earlier tokens, of other sequences, are masked to zero).
     """
 
     state_group: object
-    positions: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    halo_tokens: int = 0
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
-        """The ``width`` tokens before each ``x [B, T, C_i]`` on the previous state rank (zeros on the
-        first), fetched in one exchange; Nones when there is no previous rank."""
+        """The ``width`` tokens before each ``x [B, T, C_i]`` on the previous state rank, fetched in
+        one exchange (zeros where no sequence crosses into this rank); Nones when there is no previous rank."""
         if self.state_group is None or width == 0:
             return [None] * len(xs)
         if xs[0].shape[1] < width:
             raise ValueError(f"each rank needs at least conv_size-1={width} tokens for the convolution halo, "
                              f"got {xs[0].shape[1]}")
         tails = torch.cat([x[:, -width:] for x in xs], dim=-1)
-        return list(shift_right(tails, self.state_group).split([x.shape[-1] for x in xs], dim=-1))
+        halos = shift_right(tails, self.state_group)
+        if self.halo_tokens < width:
+            # Masked, not dropped: the previous rank waits for the halo's gradient in its backward.
+            # masked_fill rather than a product, so that a NaN of another sequence stays there.
+            other = torch.arange(width, device=halos.device) < width - self.halo_tokens
+            halos = halos.masked_fill(other[None, :, None], 0)
+        return list(halos.split([x.shape[-1] for x in xs], dim=-1))
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What a state rank knows of one packed batch, built once per ``cu_seqlens`` tensor: the plan
+    of its recurrence (None without state exchange) and its convolution context."""
+
+    plan: object
+    conv: ConvContext
 
 
 class _SingleDevice:
     """The layer's hooks without context parallelism: every exchange is the identity."""
+
+    backend = None  # the layer's own backend
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         pass
@@ -67,7 +89,7 @@ class _SingleDevice:
         return o, final_state
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
-        return ConvContext(None, None if cu_seqlens is None else sequence_positions(cu_seqlens, 0, T))
+        return ConvContext(None, cu_seqlens)
 
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
@@ -102,6 +124,7 @@ class KDAContextParallel(_SingleDevice):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode, self.strategy, self.backend = mode, strategy, backend
         self._row_plans: dict = {}
+        self._batches: dict = {}
         self.group = dist.group.WORLD if group is None else group
         ranks = dist.get_process_group_ranks(self.group)
         P = len(ranks)
@@ -175,20 +198,44 @@ class KDAContextParallel(_SingleDevice):
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
         """``T``: tokens of this state rank (after ``to_heads``); they start at ``state_rank * T``."""
-        positions = None if cu_seqlens is None else sequence_positions(cu_seqlens, self.state_rank * T, T)
-        return ConvContext(self.state_group if self.state_size > 1 else None, positions)
+        if cu_seqlens is not None:
+            return self._batch(cu_seqlens, T).conv
+        group = self.state_group if self.state_size > 1 else None
+        return ConvContext(group, None, halo_tokens=self.state_rank * T)
 
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         backend = self.backend or backend
         if self.state_size == 1:
             return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
-        if cu_seqlens is not None:  # the layout is data: a plan per call
-            plan = build_cp_plan(cu_seqlens, local_lengths=[T] * self.state_size, group=self.state_group,
-                                 strategy=self.strategy)
-        else:
-            plan = self._row_plan(B, T)
+        plan = self._row_plan(B, T) if cu_seqlens is None else self._batch(cu_seqlens, T).plan
         return cp_chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
+
+    def _batch(self, cu_seqlens: torch.Tensor, T: int) -> _Batch:
+        """The :class:`_Batch` of ``cu_seqlens`` (global ``[N+1]``), built on the first call that passes
+        this tensor and shared by every layer call after it (one host copy and one plan per batch,
+        not per layer): keyed by the tensor object itself and its version counter, so an in-place
+        change or a new tensor builds a new one."""
+        key = (id(cu_seqlens), cu_seqlens._version, T)
+        hit = self._batches.get(key)
+        if hit is not None and hit[0]() is cu_seqlens:
+            return hit[1]
+        cu = tuple(int(c) for c in cu_seqlens.tolist())  # the one host copy of this batch
+        plan = None
+        if self.state_size > 1:
+            plan = build_cp_plan(cu, local_lengths=[T] * self.state_size, group=self.state_group,
+                                 strategy=self.strategy)
+        start, end = self.state_rank * T, (self.state_rank + 1) * T
+        cuts = [start] + [c for c in cu if start < c < end] + [end]
+        local_cpu = torch.tensor([c - start for c in cuts], dtype=torch.int64)
+        first_start = max(c for c in cu if c <= start)
+        local = local_cpu.to(cu_seqlens.device, non_blocking=True)
+        group = self.state_group if self.state_size > 1 else None
+        batch = _Batch(plan, ConvContext(group, local, local_cpu, start - first_start))
+        if len(self._batches) >= 8:  # a few batches in flight at most; drop the oldest
+            self._batches.pop(next(iter(self._batches)))
+        self._batches[key] = (weakref.ref(cu_seqlens), batch)
+        return batch
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once, so that ``cp_chunk_kda``

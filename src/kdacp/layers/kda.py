@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..backends import resolve_backend
 from .context_parallel import SINGLE_DEVICE, KDAContextParallel
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution
@@ -120,19 +121,24 @@ class KimiDeltaAttention(nn.Module):
         cp = SINGLE_DEVICE if self.cp is None else self.cp
         x = hidden_states
         K, V, W = self.head_k_dim, self.head_v_dim, self.conv_size
+        # The recurrence's backend also picks the other parts: FLA's fused kernels with "fla".
+        fused = resolve_backend(cp.backend or self.backend, x.device) == "fla"
         # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole
         # sequences of its head shard and needs no halo inside the Ulysses group.
         q, k, v, g, beta = cp.to_heads([self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_proj(x),
-                                        self.b_proj(x).sigmoid()])
+                                        self.b_proj(x)])
+        # beta in float32 (or wider), as FLA's layer computes it inside its kernel
+        beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()
         u, U = cp.head_shard()
         heads = slice(u * self.num_heads // U, (u + 1) * self.num_heads // U)
         v_heads = slice(u * self.num_v_heads // U, (u + 1) * self.num_v_heads // U)
 
         conv = cp.conv_context(q.shape[1], cu_seqlens)
         halos = conv.left_halos([q, k, v], W - 1)
-        q = self.q_conv1d(q, halos[0], conv.positions, channels=slice(heads.start * K, heads.stop * K))
-        k = self.k_conv1d(k, halos[1], conv.positions, channels=slice(heads.start * K, heads.stop * K))
-        v = self.v_conv1d(v, halos[2], conv.positions, channels=slice(v_heads.start * V, v_heads.stop * V))
+        where = dict(cu_seqlens=conv.cu_seqlens, cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
+        q = self.q_conv1d(q, halos[0], channels=slice(heads.start * K, heads.stop * K), **where)
+        k = self.k_conv1d(k, halos[1], channels=slice(heads.start * K, heads.stop * K), **where)
+        v = self.v_conv1d(v, halos[2], channels=slice(v_heads.start * V, v_heads.stop * V), **where)
 
         o, final_state = cp.chunk_kda(
             q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), g.unflatten(-1, (-1, K)),
@@ -142,7 +148,7 @@ class KimiDeltaAttention(nn.Module):
             A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K],
             lower_bound=self.gate_lower_bound, safe_gate=self.gate_lower_bound is not None)
         o, final_state = cp.to_sequence(o, final_state)
-        o = self.o_norm(o, self.g_proj(x).unflatten(-1, (-1, V)))
+        o = self.o_norm(o, self.g_proj(x).unflatten(-1, (-1, V)), fused=fused)
         return self.o_proj(o.flatten(-2)), final_state
 
 

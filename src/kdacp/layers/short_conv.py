@@ -2,6 +2,10 @@
 
 Parameter layout matches FLA's ``ShortConvolution`` (an ``nn.Conv1d`` with ``groups=D``):
 ``weight [D, 1, W]``, optional ``bias [D]``; tap ``W-1`` multiplies the current token.
+
+Two implementations of one contract (:func:`causal_conv1d`): FLA's fused Triton kernel on CUDA
+(``fused=True``, through the adapter) and a plain PyTorch one, which is the CPU path and the
+reference the fused path is tested against.
 """
 from __future__ import annotations
 
@@ -28,37 +32,68 @@ def sequence_positions(cu_seqlens: torch.Tensor, start: int, length: int) -> tor
     return t - cu[seq]
 
 
+def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
+           cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    xe = torch.cat([x.new_zeros(B, W - 1, D) if halo is None else halo, x], dim=1)
+    positions = None
+    if cu_seqlens is not None:
+        positions = sequence_positions(cu_seqlens.to(x.device), 0, T)
+        if halo is not None:  # the first sequence continues the halo's: its taps may reach back into it
+            positions = torch.where(torch.arange(T, device=x.device) < cu_seqlens[1].item(), positions + W, positions)
+    # Shift-and-add instead of F.conv1d: the per-tap mask is what keeps packed sequences apart
+    # (torch.where, not a product, so that a NaN in one sequence stays there).
+    y = x * weight[:, W - 1]
+    for i in range(1, W):
+        tap = xe[:, W - 1 - i:W - 1 - i + T]
+        if positions is not None:
+            tap = torch.where((positions >= i)[:, None], tap, 0)
+        y = y + tap * weight[:, W - 1 - i]
+    if bias is not None:
+        y = y + bias
+    return F.silu(y)
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
+           cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
+    from ..backends.fla_adapter import load_fla
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    initial_state = None
+    if halo is not None:
+        # FLA's cache holds the W tokens before a sequence ([N, D, W], the newest last); the kernel reads
+        # only the last W-1. Only the first sequence continues the halo's.
+        initial_state = F.pad(halo.transpose(1, 2), (1, 0))
+        if cu_seqlens is not None and cu_seqlens.numel() > 2:
+            initial_state = torch.cat([initial_state, initial_state.new_zeros(cu_seqlens.numel() - 2, D, W)])
+        initial_state = initial_state.contiguous()
+    y, _ = load_fla().causal_conv1d(x=x, weight=weight, bias=bias, initial_state=initial_state, activation="silu",
+                                    backend="triton", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    return y
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  halo: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                  halo: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                  cu_seqlens_cpu: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """``silu(sum_i weight[:, W-1-i] * x[t-i] + bias)`` over each sequence.
 
     Args:
         x: ``[B, T, D]``.
         weight: ``[D, W]``; ``bias``: ``[D]`` or None.
-        halo: ``[B, W-1, D]``, the ``W-1`` tokens before ``x[:, 0]`` (e.g. from the previous rank);
-            None means zeros (``x`` starts its sequences).
-        positions: ``[T]`` int, each token's position inside its sequence (packed batches); a tap
-            reaching before the sequence start reads zero. None: no sequence starts inside the window
-            except at ``x[:, 0]`` with a zero halo.
+        halo: ``[B, W-1, D]``, the ``W-1`` tokens before ``x[:, 0]`` of the sequence that continues into
+            ``x[:, 0]`` (e.g. from the previous rank); None: ``x`` starts its sequences.
+        cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences inside ``x`` (``B == 1``); a tap
+            reaching before a sequence's start reads zero, except that the first sequence reads the halo.
+        cu_seqlens_cpu: the same on the host, if at hand (spares the fused path a device sync).
+        fused: run FLA's Triton kernel (CUDA, ``fla-core`` installed) instead of the PyTorch code.
 
     Returns:
         ``[B, T, D]`` in ``x``'s dtype.
     """
-    B, T, D = x.shape
-    W = weight.shape[-1]
-    if halo is None:
-        halo = x.new_zeros(B, W - 1, D)
-    xe = torch.cat([halo, x], dim=1)
-    # Shift-and-add instead of F.conv1d: the per-tap mask is what keeps packed sequences apart.
-    y = x * weight[:, W - 1]
-    for i in range(1, W):
-        tap = xe[:, W - 1 - i:W - 1 - i + T]
-        if positions is not None:
-            tap = tap * (positions >= i).to(x.dtype)[:, None]
-        y = y + tap * weight[:, W - 1 - i]
-    if bias is not None:
-        y = y + bias
-    return F.silu(y)
+    if fused:
+        return _fused(x, weight, bias, halo, cu_seqlens, cu_seqlens_cpu)
+    return _eager(x, weight, bias, halo, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)
 
 
 class ShortConvolution(nn.Conv1d):
@@ -72,8 +107,10 @@ class ShortConvolution(nn.Conv1d):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, padding=kernel_size - 1,
                          bias=bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, halo: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                channels: slice = slice(None)) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, halo: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_cpu: torch.Tensor | None = None, channels: slice = slice(None),
+                fused: bool = False) -> torch.Tensor:
         """``x [B, T, D_shard]`` -> ``[B, T, D_shard]``, using weights of ``channels`` only."""
         bias = None if self.bias is None else self.bias[channels]
-        return causal_conv1d(x, self.weight[channels, 0], bias, halo=halo, positions=positions)
+        return causal_conv1d(x, self.weight[channels, 0], bias, halo=halo, cu_seqlens=cu_seqlens,
+                             cu_seqlens_cpu=cu_seqlens_cpu, fused=fused)

@@ -1,0 +1,98 @@
+"""The layer's fused CUDA path (FLA's short convolution and gated norm) against its PyTorch path, and
+kdacp's layer against FLA's own ``fla.layers.KimiDeltaAttention`` with the same weights (one GPU)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kdacp.bench.layer import fla_layer_like
+from kdacp.layers import KimiDeltaAttention, RMSNormGated, causal_conv1d
+from tests.helpers import rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _fla():
+    pytest.importorskip("fla", reason="needs fla-core")
+
+
+def _grads(out, inputs, seed=0):
+    w = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(seed), device=out.device)
+    return torch.autograd.grad((out.float() * w).sum(), inputs)
+
+
+@pytest.mark.parametrize("cu, halo", [(None, False), (None, True), ([0, 5, 70, 71, 300], False),
+                                      ([0, 5, 70, 71, 300], True)])
+def test_fused_conv_equals_eager(cu, halo):
+    torch.manual_seed(0)
+    dev = "cuda"
+    B = 2 if cu is None else 1
+    x = torch.randn(B, 300, 96, device=dev, requires_grad=True)
+    w = torch.randn(96, 4, device=dev, requires_grad=True)
+    b = torch.randn(96, device=dev, requires_grad=True)
+    h = torch.randn(B, 3, 96, device=dev, requires_grad=True) if halo else None
+    cu_t = None if cu is None else torch.tensor(cu, device=dev)
+    inputs = [x, w, b] + ([h] if halo else [])
+    outs = [causal_conv1d(x, w, b, halo=h, cu_seqlens=cu_t, cu_seqlens_cpu=None if cu is None else torch.tensor(cu),
+                          fused=fused) for fused in (False, True)]
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    for a, e in zip(_grads(outs[1], inputs), _grads(outs[0], inputs)):
+        assert rel_err(a, e) < 1e-5
+
+
+def test_fused_norm_equals_eager():
+    torch.manual_seed(0)
+    norm = RMSNormGated(128).cuda()
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn_like(norm.weight))
+    x = torch.randn(2, 100, 4, 128, device="cuda", requires_grad=True)
+    gate = torch.randn(2, 100, 4, 128, device="cuda", requires_grad=True)
+    outs = [norm(x, gate, fused=fused) for fused in (False, True)]
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    inputs = [x, gate, norm.weight]
+    for a, e in zip(_grads(outs[1], inputs), _grads(outs[0], inputs)):
+        assert rel_err(a, e) < 1e-5
+
+
+def _step(layer, x, cu):
+    x = x.clone().requires_grad_()
+    y = layer(x, cu_seqlens=cu)[0]
+    grads = _grads(y, [x, *layer.parameters()], seed=1)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    return y.float(), {n: g.float() for n, g in zip(names, grads)}
+
+
+@pytest.mark.parametrize("cu", [None, [0, 700, 1600, 1601, 2048]])
+def test_layer_equals_fla_layer(cu):
+    """float32: equal to rounding; bf16: as close to FLA's float32 layer as FLA's own bf16 layer is."""
+    torch.manual_seed(0)
+    # 32 heads of 128 as in kdacp.bench.layer: FLA autotunes per shape, and the bench warms these.
+    ours = KimiDeltaAttention(512, 32, head_k_dim=128, head_v_dim=128, backend="fla", conv_bias=True, device="cuda")
+    with torch.no_grad():  # off the initial values, so that every term counts
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fla32 = fla_layer_like(ours)
+    if fla32 is None:
+        pytest.skip("needs flash-linear-attention (fla.layers)")
+    x = torch.randn(1, 2048, 512, device="cuda")
+    cu = None if cu is None else torch.tensor(cu, device="cuda")
+    y_ours, g_ours = _step(ours, x, cu)
+    y_fla, g_fla = _step(fla32, x, cu)
+    assert rel_err(y_ours, y_fla) < 1e-5, "float32 output"
+    for name in g_fla:
+        assert rel_err(g_ours[name], g_fla[name]) < 1e-5, f"float32 {name}"
+
+    ours16 = copy.deepcopy(ours).to(torch.bfloat16)
+    fla16 = fla_layer_like(ours16)
+    y16, g16 = _step(ours16, x.bfloat16(), cu)
+    y16f, g16f = _step(fla16, x.bfloat16(), cu)
+    e_ours, e_fla = rel_err(y16, y_fla), rel_err(y16f, y_fla)
+    print(f"bf16 output error against FLA float32: kdacp {e_ours:.2e}, FLA {e_fla:.2e}")
+    assert e_ours <= 1.1 * e_fla + 1e-4, "bf16 output"
+    for name in g_fla:
+        e_ours, e_fla = rel_err(g16[name], g_fla[name]), rel_err(g16f[name], g_fla[name])
+        assert e_ours <= 1.1 * e_fla + 1e-4, f"bf16 {name}: kdacp {e_ours:.2e}, FLA {e_fla:.2e}"
