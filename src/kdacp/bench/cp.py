@@ -1,20 +1,27 @@
-"""Context-parallel chunk KDA: kdacp's ``cp_chunk_kda`` (fla backend) and FLA 0.6.0's own CP, side by side.
+"""Context-parallel chunk KDA: kdacp's ``cp_chunk_kda`` (fla backend) beside FLA 0.6.0's own CP and one GPU.
 
-Per-rank forward+backward time of a CP step (the slowest rank's, CUDA events, warm) over the time of
-FLA ``chunk_kda`` on one GPU at the same ``T_local``. One sequence of ``world_size * T_local`` tokens,
-B=1, bf16, gate and L2 norm in kernel.
+Each rank holds ``T_local`` tokens of a global batch: one sequence, or packed documents cut at the
+rank edges (:mod:`kdacp.bench.batches`). Kimi Linear's settings: gate in kernel with
+``safe_gate=True, lower_bound=-5``, L2 norm in kernel, B=1, bf16. Contenders, round-robin in one run
+(the slowest rank's CUDA-event time per forward+backward step, warm):
 
-    kdacp bench --suite cp [--seq-lens 8192,16384,32768]
+- ``one_gpu``: FLA ``chunk_kda`` on this rank's own tokens alone (its own ``cu_seqlens``);
+- ``kdacp_cp`` / ``kdacp_allgather``: ``cp_chunk_kda`` with the ``p2p`` / ``allgather`` strategy;
+- ``fla_cp``: FLA's ``chunk_kda(..., cp_context=build_cp_context(...))``.
+
+Ratios are over ``one_gpu``; ``peak_ratio``: kdacp p2p's peak memory over one GPU's.
+
+    kdacp bench --suite cp [--seq-lens 16384,32768] [--trace DIR]
     (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite cp)
 
 ``run(...)`` returns the rows; call it on every rank of an initialised NCCL group.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,17 +29,17 @@ import torch.distributed as dist
 from kdacp.backends.fla_adapter import load_fla
 from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 
+from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
 from .harness import PlotSpec
+from .timing import peak_gb, time_round_robin
 
 MULTI_RANK = True
-PLOTS = {
-    "cp_vs_tokens": PlotSpec(x="T_local", y=("one_gpu_ms", "kdacp_cp_ms", "kdacp_allgather_ms", "fla_cp_ms"),
-                             title="fwd+bwd per rank vs tokens per rank", ylabel="ms"),
-    "cp_ratio_vs_tokens": PlotSpec(x="T_local", y=("kdacp_ratio", "kdacp_allgather_ratio", "fla_ratio"),
-                                   title="per-rank time / one-GPU time", ylabel="ratio"),
-    "cp_vs_ranks": PlotSpec(x="world_size", y=("kdacp_ratio", "kdacp_allgather_ratio", "fla_ratio"), panel="T_local",
-                            title="per-rank time / one-GPU time", ylabel="ratio", logx=False),
-}
+PLOTS = {"cp_ratio": PlotSpec(x="label", y="kdacp_cp_ratio", bars=True, title="kdacp p2p step / one-GPU step",
+                              ylabel="ratio")}
+
+CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "fla_cp")
+# Kimi Linear's gate and norm settings
+OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
 
 
 def make_inputs(T: int, H: int, D: int, seed: int) -> dict:
@@ -60,76 +67,75 @@ def log(message: str) -> None:
         print(f"[kdacp bench cp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def time_ms(fn, warmup: int, iters: int, group) -> float:
-    """Milliseconds per call on this rank (CUDA events), the maximum over the group."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor(start.elapsed_time(end) / iters, device="cuda")
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
-    return ms.item()
+def _max_rel_diff(a_step, b_step, group) -> float:
+    """The largest relative difference over the output and every gradient (replicated parameters'
+    per-rank shares summed over the group first)."""
+    pairs = [(a_step[0], b_step[0])] + list(zip(a_step[1], b_step[1]))
+    diff = torch.stack([torch.stack([(a.float() - b.float()).norm() ** 2, b.float().norm() ** 2]) for a, b in pairs])
+    dist.all_reduce(diff, group=group)
+    return (diff[:, 0] / diff[:, 1]).sqrt().max().item()
 
 
-CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "fla_cp")
-
-
-def run(t_locals=(8192, 16384, 32768), heads: int = 32, head_dim: int = 128, warmup: int = 3, iters: int = 20,
-        group=None, device: str = "cuda", report=None, contenders=CONTENDERS) -> list[dict]:
-    """Rows ``T_local, world_size``, times ``one_gpu_ms, kdacp_cp_ms`` (p2p), ``kdacp_allgather_ms``,
-    ``fla_cp_ms``, their ratios to ``one_gpu_ms``, and ``max_rel_diff_vs_fla_cp`` (the largest relative
-    difference between kdacp's p2p and FLA's CP output and gradients); ``report(row)`` is called as
-    each row completes. ``group``: default a new :func:`new_cp_group` (every contender uses it)."""
+def run(t_locals=(16384, 32768), batches=BATCHES, heads: int = 32, head_dim: int = 128, warmup: int = 2,
+        rounds: int = 3, iters: int = 5, group=None, device: str = "cuda", report=None, contenders=CONTENDERS,
+        trace_dir: str | None = None, seed: int = 0) -> list[dict]:
+    """Rows ``batch, docs, T_local, world_size``, each contender's ``<name>_ms`` and ``<name>_ratio``
+    (over ``one_gpu``), ``peak_ratio`` and ``max_rel_diff_vs_fla_cp`` (kdacp p2p against FLA's CP,
+    output and gradients). ``trace_dir``: also write one Chrome trace per rank and contender and add
+    its breakdown (:mod:`kdacp.bench.trace`) as ``<name>_trace``. ``report(row)`` is called as each
+    row completes. ``group``: default a new :func:`new_cp_group` (every contender uses it)."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"the cp suite runs FLA's CUDA kernels; device must be cuda, got {device!r}")
     fla = load_fla()
     group = group or new_cp_group()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
     rows = []
     for T in t_locals:
-        x = make_inputs(T, heads, head_dim, seed=rank)
-        do = torch.randn(1, T, heads, head_dim, device="cuda").bfloat16()
-        plans = {name: build_cp_plan(batch_size=1, group=group, strategy=name) for name in ("p2p", "allgather")}
-        context = fla.build_cp_context(cu_seqlens=torch.tensor([0, world_size * T], device="cuda"), group=group,
-                                       cu_seqlens_cpu=torch.tensor([0, world_size * T]))
-        runs = {
-            "one_gpu": lambda **a: fla.chunk_kda(**a, **opts),
-            "kdacp_cp": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plans["p2p"]),
-            "kdacp_allgather": lambda **a: cp_chunk_kda(**a, **opts, backend="fla", cp=plans["allgather"]),
-            "fla_cp": lambda **a: fla.chunk_kda(**a, **opts, cp_context=context),
-        }
-        row = dict(T_local=T, world_size=world_size)
-        for name in contenders:
-            fn = runs[name]
-            log(f"T_local={T} {name}")
+        for batch in batches:
+            lengths = document_lengths(batch, T * world_size, seed=seed)
+            cu = cu_seqlens_of(lengths)
+            packed = len(lengths) > 1
+            own = local_cu_seqlens(cu, rank * T, (rank + 1) * T)
+            cu_own = torch.tensor(own, device="cuda") if len(own) > 2 else None
+            x = make_inputs(T, heads, head_dim, seed=rank)
+            do = torch.randn(1, T, heads, head_dim, device="cuda").bfloat16()
+            plans = {s: build_cp_plan(cu if packed else None, batch_size=None if packed else 1, group=group,
+                                      strategy=s) for s in ("p2p", "allgather")}
+            context = fla.build_cp_context(cu_seqlens=torch.tensor(cu, device="cuda"), group=group,
+                                           cu_seqlens_cpu=torch.tensor(cu))
+            runs = {
+                "one_gpu": lambda **a: fla.chunk_kda(**a, **OPTIONS, cu_seqlens=cu_own),
+                "kdacp_cp": lambda **a: cp_chunk_kda(**a, **OPTIONS, backend="fla", cp=plans["p2p"]),
+                "kdacp_allgather": lambda **a: cp_chunk_kda(**a, **OPTIONS, backend="fla", cp=plans["allgather"]),
+                "fla_cp": lambda **a: fla.chunk_kda(**a, **OPTIONS, cp_context=context),
+            }
+            fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
+            log(f"T_local={T} {batch} ({len(lengths)} documents)")
+            row = dict(batch=batch, docs=len(lengths), T_local=T, world_size=world_size, label=f"{batch} {T}")
             try:
-                row[f"{name}_ms"] = time_ms(lambda: _step(fn, x, do), warmup, iters, group)
-            except Exception:  # noqa: BLE001 - one failing contender must not lose the others' figures
-                log(f"T_local={T} {name} failed:\n{traceback.format_exc()}")
-                row[f"{name}_ms"] = float("nan")
-        for name in CONTENDERS:
-            row.setdefault(f"{name}_ms", float("nan"))  # not run
-        row["kdacp_ratio"] = row["kdacp_cp_ms"] / row["one_gpu_ms"]
-        row["kdacp_allgather_ratio"] = row["kdacp_allgather_ms"] / row["one_gpu_ms"]
-        row["fla_ratio"] = row["fla_cp_ms"] / row["one_gpu_ms"]
-        row["max_rel_diff_vs_fla_cp"] = float("nan")
-        if math.isfinite(row["kdacp_cp_ms"] + row["fla_cp_ms"]):
-            ours, theirs = _step(runs["kdacp_cp"], x, do), _step(runs["fla_cp"], x, do)
-            pairs = [(ours[0], theirs[0])] + list(zip(ours[1], theirs[1]))
-            diff = torch.stack([torch.stack([(a.float() - b.float()).norm() ** 2, b.float().norm() ** 2])
-                                for a, b in pairs])
-            dist.all_reduce(diff, group=group)  # A_log/dt_bias gradients are per-rank shares: summed over ranks
-            row["max_rel_diff_vs_fla_cp"] = (diff[:, 0] / diff[:, 1]).sqrt().max().item()
-        rows.append(row)
-        if report is not None:
-            report(row)
-        del x, do
-        torch.cuda.empty_cache()
+                ms = time_round_robin(fns, warmup, rounds, iters, group, torch.device("cuda"))
+            except Exception:  # noqa: BLE001 - one failing case must not lose the others' figures
+                log(f"T_local={T} {batch} failed:\n{traceback.format_exc()}")
+                ms = dict.fromkeys(fns, float("nan"))
+            for name in CONTENDERS:
+                row[f"{name}_ms"] = ms.get(name, float("nan"))
+            for name in CONTENDERS:
+                row[f"{name}_ratio"] = row[f"{name}_ms"] / row["one_gpu_ms"]
+            if "kdacp_cp" in fns and "one_gpu" in fns:
+                row["peak_ratio"] = peak_gb(fns["kdacp_cp"], group, torch.device("cuda")) / \
+                    peak_gb(fns["one_gpu"], group, torch.device("cuda"))
+            if "kdacp_cp" in fns and "fla_cp" in fns:
+                row["max_rel_diff_vs_fla_cp"] = _max_rel_diff(fns["kdacp_cp"](), fns["fla_cp"](), group)
+            if trace_dir is not None:
+                from .trace import trace_step
+                for name, fn in fns.items():
+                    path = Path(trace_dir) / f"cp_{batch}_{T}_{name}_rank{rank}.json"
+                    parts = [None] * world_size
+                    dist.all_gather_object(parts, trace_step(fn, path), group=group)
+                    row[f"{name}_trace"] = parts
+            rows.append(row)
+            if report is not None:
+                report(row)
+            del x, do
+            torch.cuda.empty_cache()
     return rows

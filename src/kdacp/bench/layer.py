@@ -27,6 +27,7 @@ from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 
 from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
 from .harness import PlotSpec
+from .timing import peak_gb, time_round_robin
 
 MULTI_RANK = True
 PLOTS = {"layer_step": PlotSpec(x="label", y="ms", panel="batch", bars=True,
@@ -55,57 +56,6 @@ def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tenso
     """Forward and backward of one layer call (kdacp's or FLA's); gradients of ``x`` and every parameter."""
     y = layer(x, cu_seqlens=cu_seqlens)[0]
     torch.autograd.grad(y, [x, *layer.parameters()], dy)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device) -> dict:
-    """Milliseconds per call of each of ``fns`` (name -> callable), the slowest rank's.
-
-    After ``warmup`` calls of each, ``rounds`` times: each contender in turn runs ``iters`` calls
-    back to back (a warm queue), timed by CUDA events (wall clock on CPU) after a barrier, so a
-    context-parallel contender never waits for a peer still busy with the previous contender."""
-    import time
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    total = dict.fromkeys(fns, 0.0)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            _sync(device)
-            dist.barrier(group)
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                _sync(device)
-                total[name] += start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                total[name] += (time.perf_counter() - t0) * 1e3
-    ms = torch.tensor([total[n] / (rounds * iters) for n in fns], dtype=torch.float64, device=device)
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(fns, ms.tolist()))
-
-
-def _peak_gb(fn, group, device: torch.device) -> float:
-    """Peak allocated GiB during one call, the largest over ranks (0 on CPU)."""
-    if device.type != "cuda":
-        return 0.0
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    _sync(device)
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    return peak.item()
 
 
 def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128, modes=("state",),
@@ -162,7 +112,7 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
             gpus = world_size if name in {f"kdacp_{m}" for m in cps} else 1
             row = dict(batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})", gpus=gpus,
                        tokens_per_gpu=t_local, ms=ms[name], ratio=ms[name] / base,
-                       peak_GB=_peak_gb(fn, group, device))
+                       peak_GB=peak_gb(fn, group, device))
             rows.append(row)
             if report is not None:
                 report(row)
