@@ -66,33 +66,52 @@ def _step(layer, x, cu):
     return y.float(), {n: g.float() for n, g in zip(names, grads)}
 
 
-@pytest.mark.parametrize("cu", [None, [0, 700, 1600, 1601, 2048]])
-def test_layer_equals_fla_layer(cu):
-    """float32: equal to rounding; bf16: as close to FLA's float32 layer as FLA's own bf16 layer is."""
+CU = [None, [0, 700, 1600, 1601, 2048]]
+
+
+def _layers(dtype):
+    """kdacp's layer (fla backend) off its initial values, and FLA's layer with the same weights."""
     torch.manual_seed(0)
     # 32 heads of 128 as in kdacp.bench.layer: FLA autotunes per shape, and the bench warms these.
     ours = KimiDeltaAttention(512, 32, head_k_dim=128, head_v_dim=128, backend="fla", conv_bias=True, device="cuda")
     with torch.no_grad():  # off the initial values, so that every term counts
         for p in ours.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    fla32 = fla_layer_like(ours)
-    if fla32 is None:
+    ours = ours.to(dtype)
+    fla = fla_layer_like(ours)
+    if fla is None:
         pytest.skip("needs flash-linear-attention (fla.layers)")
+    return ours, fla
+
+
+@pytest.mark.parametrize("cu", CU)
+def test_layer_bf16_as_close_as_fla_layer(cu):
+    """bf16: kdacp's layer is as close to a float32 run (kdacp's PyTorch path) as FLA's own bf16 layer."""
+    ours, fla = _layers(torch.bfloat16)
+    ref = copy.deepcopy(ours).float()
+    ref.backend = "torch"
+    x = torch.randn(1, 2048, 512, device="cuda")
+    cu = None if cu is None else torch.tensor(cu, device="cuda")
+    y_ref, g_ref = _step(ref, x, cu)
+    y_ours, g_ours = _step(ours, x.bfloat16(), cu)
+    y_fla, g_fla = _step(fla, x.bfloat16(), cu)
+    e_ours, e_fla = rel_err(y_ours, y_ref), rel_err(y_fla, y_ref)
+    print(f"bf16 output error against float32: kdacp {e_ours:.2e}, FLA {e_fla:.2e}, kdacp vs FLA "
+          f"{rel_err(y_ours, y_fla):.2e}")
+    assert e_ours <= 1.1 * e_fla + 1e-4, "bf16 output"
+    for name in g_ref:
+        e_ours, e_fla = rel_err(g_ours[name], g_ref[name]), rel_err(g_fla[name], g_ref[name])
+        assert e_ours <= 1.1 * e_fla + 1e-4, f"bf16 {name}: kdacp {e_ours:.2e}, FLA {e_fla:.2e}"
+
+
+@pytest.mark.parametrize("cu", CU)
+def test_layer_float32_equals_fla_layer(cu):
+    """float32: kdacp's layer and FLA's compute the same function, to float32 rounding."""
+    ours, fla = _layers(torch.float32)
     x = torch.randn(1, 2048, 512, device="cuda")
     cu = None if cu is None else torch.tensor(cu, device="cuda")
     y_ours, g_ours = _step(ours, x, cu)
-    y_fla, g_fla = _step(fla32, x, cu)
+    y_fla, g_fla = _step(fla, x, cu)
     assert rel_err(y_ours, y_fla) < 1e-5, "float32 output"
     for name in g_fla:
         assert rel_err(g_ours[name], g_fla[name]) < 1e-5, f"float32 {name}"
-
-    ours16 = copy.deepcopy(ours).to(torch.bfloat16)
-    fla16 = fla_layer_like(ours16)
-    y16, g16 = _step(ours16, x.bfloat16(), cu)
-    y16f, g16f = _step(fla16, x.bfloat16(), cu)
-    e_ours, e_fla = rel_err(y16, y_fla), rel_err(y16f, y_fla)
-    print(f"bf16 output error against FLA float32: kdacp {e_ours:.2e}, FLA {e_fla:.2e}")
-    assert e_ours <= 1.1 * e_fla + 1e-4, "bf16 output"
-    for name in g_fla:
-        e_ours, e_fla = rel_err(g16[name], g_fla[name]), rel_err(g16f[name], g_fla[name])
-        assert e_ours <= 1.1 * e_fla + 1e-4, f"bf16 {name}: kdacp {e_ours:.2e}, FLA {e_fla:.2e}"

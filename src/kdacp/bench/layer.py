@@ -42,7 +42,7 @@ def fla_layer_like(layer: KimiDeltaAttention):
         cls = load_fla_layer()
     except ImportError:
         return None
-    p = next(layer.parameters())
+    p = layer.q_proj.weight
     fla = cls(hidden_size=layer.hidden_size, head_dim=layer.head_k_dim, expand_v=layer.head_v_dim / layer.head_k_dim,
               num_heads=layer.num_heads, num_v_heads=layer.num_v_heads, conv_size=layer.conv_size,
               conv_bias=layer.q_conv1d.bias is not None, safe_gate=layer.gate_lower_bound is not None,
