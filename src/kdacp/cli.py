@@ -101,6 +101,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if _print_demo_table(results[0], TOLERANCE[cfg.dtype]) else 1
 
 
+# The layer suite's defaults are sized for GPUs (16K tokens per rank, 2048 wide, 32 heads) and
+# run for many minutes on CPU; these finish in seconds there.
+_CPU_LAYER = dict(backend="torch", hidden=128, heads=4, head_dim=32, warmup=1, iters=3)
+_CPU_T_LOCAL = 256
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -125,10 +131,10 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (8192, 16384, 32768))}]
     else:
-        layer = {"backend": args.backend} if args.backend else {}
-        if args.hidden:
-            layer.update(hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
-        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384])]
+        layer = {} if device == "cuda" else dict(_CPU_LAYER)
+        given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+        layer.update({name: value for name, value in given.items() if value is not None})
+        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
     rows: list[dict] = []
     bar = tqdm(desc=f"bench {args.suite}", unit="row", file=sys.stderr)
     try:
@@ -186,14 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
     bench.add_argument("--suite", required=True, choices=SUITES)
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K)")
+                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K; "
+                            f"layer on CPU: {_CPU_T_LOCAL})")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp/layer (default: all GPUs)")
-    bench.add_argument("--backend", default=None, choices=["torch", "fla"], help="layer suite: KDA backend")
-    bench.add_argument("--hidden", type=int, default=None, help="layer suite: hidden size (default 2048)")
-    bench.add_argument("--heads", type=int, default=32, help="layer suite: heads (with --hidden)")
-    bench.add_argument("--head-dim", type=int, default=128, help="layer suite: head dim (with --hidden)")
+    bench.add_argument("--backend", default=None, choices=["torch", "fla"],
+                       help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
+    bench.add_argument("--hidden", type=_positive_int, default=None,
+                       help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
+    bench.add_argument("--heads", type=_positive_int, default=None,
+                       help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU)")
+    bench.add_argument("--head-dim", type=_positive_int, default=None,
+                       help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
     bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
     bench.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)
