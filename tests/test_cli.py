@@ -102,3 +102,101 @@ def test_demo_under_torchrun_uses_its_ranks():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [ln for ln in out.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
     assert len(rows) == 2 and "PASS" in out.stdout
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fails a test that gets as far as starting workers: usage errors must stop before."""
+    import kdacp.cli
+
+    def launch(*args, **kwargs):
+        raise AssertionError("workers were started")
+    monkeypatch.setattr(kdacp.cli, "launch", launch)
+
+
+def _usage_error(capsys, *argv) -> str:
+    """Run the CLI in-process; assert exit status 2 and return stderr's last line."""
+    from kdacp.cli import main
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert "Traceback" not in captured.err and "%" not in captured.err  # no progress bar either
+    return captured.err.strip().splitlines()[-1]
+
+
+USAGE_ERRORS = [
+    (("demo", "--world-size", "0"), "argument --world-size: expected a positive integer, got '0'"),
+    (("demo", "--world-size", "-2"), "argument --world-size: expected a positive integer, got '-2'"),
+    (("demo", "--seq-lens", "abc"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", ""), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", "100,-4"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--world-size", "3", "--seq-lens", "100,102"), "which 3 ranks cannot split equally"),
+    (("demo", "--device", "cpu", "--backend", "fla"), "--backend fla needs --device cuda"),
+    (("demo", "--mode", "hybrid", "--world-size", "3", "--seq-lens", "300"), "3 has none (4 or 6 do)"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--ulysses-size", "3"),
+     "--ulysses-size 3 must divide --world-size 4 and lie strictly between 1 and 4"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--ulysses-size", "4"), "--ulysses-size 4 must divide"),
+    (("demo", "--mode", "state", "--ulysses-size", "2"), "--ulysses-size is for --mode hybrid only"),
+    (("demo", "--mode", "ulysses", "--world-size", "4", "--heads", "6"),
+     "--mode ulysses splits each layer's heads over 4 ranks, so --heads must be a positive multiple of 4; got 6"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--heads", "3"), "heads over 2 ranks"),
+    (("demo", "--heads", "0"), "argument --heads: expected a positive integer, got '0'"),
+    (("demo", "--steps", "0"), "argument --steps: expected a positive integer"),
+    (("demo", "--mode", "ring"), "argument --mode: invalid choice: 'ring'"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--backend", "fla"), "--backend fla needs --device cuda"),
+    (("bench", "--suite", "layer", "--world-size", "0"), "argument --world-size: expected a positive integer"),
+    (("bench", "--suite", "layer", "--seq-lens", "abc"), "argument --seq-lens: expected comma-separated"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_usage_errors_exit_2_with_one_line(no_workers, capsys, argv, msg):
+    assert msg in _usage_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("mode,heads,ulysses_size", [("state", 2, None), ("ulysses", 4, None), ("hybrid", 2, 2)])
+def test_demo_defaults_fit_every_mode(mode, heads, ulysses_size):
+    from kdacp.demo import demo_config
+    cfg = demo_config(4, mode)
+    cfg.validate()
+    assert (cfg.num_heads, cfg.num_v_heads, cfg.ulysses_size) == (heads, 2 * heads, ulysses_size)
+    assert demo_config(8, "ulysses").num_heads == 8 and demo_config(9, "hybrid").ulysses_size == 3
+
+
+def test_demo_help_shows_defaults(capsys):
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert e.value.code == 0
+    for default in ("default: 600,250,900,298", "default: state", "default: p2p", "default: auto", "default: 3)",
+                    "default: 4 on CPU", "default: float64 on CPU", "default: 2,", "default: the smallest"):
+        assert default in out, default
+
+
+def test_demo_names_mode_and_strategy():
+    from kdacp.demo import demo_config
+    assert demo_config(4, "state", strategy="allgather").describe().startswith(
+        "4 ranks, mode state (strategy allgather), 2 q/k heads, 4 value heads")
+    assert "mode hybrid (ulysses_size 2, strategy p2p)" in demo_config(4, "hybrid").describe()
+
+
+def test_bench_layer_on_cpu_defaults_to_cpu_sizes(monkeypatch, tmp_path, capsys):
+    """The command the CLI suggests without a GPU: at these sizes it ran in 19 s on 2 cores (at the GPU
+    sizes, no row in 300 s)."""
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):
+        calls.append((name, case, kwargs["device"]))
+        return [dict(run="one_gpu", gpus=1, tokens_per_gpu=case["t_local"], global_tokens=case["t_local"], ms=1.0)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "layer", "--device", "cpu", "--backend", "torch", "--out", str(tmp_path)]) == 0
+    assert calls == [("layer", dict(t_local=256, backend="torch", hidden=128, heads=4, head_dim=32, warmup=1, iters=3),
+                      "cpu")]
+    main(["bench", "--suite", "layer", "--device", "cpu", "--heads", "2", "--seq-lens", "64", "--out", str(tmp_path)])
+    assert calls[-1][1] == dict(t_local=64, backend="torch", hidden=128, heads=2, head_dim=32, warmup=1, iters=3)

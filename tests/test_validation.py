@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import kdacp
 from kdacp.reference import chunk_kda, recurrent_kda
 from tests.helpers import make_kda_inputs
 
@@ -64,3 +65,35 @@ def test_gate_parameter_shapes():
         chunk_kda(**_with(args, A_log=torch.zeros(3, dtype=torch.float64)))
     with pytest.raises(ValueError, match=r"dt_bias must have shape \[HV\*K\]"):
         chunk_kda(**_with(args, dt_bias=torch.zeros(8, dtype=torch.float64)))
+
+
+def _cast(args, dtype, *names):
+    return _with(args, **{n: args[n].to(dtype) for n in names})
+
+
+MIXED = [
+    ("q wider", lambda a: _cast(a, torch.float32, "k", "v", "g", "beta"),
+     "k has dtype torch.float32 but q has torch.float64; q, k, v and g must share one dtype"),
+    ("v", lambda a: _cast(a, torch.float32, "v"), "v has dtype torch.float32 but q has torch.float64"),
+    ("g", lambda a: _cast(a, torch.bfloat16, "g"), "g has dtype torch.bfloat16 but q has torch.float64"),
+    ("beta narrower", lambda a: _cast(a, torch.float32, "beta"),
+     "beta has dtype torch.float32 but q has torch.float64; beta must have q's dtype, or float32 or wider"),
+    ("beta half", lambda a: _cast(_cast(a, torch.bfloat16, "q", "k", "v", "g"), torch.float16, "beta"),
+     "beta has dtype torch.float16 but q has torch.bfloat16"),
+]
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, chunk_kda, kdacp.chunk_kda])
+@pytest.mark.parametrize("case,mutate,msg", MIXED, ids=[m[0] for m in MIXED])
+def test_mixed_dtypes_are_named(fn, case, mutate, msg):
+    with pytest.raises(TypeError, match=msg):
+        fn(**mutate(_args()))
+
+
+def test_float32_companions_of_bfloat16_inputs_are_accepted():
+    """FLA's layer passes float32 beta (and float32 A_log, dt_bias, initial_state) with bfloat16 inputs."""
+    args = make_kda_inputs(1, 16, 1, 2, 8, 8, gate="default", initial_state=True, requires_grad=False, seed=0,
+                           dtype=torch.bfloat16)
+    args = _cast(args, torch.float32, "beta", "A_log", "dt_bias", "initial_state")
+    o, final = kdacp.chunk_kda(**args, output_final_state=True, backend="torch")
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32

@@ -11,6 +11,27 @@ from .bench import SUITES
 from .workers import WorkerError, launch, under_torchrun
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 600,250,900,298, "
+                                         f"got {text!r}")
+    return values
+
+
 def _print_demo_table(rows: list[dict], tol: float) -> bool:
     print(f"{'rank':>4} {'device':>8} {'tokens':>7} {'sequences':>9} {'step ms':>9} {'output err':>11} "
           f"{'grad err':>10}")
@@ -30,29 +51,31 @@ def _print_demo_table(rows: list[dict], tol: float) -> bool:
 def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .demo import TOLERANCE, DemoConfig, demo_worker
+    from .demo import TOLERANCE, demo_config, demo_worker
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("kdacp demo: --device cuda was asked for but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
         return 1
-    world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 4)
+    world = args.world_size if args.world_size is not None else (torch.cuda.device_count() if device == "cuda" else 4)
     if under_torchrun():
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
             print(f"kdacp demo: --world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
                   f"{os.environ['WORLD_SIZE']}; leave it out under torchrun", file=sys.stderr)
             return 2
         world = int(os.environ["WORLD_SIZE"])
-    cfg = DemoConfig(world_size=world, seq_lens=tuple(int(x) for x in args.seq_lens.split(",")), mode=args.mode,
-                     strategy=args.strategy, ulysses_size=args.ulysses_size, backend=args.backend, device=device,
-                     dtype=args.dtype or ("bfloat16" if device == "cuda" else "float64"), steps=args.steps,
-                     seed=args.seed)
+    cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, seq_lens=args.seq_lens,
+                      strategy=args.strategy, backend=args.backend, device=device,
+                      dtype=args.dtype or ("bfloat16" if device == "cuda" else "float64"), steps=args.steps,
+                      seed=args.seed)
     try:
         cfg.validate()
     except ValueError as e:
         print(f"kdacp demo: {e}", file=sys.stderr)
         return 2
     show = not under_torchrun() or int(os.environ["RANK"]) == 0
+    if show:
+        print(f"demo: {cfg.describe()}", flush=True)
     bar = tqdm(total=cfg.steps, desc=f"demo: {world} ranks, {cfg.mode}", disable=not show, file=sys.stderr)
 
     def on_report(rank, message):
@@ -78,6 +101,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if _print_demo_table(results[0], TOLERANCE[cfg.dtype]) else 1
 
 
+# The layer suite's defaults are sized for GPUs (16K tokens per rank, 2048 wide, 32 heads) and
+# run for many minutes on CPU; these finish in seconds there.
+_CPU_LAYER = dict(backend="torch", hidden=128, heads=4, head_dim=32, warmup=1, iters=3)
+_CPU_T_LOCAL = 256
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -90,18 +119,22 @@ def _bench(args: argparse.Namespace) -> int:
               "FLA's CUDA kernels (only --suite layer --device cpu --backend torch runs without a GPU)",
               file=sys.stderr)
         return 1
+    if args.backend == "fla" and device != "cuda":
+        print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
+              "use --backend torch", file=sys.stderr)
+        return 2
     suite = load_suite(args.suite)
     world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
-    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+    seq_lens = args.seq_lens
     if args.suite == "kernels":
         cases = [{"T": T} for T in (seq_lens or [16384])]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (8192, 16384, 32768))}]
     else:
-        layer = {"backend": args.backend} if args.backend else {}
-        if args.hidden:
-            layer.update(hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
-        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384])]
+        layer = {} if device == "cuda" else dict(_CPU_LAYER)
+        given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+        layer.update({name: value for name, value in given.items() if value is not None})
+        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
     rows: list[dict] = []
     bar = tqdm(desc=f"bench {args.suite}", unit="row", file=sys.stderr)
     try:
@@ -123,19 +156,34 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small KDA model context-parallel and check it against one process")
-    demo.add_argument("--world-size", type=int, default=None, help="ranks to start (default: 4 on CPU, all GPUs)")
-    demo.add_argument("--seq-lens", default="600,250,900,298", help="comma-separated lengths of the packed batch")
-    demo.add_argument("--mode", default="state", choices=["state", "ulysses", "hybrid"])
-    demo.add_argument("--ulysses-size", type=int, default=None, help="Ulysses group size for --mode hybrid")
-    demo.add_argument("--strategy", default="p2p", choices=["p2p", "allgather"])
-    demo.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"])
-    demo.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    demo = sub.add_parser("demo", help="train a small KDA model context-parallel and check it against one process",
+                          description="Train a small KDA model context-parallel and check its outputs and gradients "
+                                      "against the one-process run of the same batch.")
+    demo.add_argument("--world-size", type=_positive_int, default=None,
+                      help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
+    demo.add_argument("--seq-lens", type=_lengths, default=(600, 250, 900, 298),
+                      help="comma-separated lengths of the packed batch; their sum must split equally over the "
+                           "ranks (default: 600,250,900,298)")
+    demo.add_argument("--mode", default="state", choices=["state", "ulysses", "hybrid"],
+                      help="state: time shards, state passed between ranks; ulysses: all-to-all to head shards; "
+                           "hybrid: Ulysses in groups, state across them (default: %(default)s)")
+    demo.add_argument("--ulysses-size", type=_positive_int, default=None,
+                      help="--mode hybrid: ranks per Ulysses group, a divisor of the world size between 1 and it "
+                           "(default: the smallest such divisor)")
+    demo.add_argument("--heads", type=_positive_int, default=None,
+                      help="q/k heads per layer (value heads: twice as many), a multiple of the ranks that split "
+                           "them in ulysses and hybrid modes (default: 2, or that many ranks if more)")
+    demo.add_argument("--strategy", default="p2p", choices=["p2p", "allgather"],
+                      help="how state passing exchanges states (default: %(default)s)")
+    demo.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"],
+                      help="KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch "
+                           "(default: %(default)s)")
+    demo.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
     demo.add_argument("--dtype", default=None, choices=["float64", "float32", "bfloat16"],
-                      help="default: float64 on CPU, bfloat16 on CUDA")
-    demo.add_argument("--steps", type=int, default=3)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
+                      help="(default: float64 on CPU, bfloat16 on CUDA)")
+    demo.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    demo.add_argument("--port", type=int, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
     demo.add_argument("--timeout", type=float, default=None,
                       help="seconds before the run is stopped (default: 300 on CPU; 1800 on CUDA, where FLA "
                            "autotunes its kernels at first use)")
@@ -143,15 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
     bench.add_argument("--suite", required=True, choices=SUITES)
-    bench.add_argument("--seq-lens", default=None,
-                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K)")
+    bench.add_argument("--seq-lens", type=_lengths, default=None,
+                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K; "
+                            f"layer on CPU: {_CPU_T_LOCAL})")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    bench.add_argument("--world-size", type=int, default=None, help="ranks for cp/layer (default: all GPUs)")
-    bench.add_argument("--backend", default=None, choices=["torch", "fla"], help="layer suite: KDA backend")
-    bench.add_argument("--hidden", type=int, default=None, help="layer suite: hidden size (default 2048)")
-    bench.add_argument("--heads", type=int, default=32, help="layer suite: heads (with --hidden)")
-    bench.add_argument("--head-dim", type=int, default=128, help="layer suite: head dim (with --hidden)")
+    bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp/layer (default: all GPUs)")
+    bench.add_argument("--backend", default=None, choices=["torch", "fla"],
+                       help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
+    bench.add_argument("--hidden", type=_positive_int, default=None,
+                       help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
+    bench.add_argument("--heads", type=_positive_int, default=None,
+                       help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU)")
+    bench.add_argument("--head-dim", type=_positive_int, default=None,
+                       help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
     bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
     bench.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .backends import resolve_backend
 from .distributed import new_cp_group
 from .layers import KDAContextParallel, KimiDeltaAttention
 from .workers import RankContext
 
-__all__ = ["DemoConfig", "DemoModel", "demo_worker", "TOLERANCE"]
+__all__ = ["DemoConfig", "DemoModel", "demo_config", "demo_worker", "MODES", "TOLERANCE"]
+
+MODES = ("state", "ulysses", "hybrid")
 
 # Largest relative error (norm-wise) accepted between the context-parallel and the one-process run.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
@@ -29,7 +32,8 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo runs; ``seq_lens`` must add up to a multiple of ``world_size``."""
+    """What the demo runs; ``seq_lens`` must add up to a multiple of ``world_size``, and the heads
+    split over the ranks of a Ulysses group (:func:`demo_config` picks sizes that fit)."""
 
     world_size: int = 4
     seq_lens: tuple[int, ...] = (600, 250, 900, 298)
@@ -49,17 +53,69 @@ class DemoConfig:
     lr: float = 0.05
     seed: int = 0
 
+    @property
+    def ulysses_ranks(self) -> int | None:
+        """Ranks that split each layer's heads: 1 (state), ``world_size`` (ulysses), ``ulysses_size`` (hybrid)."""
+        return {"state": 1, "ulysses": self.world_size}.get(self.mode, self.ulysses_size)
+
     def validate(self) -> None:
-        T = sum(self.seq_lens)
+        """Raise ``ValueError`` (in the command line's terms) unless every rank can run this config."""
+        P, U = self.world_size, self.ulysses_ranks
+        if P < 1:
+            raise ValueError(f"--world-size must be >= 1, got {P}")
         if not self.seq_lens or min(self.seq_lens) < 1:
             raise ValueError(f"--seq-lens must be positive lengths, got {self.seq_lens}")
-        if T % self.world_size:
-            raise ValueError(f"the sequence lengths add up to {T} tokens, which {self.world_size} ranks cannot "
+        T = sum(self.seq_lens)
+        if T % P:
+            raise ValueError(f"the sequence lengths add up to {T} tokens, which {P} ranks cannot "
                              f"split equally; make the total a multiple of --world-size")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "hybrid" and self.ulysses_size is not None:
+            raise ValueError(f"--ulysses-size is for --mode hybrid only, got --mode {self.mode}")
+        if self.mode == "hybrid" and U is None:
+            raise ValueError(f"--mode hybrid runs Ulysses inside groups and state passing across them, so the "
+                             f"world size needs a divisor between 1 and itself; {P} has none (4 or 6 do)")
+        if self.mode == "hybrid" and (not 1 < U < P or P % U):
+            raise ValueError(f"--ulysses-size {U} must divide --world-size {P} and lie strictly between 1 and {P}")
+        if self.num_heads < 1 or self.num_heads % U or self.num_v_heads % U:
+            raise ValueError(f"--mode {self.mode} splits each layer's heads over {U} ranks, so --heads must be a "
+                             f"positive multiple of {U}; got {self.num_heads} (value heads {self.num_v_heads})")
         if self.dtype not in TOLERANCE:
             raise ValueError(f"--dtype must be one of {sorted(TOLERANCE)}, got {self.dtype!r}")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.backend == "fla" and self.device != "cuda":
+            raise ValueError(f"--backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device "
+                             f"{self.device}; use --backend torch or auto")
+        if self.backend == "fla":
+            try:
+                resolve_backend(self.backend, torch.device(self.device))
+            except ImportError as e:
+                raise ValueError(f"--backend fla: {e}") from None
+
+    def describe(self) -> str:
+        """One line naming what runs: ranks, mode, strategy (where state is passed), heads, dtype."""
+        how = {"state": f"strategy {self.strategy}", "ulysses": "all-to-all over heads, no state passing",
+               "hybrid": f"ulysses_size {self.ulysses_size}, strategy {self.strategy}"}[self.mode]
+        return (f"{self.world_size} ranks, mode {self.mode} ({how}), {self.num_heads} q/k heads, "
+                f"{self.num_v_heads} value heads, {self.dtype}, backend {self.backend}, {self.steps} steps")
+
+
+def demo_config(world_size: int, mode: str = "state", *, ulysses_size: int | None = None,
+                num_heads: int | None = None, **options) -> DemoConfig:
+    """A :class:`DemoConfig` whose unset sizes fit ``world_size``; check it with ``validate()``.
+
+    ``ulysses_size`` (hybrid): the smallest divisor of ``world_size`` between 1 and itself (None if
+    there is none). ``num_heads``: 2, or the ranks that split the heads if more; ``num_v_heads`` is
+    twice ``num_heads``.
+    """
+    if mode == "hybrid" and ulysses_size is None:
+        ulysses_size = next((d for d in range(2, world_size) if world_size % d == 0), None)
+    cfg = DemoConfig(world_size=world_size, mode=mode, ulysses_size=ulysses_size, **options)
+    if num_heads is None:
+        num_heads = max(2, cfg.ulysses_ranks or 1)
+    return replace(cfg, num_heads=num_heads, num_v_heads=2 * num_heads)
 
 
 class _Block(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KDADims", "check_kda_inputs", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
+__all__ = ["KDADims", "check_kda_inputs", "check_kda_dtypes", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
 
 
 @dataclass(frozen=True)
@@ -62,15 +62,28 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     return len(cu) - 1
 
 
+def check_kda_dtypes(q, k, v, g, beta) -> None:
+    """Raise ``TypeError`` unless ``q, k, v, g`` share one dtype and ``beta`` has it too, or is float32
+    or wider (FLA's layer passes float32 ``beta`` with bfloat16 inputs)."""
+    for name, x in (("k", k), ("v", v), ("g", g)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k, v and g must share one dtype")
+    wide = beta.dtype in (torch.float32, torch.float64) and beta.dtype.itemsize >= q.dtype.itemsize
+    if beta.dtype != q.dtype and not wide:
+        raise TypeError(f"beta has dtype {beta.dtype} but q has {q.dtype}; beta must have q's dtype, or float32 "
+                        f"or wider")
+
+
 def check_kda_inputs(
     q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, use_gate_in_kernel: bool = False,
-    A_log=None, dt_bias=None, lower_bound=None, chunk_size: int | None = None,
+    A_log=None, dt_bias=None, lower_bound=None, chunk_size: int | None = None, dtypes: bool = True,
 ) -> KDADims:
     """Check the FLA-layout KDA arguments and return their sizes.
 
     Expected: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``,
     ``HV % H == 0``, ``initial_state [N, HV, K, V]``; with ``use_gate_in_kernel``, ``A_log [HV]``
-    and ``dt_bias [HV*K]`` (optional); ``lower_bound`` in [-5, 0).
+    and ``dt_bias [HV*K]`` (optional); ``lower_bound`` in [-5, 0); the dtypes as
+    :func:`check_kda_dtypes` (unless ``dtypes=False``: the caller checks them itself).
     """
     for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         check_tensor(name, x, nd)
@@ -91,6 +104,8 @@ def check_kda_inputs(
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
+    if dtypes:
+        check_kda_dtypes(q, k, v, g, beta)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, 4)

@@ -12,13 +12,14 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..validation import check_kda_inputs, check_tensor
+from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor
 from . import comm
 from .plan import CPPlan
 
 __all__ = ["check_cp_call"]
 
 _DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_OTHER = len(_DTYPES)  # the code of any other dtype
 
 # Fields every rank must agree on, in signature order (after the leading "ok" flag).
 _FIELDS = ("plan", "B", "T_local (equal split)", "H", "HV", "K", "V", "q/k dtype", "v dtype", "g dtype",
@@ -30,15 +31,40 @@ def _float_bits(x) -> int:
     return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _dtype_code(x) -> int:
-    dtype = getattr(x, "dtype", None)
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+def _bits_float(bits: int) -> str:
+    return "None" if bits == 0 else repr(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def _dtype_code(*xs) -> int:
+    """The dtypes of ``xs`` (None for a non-tensor) as one int, a base ``_OTHER + 1`` digit each."""
+    code = 0
+    for x in xs:
+        dtype = getattr(x, "dtype", None)
+        code = code * (_OTHER + 1) + (_DTYPES.index(dtype) if dtype in _DTYPES else _OTHER)
+    return code
+
+
+def _dtype_names(code: int, n: int) -> str:
+    """The ``n`` dtypes of a :func:`_dtype_code`, one name when they are all alike, else joined by ``/``."""
+    names = []
+    for _ in range(n):
+        code, digit = divmod(code, _OTHER + 1)
+        names.insert(0, "another dtype" if digit == _OTHER else str(_DTYPES[digit]))
+    return names[0] if len(set(names)) == 1 else "/".join(names)
+
+
+# How a disagreement shows each field's values (the rest are printed as the ints they are).
+_SHOW = {"q/k dtype": lambda c: _dtype_names(c, 2), "lower_bound": _bits_float, "scale": _bits_float,
+         **{f: lambda c: _dtype_names(c, 1) for f in ("v dtype", "g dtype", "beta dtype", "initial_state",
+                                                      "A_log", "dt_bias")}}
 
 
 def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
                  lower_bound):
+    # The dtypes are checked once the ranks agree on them (they are in the signature), so a mix
+    # that one rank passes shows as a disagreement on every rank.
     dims = check_kda_inputs(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                            dt_bias=dt_bias, lower_bound=lower_bound)
+                            dt_bias=dt_bias, lower_bound=lower_bound, dtypes=False)
     if plan.cu_seqlens is not None and dims.B != 1:
         raise ValueError(f"the plan packs sequences (cu_seqlens), so q must have B=1, got q {tuple(q.shape)}")
     if plan.cu_seqlens is None and dims.B != plan.batch_size:
@@ -64,6 +90,7 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
 
     Raises:
         ValueError (on every rank): a rank rejected its inputs, or the ranks disagree.
+        TypeError (on every rank): the ranks agree on dtypes that :func:`check_kda_dtypes` rejects.
     """
     if not isinstance(plan, CPPlan):
         raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
@@ -76,7 +103,7 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     ok = error is None
     open_split = plan.local_lengths is None
     sizes = (dims.B, dims.T if open_split else 0, dims.H, dims.HV, dims.K, dims.V) if ok else (0,) * 6
-    signature = [int(ok), plan.signature, *sizes, _dtype_code(q), _dtype_code(v), _dtype_code(g), _dtype_code(beta),
+    signature = [int(ok), plan.signature, *sizes, _dtype_code(q, k), _dtype_code(v), _dtype_code(g), _dtype_code(beta),
                  _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
                  int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
                  int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode())]
@@ -94,7 +121,9 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     for i, field in enumerate(_FIELDS, start=1):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank {values}; every rank must "
+            shown = ", ".join(_SHOW.get(field, str)(v) for v in values)
+            raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "
                              "pass the same plan, shapes (except T_local), dtypes and options")
+    check_kda_dtypes(q, k, v, g, beta)
     plan.verified_calls.add(tuple(signature))
     return name
