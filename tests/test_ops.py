@@ -44,3 +44,13 @@ def test_chunk_kda_bad_backend_and_inputs():
         chunk_kda(**args, backend="fla")  # CPU tensors
     with pytest.raises(ValueError, match="beta"):
         chunk_kda(**dict(args, beta=args["beta"][:, :4]), backend="torch")
+
+
+def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():
+    """With ``cu_seqlens_cpu`` (FLA's argument) the boundaries are taken from the host copy."""
+    cu = torch.tensor([0, 3, 70, 100])
+    args = make_kda_inputs(1, 100, 1, 2, 16, 8, gate="safe", cu_seqlens=cu, requires_grad=False, seed=5)
+    o, final = chunk_kda(**args, output_final_state=True, backend="torch")
+    o2, final2 = chunk_kda(**dict(args, cu_seqlens=None), cu_seqlens_cpu=cu, output_final_state=True,
+                           backend="torch")
+    assert torch.equal(o, o2) and torch.equal(final, final2) and final.shape[0] == 3

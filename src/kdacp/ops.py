@@ -46,7 +46,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-              lower_bound=None, safe_gate=False, cu_seqlens=None, backend="auto"):
+              lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto"):
     """Chunk KDA on one device, differentiable.
 
     Args:
@@ -58,6 +58,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log [HV], dt_bias [HV*K], lower_bound,
             safe_gate: as FLA's ``chunk_kda``.
         cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences (``B == 1``).
+        cu_seqlens_cpu: the same boundaries on the host, as in FLA: with it, ``cu_seqlens`` is not
+            read back from the device (no sync); it must hold the same values.
         backend: ``"auto"`` (FLA on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
 
     Returns:
@@ -66,6 +68,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Raises:
         TypeError, ValueError: invalid inputs or an unknown backend; ImportError: ``"fla"`` unusable.
     """
+    if cu_seqlens_cpu is not None:
+        cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
     dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                             lower_bound=lower_bound)

@@ -83,3 +83,14 @@ def test_ops_chunk_kda_fla_matches_fla_chunk_kda():
     assert rel_err(o, ref_o) < 1e-3 and rel_err(final, ref_final) < 1e-3
     for name, a, b in zip(leaves, grads, ref_grads):
         assert rel_err(a, b) < 1e-3, (name, rel_err(a, b))
+
+
+def test_varlen_arguments_equal_fla_s_own():
+    """The backend builds FLA's packed-sequence arguments on the host (no device sync): the same values."""
+    fla = _fla()
+    from kdacp.backends.fla_backend import FlaBackend
+    cu = (0, 1, 64, 65, 300, 1000)
+    got = FlaBackend(KDAOptions(scale=1.0))._varlen(Span(0, 1000, cu), torch.device("cuda"))
+    ref_cu = torch.tensor(cu, device="cuda")
+    assert torch.equal(got["cu_seqlens"], ref_cu)
+    assert torch.equal(got["chunk_indices"], fla.prepare_chunk_indices(ref_cu, 64))

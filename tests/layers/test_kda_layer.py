@@ -153,3 +153,23 @@ def test_apply_context_parallel_sets_every_layer():
     assert all(m.cp is marker for m in model)
     apply_context_parallel(model, None)
     assert all(m.cp is None for m in model)
+
+
+def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
+    """All layer calls of one batch share one host copy of its cu_seqlens (one device sync on a GPU);
+    a new tensor or an in-place change makes a new one."""
+    from kdacp.layers.context_parallel import SINGLE_DEVICE, _SingleDevice
+    built = []
+    build = _SingleDevice._build_batch
+    monkeypatch.setattr(_SingleDevice, "_build_batch", lambda self, cu, *a: built.append(cu) or build(self, cu, *a))
+    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
+    layer = small_layer()
+    x = torch.randn(1, 40, 32, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 40])
+    y1, y2 = layer(x, cu_seqlens=cu)[0], layer(x, cu_seqlens=cu)[0]
+    assert built == [(0, 5, 40)] and torch.equal(y1, y2)
+    layer(x, cu_seqlens=cu.clone())
+    cu[1] = 7
+    y3 = layer(x, cu_seqlens=cu)[0]
+    assert built == [(0, 5, 40), (0, 5, 40), (0, 7, 40)]
+    assert torch.allclose(y3, layer(x, cu_seqlens=torch.tensor([0, 7, 40]))[0], rtol=0, atol=0)

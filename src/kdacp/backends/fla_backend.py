@@ -85,15 +85,21 @@ class FlaBackend:
     def __init__(self, options: KDAOptions):
         self.options = options
         self.fla = load_fla()
+        self._varlens: dict = {}
 
     def _varlen(self, span: Span, device) -> dict:
-        """FLA's packed-sequence arguments for ``span`` (none for a single segment)."""
-        cu_cpu = span.cu_seqlens_host()
-        if cu_cpu is None:
+        """FLA's packed-sequence arguments for ``span`` (none for a single segment), built once per span
+        of this call on the host and moved from pinned memory without a device sync (a copy from
+        pageable memory makes the host wait for the whole queue, and the GPU then idles)."""
+        if span.num_segments == 1:
             return dict(cu_seqlens=None, chunk_indices=None)
-        cu = cu_cpu.to(device, non_blocking=True)
-        indices = self.fla.prepare_chunk_indices(cu, self.options.chunk_size, cu_seqlens_cpu=cu_cpu)
-        return dict(cu_seqlens=cu, chunk_indices=indices)
+        if span not in self._varlens:
+            cu, BT = span.cu_seqlens, self.options.chunk_size
+            # FLA's chunk_indices: (sequence, chunk within it) for every chunk, in order
+            indices = [(n, i) for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])) for i in range(-(-(eos - bos) // BT))]
+            self._varlens[span] = {name: torch.tensor(value, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+                                   for name, value in (("cu_seqlens", cu), ("chunk_indices", indices))}
+        return self._varlens[span]
 
     def _gate_cumsum(self, g, A_log, dt_bias, varlen: dict) -> torch.Tensor:
         """``gc [1, T, HV, K]`` float32: chunk-local cumulative gate in log2 units."""

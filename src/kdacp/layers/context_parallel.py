@@ -3,7 +3,8 @@
 The layer calls the same hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
 ``chunk_kda``, ``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE`
 implements them as identities and a local ``chunk_kda``, :class:`KDAContextParallel` with exchanges.
-Nothing per call is stored on these objects, so several calls may be in flight at once.
+Nothing per call is stored on these objects (only what each packed batch's ``cu_seqlens`` implies,
+built once per batch), so several calls may be in flight at once.
 
 Token layout: the global batch (``B`` equal-length sequences, or one packed batch described by the
 global ``cu_seqlens``) is split along time into equal shards, shard ``r`` on rank ``r`` of ``group``.
@@ -63,9 +64,10 @@ class ConvContext:
 
 @dataclass(frozen=True)
 class _Batch:
-    """What a state rank knows of one packed batch, built once per ``cu_seqlens`` tensor: the plan
-    of its recurrence (None without state exchange) and its convolution context."""
+    """What a rank knows of one packed batch, built once per ``cu_seqlens`` tensor: its host copy
+    ``cu_cpu``, the plan of its recurrence (None without state exchange) and its convolution context."""
 
+    cu_cpu: torch.Tensor
     plan: object
     conv: ConvContext
 
@@ -74,6 +76,9 @@ class _SingleDevice:
     """The layer's hooks without context parallelism: every exchange is the identity."""
 
     backend = None  # the layer's own backend
+
+    def __init__(self):
+        self._batches: dict = {}
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         pass
@@ -89,10 +94,31 @@ class _SingleDevice:
         return o, final_state
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
+        # FLA's convolution builds its chunk indices from the device tensor, once per tensor.
         return ConvContext(None, cu_seqlens)
 
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+        cu_cpu = None if cu_seqlens is None else self._batch(cu_seqlens, q.shape[1]).cu_cpu
+        return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend,
+                               **kwargs)
+
+    def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
+        return _Batch(torch.tensor(cu, dtype=torch.int64), None, ConvContext(None, None))
+
+    def _batch(self, cu_seqlens: torch.Tensor, T: int) -> _Batch:
+        """The :class:`_Batch` of ``cu_seqlens`` (global ``[N+1]``) for ``T`` local tokens, built on the
+        first call that passes this tensor and shared by every layer call after it: one host copy (a
+        device sync for a CUDA tensor) and one plan per batch, not per layer. Keyed by the tensor
+        object itself and its version counter, so an in-place change or a new tensor builds a new one."""
+        key = (id(cu_seqlens), cu_seqlens._version, T)
+        hit = self._batches.get(key)
+        if hit is not None and hit[0]() is cu_seqlens:
+            return hit[1]
+        batch = self._build_batch(tuple(int(c) for c in cu_seqlens.tolist()), cu_seqlens.device, T)
+        if len(self._batches) >= 8:  # a few batches in flight at most; drop the oldest
+            self._batches.pop(next(iter(self._batches)))
+        self._batches[key] = (weakref.ref(cu_seqlens), batch)
+        return batch
 
 
 SINGLE_DEVICE = _SingleDevice()
@@ -122,9 +148,9 @@ class KDAContextParallel(_SingleDevice):
                  backend: str | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        super().__init__()
         self.mode, self.strategy, self.backend = mode, strategy, backend
         self._row_plans: dict = {}
-        self._batches: dict = {}
         self.group = dist.group.WORLD if group is None else group
         ranks = dist.get_process_group_ranks(self.group)
         P = len(ranks)
@@ -206,36 +232,25 @@ class KDAContextParallel(_SingleDevice):
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         backend = self.backend or backend
         if self.state_size == 1:
-            return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+            return super().chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
         plan = self._row_plan(B, T) if cu_seqlens is None else self._batch(cu_seqlens, T).plan
         return cp_chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
 
-    def _batch(self, cu_seqlens: torch.Tensor, T: int) -> _Batch:
-        """The :class:`_Batch` of ``cu_seqlens`` (global ``[N+1]``), built on the first call that passes
-        this tensor and shared by every layer call after it (one host copy and one plan per batch,
-        not per layer): keyed by the tensor object itself and its version counter, so an in-place
-        change or a new tensor builds a new one."""
-        key = (id(cu_seqlens), cu_seqlens._version, T)
-        hit = self._batches.get(key)
-        if hit is not None and hit[0]() is cu_seqlens:
-            return hit[1]
-        cu = tuple(int(c) for c in cu_seqlens.tolist())  # the one host copy of this batch
+    def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
         plan = None
         if self.state_size > 1:
             plan = build_cp_plan(cu, local_lengths=[T] * self.state_size, group=self.state_group,
                                  strategy=self.strategy)
         start, end = self.state_rank * T, (self.state_rank + 1) * T
         cuts = [start] + [c for c in cu if start < c < end] + [end]
-        local_cpu = torch.tensor([c - start for c in cuts], dtype=torch.int64)
-        first_start = max(c for c in cu if c <= start)
-        local = local_cpu.to(cu_seqlens.device, non_blocking=True)
+        local = torch.tensor([c - start for c in cuts], dtype=torch.int64)
+        # from pinned memory: a copy from pageable memory would make the host wait for the queue
+        local_device = (local.pin_memory() if device.type == "cuda" else local).to(device, non_blocking=True)
         group = self.state_group if self.state_size > 1 else None
-        batch = _Batch(plan, ConvContext(group, local, local_cpu, start - first_start))
-        if len(self._batches) >= 8:  # a few batches in flight at most; drop the oldest
-            self._batches.pop(next(iter(self._batches)))
-        self._batches[key] = (weakref.ref(cu_seqlens), batch)
-        return batch
+        first_start = max(c for c in cu if c <= start)
+        return _Batch(torch.tensor(cu, dtype=torch.int64), plan,
+                      ConvContext(group, local_device, local, halo_tokens=start - first_start))
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once, so that ``cp_chunk_kda``
