@@ -106,12 +106,14 @@ def test_layer_bf16_as_close_as_fla_layer(cu):
 
 @pytest.mark.parametrize("cu", CU)
 def test_layer_float32_equals_fla_layer(cu):
-    """float32: kdacp's layer and FLA's compute the same function, to float32 rounding."""
+    """float32: kdacp's layer and FLA's compute the same function, to the rounding of FLA's float32
+    kernels, whose products are TF32: FLA's layer runs their ``state_v_first`` variant and kdacp the
+    other, and the outputs differed by 2.6e-5 (one H200, 2026-12-01), so the bound is 1e-4, not 1e-5."""
     ours, fla = _layers(torch.float32)
     x = torch.randn(1, 2048, 512, device="cuda")
     cu = None if cu is None else torch.tensor(cu, device="cuda")
     y_ours, g_ours = _step(ours, x, cu)
     y_fla, g_fla = _step(fla, x, cu)
-    assert rel_err(y_ours, y_fla) < 1e-5, "float32 output"
+    assert rel_err(y_ours, y_fla) < 1e-4, f"float32 output {rel_err(y_ours, y_fla):.2e}"
     for name in g_fla:
-        assert rel_err(g_ours[name], g_fla[name]) < 1e-5, f"float32 {name}"
+        assert rel_err(g_ours[name], g_fla[name]) < 1e-4, f"float32 {name} {rel_err(g_ours[name], g_fla[name]):.2e}"
