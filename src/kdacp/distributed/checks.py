@@ -2,12 +2,14 @@
 
 Each rank validates its own arguments, then all ranks exchange one small int64 signature in a
 single all-gather; every rank raises ``ValueError`` if any rank failed or the ranks disagree. A
-signature verified on a plan is not exchanged again (unless the plan checks every call).
+signature verified on a plan is not exchanged again (unless the plan checks every call): the memo
+lives here, not in the (frozen) plan, and is dropped with the plan.
 """
 from __future__ import annotations
 
 import struct
 import zlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,18 @@ from . import comm
 from .plan import CPPlan
 
 __all__ = ["check_cp_call"]
+
+# The call signatures every rank has verified, per plan object (a new plan always checks again); an
+# entry goes with its plan.
+_VERIFIED: dict[int, set] = {}
+
+
+def _verified(plan: CPPlan) -> set:
+    key = id(plan)
+    if key not in _VERIFIED:
+        weakref.finalize(plan, _VERIFIED.pop, key, None)
+        _VERIFIED[key] = set()
+    return _VERIFIED[key]
 
 _DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _OTHER = len(_DTYPES)  # the code of any other dtype
@@ -107,7 +121,7 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
                  _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
                  int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
                  int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode())]
-    if ok and not plan.check_every_call and tuple(signature) in plan.verified_calls:
+    if ok and not plan.check_every_call and tuple(signature) in _verified(plan):
         return name  # every rank agreed on this signature before: no collective, no host sync
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
         else torch.device("cpu")
@@ -125,5 +139,5 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
             raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "
                              "pass the same plan, shapes (except T_local), dtypes and options")
     check_kda_dtypes(q, k, v, g, beta)
-    plan.verified_calls.add(tuple(signature))
+    _verified(plan).add(tuple(signature))
     return name

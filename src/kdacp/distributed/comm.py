@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_group", "post_recv", "send", "wait", "all_gather", "all_reduce_sum", "all_gather_signatures"]
+__all__ = ["new_group", "post_recv", "send", "wait", "all_gather", "post_all_gather", "all_reduce_sum",
+           "all_gather_signatures"]
 
 
 def new_group(ranks=None):
@@ -50,6 +51,13 @@ def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.stack(parts)
+
+
+def post_all_gather(tensor: torch.Tensor, group):
+    """Start a non-blocking all-gather of ``tensor``; returns ``(work, parts)``: after ``work.wait()``,
+    ``torch.stack(parts)`` is ``[world_size, *tensor.shape]``. Keep ``tensor`` alive until then."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    return dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), parts
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -1,19 +1,29 @@
-"""Forward and backward orchestration of one rank's context-parallel chunk KDA.
+"""Forward and backward orchestration of one rank's context-parallel chunk KDA: the rank's schedule.
 
-A rank's local segments split into the receiving prefix ``head`` (waits for states from rank - 1)
-and the rest; in backward into the sending suffix ``tail`` (waits for state gradients from
-rank + 1) and the rest. Work that does not wait runs before the exchange:
+The spans are the plan's (:class:`~kdacp.distributed.plan.RankLayout`): ``head`` (sequences begun on
+an earlier rank), ``tail`` (sequences continued on a later rank), ``after_head``, ``before_tail``.
+Each direction runs in critical-path order: what a peer waits for first, its message posted the
+moment it exists, then all work that needs no incoming message, and the blocking receive last.
 
-forward:  post receive -> prepare (gates, intra-chunk WY) -> [through rank: summary (S_ext, M)]
-          [else: state pass of the rest; its last final state is sent on at once] -> output of the
-          rest -> receive -> state pass + output of the head
-backward: post receive -> [through rank: local backward work of the tail and G]
-          [else: local work and gradient state pass of the rest; its head gradient is sent back at
-          once -> local work of the tail -> input gradients of the rest] -> receive -> gradient
-          state pass + input gradients of the tail
+forward:   begin (post the receive)
+           prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
+           through rank: summary(head) -> message (S_ext, M)
+           else: state_pass(after_head) -> message (the tail's final states)
+           send                                          p2p: to rank + 1; allgather: the gather starts
+           output(after_head)
+           receive (block) -> state_pass(head), output(head)
+backward:  begin
+           through rank: backward_local(tail), G(tail) -> message (G, M^T)
+           else: backward_local(before_tail), backward_states(before_tail) -> message (the head's
+                 initial-state gradients)
+           send
+           backward_local(tail), backward_inputs(before_tail)
+           receive (block) -> backward_states(tail), backward_inputs(tail)
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
-``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward).
+``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Every stage
+runs once per span, over all of the span's segments (one varlen launch set). The order is tested
+with a recording exchange in ``tests/distributed/test_schedule.py``.
 """
 from __future__ import annotations
 
@@ -53,10 +63,6 @@ class CPGrads(LocalGrads):
     dinitial_state: torch.Tensor | None
 
 
-def _span(layout: RankLayout, start: int, end: int) -> Span:
-    return Span(start, end, tuple(layout.cu_seqlens(start, end)) if end > start else (0,))
-
-
 def _routes(plan: CPPlan, layouts, state_shape, dtype, device) -> tuple[Route, Route]:
     """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1)."""
     P = plan.world_size
@@ -86,9 +92,9 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     exchange = make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    head, rest = _span(layout, 0, layout.head_end), _span(layout, layout.head_end, T)
+    head, rest = layout.head, layout.after_head
     segments = layout.segments
-    chunks = backend.prepare(inputs, _span(layout, 0, T))
+    chunks = backend.prepare(inputs, layout.whole)
     known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=device)
     if initial_state is not None:
         for i, seg in enumerate(segments[layout.num_receive:]):
@@ -151,12 +157,11 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange = make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    tail_start, head_end = layout.tail_start, layout.head_end
-    known, tail = _span(layout, 0, tail_start), _span(layout, tail_start, T)
+    known, tail = layout.before_tail, layout.tail
     n_known = len(segments) - layout.num_send
 
     def local_work(span: Span, initial: torch.Tensor):
-        kept = head_states if (span.start, span.end) == (0, head_end) else None
+        kept = head_states if span == layout.head else None
         return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
 
     message, known_local, tail_local, dinitial_known = None, None, None, None

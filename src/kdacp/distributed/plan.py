@@ -18,9 +18,10 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from ..backends.base import Span
 from ..validation import check_cu_seqlens
 
-__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "STRATEGIES"]
+__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "rank_layouts", "STRATEGIES"]
 
 STRATEGIES = ("p2p", "allgather")
 
@@ -42,10 +43,18 @@ class LocalSegment:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """One rank's local segments, in token order.
+    """One rank's local segments, in token order, and its named spans.
 
     Receiving segments form a prefix and sending segments a suffix (one of each with packed
-    sequences, all ``B`` with equal-length batch rows).
+    sequences, all ``B`` with equal-length batch rows). The spans are named by where they lie, so
+    each name means the same tokens forward and backward:
+
+    - ``head``: the segments begun on an earlier rank. Forward they wait for the incoming state;
+      backward their initial-state gradient is what the previous rank waits for.
+    - ``tail``: the segments continued on a later rank. Forward their final state is what the next
+      rank waits for; backward they wait for the incoming gradient.
+    - ``after_head`` (everything but the head) and ``before_tail`` (everything but the tail): the
+      work that needs no incoming message, forward and backward respectively.
     """
 
     segments: tuple[LocalSegment, ...]
@@ -70,12 +79,12 @@ class RankLayout:
 
     @property
     def head_end(self) -> int:
-        """End token of the receiving prefix (the part that waits for states from rank - 1)."""
+        """End token of the head."""
         return sum(s.end - s.start for s in self.segments if s.receives)
 
     @property
     def tail_start(self) -> int:
-        """First token of the sending suffix (the part that waits for gradients from rank + 1)."""
+        """First token of the tail."""
         return self.num_tokens - sum(s.end - s.start for s in self.segments if s.sends)
 
     def cu_seqlens(self, start: int, end: int) -> list[int]:
@@ -84,15 +93,56 @@ class RankLayout:
         cuts = [s.start for s in self.segments if start <= s.start < end] + [end]
         return [c - start for c in cuts]
 
+    def span(self, start: int, end: int) -> Span:
+        """The :class:`Span` of local tokens ``[start, end)`` (segment boundaries; empty if ``end <= start``)."""
+        return Span(start, end, tuple(self.cu_seqlens(start, end)) if end > start else (0,))
+
+    @cached_property
+    def whole(self) -> Span:
+        return self.span(0, self.num_tokens)
+
+    @cached_property
+    def head(self) -> Span:
+        return self.span(0, self.head_end)
+
+    @cached_property
+    def tail(self) -> Span:
+        return self.span(self.tail_start, self.num_tokens)
+
+    @cached_property
+    def after_head(self) -> Span:
+        return self.span(self.head_end, self.num_tokens)
+
+    @cached_property
+    def before_tail(self) -> Span:
+        return self.span(0, self.tail_start)
+
+
+def rank_layouts(cu_seqlens: tuple[int, ...] | None, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:
+    """Every rank's :class:`RankLayout` for tokens per rank ``lengths``: packed sequences
+    ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time."""
+    offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
+    layouts = []
+    for r, L in enumerate(lengths):
+        lo, hi = offsets[r], offsets[r + 1]
+        if cu_seqlens is None:
+            segs = [LocalSegment(b, b * L, (b + 1) * L, lo > 0, hi < offsets[-1]) for b in range(batch_size)]
+        else:
+            segs = [LocalSegment(n, max(bos, lo) - lo, min(eos, hi) - lo, bos < lo, eos > hi)
+                    for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])) if bos < hi and eos > lo]
+        layouts.append(RankLayout(tuple(segs)))
+    return tuple(layouts)
+
 
 @dataclass(frozen=True)
 class CPPlan:
-    """Partition of one batch over a process group (see :func:`build_cp_plan`).
+    """Partition of one batch over a process group (see :func:`build_cp_plan`); frozen and complete.
 
     ``cu_seqlens`` is the global packed layout (``None`` for ``batch_size`` equal-length rows);
-    ``local_lengths`` the tokens per rank (``None``: an equal split, read from the call).
+    ``local_lengths`` the tokens per rank and ``rank_layouts`` every rank's :class:`RankLayout`
+    (both ``None`` for an equal split read from the call: rows of ``T_local`` tokens on every rank).
     ``check_every_call``: run the cross-rank input check on every call instead of once per call
-    signature (``verified_calls`` holds the signatures already checked on every rank).
+    signature.
     """
 
     rank: int
@@ -103,7 +153,7 @@ class CPPlan:
     cu_seqlens: tuple[int, ...] | None
     local_lengths: tuple[int, ...] | None
     check_every_call: bool = False
-    verified_calls: set = field(default_factory=set, compare=False, repr=False)
+    rank_layouts: tuple[RankLayout, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -121,33 +171,11 @@ class CPPlan:
         return self.local_lengths if self.local_lengths is not None else (local_length,) * self.world_size
 
     def layouts(self, local_length: int) -> tuple[RankLayout, ...]:
-        """The :class:`RankLayout` of every rank."""
-        return _layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
-
-    def layout(self, local_length: int) -> RankLayout:
-        return self.layouts(local_length)[self.rank]
-
-
-_LAYOUT_CACHE: dict = {}
-
-
-def _layouts(cu_seqlens, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:
-    key = (cu_seqlens, batch_size, lengths)
-    if key not in _LAYOUT_CACHE:
-        offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
-        layouts = []
-        for r, L in enumerate(lengths):
-            lo, hi = offsets[r], offsets[r + 1]
-            if cu_seqlens is None:
-                segs = [LocalSegment(b, b * L, (b + 1) * L, lo > 0, hi < offsets[-1]) for b in range(batch_size)]
-            else:
-                segs = [LocalSegment(n, max(bos, lo) - lo, min(eos, hi) - lo, bos < lo, eos > hi)
-                        for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])) if bos < hi and eos > lo]
-            layouts.append(RankLayout(tuple(segs)))
-        if len(_LAYOUT_CACHE) > 256:  # plans are per batch; keep the cache from growing without bound
-            _LAYOUT_CACHE.clear()
-        _LAYOUT_CACHE[key] = tuple(layouts)
-    return _LAYOUT_CACHE[key]
+        """The :class:`RankLayout` of every rank (``local_length``: this rank's ``T_local``, read only
+        when the plan left the split open)."""
+        if self.rank_layouts is not None:
+            return self.rank_layouts
+        return rank_layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
 
 
 def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,
@@ -207,5 +235,7 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
             raise ValueError(f"cu_seqlens[-1]={cu[-1]} tokens do not split evenly over {world_size} ranks; "
                              "pass local_lengths")
         local_lengths = (cu[-1] // world_size,) * world_size
+    layouts = None if local_lengths is None else rank_layouts(cu, batch_size, local_lengths)
     return CPPlan(rank=rank, world_size=world_size, group=group, strategy=strategy, batch_size=batch_size,
-                  cu_seqlens=cu, local_lengths=local_lengths, check_every_call=bool(check_every_call))
+                  cu_seqlens=cu, local_lengths=local_lengths, check_every_call=bool(check_every_call),
+                  rank_layouts=layouts)

@@ -66,13 +66,15 @@ class Route:
 
 @dataclass
 class Pending:
-    """An exchange in flight: the posted receive, this rank's message, the sends to wait for."""
+    """An exchange in flight: the posted receive (or gather: ``gathered`` holds its parts), this
+    rank's message, the sends to wait for."""
 
     route: Route
     recv_buffer: torch.Tensor | None = None
     recv_work: object = None
     message: AffineMessage | None = None
     sends: list = field(default_factory=list)
+    gathered: list | None = None
 
     def finish_sends(self) -> None:
         comm.wait(self.sends)
@@ -124,18 +126,21 @@ class P2PExchange:
 
 
 class AllGatherExchange:
-    """One all-gather of every rank's message; each rank then folds the chain that ends at it."""
+    """One all-gather of every rank's message; each rank then folds the chain that ends at it.
+
+    The gather is posted by :meth:`send`, the moment this rank's message exists, and waited for in
+    :meth:`receive`: the collective then waits for each rank's summary, not for the local work that
+    each rank does between the two calls.
+    """
 
     def begin(self, route: Route) -> Pending:
         return Pending(route)
 
     def send(self, pending: Pending, message: AffineMessage | None) -> None:
+        route = pending.route
         pending.message = message
-
-    def receive(self, pending: Pending) -> torch.Tensor | None:
-        route, message = pending.route, pending.message
         if not any(route.emits):  # no sequence crosses a rank boundary (the same on every rank)
-            return None
+            return
         n, HV, K, V = route.shape
         with_transition = any(route.affine)
         buffer = torch.zeros(n, HV, K, V + (K if with_transition else 0), dtype=route.dtype, device=route.device)
@@ -143,7 +148,16 @@ class AllGatherExchange:
             buffer[..., :V] = message.offset
             if message.transition is not None:
                 buffer[..., V:] = message.transition
-        gathered = comm.all_gather(buffer, route.group)              # [P, n, HV, K, V (+K)]
+        pending.recv_buffer = buffer  # alive until the gather completes
+        pending.recv_work, pending.gathered = comm.post_all_gather(buffer, route.group)
+
+    def receive(self, pending: Pending) -> torch.Tensor | None:
+        route = pending.route
+        if pending.recv_work is None:
+            return None
+        V = route.shape[-1]
+        pending.recv_work.wait()
+        gathered = torch.stack(pending.gathered)                      # [P, n, HV, K, V (+K)]
         chain = []
         r = route.predecessor
         while r is not None:

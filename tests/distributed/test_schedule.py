@@ -1,0 +1,120 @@
+"""The order of one rank's work, forward and backward, against what the schedule claims.
+
+Each rank role runs in this process with a recording exchange (it records the calls and hands back
+zeros) and a recording backend (the torch backend, recording each stage and its span), so the
+order is seen without other ranks. The claims (``kdacp.distributed.orchestration``):
+
+- a rank posts its receive before any work, and its send before any work the receiver does not
+  need (outputs, input gradients, and everything on the span that itself waits);
+- it blocks (``receive``) only after all work that needs no incoming message.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdacp.backends.base import KDAInputs, KDAOptions
+from kdacp.backends.torch_backend import TorchBackend
+from kdacp.distributed import orchestration
+from kdacp.distributed.plan import CPPlan, rank_layouts
+from kdacp.distributed.strategies import Pending
+from tests.helpers import make_kda_inputs
+
+
+class RecordingExchange:
+    def __init__(self, log: list):
+        self.log = log
+
+    def begin(self, route):
+        self.log.append(("begin", None))
+        return Pending(route)
+
+    def send(self, pending, message):
+        pending.message = message
+        if message is not None and pending.route.successor is not None:
+            self.log.append(("send", None))
+
+    def receive(self, pending):
+        route = pending.route
+        if route.predecessor is None:
+            return None
+        self.log.append(("receive", None))
+        return torch.zeros(route.shape, dtype=route.dtype)
+
+
+class RecordingBackend:
+    def __init__(self, log: list):
+        self.inner, self.log = TorchBackend(KDAOptions(scale=0.25)), log
+        self.name, self.options = "recording", self.inner.options
+
+    def __getattr__(self, stage):
+        fn = getattr(self.inner, stage)
+
+        def call(*args, **kwargs):
+            spans = [a for a in args if hasattr(a, "cu_seqlens") and hasattr(a, "start")]
+            local_span = getattr(args[0], "span", None) if args else None
+            span = spans[0] if spans else local_span
+            if span is not None:  # the stages that do work on a span (not to_saved)
+                self.log.append((stage, (span.start, span.end)))
+            return fn(*args, **kwargs)
+        return call
+
+
+# (cu_seqlens, tokens per rank): a chain through a middle rank; packed documents cut at a rank edge
+LAYOUTS = [((0, 5, 100, 130), (40, 50, 40)), ((0, 30, 45, 60, 64), (32, 32))]
+
+
+def _run(rank: int, cu, lengths, monkeypatch):
+    log: list = []
+    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
+    layouts = rank_layouts(cu, 1, lengths)
+    plan = CPPlan(rank=rank, world_size=len(lengths), group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
+                  local_lengths=lengths, rank_layouts=layouts)
+    args = make_kda_inputs(1, lengths[rank], 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank)
+    backend = RecordingBackend(log)
+    fwd = orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+    forward_log = list(log)
+    log.clear()
+    do = torch.randn_like(fwd.o)
+    orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition, fwd.head_states, do,
+                              None, False, False)
+    return layouts[rank], forward_log, list(log)
+
+
+def _index(log, event) -> int | None:
+    return next((i for i, e in enumerate(log) if e[0] == event), None)
+
+
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
+    for rank in range(len(lengths)):
+        layout, log, _ = _run(rank, cu, lengths, monkeypatch)
+        head = (layout.head.start, layout.head.end)
+        assert log[0] == ("begin", None)
+        send, receive = _index(log, "send"), _index(log, "receive")
+        assert (send is not None) == (layout.num_send > 0) and (receive is not None) == (layout.num_receive > 0)
+        if send is not None:
+            # nothing the receiver does not need comes first: no output, nothing on the waiting head
+            assert all(stage != "output" and (span != head or layout.through) for stage, span in log[1:send]), log
+        if receive is not None:
+            # all independent work is done before blocking: after it, only the head's work
+            assert all(span == head for _, span in log[receive + 1:]), log
+            assert all(span != head or layout.through or stage == "prepare" for stage, span in log[1:receive]), log
+
+
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
+    for rank in range(len(lengths)):
+        layout, _, log = _run(rank, cu, lengths, monkeypatch)
+        tail = (layout.tail.start, layout.tail.end)
+        assert log[0] == ("begin", None)
+        send, receive = _index(log, "send"), _index(log, "receive")
+        # backward, gradients flow from the tail's successor to the head's predecessor
+        assert (send is not None) == (layout.num_receive > 0) and (receive is not None) == (layout.num_send > 0)
+        if send is not None:
+            assert all(stage != "backward_inputs" and (span != tail or layout.through)
+                       for stage, span in log[1:send]), log
+        if receive is not None:
+            assert all(span == tail for _, span in log[receive + 1:]), log
+            assert any(stage == "backward_local" and span == tail for stage, span in log[1:receive]), log
+            assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != tail), log
