@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 
 def _children(pid: int) -> list[int]:
@@ -200,3 +201,26 @@ def test_bench_layer_on_cpu_defaults_to_cpu_sizes(monkeypatch, tmp_path, capsys)
                       "cpu")]
     main(["bench", "--suite", "layer", "--device", "cpu", "--heads", "2", "--seq-lens", "64", "--out", str(tmp_path)])
     assert calls[-1][1] == dict(t_local=64, backend="torch", hidden=128, heads=2, head_dim=32, warmup=1, iters=3)
+
+
+def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):
+        calls.append((name, case))
+        return [dict(batch="docs7", label="x", ms=1.0, kdacp_cp_ratio=1.0)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    main(["bench", "--suite", "layer", "--device", "cpu", "--batches", "docs7,lognormal", "--out", str(tmp_path)])
+    assert calls[-1][1]["batches"] == ("docs7", "lognormal")
+    import kdacp.bench.harness
+    monkeypatch.setattr(kdacp.bench.harness, "run_context",
+                        lambda: dict(date="d", device="gpu", gpus=2, torch="t", triton="t", commit="c"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
+    main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
+          "--out", str(tmp_path)])
+    assert calls[-1] == ("cp", dict(t_locals=(1024,), trace_dir=str(tmp_path / "t")))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--suite", "cp", "--batches", "nope"])
+    assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err

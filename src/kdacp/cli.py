@@ -8,6 +8,7 @@ import sys
 import torch
 
 from .bench import SUITES
+from .bench.batches import BATCHES
 from .workers import WorkerError, launch, under_torchrun
 
 
@@ -19,6 +20,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _batches(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated batch names of :data:`kdacp.bench.batches.BATCHES`."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in BATCHES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(BATCHES)}, got {text!r}")
+    return names
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -129,12 +139,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.suite == "kernels":
         cases = [{"T": T} for T in (seq_lens or [16384])]
     elif args.suite == "cp":
-        cases = [{"t_locals": tuple(seq_lens or (8192, 16384, 32768))}]
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
+        if args.trace:
+            cases[0]["trace_dir"] = args.trace
     else:
         layer = {} if device == "cuda" else dict(_CPU_LAYER)
         given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
         layer.update({name: value for name, value in given.items() if value is not None})
         cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
+    if args.batches:
+        for case in cases:
+            case["batches"] = args.batches
     rows: list[dict] = []
     bar = tqdm(desc=f"bench {args.suite}", unit="row", file=sys.stderr)
     try:
@@ -192,8 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
     bench.add_argument("--suite", required=True, choices=SUITES)
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 8K,16K,32K; "
+                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 16K,32K; "
                             f"layer on CPU: {_CPU_T_LOCAL})")
+    bench.add_argument("--batches", type=_batches, default=None,
+                       help=f"cp/layer: comma-separated global batches from {', '.join(BATCHES)} (default: all)")
+    bench.add_argument("--trace", default=None, metavar="DIR",
+                       help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
+                            "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp/layer (default: all GPUs)")
