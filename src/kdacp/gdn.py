@@ -1,0 +1,70 @@
+"""Gated DeltaNet (GDN; Qwen3-Next, Qwen3.5) with FLA's names, on one device and context-parallel.
+
+GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` instead of
+``[B, T, HV, K]``. Both entry points check the GDN shapes, broadcast the gate over ``K``
+(:func:`kdacp.reference.gdn.scalar_gate_as_kda`, a view) and run the KDA machinery, so plans,
+strategies, backends and summaries are shared. The ``fla`` backend then runs FLA's KDA kernels on
+the broadcast gate (materialised as ``[T, HV, K]``); kernels that read the scalar gate are not
+written yet.
+"""
+from __future__ import annotations
+
+from .distributed.op import cp_chunk_kda
+from .ops import chunk_kda
+from .reference.gdn import scalar_gate_as_kda
+from .validation import check_tensor
+
+__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule"]
+
+
+def _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
+    """KDA's ``g``/``A_log``/``dt_bias`` arguments for GDN's, after checking GDN's shapes."""
+    for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
+        check_tensor(name, x, nd)
+    B, T, HV = v.shape[0], v.shape[1], v.shape[2]
+    if tuple(g.shape) != (B, T, HV):
+        raise ValueError(f"g must have shape [B, T, HV] = {(B, T, HV)} (one decay per value head and token), "
+                         f"got {tuple(g.shape)}")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log of shape [HV]")
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias)
+            if tuple(dt_bias.shape) != (HV,):
+                raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
+    g, dt_bias = scalar_gate_as_kda(g, q.shape[-1], dt_bias if use_gate_in_kernel else None)
+    return dict(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
+                dt_bias=dt_bias)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto"):
+    """Chunk GDN on one device, differentiable (FLA's ``chunk_gated_delta_rule`` arguments).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]`` (``HV % H == 0``); g ``[B, T, HV]``: natural-log
+            decay, or raw logits with ``use_gate_in_kernel`` (``-exp(A_log) * softplus(g + dt_bias)``,
+            ``A_log``, ``dt_bias`` ``[HV]``); beta ``[B, T, HV]``.
+        scale, initial_state ``[N, HV, K, V]``, output_final_state, use_qk_l2norm_in_kernel,
+            cu_seqlens, cu_seqlens_cpu, backend: as :func:`kdacp.chunk_kda`.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
+    """
+    kda = _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    return chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, **kda)
+
+
+def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                              backend="auto", cp=None):
+    """Chunk GDN over tokens split across ranks: :func:`chunk_gated_delta_rule`'s arguments for this
+    rank's tokens and a plan, as :func:`kdacp.cp_chunk_kda` (same contract for states, gradients and
+    errors). Call it on every rank."""
+    kda = _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    return cp_chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        backend=backend, cp=cp, **kda)
