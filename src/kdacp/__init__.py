@@ -2,19 +2,22 @@
 
 Entry points: :func:`chunk_kda` (one device), :func:`cp_chunk_kda` with :func:`build_cp_plan` and
 :func:`new_cp_group` (context-parallel over ``torch.distributed``), :class:`KimiDeltaAttention` (the
-layer, with :class:`KDAContextParallel`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
+layer, with :class:`KDAContextParallel`), the same for Gated DeltaNet (:func:`chunk_gated_delta_rule`,
+:func:`cp_chunk_gated_delta_rule`, :class:`GatedDeltaNet`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
 """
 from . import reference
 from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
 from .kernels import (apply_state_gradient_summary, apply_state_summary, compose_state_summaries,
                       state_gradient_summary, state_summary, transition)
-from .layers import KDAContextParallel, KimiDeltaAttention
+from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
+from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
 from .ops import chunk_kda
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPPlan", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary", "apply_state_summary",
-    "build_cp_plan", "chunk_kda", "compose_state_summaries", "cp_chunk_kda", "new_cp_group", "reference",
+    "CPPlan", "GatedDeltaNet", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
+    "apply_state_summary", "build_cp_plan", "chunk_gated_delta_rule", "chunk_kda", "compose_state_summaries",
+    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "new_cp_group", "reference",
     "state_gradient_summary", "state_summary", "transition",
 ]

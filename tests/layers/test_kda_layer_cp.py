@@ -1,4 +1,4 @@
-"""Context-parallel KDA layer on 2 and 4 gloo ranks against the single-process layer on the same
+"""Context-parallel KDA and GDN layers on 2 and 4 gloo ranks against the single-process layer on the same
 global batch: outputs, final states, input gradients and all-reduced parameter gradients (float64)."""
 from __future__ import annotations
 
@@ -7,31 +7,35 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+from kdacp.layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
 
 TOL = 1e-9
 
-# (mode, ulysses_size, H, HV, B, T per rank, cu_seqlens or None). Sequence starts at and just
-# after the shard boundaries exercise the convolution halo's masking.
+# (mode, ulysses_size, H, HV, B, T per rank, cu_seqlens or None[, layer]). Sequence starts at and
+# just after the shard boundaries exercise the convolution halo's masking.
 CASES_2 = [
     ("state", None, 2, 4, 2, 40, None),
     ("state", None, 2, 4, 1, 48, [0, 3, 47, 50, 96]),
     ("ulysses", None, 2, 4, 2, 40, None),
     ("ulysses", None, 2, 4, 1, 48, [0, 3, 47, 49, 96]),
+    ("state", None, 2, 4, 1, 48, [0, 3, 47, 50, 96], "gdn"),
+    ("ulysses", None, 2, 4, 2, 40, None, "gdn"),
 ]
 CASES_4 = [
     ("state", None, 2, 2, 1, 30, [0, 29, 31, 60, 120]),
     ("ulysses", None, 4, 4, 2, 24, None),
     ("hybrid", 2, 2, 4, 2, 24, None),
     ("hybrid", 2, 2, 4, 1, 30, [0, 29, 31, 58, 120]),
+    ("hybrid", 2, 2, 4, 1, 30, [0, 29, 31, 58, 120], "gdn"),
 ]
+LAYERS = {"kda": KimiDeltaAttention, "gdn": GatedDeltaNet}
 
 
-def _layer(H, HV, seed=0):
+def _layer(H, HV, seed=0, kind="kda"):
     torch.manual_seed(seed)
-    layer = KimiDeltaAttention(32, H, HV, head_k_dim=16, head_v_dim=16, conv_bias=True, backend="torch").double()
+    layer = LAYERS[kind](32, H, HV, head_k_dim=16, head_v_dim=16, conv_bias=True, backend="torch").double()
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -40,9 +44,9 @@ def _layer(H, HV, seed=0):
 
 def _single_process(case, world_size) -> dict:
     """The global batch, loss weights, and the single-process layer's outputs and gradients."""
-    mode, ulysses_size, H, HV, B, T_local, cu = case
+    mode, ulysses_size, H, HV, B, T_local, cu, *kind = case
     N = B if cu is None else len(cu) - 1
-    layer = _layer(H, HV)
+    layer = _layer(H, HV, kind=kind[0] if kind else "kda")
     torch.manual_seed(1)
     x = torch.randn(B, T_local * world_size, 32, dtype=torch.float64, requires_grad=True)
     h0 = (0.5 * torch.randn(N, HV, 16, 16, dtype=torch.float64)).requires_grad_()
@@ -54,9 +58,9 @@ def _single_process(case, world_size) -> dict:
 
 
 def _check_case(rank, world_size, case, ref):
-    mode, ulysses_size, H, HV, B, T_local, cu = case
+    mode, ulysses_size, H, HV, B, T_local, cu, *kind = case
     cu = None if cu is None else torch.tensor(cu)
-    layer = _layer(H, HV)
+    layer = _layer(H, HV, kind=kind[0] if kind else "kda")
     layer.cp = KDAContextParallel(mode, ulysses_size=ulysses_size)
     own = slice(rank * T_local, (rank + 1) * T_local)
     x = ref["x"][:, own].clone().requires_grad_()
@@ -66,7 +70,7 @@ def _check_case(rank, world_size, case, ref):
     loss_state = (S * ref["w_state"]).sum() if rank == world_size - 1 else 0.0
     ((y * ref["w"][:, own]).sum() + loss_state).backward()
 
-    where = f"{mode} (U={ulysses_size}, B={B}, packed={cu is not None}) rank {rank}"
+    where = f"{kind or 'kda'} {mode} (U={ulysses_size}, B={B}, packed={cu is not None}) rank {rank}"
     assert rel_err(y, ref["y"][:, own]) < TOL, f"output, {where}"
     assert rel_err(S, ref["S"]) < TOL, f"final state, {where}"
     assert rel_err(x.grad, ref["grads"]["dx"][:, own]) < TOL, f"dx, {where}"

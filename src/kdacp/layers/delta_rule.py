@@ -1,0 +1,127 @@
+"""What the gated delta-rule layers (KDA, GDN) share: projections, short convolutions with the
+context-parallel halo, the recurrence through the context-parallel hooks, gated RMSNorm, output.
+
+A subclass adds its gate's parameters and says how its gate reaches the recurrence
+(:meth:`DeltaRuleLayer._gate_logits`, :meth:`DeltaRuleLayer._gate_arguments`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..backends import resolve_backend
+from .context_parallel import SINGLE_DEVICE, KDAContextParallel
+from .norm import RMSNormGated
+from .short_conv import ShortConvolution
+
+__all__ = ["DeltaRuleLayer"]
+
+
+class DeltaRuleLayer(nn.Module):
+    """The shared skeleton. Per token::
+
+        q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))    # depthwise causal
+        beta    = sigmoid(W_b x)                                              # [HV], float32
+        o       = recurrence(l2norm(q), l2norm(k), v, gate(x), beta)          # [HV, V]
+        y       = W_o rmsnorm_gated(o, g_proj(x))
+
+    Args:
+        hidden_size, num_heads (``H``), num_v_heads (``HV``, a multiple of ``H``), head_k_dim (``K``),
+        head_v_dim (``V``), conv_size, conv_bias, norm_eps: as FLA's layers.
+        norm_activation: the output gate's activation (``"sigmoid"`` or ``"swish"``).
+        backend: ``"auto"``, ``"torch"`` or ``"fla"``; ``"fla"`` (``auto`` on CUDA with FLA installed)
+            also runs the short convolution and the norm as FLA's fused kernels.
+        cp: a :class:`KDAContextParallel`, or None for one device; may be set later.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None, head_k_dim: int, head_v_dim: int,
+                 conv_size: int, conv_bias: bool, norm_eps: float, norm_activation: str, backend: str,
+                 cp: KDAContextParallel | None, device=None, dtype=None):
+        super().__init__()
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
+        if conv_size < 1:
+            raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
+        self.backend = backend
+        key_dim, value_dim = num_heads * head_k_dim, num_v_heads * head_v_dim
+        f = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False, **f)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False, **f)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False, **f)
+        self.q_conv1d = ShortConvolution(key_dim, conv_size, bias=conv_bias, **f)
+        self.k_conv1d = ShortConvolution(key_dim, conv_size, bias=conv_bias, **f)
+        self.v_conv1d = ShortConvolution(value_dim, conv_size, bias=conv_bias, **f)
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False, **f)
+        self.o_norm = RMSNormGated(head_v_dim, eps=norm_eps, activation=norm_activation, **f)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False, **f)
+        self.cp = cp
+
+    @property
+    def cp(self) -> KDAContextParallel | None:
+        return self._cp
+
+    @cp.setter
+    def cp(self, cp: KDAContextParallel | None) -> None:
+        if cp is not None:
+            cp.validate_heads(self.num_heads, self.num_v_heads)
+        self._cp = cp
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's raw logits ``[B, T, C]``, head-major over value heads (``C = HV * c``)."""
+        raise NotImplementedError
+
+    def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        """The recurrence's gate arguments (``g``, ``A_log``, ``dt_bias``, ``lower_bound``, ``safe_gate``)
+        for ``gate [B, T', C']``: the logits of value heads ``v_heads`` (after ``to_heads``)."""
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+        """Run the layer on this rank's tokens.
+
+        Args:
+            hidden_states: ``[B, T, hidden_size]``; under ``cp``, this rank's time shard (equal
+                shards, in rank order) of the global batch.
+            cu_seqlens: ``[N+1]`` int64 offsets of a packed batch (``B == 1``), global under ``cp``.
+                Pass the same tensor to every layer of a step: it is read to the host once.
+            initial_state: ``[N, HV, K, V]`` per (global) sequence, same on every rank.
+            output_final_state: also return the final states.
+
+        Returns:
+            ``(y [B, T, hidden_size], final_state [N, HV, K, V] float32 or wider, or None)``; the
+            final states are on every rank.
+        """
+        cp = SINGLE_DEVICE if self.cp is None else self.cp
+        x = hidden_states
+        K, V, W = self.head_k_dim, self.head_v_dim, self.conv_size
+        # The recurrence's backend also picks the other parts: FLA's fused kernels with "fla".
+        fused = resolve_backend(cp.backend or self.backend, x.device) == "fla"
+        # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole
+        # sequences of its head shard and needs no halo inside the Ulysses group.
+        q, k, v, gate, beta = cp.to_heads([self.q_proj(x), self.k_proj(x), self.v_proj(x), self._gate_logits(x),
+                                           self.b_proj(x)])
+        # beta in float32 (or wider), as FLA's layers compute it inside their kernels
+        beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()
+        u, U = cp.head_shard()
+        heads = slice(u * self.num_heads // U, (u + 1) * self.num_heads // U)
+        v_heads = slice(u * self.num_v_heads // U, (u + 1) * self.num_v_heads // U)
+
+        conv = cp.conv_context(q.shape[1], cu_seqlens)
+        halos = conv.left_halos([q, k, v], W - 1)
+        where = dict(cu_seqlens=conv.cu_seqlens, cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
+        q = self.q_conv1d(q, halos[0], channels=slice(heads.start * K, heads.stop * K), **where)
+        k = self.k_conv1d(k, halos[1], channels=slice(heads.start * K, heads.stop * K), **where)
+        v = self.v_conv1d(v, halos[2], channels=slice(v_heads.start * V, v_heads.stop * V), **where)
+
+        o, final_state = cp.chunk_kda(
+            q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
+            cu_seqlens=cu_seqlens, backend=self.backend,
+            initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            **self._gate_arguments(gate, v_heads))
+        o, final_state = cp.to_sequence(o, final_state)
+        o = self.o_norm(o, self.g_proj(x).unflatten(-1, (-1, V)), fused=fused)
+        return self.o_proj(o.flatten(-2)), final_state

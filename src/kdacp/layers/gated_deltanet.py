@@ -1,0 +1,60 @@
+"""The Gated DeltaNet layer (Qwen3-Next, Qwen3.5), FLA-compatible, with optional context parallelism."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..reference.gdn import scalar_gate_as_kda
+from .context_parallel import KDAContextParallel
+from .delta_rule import DeltaRuleLayer
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(DeltaRuleLayer):
+    """GDN token mixer: the gated delta rule with one scalar decay per value head and token::
+
+        g = -exp(A_log) * softplus(W_a x + dt_bias)                             # [HV], natural log
+        y = W_o (rmsnorm(o) * weight * swish(W_g x))
+
+    (the rest as :class:`~kdacp.layers.delta_rule.DeltaRuleLayer`). Parameter names and shapes follow
+    FLA's ``fla.layers.GatedDeltaNet`` with ``use_gate=True`` (``head_k_dim`` is FLA's ``head_dim``,
+    ``head_v_dim`` its ``head_dim * expand_v``). The recurrence runs as KDA with the gate broadcast over
+    ``K`` (:mod:`kdacp.gdn`), so every context-parallel mode applies unchanged.
+
+    Args:
+        hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias, norm_eps,
+        backend, cp: as :class:`~kdacp.layers.KimiDeltaAttention` (defaults: Qwen3-Next's 16 q/k heads
+        and 32 value heads of 128 are ``num_heads=16, num_v_heads=32, head_k_dim=head_v_dim=128``).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
+                 head_v_dim: int = 128, conv_size: int = 4, conv_bias: bool = False, norm_eps: float = 1e-5,
+                 backend: str = "auto", cp: KDAContextParallel | None = None, device=None, dtype=None):
+        super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
+                         norm_eps, "swish", backend, cp, device=device, dtype=dtype)
+        HV = self.num_v_heads
+        f = {"device": device, "dtype": dtype}
+        self.a_proj = nn.Linear(hidden_size, HV, bias=False, **f)
+        # FLA's initialisation: A = U(0, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1].
+        self.A_log = nn.Parameter(torch.empty(HV, device=device, dtype=torch.float32).uniform_(0, 16).log())
+        dt = torch.exp(torch.rand(HV, device=device, dtype=torch.float32)
+                       * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.g_proj = nn.Linear(hidden_size, HV * head_v_dim, bias=False, **f)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
+                f"cp={self.cp}")
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a_proj(x)
+
+    def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        g, dt_bias = scalar_gate_as_kda(gate, self.head_k_dim, self.dt_bias[v_heads])
+        return dict(g=g, A_log=self.A_log[v_heads], dt_bias=dt_bias)
