@@ -7,8 +7,11 @@ import sys
 
 import torch
 
+from .backends import BACKENDS
 from .bench import SUITES
 from .bench.batches import BATCHES
+from .distributed.plan import STRATEGIES
+from .layers.context_parallel import MODES
 from .workers import WorkerError, launch, under_torchrun
 
 
@@ -179,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq-lens", type=_lengths, default=(600, 250, 900, 298),
                       help="comma-separated lengths of the packed batch; their sum must split equally over the "
                            "ranks (default: 600,250,900,298)")
-    demo.add_argument("--mode", default="state", choices=["state", "ulysses", "hybrid"],
+    demo.add_argument("--mode", default="state", choices=MODES,
                       help="state: time shards, state passed between ranks; ulysses: all-to-all to head shards; "
                            "hybrid: Ulysses in groups, state across them (default: %(default)s)")
     demo.add_argument("--ulysses-size", type=_positive_int, default=None,
@@ -188,9 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", type=_positive_int, default=None,
                       help="q/k heads per layer (value heads: twice as many), a multiple of the ranks that split "
                            "them in ulysses and hybrid modes (default: 2, or that many ranks if more)")
-    demo.add_argument("--strategy", default="p2p", choices=["p2p", "allgather"],
+    demo.add_argument("--strategy", default="p2p", choices=STRATEGIES,
                       help="how state passing exchanges states (default: %(default)s)")
-    demo.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"],
+    demo.add_argument("--backend", default="auto", choices=BACKENDS,
                       help="KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch "
                            "(default: %(default)s)")
     demo.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp/layer (default: all GPUs)")
-    bench.add_argument("--backend", default=None, choices=["torch", "fla"],
+    bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
                        help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
     bench.add_argument("--hidden", type=_positive_int, default=None,
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from .backends import resolve_backend
 from .distributed import new_cp_group
 from .layers import KDAContextParallel, KimiDeltaAttention
+from .layers.context_parallel import MODES
 from .workers import RankContext
 
 __all__ = ["DemoConfig", "DemoModel", "demo_config", "demo_worker", "MODES", "TOLERANCE"]
 
-MODES = ("state", "ulysses", "hybrid")
 
 # Largest relative error (norm-wise) accepted between the context-parallel and the one-process run.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}

@@ -16,7 +16,7 @@ import torch
 
 from .base import KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
-from .summaries import state_gradient_summary, state_summary
+from ..kernels import state_gradient_summary, state_summary
 
 __all__ = ["FlaBackend"]
 

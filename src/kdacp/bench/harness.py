@@ -80,6 +80,8 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if any(spec.x not in r for r in rows):
+        return False  # rows of another shape (an older or partial run): no plot, the table still stands
     if not spec.bars and len({r.get(spec.x) for r in rows}) < 2:
         return False  # a line needs two x values (e.g. "vs ranks" from a run at one world size)
     panels = list(dict.fromkeys(r.get(spec.panel) for r in rows)) if spec.panel else [None]

@@ -1,4 +1,7 @@
-"""Every raw ``torch.distributed`` call kdacp makes, in one place.
+"""The raw ``torch.distributed`` calls of the context-parallel op (``cp_chunk_kda``), in one place.
+
+The layers' differentiable exchanges (halo, all-to-all) are in :mod:`kdacp.layers.comm`; group and
+rank queries (``get_rank``, ``get_world_size``) are made where they are needed.
 
 Ranks are ranks of the plan's group; point-to-point calls translate them to global ranks.
 """

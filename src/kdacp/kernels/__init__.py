@@ -1,7 +1,8 @@
 """Triton kernels for the affine state summaries exchanged between context-parallel ranks.
 
 Launchers validate their inputs (raising ``TypeError``/``ValueError`` naming the argument) before any
-kernel runs; every summary is float32. See DESIGN.md section 1 for the math.
+kernel runs; every summary is float32. The math, and the plain-PyTorch version every kernel is tested
+against, are in :mod:`kdacp.reference.summary`.
 """
 from .compose import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .state_gradient import state_gradient_summary
