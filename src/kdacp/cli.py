@@ -8,6 +8,7 @@ import sys
 import torch
 
 from .bench import SUITES
+from .distributed.plan import STRATEGIES
 from .workers import WorkerError, launch, under_torchrun
 
 
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", type=_positive_int, default=None,
                       help="q/k heads per layer (value heads: twice as many), a multiple of the ranks that split "
                            "them in ulysses and hybrid modes (default: 2, or that many ranks if more)")
-    demo.add_argument("--strategy", default="p2p", choices=["p2p", "allgather"],
+    demo.add_argument("--strategy", default="p2p", choices=list(STRATEGIES),
                       help="how state passing exchanges states (default: %(default)s)")
     demo.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"],
                       help="KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch "
