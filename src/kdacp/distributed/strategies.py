@@ -4,7 +4,9 @@ is obtained from the other ranks' messages.
 Every rank that passes something on emits an :class:`AffineMessage` ``x_out = A x_in + b``:
 ``A`` is ``None`` where the rank knows its outgoing value outright (the first rank of a chain),
 and ``M`` (forward) or ``M^T`` (backward) on ranks strictly inside a chain. A strategy turns the
-messages into each rank's incoming value. Both directions use the same code on a :class:`Route`.
+messages into each rank's incoming value. Both directions use the same code on a :class:`Route`:
+``p2p`` (wavefront), ``allgather`` (one collective, local fold) and ``scan`` (segmented prefix scan
+in ``ceil(log2 P)`` rounds of point-to-point messages).
 """
 from __future__ import annotations
 
@@ -368,10 +370,13 @@ class ScanExchange:
     def send(self, pending: Pending, message: AffineMessage | None) -> None:
         pending.message = message
         route, schedule, position = pending.route, pending.schedule, pending.position
+        sends = schedule.sends(position)
+        if not sends:  # the last position, or a rank whose map nobody needs (it emits nothing)
+            return
         pending.own = own = _element(message, route.emits[route.rank], route.shape, route.device)
         constant = schedule.absolute[position]
         payload = None
-        for d, dst, is_open in schedule.sends(position):
+        for d, dst, is_open in sends:
             if constant or d == 0:  # I = f o E is f itself: f is constant, or E is still empty
                 if payload is None:
                     payload = _pack(own, is_open, route.dtype)
