@@ -23,7 +23,7 @@ from ..validation import check_cu_seqlens
 
 __all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "rank_layouts", "STRATEGIES"]
 
-STRATEGIES = ("p2p", "allgather")
+STRATEGIES = ("p2p", "allgather", "scan")
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,8 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
         batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
         group: the ``torch.distributed`` process group (default: the world); on NCCL prefer one
             from :func:`new_cp_group` (high-priority streams: see there why).
-        strategy: state exchange, ``"p2p"`` (wavefront) or ``"allgather"``.
+        strategy: state exchange, ``"p2p"`` (wavefront), ``"allgather"`` or ``"scan"`` (log-step
+            prefix scan: ``ceil(log2 P)`` rounds of point-to-point messages).
         check_every_call: ``cp_chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
             with one small all-gather, which ends in a host sync. By default it does so once per
             call signature: later calls whose own signature was already verified skip it, so a rank
