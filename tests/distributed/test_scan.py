@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kdacp.distributed.plan import STRATEGIES, _layouts
+from kdacp.distributed.plan import STRATEGIES, rank_layouts
 from kdacp.distributed.strategies import AffineMessage, ScanExchange, make_exchange, scan_schedule, simulate_scan
 from tests.distributed.test_cp_chunk_kda import _cases, _check_case
 from tests.multiprocess import run_ranks
@@ -223,7 +223,7 @@ def _route_patterns(P: int) -> set:
     patterns = set()
     for case in _scan_cases(P):
         if case["cu"] is not None and not case["uneven"]:
-            lays = _layouts(tuple(case["cu"]), 1, (case["cu"][-1] // P,) * P)
+            lays = rank_layouts(tuple(case["cu"]), 1, (case["cu"][-1] // P,) * P)
             patterns.add(tuple((lay.num_send, lay.through and lay.num_receive > 0) for lay in lays))
     return patterns
 

@@ -6,7 +6,8 @@ rank edges (:mod:`kdacp.bench.batches`). Kimi Linear's settings: gate in kernel 
 (the slowest rank's CUDA-event time per forward+backward step, warm):
 
 - ``one_gpu``: FLA ``chunk_kda`` on this rank's own tokens alone (its own ``cu_seqlens``);
-- ``kdacp_cp`` / ``kdacp_allgather``: ``cp_chunk_kda`` with the ``p2p`` / ``allgather`` strategy;
+- ``kdacp_cp`` / ``kdacp_allgather`` / ``kdacp_scan``: ``cp_chunk_kda`` with the ``p2p`` / ``allgather`` /
+  ``scan`` strategy;
 - ``fla_cp``: FLA's ``chunk_kda(..., cp_context=build_cp_context(...))``.
 
 Ratios are over ``one_gpu``; ``peak_ratio``: kdacp p2p's peak memory over one GPU's.
@@ -37,7 +38,7 @@ MULTI_RANK = True
 PLOTS = {"cp_ratio": PlotSpec(x="label", y="kdacp_cp_ratio", bars=True, title="kdacp p2p step / one-GPU step",
                               ylabel="ratio")}
 
-CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "fla_cp")
+CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "kdacp_scan", "fla_cp")
 # Kimi Linear's gate and norm settings
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
 
@@ -100,13 +101,14 @@ def run(t_locals=(16384, 32768), batches=BATCHES, heads: int = 32, head_dim: int
             x = make_inputs(T, heads, head_dim, seed=rank)
             do = torch.randn(1, T, heads, head_dim, device="cuda").bfloat16()
             plans = {s: build_cp_plan(cu if packed else None, batch_size=None if packed else 1, group=group,
-                                      strategy=s) for s in ("p2p", "allgather")}
+                                      strategy=s) for s in ("p2p", "allgather", "scan")}
             context = fla.build_cp_context(cu_seqlens=torch.tensor(cu, device="cuda"), group=group,
                                            cu_seqlens_cpu=torch.tensor(cu))
             runs = {
                 "one_gpu": lambda **a: fla.chunk_kda(**a, **OPTIONS, cu_seqlens=cu_own),
                 "kdacp_cp": lambda **a: cp_chunk_kda(**a, **OPTIONS, backend="fla", cp=plans["p2p"]),
                 "kdacp_allgather": lambda **a: cp_chunk_kda(**a, **OPTIONS, backend="fla", cp=plans["allgather"]),
+                "kdacp_scan": lambda **a: cp_chunk_kda(**a, **OPTIONS, backend="fla", cp=plans["scan"]),
                 "fla_cp": lambda **a: fla.chunk_kda(**a, **OPTIONS, cp_context=context),
             }
             fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}

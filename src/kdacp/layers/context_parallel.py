@@ -135,7 +135,8 @@ class KDAContextParallel(_SingleDevice):
         group: the context-parallel process group (default: the world); best one from
             :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
-        strategy: state-exchange strategy for ``cp_chunk_kda`` (``"p2p"``, ...).
+        strategy: state-exchange strategy for ``cp_chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
+            ``"p2p"``, ``"allgather"``, ``"scan"``).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
 
     Raises:
