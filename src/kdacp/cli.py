@@ -8,7 +8,7 @@ import sys
 import torch
 
 from .backends import BACKENDS
-from .bench import SUITES
+from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .distributed.plan import STRATEGIES
 from .layers.context_parallel import MODES
@@ -127,9 +127,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.harness import markdown_table, write_results
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if (device == "cuda" or args.suite != "layer") and not torch.cuda.is_available():
+    if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
-              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch runs without a GPU)",
+              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch and --suite virtual run "
+              "without a GPU)",
               file=sys.stderr)
         return 1
     if args.backend == "fla" and device != "cuda":
@@ -141,6 +142,8 @@ def _bench(args: argparse.Namespace) -> int:
     seq_lens = args.seq_lens
     if args.suite == "kernels":
         cases = [{"T": T} for T in (seq_lens or [16384])]
+    elif args.suite == "virtual":
+        cases = [{}]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
         if args.trace:

@@ -1,0 +1,106 @@
+"""Virtual ranks: the accuracy of each strategy's order of composition at 2 to 1024 ranks, on one device.
+
+One long sequence is cut into ``P`` equal segments, as ``P`` ranks would hold it. Each segment's
+affine summary ``(M, S_ext)`` is computed (:mod:`kdacp.reference.summary`, from the chunked
+intermediates of an unsplit-equivalent pass in the compute dtype) and rounded to the message dtype
+(float32), as ranks send it. Then every segment's incoming state is formed in each strategy's order
+of operations, with its rounding:
+
+- ``p2p``: hop by hop, ``x_{r+1} = M_r x_r + S_r`` in float64, rounded to float32 at every hop (the
+  message);
+- ``allgather``: each rank folds the whole chain before it in float64 from the float32 summaries;
+- ``scan``: the recursive-doubling rounds of :class:`~kdacp.distributed.strategies.ScanExchange`,
+  payloads rounded to float32 every round (:func:`~kdacp.distributed.strategies.simulate_scan`).
+
+Errors are against the incoming states of an unsplit float64 pass (``rel``: largest over segments of
+``||x - x_ref|| / ||x_ref||``), and for the outputs: each segment's output from its incoming state
+against the unsplit output. Measured here, on the device at hand; not a model.
+
+    kdacp bench --suite virtual
+"""
+from __future__ import annotations
+
+import torch
+
+from kdacp import reference
+from kdacp.distributed.strategies import AffineMessage, simulate_scan
+
+from .harness import PlotSpec
+
+PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_err", "scan_state_err"),
+                                   title="incoming-state error vs ranks (virtual)", ylabel="relative error")}
+STRATEGY_ORDERS = ("p2p", "allgather", "scan")
+
+
+def _inputs(T: int, HV: int, K: int, V: int, seed: int, device) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
+
+    # Kimi Linear's safe gate (decays in [exp(-5), 1)), L2-normalised q/k: the settings people train.
+    return dict(q=rnd(1, T, HV, K), k=rnd(1, T, HV, K), v=rnd(1, T, HV, V), g=rnd(1, T, HV, K),
+                beta=torch.sigmoid(rnd(1, T, HV)), A_log=0.5 * rnd(HV), dt_bias=0.5 * rnd(HV * K),
+                use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+
+
+def incoming_states(summaries: list[AffineMessage], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:
+    """The incoming state of segments ``1 .. P-1`` from the segments' summaries (``summaries[0]`` is
+    absolute: the first segment starts the sequence), in ``strategy``'s order, messages in ``wire``."""
+    P = len(summaries) + 1
+    if strategy == "p2p":
+        out, x = [], None
+        for m in summaries:
+            x = m.apply(x).to(wire)
+            out.append(x)
+        return out
+    if strategy == "allgather":
+        out = []
+        for r in range(1, P):
+            x = None
+            for m in summaries[:r]:
+                x = m.apply(x)
+            out.append(x.to(wire))
+        return out
+    if strategy == "scan":
+        emits, affine = (1,) * (P - 1) + (0,), (False,) + (True,) * (P - 2) + (False,)
+        got = simulate_scan(list(summaries) + [None], emits, affine, dtype=wire)
+        return [x.to(wire) for x in got[1:]]
+    raise ValueError(f"strategy must be one of {STRATEGY_ORDERS}, got {strategy!r}")
+
+
+def run(world_sizes=(2, 4, 8, 16, 64, 256, 1024), tokens_per_rank: int = 64, HV: int = 2, K: int = 16,
+        V: int = 16, seed: int = 0, device: str = "cpu", report=None) -> list[dict]:
+    """Rows ``P, T`` and per strategy ``<s>_state_err`` (incoming states) and ``<s>_output_err``.
+
+    ``tokens_per_rank`` is a multiple of the chunk size (64), so that rank edges are chunk edges and
+    the unsplit pass's per-chunk states are the true incoming states."""
+    if tokens_per_rank % 64:
+        raise ValueError(f"tokens_per_rank must be a multiple of the chunk size 64, got {tokens_per_rank}")
+    rows = []
+    for P in world_sizes:
+        T = P * tokens_per_rank
+        args = _inputs(T, HV, K, V, seed, device)
+        cu = torch.arange(0, T + 1, tokens_per_rank, device=device)
+        # Segment-local chunked intermediates and the summaries ranks would send (float32 on the wire).
+        inter = reference.chunk_kda_intermediates(**args, cu_seqlens=cu)
+        S, M = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, cu_seqlens=cu)
+        wire = torch.float32
+        msgs = [AffineMessage(S[0:1].to(wire))] + [AffineMessage(S[r:r + 1].to(wire), M[r:r + 1].to(wire))
+                                                    for r in range(1, P - 1)]
+        # The truth: one unsplit float64 pass, with its state at every segment edge.
+        whole = reference.chunk_kda_intermediates(**args)
+        o_ref, per_rank = whole.o, tokens_per_rank // 64
+        truth = [whole.h[0, r * per_rank][None] for r in range(1, P)]
+        row = dict(P=P, T=T)
+        for strategy in STRATEGY_ORDERS:
+            states = incoming_states(msgs, strategy, wire)
+            row[f"{strategy}_state_err"] = max(((x.double() - t).norm() / t.norm()).item()
+                                               for x, t in zip(states, truth))
+            h0 = torch.cat([torch.zeros_like(truth[0])] + [x.double() for x in states])
+            o, _ = reference.chunk_kda(**args, cu_seqlens=cu, initial_state=h0)
+            row[f"{strategy}_output_err"] = ((o - o_ref).norm() / o_ref.norm()).item()
+        rows.append(row)
+        if report is not None:
+            report(row)
+    return rows
