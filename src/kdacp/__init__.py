@@ -7,8 +7,8 @@ layer, with :class:`KDAContextParallel`), the same for Gated DeltaNet (:func:`ch
 """
 from . import reference
 from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
-from .kernels import (apply_state_gradient_summary, apply_state_summary, compose_state_summaries,
-                      state_gradient_summary, state_summary, transition)
+from .affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
+from .kernels import state_gradient_summary, state_summary, transition
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
 from .ops import chunk_kda
@@ -16,7 +16,7 @@ from .ops import chunk_kda
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPPlan", "GatedDeltaNet", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
+    "CPPlan", "GatedDeltaNet", "StateSummary", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
     "apply_state_summary", "build_cp_plan", "chunk_gated_delta_rule", "chunk_kda", "compose_state_summaries",
     "cp_chunk_gated_delta_rule", "cp_chunk_kda", "new_cp_group", "reference",
     "state_gradient_summary", "state_summary", "transition",

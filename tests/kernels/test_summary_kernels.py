@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from kdacp import affine
 from kdacp import kernels as kn
 from kdacp import reference as ref
 from tests.helpers import make_kda_inputs, rel_err
@@ -219,9 +220,9 @@ def test_compose_and_apply_match_reference_in_float32_under_autocast():
     dS_out = torch.randn(1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
     G1 = torch.randn(1, 2, 64, 64, device=DEVICE)
     with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
-        S, M = kn.compose_state_summaries(first, second)
-        out = kn.apply_state_summary(S, M, S_in.float())
-        dS_in = kn.apply_state_gradient_summary(G1, M, dS_out.float())
+        S, M = affine.compose_state_summaries(first, second)
+        out = affine.apply_state_summary(S, M, S_in.float())
+        dS_in = affine.apply_state_gradient_summary(G1, M, dS_out.float())
     assert S.dtype == M.dtype == out.dtype == dS_in.dtype == torch.float32
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     assert rel_err(out, ref.apply_state_summary(S_ref, M_ref, S_in)) < TOL

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ..affine import apply_state_summary, compose_state_summaries
 from . import comm
 
 __all__ = ["AffineMessage", "Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
@@ -32,9 +33,8 @@ class AffineMessage:
     def apply(self, x_in: torch.Tensor | None) -> torch.Tensor:
         if self.transition is None:
             return self.offset
-        # One small product per hop: done in float64 so that no TF32 setting can round the chain.
-        wide = torch.matmul(self.transition.double(), x_in.double()) + self.offset.double()
-        return wide.to(torch.promote_types(self.offset.dtype, x_in.dtype))
+        # one small product per hop, by the precision rule of kdacp.affine (float64)
+        return apply_state_summary(self.offset, self.transition, x_in)
 
 
 @dataclass(frozen=True)
@@ -198,10 +198,9 @@ def _compose(later: _Partial, earlier: _Partial) -> _Partial:
         return earlier
     if earlier.offset is None or later.transition is None:
         return later
-    offset = torch.matmul(later.transition, earlier.offset) + later.offset
     if earlier.transition is None:
-        return _Partial(offset)
-    return _Partial(offset, torch.matmul(later.transition, earlier.transition))
+        return _Partial(apply_state_summary(later.offset, later.transition, earlier.offset))
+    return _Partial(*compose_state_summaries((earlier.offset, earlier.transition), (later.offset, later.transition)))
 
 
 def _element(message: AffineMessage | None, emits: int, shape: tuple[int, ...], device) -> _Partial:

@@ -4,12 +4,8 @@ Launchers validate their inputs (raising ``TypeError``/``ValueError`` naming the
 kernel runs; every summary is float32. The math, and the plain-PyTorch version every kernel is tested
 against, are in :mod:`kdacp.reference.summary`.
 """
-from .compose import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition
 from .utils import SummaryConfig
 
-__all__ = [
-    "StateSummary", "SummaryConfig", "apply_state_gradient_summary", "apply_state_summary",
-    "compose_state_summaries", "state_gradient_summary", "state_summary", "transition",
-]
+__all__ = ["SummaryConfig", "state_gradient_summary", "state_summary", "transition"]

@@ -1,12 +1,9 @@
-"""Composition of affine state summaries: the fold kernel behind the launchers, and the small
-float32 apply/compose helpers used by the exchange.
+"""The fold kernel behind the summary launchers: sub-segment summaries composed on the GPU.
 
 A summary acts as ``S_out = M S_in + S_ext`` (forward) or ``dS_in = M^T dS_out + G`` (backward);
-``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``.
+``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``. The same algebra on the host is :mod:`kdacp.affine`.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -14,16 +11,7 @@ import triton.language as tl
 
 from .utils import F32_DOT
 
-__all__ = ["StateSummary", "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries",
-           "fold_summaries"]
-
-
-class StateSummary(NamedTuple):
-    """``S_out = M S_in + S_ext``: ``state`` is ``S_ext [N, HV, K, V]``, ``transition`` is ``M [N, HV, K, K]``
-    (float32; either may be ``None`` when not requested)."""
-
-    state: torch.Tensor | None
-    transition: torch.Tensor | None
+__all__ = ["fold_summaries"]
 
 
 @triton.jit
@@ -74,60 +62,3 @@ def fold_summaries(ws: torch.Tensor, seqs: torch.Tensor, num_seqs: int, a_cols: 
     _fold_kernel[grid](ws, seqs, ws if out_a is None else out_a, ws if out_t is None else out_t, HV, K=K,
                        NCOL=NCOL, TOFF=toff, BV=block_v, REVERSE=reverse, num_warps=4)
     return out_a, out_t
-
-
-class _Float32Math:
-    """Float32 math with autocast off; where matmuls may run in TF32, compute in float64 instead."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.autocast = torch.autocast(device_type=device.type, enabled=False)
-
-    def __enter__(self):
-        self.autocast.__enter__()
-        return torch.float64 if torch.get_float32_matmul_precision() != "highest" else torch.float32
-
-    def __exit__(self, *exc):
-        self.autocast.__exit__(*exc)
-
-
-def _check_pair(name_a, a, name_b, b, b_last):
-    for n, x in ((name_a, a), (name_b, b)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{n} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 2:
-            raise ValueError(f"{n} must have at least 2 dims [..., K, *], got shape {tuple(x.shape)}")
-    K = a.shape[-2]
-    if tuple(a.shape[-2:]) != (K, K):
-        raise ValueError(f"{name_a} must be square in its last two dims [..., K, K], got {tuple(a.shape)}")
-    if b.shape[-2] != K or (b_last is not None and b.shape[-1] != b_last):
-        raise ValueError(f"{name_b} must have shape [..., K={K}, *], got {tuple(b.shape)}")
-    if a.device != b.device:
-        raise ValueError(f"{name_b} is on {b.device} but {name_a} is on {a.device}")
-
-
-def apply_state_summary(S_ext: torch.Tensor, M: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:
-    """``M S_in + S_ext``: ``M [..., K, K]``, ``S_in, S_ext [..., K, V]`` -> float32 (also under autocast)."""
-    _check_pair("M", M, "S_in", S_in, None)
-    _check_pair("M", M, "S_ext", S_ext, S_in.shape[-1])
-    with _Float32Math(M.device) as dt:
-        return (M.to(dt) @ S_in.to(dt) + S_ext.to(dt)).float()
-
-
-def apply_state_gradient_summary(G: torch.Tensor, M: torch.Tensor, dS_out: torch.Tensor) -> torch.Tensor:
-    """``M^T dS_out + G``: ``M [..., K, K]``, ``dS_out, G [..., K, V]`` -> float32 (also under autocast)."""
-    _check_pair("M", M, "dS_out", dS_out, None)
-    _check_pair("M", M, "G", G, dS_out.shape[-1])
-    with _Float32Math(M.device) as dt:
-        return (M.to(dt).transpose(-1, -2) @ dS_out.to(dt) + G.to(dt)).float()
-
-
-def compose_state_summaries(first, second) -> StateSummary:
-    """Summary of ``first`` followed by ``second`` (each ``(S_ext, M)``): ``(M2 S1 + S2, M2 M1)``, float32."""
-    (S1, M1), (S2, M2) = first, second
-    _check_pair("second M", M2, "first M", M1, M2.shape[-1])
-    _check_pair("second M", M2, "first S_ext", S1, None)
-    _check_pair("second M", M2, "second S_ext", S2, S1.shape[-1])
-    with _Float32Math(M2.device) as dt:
-        M2w = M2.to(dt)
-        return StateSummary((M2w @ S1.to(dt) + S2.to(dt)).float(), (M2w @ M1.to(dt)).float())

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_summary_inputs
-from .compose import StateSummary, fold_summaries
+from ..affine import StateSummary
+from .compose import fold_summaries
 from .utils import (SummaryConfig, chunk_decay, dot_state, dot_state_left, initial_tile, launch_fitting_stages,
                     load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16,
                     store_tile)

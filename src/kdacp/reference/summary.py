@@ -9,26 +9,19 @@ respect to ``S_in`` when ``dS_out = 0``, from the explicit reverse recurrence::
 
 Inputs are the token-first intermediates of :mod:`.chunk` (``[B, T, HV, K]``); each sequence
 (a batch row, or a ``cu_seqlens`` segment) is chunked from its own first token. Results are
-``[N, HV, ...]`` in float32, or float64 for float64 inputs.
+``[N, HV, ...]`` in float32, or float64 for float64 inputs. The algebra itself (apply, compose) is
+:mod:`kdacp.affine`'s, re-exported here.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from ..affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .chunk import chunk_bounds
 from .gates import compute_dtype, sequence_bounds
 
 __all__ = ["StateSummary", "state_summary", "transition", "state_gradient_summary", "chunk_dv_local",
            "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]
-
-
-class StateSummary(NamedTuple):
-    """``S_out = M S_in + S_ext``: ``state`` is ``S_ext [N, HV, K, V]``, ``transition`` is ``M [N, HV, K, K]``."""
-
-    state: torch.Tensor
-    transition: torch.Tensor
 
 
 def _segments(x: torch.Tensor, cu_seqlens, chunk_size: int):
@@ -89,23 +82,3 @@ def chunk_dv_local(Aqk, do, scale, chunk_size=64, cu_seqlens=None) -> torch.Tens
         for s, e in chunks:
             out[b, s:e] = scale * torch.einsum("ihj,ihv->jhv", Aqk[b, s:e, :, : e - s], do[b, s:e])
     return out
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    return x.to(compute_dtype(x))
-
-
-def apply_state_summary(S_ext, M, S_in) -> torch.Tensor:
-    """``M S_in + S_ext`` (``[..., K, K] @ [..., K, V]``) in float32 or wider."""
-    return _wide(M) @ _wide(S_in) + _wide(S_ext)
-
-
-def apply_state_gradient_summary(G, M, dS_out) -> torch.Tensor:
-    """``M^T dS_out + G`` in float32 or wider."""
-    return _wide(M).transpose(-1, -2) @ _wide(dS_out) + _wide(G)
-
-
-def compose_state_summaries(first: StateSummary, second: StateSummary) -> StateSummary:
-    """Summary of ``first`` followed by ``second``: ``(M2 M1, M2 S1 + S2)``."""
-    (S1, M1), (S2, M2) = first, second
-    return StateSummary(_wide(M2) @ _wide(S1) + _wide(S2), _wide(M2) @ _wide(M1))
