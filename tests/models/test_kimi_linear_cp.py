@@ -25,7 +25,9 @@ TOL = 2e-5
 # first crosses 48, the third crosses 96, and the fourth starts exactly at 144.
 CU_SEQLENS = [0, 60, 67, 144, 192]
 VOCAB = 96
-MODES = {2: [("state", None), ("ulysses", None)], 4: [("state", None), ("hybrid", 2)]}
+# (KDA mode, Ulysses size, the model's attention implementation, which becomes the Ulysses one's inner)
+MODES = {2: [("state", None, "sdpa"), ("ulysses", None, "eager")],
+         4: [("state", None, "sdpa"), ("hybrid", 2, "eager")]}
 
 
 def _config(**overrides):
@@ -95,10 +97,12 @@ def _worker(rank, world_size, ref, results):
     from kdacp.layers import context_parallel
     from kdacp.models import kimi_linear
 
+    if world_size == 2:
+        _check_contract(rank, world_size)
     worst = {}
-    for mode, ulysses_size in MODES[world_size]:
+    for mode, ulysses_size, attention in MODES[world_size]:
         cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
-        model = _model()
+        model = _model(attn_implementation=attention)
         before = model.state_dict()
         assert kdacp.parallelize(model, cp) is model
         after = model.state_dict()
@@ -109,7 +113,7 @@ def _worker(rank, world_size, ref, results):
         errors = _errors(*_step(model, rank, world_size), ref)
         name, err = max(errors.items(), key=lambda kv: kv[1])
         assert err < TOL, f"{mode} on {world_size} ranks: {name} off by {err:.2e} (rank {rank})"
-        worst[mode] = (name, err)
+        worst[f"{mode}/{attention}"] = (name, err)
 
         if mode != "state":
             continue
@@ -118,6 +122,8 @@ def _worker(rank, world_size, ref, results):
             "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
             "state exchange": (context_parallel.KDAContextParallel, "chunk_kda", _local_chunk_kda),
             "MLA all-to-all": (kimi_linear, "all_to_all", lambda x, group: x),
+            "MLA documents": (kimi_linear, "document_causal_mask",
+                              lambda cu, T, device, real=kimi_linear.document_causal_mask: real(None, T, device)),
         }
         for what, (owner, attr, fake) in broken.items():
             real = getattr(owner, attr)
@@ -127,8 +133,47 @@ def _worker(rank, world_size, ref, results):
             finally:
                 setattr(owner, attr, real)
             assert max(errors.values()) > 100 * TOL, f"removing the {what} went unnoticed on {world_size} ranks"
+            worst[f"without {what}"] = max(errors.items(), key=lambda kv: kv[1])
     if rank == 0:
         results.update(worst)
+
+
+def _check_contract(rank, world_size):
+    """What parallelize and shard_batch promise besides the numbers: the state dict, and clear errors."""
+    import kdacp
+    cp = kdacp.KDAContextParallel("state")
+    model = _model()
+    before = {k: v for k, v in model.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters()}
+    kdacp.parallelize(model, cp)
+    after = model.state_dict()
+    assert list(after) == list(before), "parallelize changed the state dict's keys"
+    assert all(after[k].data_ptr() == v.data_ptr() and after[k].shape == v.shape for k, v in before.items())
+    assert all(p is params[n] for n, p in model.named_parameters()), "parallelize replaced a parameter"
+    with pytest.raises(ValueError, match="already parallelised"):
+        kdacp.parallelize(model, cp)
+    with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
+        kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=3), cp)
+    with pytest.raises(ValueError, match="num_heads % 2 == 0"):
+        kdacp.parallelize(_model(linear_num_heads=3), kdacp.KDAContextParallel("ulysses"))
+    paged = _model()
+    paged.config._attn_implementation = "paged|eager"  # (Kimi Linear refuses flex_attention itself)
+    with pytest.raises(ValueError, match="Ulysses attention wraps one of"):
+        kdacp.parallelize(paged, cp)
+    with pytest.raises(ValueError, match="split evenly over 2 ranks"):
+        kdacp.shard_batch(_tokens()[:, :-1])
+    # Documents from position_ids that restart at 0, as transformers' flattening collator marks them.
+    cu = torch.tensor(CU_SEQLENS)
+    explicit = kdacp.shard_batch(_tokens(), cu_seqlens=cu)
+    derived = kdacp.shard_batch(_tokens(), position_ids=kdacp.layers.sequence_positions(cu, 0, CU_SEQLENS[-1])[None])
+    assert torch.equal(derived.cu_seqlens, cu) and torch.equal(derived.labels, explicit.labels)
+    assert torch.equal(derived.position_ids, explicit.position_ids)
+    # Labels shifted over the whole batch: the last token of rank 0 learns rank 1's first token.
+    T = CU_SEQLENS[-1] // world_size
+    if rank == 0:
+        assert explicit.labels[0, -1] == _tokens()[0, T]
+    ends = [e - 1 - rank * T for e in CU_SEQLENS[1:] if rank * T < e <= (rank + 1) * T]
+    assert (explicit.labels[0, ends] == -100).all() and (explicit.labels != -100).sum() == T - len(ends)
 
 
 def _local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
@@ -147,5 +192,5 @@ def reference():
 def test_parallelize_matches_one_process(world_size, reference):
     results = torch.multiprocessing.Manager().dict()
     run_ranks(_worker, world_size, reference, results)
-    assert set(results) == {mode for mode, _ in MODES[world_size]}
+    assert {f"{mode}/{attention}" for mode, _, attention in MODES[world_size]} <= set(results)
     print({mode: f"{name}: {err:.1e}" for mode, (name, err) in results.items()})
