@@ -81,7 +81,9 @@ def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated
     """``KimiLinearDeltaAttention.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``,
     with kdacp's halo'd convolution and context-parallel recurrence; ``kwargs['cu_seq_lens_q']`` holds the
     global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
-    if cache is not None or kwargs.get("use_cache"):
+    # `cache` (transformers >= 5.24), `cache_params` / `past_key_values` (earlier 5.x)
+    if any(c is not None for c in (cache, kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None))) \
+            or kwargs.get("use_cache"):
         raise ValueError("kdacp.parallelize runs without a cache: pass use_cache=False (batch.model_kwargs() does)")
     if attention_mask is not None:
         raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
