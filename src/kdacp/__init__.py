@@ -4,6 +4,7 @@ Entry points: :func:`chunk_kda` (one device), :func:`cp_chunk_kda` with :func:`b
 :func:`new_cp_group` (context-parallel over ``torch.distributed``), :class:`KimiDeltaAttention` (the
 layer, with :class:`KDAContextParallel`), the same for Gated DeltaNet (:func:`chunk_gated_delta_rule`,
 :func:`cp_chunk_gated_delta_rule`, :class:`GatedDeltaNet`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
+Hugging Face models: :func:`parallelize` (Kimi Linear) with :func:`shard_batch` (see :mod:`kdacp.models`).
 """
 from . import reference
 from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
@@ -11,6 +12,7 @@ from .affine import StateSummary, apply_state_gradient_summary, apply_state_summ
 from .kernels import state_gradient_summary, state_summary, transition
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
+from .models import parallelize, shard_batch
 from .ops import chunk_kda
 
 __version__ = "0.1.0"
@@ -18,6 +20,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CPPlan", "GatedDeltaNet", "StateSummary", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
     "apply_state_summary", "build_cp_plan", "chunk_gated_delta_rule", "chunk_kda", "compose_state_summaries",
-    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "new_cp_group", "reference",
+    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "new_cp_group", "parallelize", "reference", "shard_batch",
     "state_gradient_summary", "state_summary", "transition",
 ]

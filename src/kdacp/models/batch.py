@@ -1,0 +1,141 @@
+"""A packed global batch cut into context-parallel shards, and the loss whose gradients add up over ranks.
+
+Model-independent: works for any causal LM whose context-parallel forward takes equal time shards in
+rank order (what :func:`kdacp.parallelize` expects).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..layers.short_conv import sequence_positions
+
+__all__ = ["ShardedBatch", "global_token_mean_loss", "shard_batch"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's share of a global batch.
+
+    Attributes:
+        input_ids: ``[B, T/P]`` this rank's tokens (shard ``rank`` of ``P`` equal time shards).
+        labels: ``[B, T/P]`` the *next* token of each of them, already shifted over the global batch
+            (a token at a rank's edge carries the first token of the next rank), ``-100`` at the last
+            token of every document; do not shift again.
+        position_ids: ``[B, T/P]`` global positions inside each document (restarting at 0 at each
+            document start), this rank's slice.
+        cu_seqlens: ``[N+1]`` int64 global document boundaries (None: ``B`` unpacked sequences). The
+            same tensor object must reach every layer of a step: the plans are built once per tensor.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions,
+        the global boundaries under flash-attention's names (``cu_seq_lens_q/k``, ``max_length_q/k``),
+        and ``use_cache=False``. No ``labels``: compute the loss with :func:`global_token_mean_loss`."""
+        kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False)
+        if self.cu_seqlens is not None:
+            longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+            kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=longest,
+                          max_length_k=longest)
+        return kwargs
+
+
+def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[N+1]`` boundaries where ``position_ids [1, T]`` restarts at 0 (how HF's packing collator marks documents)."""
+    starts = torch.nonzero(position_ids[0] == 0).flatten()
+    if starts.numel() == 0 or starts[0] != 0:
+        raise ValueError("position_ids of a packed batch must start each document at 0, the first at token 0")
+    return torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int64)
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, group=None) -> ShardedBatch:
+    """Cut a global batch into this rank's equal time shard, with next-token labels shifted globally.
+
+    Call it on every rank with the same global batch.
+
+    Args:
+        input_ids: ``[B, T]`` the global tokens; ``B == 1`` for a packed batch. ``T`` must split
+            evenly over the group's ``P`` ranks.
+        labels: ``[B, T]`` the target of each token *before* shifting (Hugging Face's convention:
+            ``labels = input_ids``, ``-100`` where no loss is wanted); default ``input_ids``.
+        position_ids: ``[B, T]`` global positions restarting at each document; default derived
+            from ``cu_seqlens`` (or ``arange(T)``). Without ``cu_seqlens``, a ``position_ids`` row with
+            restarts (``B == 1``) defines the documents, as Hugging Face's flattening collator does.
+        cu_seqlens: ``[N+1]`` global document boundaries (``0 ... T``), or None.
+        group: the context-parallel process group (default: the world).
+
+    Returns:
+        A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.
+
+    Raises:
+        ValueError: shapes that disagree, ``T % P != 0``, or boundaries that do not cover ``0 ... T``.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+    if cu_seqlens is None and position_ids is not None and B == 1 and bool((position_ids[0, 1:] == 0).any()):
+        cu_seqlens = _documents_from_positions(position_ids)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64, device=input_ids.device)
+        if B != 1:
+            raise ValueError(f"a packed batch (cu_seqlens given) needs B == 1, got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T or bool((cu_seqlens.diff() <= 0).any()):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu_seqlens.tolist()}")
+    if position_ids is None:
+        position_ids = (torch.arange(T, device=input_ids.device) if cu_seqlens is None
+                        else sequence_positions(cu_seqlens, 0, T)).expand(B, T)
+    elif position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(position_ids.shape)}")
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    if T % P:
+        raise ValueError(f"the global batch's T={T} tokens must split evenly over {P} ranks")
+
+    # Shift over the global batch, so the token at a rank's last place still learns the next rank's first.
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
+    own = slice(rank * (T // P), (rank + 1) * (T // P))
+    return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(),
+                        position_ids[:, own].contiguous(), cu_seqlens)
+
+
+def global_token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group=None,
+                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Cross-entropy averaged over every labelled token of the global batch, from this rank's shard.
+
+    Args:
+        logits: ``[B, T/P, vocab]`` this rank's logits.
+        labels: ``[B, T/P]`` their targets, already shifted (:attr:`ShardedBatch.labels`).
+        group: the context-parallel group (default: the world).
+        ignore_index: label of tokens without loss.
+
+    Returns:
+        A scalar whose value is the global token mean on every rank and whose gradient is this rank's
+        share ``sum_local CE / N_global``: summing (``all_reduce(SUM)``, not averaging) the parameter
+        gradients over the group gives the one-process gradient of the global mean.
+    """
+    local = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
+                            reduction="sum")
+    count = (labels != ignore_index).sum().to(torch.float64)
+    dist.all_reduce(count, group=group)
+    share = local / count.clamp(min=1).to(local.dtype)
+    total = share.detach().clone()
+    dist.all_reduce(total, group=group)
+    # The value of the global mean with the gradient of this rank's share only.
+    return share + (total - share.detach())
