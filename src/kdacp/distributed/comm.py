@@ -4,14 +4,23 @@ Ranks are ranks of the plan's group; point-to-point calls translate them to glob
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_group", "post_recv", "send", "wait", "all_gather", "all_reduce_sum", "all_gather_signatures"]
+__all__ = ["new_group", "group_timeout", "post_recv", "send", "wait", "all_gather", "all_reduce_sum", "all_gather_signatures"]
 
 
-def new_group(ranks=None):
+def new_group(ranks=None, timeout=None):
     """A new process group over global ``ranks`` (default: all), on the default group's backend.
+
+    ``timeout`` (a ``datetime.timedelta`` or seconds; default: the default group's timeout, as
+    given to ``init_process_group``) bounds how long a rank waits for a message or collective of
+    this group: when a peer fails mid-call, the other ranks raise after at most ``timeout``
+    instead of hanging (gloo raises on the waiting rank; NCCL's watchdog aborts the group). Note
+    that ``torch.distributed.new_group`` alone would use torch's global default (30 min gloo,
+    10 min NCCL), not the default group's.
 
     On NCCL its communication streams get high priority: a state message posted right after the
     kernel that computes it then starts at once instead of queueing behind the next large compute
@@ -19,11 +28,32 @@ def new_group(ranks=None):
     one-GPU time; ``benchmarks/RESULTS.md``). Collective: every rank of the default group calls
     it, in the same order.
     """
+    if timeout is None:
+        timeout = group_timeout()
+    elif not isinstance(timeout, timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a datetime.timedelta or a positive number of seconds, got {timeout!r}")
+        timeout = timedelta(seconds=float(timeout))
     backend = dist.get_backend()
     options = None
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    return dist.new_group(ranks, backend=backend, pg_options=options)
+    return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=options)
+
+
+def group_timeout(group=None) -> timedelta | None:
+    """The timeout ``group`` (default: the default group) was created with, or None if torch does
+    not expose it for its backend."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def _global_rank(group, rank: int) -> int:
@@ -58,8 +88,12 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor
 
 
-def all_gather_signatures(signature: list[int], group, device: torch.device) -> list[list[int]]:
+def all_gather_signatures(signature: list[int], group, device: torch.device,
+                          extra: torch.Tensor | None = None) -> list[list[int]]:
     """Every rank's small int64 ``signature``, gathered in one collective (on ``device``, which
-    must suit the group's backend: CUDA for NCCL)."""
+    must suit the group's backend: CUDA for NCCL). ``extra``: int64 values already on ``device``
+    appended to the row without a host sync (e.g. a non-finite flag computed there)."""
     local = torch.tensor(signature, dtype=torch.int64, device=device)
+    if extra is not None:
+        local = torch.cat([local, extra.to(device=device, dtype=torch.int64).reshape(-1)])
     return all_gather(local, group).tolist()
