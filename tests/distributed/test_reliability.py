@@ -387,21 +387,26 @@ def _layer_determinism(rank: int, P: int, modes) -> int:
 
 def _run(rank: int, P: int) -> None:
     import time
-    counts, start = {}, time.monotonic()
+    counts, times = {}, {}
+
+    def timed(key, fn, *args):
+        start = time.monotonic()
+        counts[key] = fn(rank, P, *args)
+        times[key] = round(time.monotonic() - start, 1)
+
     if P in (2, 3):
-        _check_finite_cp(rank, P)
-        counts["nan"] = _nan_containment(rank, P)
-    counts["tiny"] = _tiny_ranks(rank, P)
-    counts["one-token"] = _one_token_pieces(rank, P)
+        timed("check_finite", _check_finite_cp)
+        timed("nan", _nan_containment)
+    timed("tiny", _tiny_ranks)
+    timed("one-token", _one_token_pieces)
     if P == 2:
-        counts["layer determinism"] = _layer_determinism(rank, P, [("state", None), ("ulysses", None)])
-        counts["gates"] = _extreme_gates(rank, P)
-        counts["many sequences"] = _many_sequences(rank, P)
+        timed("layer determinism", _layer_determinism, [("state", None), ("ulysses", None)])
+        timed("gates", _extreme_gates)
+        timed("many sequences", _many_sequences)
     if P == 4:
-        counts["layer determinism"] = _layer_determinism(rank, P, [("state", None), ("ulysses", None),
-                                                                   ("hybrid", 2)])
+        timed("layer determinism", _layer_determinism, [("state", None), ("ulysses", None), ("hybrid", 2)])
     if rank == 0:
-        print(f"P={P}: {counts} in {time.monotonic() - start:.1f} s", flush=True)
+        print(f"P={P}: cases {counts}, seconds {times}", flush=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -60,14 +60,40 @@ def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _note(error: Exception, what: str) -> None:
+    """Say, in the traceback of a failed wait, what kdacp was waiting for and the likely cause."""
+    if hasattr(error, "add_note"):
+        error.add_note(f"kdacp: {what} did not complete; a peer rank probably failed (see the error raised "
+                       "there) or the group's timeout passed (kdacp.new_cp_group(timeout=...))")
+
+
+class _Work:
+    """A ``dist.Work`` whose ``wait`` failure names the peer (everything else is the work's own)."""
+
+    def __init__(self, work: dist.Work, what: str):
+        self._work, self._what = work, what
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as e:
+            _note(e, self._what)
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def post_recv(buffer: torch.Tensor, src: int, group) -> dist.Work:
     """Post a non-blocking receive into ``buffer`` from group rank ``src``."""
-    return dist.irecv(buffer, src=_global_rank(group, src), group=group)
+    return _Work(dist.irecv(buffer, src=_global_rank(group, src), group=group),
+                 f"the receive from group rank {src}")
 
 
 def send(tensor: torch.Tensor, dst: int, group) -> dist.Work:
     """Start a non-blocking send of ``tensor`` to group rank ``dst``; keep ``tensor`` alive until waited."""
-    return dist.isend(tensor.contiguous(), dst=_global_rank(group, dst), group=group)
+    return _Work(dist.isend(tensor.contiguous(), dst=_global_rank(group, dst), group=group),
+                 f"the send to group rank {dst}")
 
 
 def wait(works) -> None:
@@ -78,13 +104,21 @@ def wait(works) -> None:
 def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     """``[world_size, *tensor.shape]``: every rank's ``tensor``."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    try:
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+    except RuntimeError as e:
+        _note(e, "an all-gather over the context-parallel group")
+        raise
     return torch.stack(parts)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum of ``tensor`` over the group (in place, returned)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as e:
+        _note(e, "an all-reduce over the context-parallel group")
+        raise
     return tensor
 
 
