@@ -38,6 +38,8 @@ def new_group(ranks=None, timeout=None):
     options = None
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        if timeout is not None:
+            options._timeout = timeout  # else torch warns that the timeout argument overrides it
     return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=options)
 
 
