@@ -23,7 +23,7 @@ from kdacp import chunk_kda, reference
 from kdacp.distributed import STRATEGIES, build_cp_plan, cp_chunk_kda
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 from kdacp.validation import FINITE_CHECKED
-from tests.helpers import make_kda_inputs, rel_err
+from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 from tests.multiprocess import run_ranks
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
@@ -171,6 +171,16 @@ def _check_finite_cp(rank: int, P: int) -> None:
     o1, _ = cp_chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
     o2, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
     _same(o1, o2, "check_finite does not change the result")
+    # The flag rides in the cross-rank check's all-gather, which then runs on every call.
+    with count_signature_gathers() as gathers:
+        for _ in range(3):
+            cp_chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
+        cp_chunk_kda(**args, backend="torch", cp=plan)
+        assert len(gathers) == 3
+    # Ranks passing different check_finite are told on a plan's first call.
+    fresh = build_cp_plan(batch_size=1)
+    with pytest.raises(ValueError, match="disagree on check_finite"):
+        cp_chunk_kda(**args, backend="torch", cp=fresh, check_finite=rank == 0)
     dist.barrier()
 
 
