@@ -6,7 +6,7 @@ import torch
 from .backends import make_backend, resolve_backend
 from .backends.base import KDAInputs, KDAOptions, LocalBackend, Span, tensor_fields
 from .reference.gates import compute_dtype
-from .validation import check_kda_inputs
+from .validation import check_finite_inputs, check_kda_inputs
 
 __all__ = ["chunk_kda"]
 
@@ -46,7 +46,8 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-              lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto"):
+              lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
+              check_finite=False):
     """Chunk KDA on one device, differentiable.
 
     Args:
@@ -61,18 +62,29 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         cu_seqlens_cpu: the same boundaries on the host, as in FLA: with it, ``cu_seqlens`` is not
             read back from the device (no sync); it must hold the same values.
         backend: ``"auto"`` (FLA on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
+        check_finite: raise ``ValueError`` naming the argument (q, k, v, g, beta, initial_state, and
+            with ``use_gate_in_kernel`` A_log, dt_bias) that holds a NaN or Inf, before any kernel
+            runs. Costs one reduction per input and one host sync per call, so it is off by default.
+            When off, non-finite values are not looked for: a NaN in one sequence of a packed batch
+            reaches that sequence's outputs and gradients (and the shared A_log/dt_bias gradients),
+            no other sequence's.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
 
     Raises:
-        TypeError, ValueError: invalid inputs or an unknown backend; ImportError: ``"fla"`` unusable.
+        TypeError, ValueError: invalid inputs (with ``check_finite``, NaN or Inf) or an unknown backend;
+        ImportError: ``"fla"`` unusable.
     """
     if cu_seqlens_cpu is not None:
         cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
     dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                             lower_bound=lower_bound)
+    if check_finite:
+        check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                                 A_log=A_log if use_gate_in_kernel else None,
+                                 dt_bias=dt_bias if use_gate_in_kernel else None))
     name = resolve_backend(backend, q.device)
     options = KDAOptions(scale=dims.K ** -0.5 if scale is None else float(scale),
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),

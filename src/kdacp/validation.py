@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KDADims", "check_kda_inputs", "check_kda_dtypes", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
+__all__ = ["KDADims", "FINITE_CHECKED", "check_finite_inputs", "nonfinite_mask", "nonfinite_names", "check_kda_inputs", "check_kda_dtypes", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,34 @@ def check_kda_inputs(
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     return KDADims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
+
+
+# The arguments ``check_finite=True`` inspects, in the bit order of :func:`nonfinite_mask`.
+FINITE_CHECKED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def nonfinite_mask(tensors: dict) -> torch.Tensor:
+    """An int64 scalar on the inputs' device, bit ``i`` set when ``tensors[FINITE_CHECKED[i]]`` holds
+    a NaN or Inf (absent or None entries count as finite). Computed on the device: no host sync."""
+    mask = None
+    for i, name in enumerate(FINITE_CHECKED):
+        x = tensors.get(name)
+        if x is None:
+            continue
+        bit = (~torch.isfinite(x.detach())).any().to(torch.int64) << i
+        mask = bit if mask is None else mask | bit.to(mask.device)
+    return torch.zeros((), dtype=torch.int64) if mask is None else mask
+
+
+def nonfinite_names(mask: int) -> list[str]:
+    """The argument names whose bits are set in a :func:`nonfinite_mask` value."""
+    return [name for i, name in enumerate(FINITE_CHECKED) if mask >> i & 1]
+
+
+def check_finite_inputs(tensors: dict, where: str = "chunk_kda") -> None:
+    """Raise ``ValueError`` naming every argument of ``tensors`` (names from :data:`FINITE_CHECKED`)
+    that holds a NaN or Inf. Costs one host sync (it reads one flag back from the device)."""
+    bad = nonfinite_names(int(nonfinite_mask(tensors).item()))
+    if bad:
+        raise ValueError(f"{where}: {', '.join(bad)} hold{'s' if len(bad) == 1 else ''} NaN or Inf "
+                         f"(check_finite=True)")

@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor
+from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfinite_mask, nonfinite_names
 from . import comm
 from .plan import CPPlan
 
@@ -38,7 +38,7 @@ _OTHER = len(_DTYPES)  # the code of any other dtype
 # Fields every rank must agree on, in signature order (after the leading "ok" flag).
 _FIELDS = ("plan", "B", "T_local (equal split)", "H", "HV", "K", "V", "q/k dtype", "v dtype", "g dtype",
            "beta dtype", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-           "A_log", "dt_bias", "lower_bound", "safe_gate", "scale", "backend")
+           "A_log", "dt_bias", "lower_bound", "safe_gate", "scale", "backend", "check_finite")
 
 
 def _float_bits(x) -> int:
@@ -97,13 +97,17 @@ def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kern
 
 def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                  backend: str, resolve_backend) -> str:
+                  backend: str, resolve_backend, check_finite: bool = False) -> str:
     """Validate one ``cp_chunk_kda`` call on every rank; return the resolved backend name.
 
     ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
+    ``check_finite``: also raise (on every rank) when any rank's q, k, v, g, beta, initial_state,
+    A_log or dt_bias holds a NaN or Inf; the flag travels in the same all-gather, which then runs
+    on every call.
 
     Raises:
-        ValueError (on every rank): a rank rejected its inputs, or the ranks disagree.
+        ValueError (on every rank): a rank rejected its inputs, the ranks disagree, or (with
+            ``check_finite``) a rank's inputs hold NaN or Inf (the message names rank and argument).
         TypeError (on every rank): the ranks agree on dtypes that :func:`check_kda_dtypes` rejects.
     """
     if not isinstance(plan, CPPlan):
@@ -120,12 +124,17 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     signature = [int(ok), plan.signature, *sizes, _dtype_code(q, k), _dtype_code(v), _dtype_code(g), _dtype_code(beta),
                  _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
                  int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
-                 int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode())]
-    if ok and not plan.check_every_call and tuple(signature) in _verified(plan):
+                 int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode()), int(bool(check_finite))]
+    if ok and not check_finite and not plan.check_every_call and tuple(signature) in _verified(plan):
         return name  # every rank agreed on this signature before: no collective, no host sync
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
         else torch.device("cpu")
-    rows = comm.all_gather_signatures(signature, plan.group, device)
+    finite = torch.zeros((), dtype=torch.int64)  # always sent, so rows have one length whatever the ranks pass
+    if check_finite and ok:  # a flag computed on the device, read back with the signatures (no extra sync)
+        finite = nonfinite_mask(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                                     A_log=A_log if use_gate_in_kernel else None,
+                                     dt_bias=dt_bias if use_gate_in_kernel else None))
+    rows = comm.all_gather_signatures(signature, plan.group, device, finite)
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(rows) if not row[0]]
@@ -139,5 +148,11 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
             raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "
                              "pass the same plan, shapes (except T_local), dtypes and options")
     check_kda_dtypes(q, k, v, g, beta)
+    if check_finite:
+        bad = [(r, nonfinite_names(row[-1])) for r, row in enumerate(rows) if row[-1]]
+        if bad:
+            where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in bad)
+            raise ValueError(f"cp_chunk_kda: NaN or Inf in the inputs ({where}) (check_finite=True); every rank "
+                             "stops here instead of waiting")
     _verified(plan).add(tuple(signature))
     return name

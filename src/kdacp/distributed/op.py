@@ -53,7 +53,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
 
 def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                 lower_bound=None, safe_gate=False, backend="auto", cp=None):
+                 lower_bound=None, safe_gate=False, backend="auto", cp=None, check_finite=False):
     """Chunk KDA over tokens split across the ranks of ``cp.group``; call it on every rank.
 
     Args:
@@ -70,21 +70,28 @@ def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_
             (sum them over the group, as for any parameter under context parallelism).
         backend: ``"auto"``, ``"torch"`` or ``"fla"`` (see :mod:`kdacp.backends`).
         cp: the :class:`CPPlan` of this batch (:func:`build_cp_plan`).
+        check_finite: raise ``ValueError`` on every rank, before any kernel runs, when any rank's
+            q, k, v, g, beta, initial_state (or, with ``use_gate_in_kernel``, A_log, dt_bias) holds a
+            NaN or Inf; the message names the rank(s) and argument(s). Costs one reduction per input,
+            one small all-gather and one host sync per call (the flag rides in the cross-rank check's
+            all-gather, which then runs on every call); pass the same value on every rank. Off by
+            default: then a NaN in one sequence of a packed batch reaches that sequence's outputs
+            and gradients (and the shared A_log/dt_bias gradients), no other sequence's.
 
     Returns:
         ``(o [B, T_local, HV, V] in v's dtype, final_state [N, HV, K, V] or None)``; states are
         float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: on every rank, when any rank's inputs are invalid or the ranks disagree on the
-            plan, shapes, dtypes or options (the rank whose input is wrong raises its own
-            ``TypeError``/``ValueError``, naming the argument).
+        ValueError: on every rank, when any rank's inputs are invalid (with ``check_finite``, hold NaN
+            or Inf) or the ranks disagree on the plan, shapes, dtypes or options (the rank whose
+            input is wrong raises its own ``TypeError``/``ValueError``, naming the argument).
     """
     name = check_cp_call(cp, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                          use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                          lower_bound=lower_bound, safe_gate=safe_gate, backend=backend,
-                         resolve_backend=resolve_backend)
+                         resolve_backend=resolve_backend, check_finite=check_finite)
     B, T_local, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
