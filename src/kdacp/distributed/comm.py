@@ -122,7 +122,8 @@ def post_all_gather(tensor: torch.Tensor, group):
     """Start a non-blocking all-gather of ``tensor``; returns ``(work, parts)``: after ``work.wait()``,
     ``torch.stack(parts)`` is ``[world_size, *tensor.shape]``. Keep ``tensor`` alive until then."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    return dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), parts
+    work = dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True)
+    return _Work(work, "an all-gather over the context-parallel group"), parts
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
