@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .backends import make_backend, resolve_backend
-from .backends.base import KDAInputs, KDAOptions, LocalBackend, Span, tensor_fields
+from .backends import resolve_backend
+from .backends.base import KDAInputs, LocalBackend, Span, tensor_fields
+from .backends.call import input_dtypes, input_gradients, prepare_call
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
 
@@ -28,7 +29,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         saved = backend.to_saved(chunks)
         ctx.backend, ctx.span, ctx.saved_type = backend, span, type(saved)
         ctx.has_initial_state = initial_state is not None
-        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
+        ctx.input_dtypes = input_dtypes(KDAInputs(q, k, v, g, beta, A_log, dt_bias))
         ctx.save_for_backward(h0, *tensor_fields(saved))
         return o, states.final_state
 
@@ -38,10 +39,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         # Like FLA, the state pass is recomputed rather than kept (memory).
         local = ctx.backend.backward_local(ctx.saved_type(*saved), ctx.span, do.contiguous(), h0)
         dh0 = ctx.backend.backward_states(local, dht)
-        grads = ctx.backend.backward_inputs(local)
-        out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
-        cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))
-        return (None, None, None, *cast, dh0 if ctx.has_initial_state else None)
+        grads = input_gradients(ctx.backend.backward_inputs(local), ctx.input_dtypes)
+        return (None, None, None, *grads, dh0 if ctx.has_initial_state else None)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -85,16 +84,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                                  A_log=A_log if use_gate_in_kernel else None,
                                  dt_bias=dt_bias if use_gate_in_kernel else None))
-    name = resolve_backend(backend, q.device)
-    options = KDAOptions(scale=dims.K ** -0.5 if scale is None else float(scale),
-                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-                         use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
-                         safe_gate=bool(safe_gate))
+    call = prepare_call(resolve_backend(backend, q.device), q, k, v, g, beta, scale=scale,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=safe_gate)
     B, T = dims.B, dims.T
     cu = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
-    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    o, final_state = ChunkKDAFunction.apply(make_backend(name, options), Span(0, B * T, tuple(cu)),
-                                            bool(output_final_state), *packed, A_log, dt_bias, initial_state)
-    return o.view(B, T, dims.HV, dims.V), final_state
+    o, final_state = ChunkKDAFunction.apply(call.backend, Span(0, B * T, tuple(cu)), bool(output_final_state),
+                                            *vars(call.inputs).values(), initial_state)
+    return call.unpack(o), final_state

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import make_backend, resolve_backend
-from ..backends.base import KDAInputs, KDAOptions, LocalBackend, LocalStates, tensor_fields
+from ..backends import resolve_backend
+from ..backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
+from ..backends.call import input_dtypes, input_gradients, prepare_call
 from ..reference.gates import compute_dtype
 from .checks import check_cp_call
 from .orchestration import cp_backward, cp_forward
@@ -36,7 +37,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         ctx.call, ctx.saved_type = call, type(result.saved)
         kept = result.head_states or LocalStates(None)
         ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new, *tensor_fields(result.saved))
-        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, g, beta, A_log, dt_bias))
+        ctx.input_dtypes = input_dtypes(inputs)
         return result.o, result.final_state
 
     @staticmethod
@@ -46,9 +47,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
         head_states = None if h is None else LocalStates(None, h, v_new)
         grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition, head_states,
                             do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
-        out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
-        cast = tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, ctx.input_dtypes))
-        return (None, *cast, grads.dinitial_state)
+        return (None, *input_gradients(grads, ctx.input_dtypes), grads.dinitial_state)
 
 
 def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -92,16 +91,9 @@ def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_
                          use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                          lower_bound=lower_bound, safe_gate=safe_gate, backend=backend,
                          resolve_backend=resolve_backend, check_finite=check_finite)
-    B, T_local, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
-                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-                         use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
-                         safe_gate=bool(safe_gate))
-    call = _Call(cp, make_backend(name, options), bool(output_final_state), initial_state is not None,
-                 compute_dtype(q))
-    packed = [x.reshape(1, B * T_local, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    o, final_state = CPChunkKDAFunction.apply(call, *packed, A_log, dt_bias, initial_state)
-    return o.view(B, T_local, HV, V), final_state
+    prepared = prepare_call(name, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound, safe_gate=safe_gate)
+    call = _Call(cp, prepared.backend, bool(output_final_state), initial_state is not None, compute_dtype(q))
+    o, final_state = CPChunkKDAFunction.apply(call, *vars(prepared.inputs).values(), initial_state)
+    return prepared.unpack(o), final_state

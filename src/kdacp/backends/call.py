@@ -1,0 +1,57 @@
+"""One call's preparation, shared by the single-device op (``kdacp.chunk_kda``) and the
+context-parallel one (``kdacp.cp_chunk_kda``): options, the backend instance, the inputs packed into
+one row, and the casting of the gradients back to the inputs' dtypes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import make_backend
+from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
+
+__all__ = ["PreparedCall", "prepare_call", "input_dtypes", "input_gradients"]
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """``backend`` (holding the call's :class:`KDAOptions`), ``inputs``: q, k, v, g, beta packed into one
+    row ``[1, B*T, ...]`` (views) with ``A_log``/``dt_bias`` only with the gate in kernel, and the
+    ``B, T, HV, V`` the output is shaped back with."""
+
+    backend: LocalBackend
+    inputs: KDAInputs
+    B: int
+    T: int
+    HV: int
+    V: int
+
+    def unpack(self, o: torch.Tensor) -> torch.Tensor:
+        """``o [1, B*T, HV, V]`` -> ``[B, T, HV, V]``."""
+        return o.view(self.B, self.T, self.HV, self.V)
+
+
+def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                 A_log, dt_bias, lower_bound, safe_gate) -> PreparedCall:
+    """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved)."""
+    B, T, _, K = q.shape
+    options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
+                         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                         use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
+                         safe_gate=bool(safe_gate))
+    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    return PreparedCall(make_backend(backend_name, options), KDAInputs(*packed, A_log, dt_bias), B, T, v.shape[2],
+                        v.shape[3])
+
+
+def input_dtypes(inputs: KDAInputs) -> tuple:
+    """The dtypes of q, k, v, g, beta, A_log, dt_bias (None where absent), for :func:`input_gradients`."""
+    return tuple(None if t is None else t.dtype for t in vars(inputs).values())
+
+
+def input_gradients(grads: LocalGrads, dtypes: tuple) -> tuple:
+    """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` in the inputs' ``dtypes`` (None where an input was None)."""
+    out = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias)
+    return tuple(None if d is None or t is None else d.to(t) for d, t in zip(out, dtypes))
