@@ -1,0 +1,54 @@
+"""Shipped FLA kernel configurations: the export from a Triton autotune cache, the files shipped, and
+when kdacp points FLA at them."""
+import hashlib
+import json
+
+from kdacp.tuning import SHIPPED_CONFIGS, export_fla_configs, fla_key_hash, gpu_dir_name, use_shipped_configs
+
+
+def _config(bt, warps):
+    return {"kwargs": {"BT": bt}, "num_warps": warps, "num_ctas": 1, "num_stages": 3, "maxnreg": None,
+            "pre_hook": None, "ir_override": None}
+
+
+def test_export_picks_the_fastest_config_per_key(tmp_path):
+    cache = tmp_path / "triton"
+    for h, key, timings in (("A", [128, True, "torch.bfloat16"], [[_config(16, 4), [2.0, 2.2]], [_config(32, 8), [1.0, 1.1]]]),
+                            ("B", [64, False, "torch.float32"], [[_config(64, 4), [0.5]]])):
+        (cache / h).mkdir(parents=True)
+        (cache / h / "my_kernel.autotune.json").write_text(json.dumps({"key": key, "configs_timings": timings}))
+    (cache / "C").mkdir()
+    (cache / "C" / "other_kernel.autotune.json").write_text(json.dumps({"key": [1], "configs_timings": [[_config(1, 1), [1.0]]]}))
+    out = tmp_path / "out"
+    paths = export_fla_configs(cache, out, kernels={"my_kernel"}, triton_version="3.6.0")
+    assert [p.name for p in paths] == ["my_kernel.json"]
+    data = json.loads(paths[0].read_text())
+    assert data["kernel_name"] == "my_kernel" and data["triton_version"] == "3.6.0"
+    entry = data["autotune_entries"][fla_key_hash([128, True, "torch.bfloat16"])]
+    assert entry["config"]["kwargs"] == {"BT": 32} and entry["config"]["num_warps"] == 8
+    assert len(data["autotune_entries"]) == 2
+    # FLA files an entry under md5 of its key as compact, key-sorted JSON (fla.ops.utils.cache.AutotuneKey)
+    assert fla_key_hash([128, True, "torch.bfloat16"]) == hashlib.md5(b'[128,true,"torch.bfloat16"]').hexdigest()
+
+
+def test_shipped_files_are_consistent():
+    files = sorted((SHIPPED_CONFIGS / "NVIDIA_H200").glob("*.json"))
+    assert len(files) >= 10
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["kernel_name"] == path.stem and data["autotune_entries"]
+        for h, entry in data["autotune_entries"].items():
+            assert fla_key_hash(entry["autotune_key"]) == h, path.name
+            assert {"kwargs", "num_warps", "num_stages", "num_ctas"} <= entry["config"].keys(), path.name
+
+
+def test_use_shipped_configs_never_overrides_the_user():
+    env = {}
+    assert use_shipped_configs("NVIDIA H200", env) == SHIPPED_CONFIGS / "NVIDIA_H200"
+    assert env == {"FLA_CONFIG_DIR": str(SHIPPED_CONFIGS / "NVIDIA_H200"), "FLA_CACHE_MODE": "strict"}
+    for user in ({"FLA_CACHE_MODE": "disabled"}, {"FLA_CONFIG_DIR": "/mine"}):
+        env = dict(user)
+        assert use_shipped_configs("NVIDIA H200", env) is None and env == user
+    env = {}
+    assert use_shipped_configs("Some Other GPU", env) is None and env == {}
+    assert use_shipped_configs(None, env) is None and gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
