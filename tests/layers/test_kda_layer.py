@@ -173,3 +173,14 @@ def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
     y3 = layer(x, cu_seqlens=cu)[0]
     assert built == [(0, 5, 40), (0, 5, 40), (0, 7, 40)]
     assert torch.allclose(y3, layer(x, cu_seqlens=torch.tensor([0, 7, 40]))[0], rtol=0, atol=0)
+
+
+def test_per_batch_memo_is_bounded(monkeypatch):
+    from kdacp.layers.context_parallel import CACHED_BATCHES, SINGLE_DEVICE
+    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
+    layer = small_layer()
+    x = torch.randn(1, 20, 32, dtype=torch.float64)
+    keep = [torch.tensor([0, i, 20]) for i in range(1, CACHED_BATCHES + 5)]
+    for cu in keep:
+        layer(x, cu_seqlens=cu)
+    assert len(SINGLE_DEVICE._batches) == CACHED_BATCHES

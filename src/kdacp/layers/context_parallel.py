@@ -26,6 +26,8 @@ from .comm import all_to_all, all_to_all_gather, shift_right
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
 
 MODES = ("state", "ulysses", "hybrid")
+CACHED_BATCHES = 8   # packed batches whose host copy and plan a context keeps (a few are in flight at once)
+CACHED_SHAPES = 64   # shapes of batch rows whose plan a context keeps
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class _SingleDevice:
         if hit is not None and hit[0]() is cu_seqlens:
             return hit[1]
         batch = self._build_batch(tuple(int(c) for c in cu_seqlens.tolist()), cu_seqlens.device, T)
-        if len(self._batches) >= 8:  # a few batches in flight at most; drop the oldest
+        if len(self._batches) >= CACHED_BATCHES:  # drop the oldest
             self._batches.pop(next(iter(self._batches)))
         self._batches[key] = (weakref.ref(cu_seqlens), batch)
         return batch
@@ -254,10 +256,15 @@ class KDAContextParallel(_SingleDevice):
                       ConvContext(group, local_device, local, halo_tokens=start - first_start))
 
     def _row_plan(self, B: int, T: int):
-        """The plan of ``B`` rows of ``T`` tokens per rank, built once, so that ``cp_chunk_kda``
-        checks the ranks' agreement once per shape rather than on every layer call."""
+        """The plan of ``B`` rows of ``T`` tokens per rank, built once per shape (the last
+        :data:`CACHED_SHAPES` shapes are kept), so that ``cp_chunk_kda`` checks the ranks' agreement once
+        per shape rather than on every layer call."""
         key = (B, T)
-        if key not in self._row_plans:
-            self._row_plans[key] = build_cp_plan(local_lengths=[T] * self.state_size, batch_size=B,
-                                                 group=self.state_group, strategy=self.strategy)
-        return self._row_plans[key]
+        plan = self._row_plans.pop(key, None)
+        if plan is None:
+            plan = build_cp_plan(local_lengths=[T] * self.state_size, batch_size=B, group=self.state_group,
+                                 strategy=self.strategy)
+            if len(self._row_plans) >= CACHED_SHAPES:  # every rank sees the same shapes: same evictions
+                self._row_plans.pop(next(iter(self._row_plans)))
+        self._row_plans[key] = plan  # most recent last
+        return plan
