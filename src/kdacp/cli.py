@@ -129,8 +129,8 @@ def _bench(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
-              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch and --suite virtual run "
-              "without a GPU)",
+              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch, --suite virtual and --suite "
+              "soak run without a GPU)",
               file=sys.stderr)
         return 1
     if args.backend == "fla" and device != "cuda":
@@ -142,7 +142,7 @@ def _bench(args: argparse.Namespace) -> int:
     seq_lens = args.seq_lens
     if args.suite == "kernels":
         cases = [{"T": T} for T in (seq_lens or [16384])]
-    elif args.suite == "virtual":
+    elif args.suite in ("virtual", "soak"):
         cases = [{}]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]

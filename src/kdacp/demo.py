@@ -23,7 +23,8 @@ from .layers import KDAContextParallel, KimiDeltaAttention
 from .layers.context_parallel import MODES
 from .workers import RankContext
 
-__all__ = ["DemoConfig", "DemoModel", "demo_config", "demo_worker", "MODES", "TOLERANCE"]
+__all__ = ["DemoConfig", "DemoModel", "demo_batch", "demo_config", "demo_worker", "sgd_step", "token_loss",
+           "TOLERANCE"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel and the one-process run.
@@ -158,7 +159,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
-def _batch(cfg: DemoConfig, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def demo_batch(cfg: DemoConfig, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The global packed batch of a step: token ids and targets ``[1, T]``, ``cu_seqlens [N+1]``."""
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
     T = sum(cfg.seq_lens)
@@ -167,12 +168,13 @@ def _batch(cfg: DemoConfig, step: int, device) -> tuple[torch.Tensor, torch.Tens
     return ids[0].to(device), ids[1].to(device), cu.to(device)
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """This rank's share of the global token-mean cross-entropy (its tokens' sum over ``total_tokens``)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / total_tokens
 
 
 @torch.no_grad()
-def _sgd_step(params, lr: float) -> None:
+def sgd_step(params, lr: float) -> None:
     # Plain SGD by hand: torch.optim imports torch._dynamo, seconds of start-up per worker.
     for p in params:
         p.add_(p.grad, alpha=-lr)
@@ -192,12 +194,12 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     shard = slice(ctx.rank * T_local, (ctx.rank + 1) * T_local)
     out_err, grad_err, times = 0.0, 0.0, []
     for step in range(cfg.steps):
-        ids, targets, cu = _batch(cfg, step, ctx.device)
+        ids, targets, cu = demo_batch(cfg, step, ctx.device)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = model(ids[:, shard], cu)
-        _loss(logits, targets[:, shard], T).backward()
+        token_loss(logits, targets[:, shard], T).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
         if ctx.device.type == "cuda":
@@ -207,7 +209,7 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
         full_logits = torch.empty(1, T, cfg.vocab_size, device=ctx.device, dtype=dtype)
         if ctx.rank == 0:
             full_logits = replica(ids, cu)
-            _loss(full_logits, targets, T).backward()
+            token_loss(full_logits, targets, T).backward()
         else:
             for p in replica.parameters():
                 p.grad = torch.empty_like(p)
@@ -217,7 +219,7 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
         out_err = max(out_err, _rel_err(logits.detach(), full_logits[:, shard].detach()))
         pairs = zip(model.parameters(), replica.parameters())
         grad_err = max(grad_err, max(_rel_err(p.grad, r.grad) for p, r in pairs))
-        _sgd_step([*model.parameters(), *replica.parameters()], cfg.lr)
+        sgd_step([*model.parameters(), *replica.parameters()], cfg.lr)
         ctx.report(("step", step + 1))
 
     cu_list = [0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()]

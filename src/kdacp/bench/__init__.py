@@ -1,6 +1,7 @@
 """Benchmark suites behind ``kdacp bench``: ``kernels`` (summary kernels on one GPU), ``cp``
 (``cp_chunk_kda`` against one GPU and FLA's CP), ``layer`` (the layer against FLA's, and its CP modes)
-and ``virtual`` (each strategy's accuracy at 2 to 1024 virtual ranks, one device).
+``virtual`` (each strategy's accuracy at 2 to 1024 virtual ranks, one device) and ``soak`` (a long
+training run, watching memory, threads, files and caches).
 
 Each suite module defines ``run(..., report=None) -> list[dict]`` and ``PLOTS`` (file stem ->
 :class:`~kdacp.bench.harness.PlotSpec`); multi-rank suites set ``MULTI_RANK = True`` and their
@@ -16,8 +17,8 @@ from ..workers import RankContext, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
-SUITES = ("kernels", "cp", "layer", "virtual")
-CPU_SUITES = ("layer", "virtual")  # the suites that also run without a GPU
+SUITES = ("kernels", "cp", "layer", "virtual", "soak")
+CPU_SUITES = ("layer", "virtual", "soak")  # the suites that also run without a GPU
 
 
 def load_suite(name: str) -> ModuleType:

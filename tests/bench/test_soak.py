@@ -1,0 +1,20 @@
+"""The soak suite on 2 gloo ranks, briefly: it trains, and kdacp's caches stay bounded while every step
+brings a new packed batch."""
+import torch.distributed as dist
+
+from kdacp.bench import soak
+from kdacp.layers.context_parallel import CACHED_BATCHES
+from tests.multiprocess import run_ranks
+
+
+def _soak(rank, world_size):
+    rows = soak.run(steps=16, every=8, group=dist.group.WORLD)
+    assert [r["step"] for r in rows] == [1, 8, 16]
+    assert all(r["batch_memo"] <= CACHED_BATCHES for r in rows) and rows[-1]["batch_memo"] == CACHED_BATCHES
+    # a plan's verification memo goes with the plan: at most the batches kept, plus one in flight
+    assert all(r["verified_plans"] <= CACHED_BATCHES + 1 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["threads"] == rows[1]["threads"]
+
+
+def test_soak_short_run_keeps_caches_bounded():
+    run_ranks(_soak, 2)
