@@ -117,3 +117,37 @@ def test_layer_float32_equals_fla_layer(cu):
     assert rel_err(y_ours, y_fla) < 1e-4, f"float32 output {rel_err(y_ours, y_fla):.2e}"
     for name in g_fla:
         assert rel_err(g_ours[name], g_fla[name]) < 1e-4, f"float32 {name} {rel_err(g_ours[name], g_fla[name]):.2e}"
+
+
+def test_gdn_layer_bf16_as_close_as_fla_gdn_layer():
+    """GatedDeltaNet against FLA's ``fla.layers.GatedDeltaNet`` with the same weights (Qwen3-Next-like
+    grouped heads): bf16 as close to a float32 run of kdacp's PyTorch path as FLA's own bf16 layer."""
+    from kdacp.backends.fla_adapter import load_fla_layer
+    from kdacp.layers import GatedDeltaNet
+    try:
+        cls = load_fla_layer("GatedDeltaNet")
+    except ImportError:
+        pytest.skip("needs flash-linear-attention (fla.layers)")
+    torch.manual_seed(0)
+    ours = GatedDeltaNet(512, 16, 32, head_k_dim=128, head_v_dim=128, backend="fla", device="cuda")
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours = ours.to(torch.bfloat16)
+    fla = cls(hidden_size=512, head_dim=128, expand_v=1, num_heads=16, num_v_heads=32, conv_size=4).to("cuda",
+                                                                                                      torch.bfloat16)
+    fla.A_log.data, fla.dt_bias.data = fla.A_log.data.float(), fla.dt_bias.data.float()
+    fla.load_state_dict(ours.state_dict())
+    ref = copy.deepcopy(ours).float()
+    ref.backend = "torch"
+    x = torch.randn(1, 2048, 512, device="cuda")
+    cu = torch.tensor([0, 700, 1600, 1601, 2048], device="cuda")
+    y_ref, g_ref = _step(ref, x, cu)
+    y_ours, g_ours = _step(ours, x.bfloat16(), cu)
+    y_fla, g_fla = _step(fla, x.bfloat16(), cu)
+    e_ours, e_fla = rel_err(y_ours, y_ref), rel_err(y_fla, y_ref)
+    print(f"GDN bf16 output error against float32: kdacp {e_ours:.2e}, FLA {e_fla:.2e}")
+    assert e_ours <= 1.1 * e_fla + 1e-4
+    for name in g_ref:
+        e_ours, e_fla = rel_err(g_ours[name], g_ref[name]), rel_err(g_fla[name], g_ref[name])
+        assert e_ours <= 1.1 * e_fla + 1e-4, f"GDN bf16 {name}: kdacp {e_ours:.2e}, FLA {e_fla:.2e}"
