@@ -52,3 +52,22 @@ def test_use_shipped_configs_never_overrides_the_user():
     env = {}
     assert use_shipped_configs("Some Other GPU", env) is None and env == {}
     assert use_shipped_configs(None, env) is None and gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
+
+
+def test_a_users_own_configurations_come_first(tmp_path):
+    (tmp_path / "NVIDIA_H200").mkdir()
+    env = {}
+    assert use_shipped_configs("NVIDIA H200", env, user_dir=tmp_path) == tmp_path / "NVIDIA_H200"
+    assert env["FLA_CONFIG_DIR"] == str(tmp_path / "NVIDIA_H200")
+    env = {}
+    assert use_shipped_configs("NVIDIA H200", env, user_dir=tmp_path / "none") == SHIPPED_CONFIGS / "NVIDIA_H200"
+
+
+def test_tune_needs_a_gpu(capsys):
+    import torch
+
+    from kdacp.cli import main
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this machine has a GPU")
+    assert main(["tune"]) == 1 and "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Command line: ``kdacp demo`` (a checked context-parallel training run) and ``kdacp bench`` (benchmark suites)."""
+"""Command line: ``kdacp demo`` (a checked context-parallel training run), ``kdacp bench`` (benchmark suites) and ``kdacp tune``."""
 from __future__ import annotations
 
 import argparse
@@ -174,6 +174,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from .tuning import tune
+    try:
+        paths = tune(args.out, t_local=args.seq_len, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+    except RuntimeError as e:
+        print(f"kdacp tune: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(paths)} FLA configuration files into {paths[0].parent if paths else args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -234,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
     bench.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)
+
+    tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
+                                       "configurations (used instead of the shipped ones)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune.add_argument("--out", default=None, help="folder for the files (default: ~/.cache/kdacp/fla-configs/<GPU>)")
+    tune.add_argument("--seq-len", type=_positive_int, default=16384, help="tokens per call")
+    tune.add_argument("--hidden", type=_positive_int, default=2048)
+    tune.add_argument("--heads", type=_positive_int, default=32)
+    tune.add_argument("--head-dim", type=_positive_int, default=128)
+    tune.set_defaults(func=_tune)
     return parser
 
 

@@ -16,9 +16,12 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["SHIPPED_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs", "fla_key_hash"]
+__all__ = ["SHIPPED_CONFIGS", "USER_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs",
+           "fla_key_hash", "tune"]
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+# where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
+USER_CONFIGS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kdacp" / "fla-configs"
 
 
 def gpu_dir_name(device_name: str) -> str:
@@ -26,14 +29,16 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
-def use_shipped_configs(device_name: str | None, environ=os.environ) -> Path | None:
-    """Set ``FLA_CONFIG_DIR`` to kdacp's configurations for ``device_name`` and ``FLA_CACHE_MODE`` to
-    ``strict`` (exact key matches; anything else autotunes), unless the user set either, or kdacp ships
-    none for that GPU. Returns the directory used, or None. Call it before FLA is imported."""
+def use_shipped_configs(device_name: str | None, environ=os.environ, user_dir: Path | None = None) -> Path | None:
+    """Set ``FLA_CONFIG_DIR`` to the configurations for ``device_name`` (the user's own from ``kdacp tune``
+    in ``user_dir``, default :data:`USER_CONFIGS`, else kdacp's shipped ones) and ``FLA_CACHE_MODE`` to
+    ``strict`` (exact key matches; anything else autotunes), unless the user set either variable or none
+    exist for that GPU. Returns the directory used, or None. Call it before FLA is imported."""
     if device_name is None or "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ:
         return None
-    folder = SHIPPED_CONFIGS / gpu_dir_name(device_name)
-    if not folder.is_dir():
+    name = gpu_dir_name(device_name)
+    folder = next((d for d in ((user_dir or USER_CONFIGS) / name, SHIPPED_CONFIGS / name) if d.is_dir()), None)
+    if folder is None:
         return None
     environ["FLA_CONFIG_DIR"], environ["FLA_CACHE_MODE"] = str(folder), "strict"
     return folder
@@ -83,3 +88,45 @@ def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernel
                                     "autotune_entries": {**old, **entries}}, indent=1, sort_keys=True))
         written.append(path)
     return written
+
+
+def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int = 2048, heads: int = 32,
+         head_dim: int = 128, batches=("one_sequence", "docs7")) -> list[Path]:
+    """Autotune FLA's kernels for kdacp's layer on this GPU and write FLA configuration files.
+
+    Runs one forward and backward of :class:`kdacp.KimiDeltaAttention` (``fla`` backend, bf16, Kimi
+    Linear's gate) per batch of ``t_local`` tokens, with FLA autotuning into a fresh Triton cache, then
+    exports the kernels that read FLA's configuration directory into ``out_dir`` (default:
+    :data:`USER_CONFIGS` / the GPU's name, which kdacp then prefers over its shipped files).
+
+    Raises:
+        RuntimeError: no CUDA GPU, or FLA was imported already in this process (its settings are read
+            at import, so tuning needs a fresh process: ``kdacp tune``).
+    """
+    import sys
+    import tempfile
+
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError("kdacp tune needs a CUDA GPU (it times FLA's kernels on it)")
+    if "fla" in sys.modules:
+        raise RuntimeError("kdacp tune must run in a fresh process: FLA was imported already")
+    out = Path(out_dir) if out_dir is not None else USER_CONFIGS / gpu_dir_name(torch.cuda.get_device_name())
+    with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:
+        os.environ["TRITON_CACHE_DIR"], os.environ["FLA_CACHE_MODE"] = cache, "disabled"  # tune afresh
+        from .backends.fla_adapter import load_fla
+        from .bench.batches import cu_seqlens_of, document_lengths
+        from .bench.layer import layer_step
+        from .layers import KimiDeltaAttention
+        load_fla()
+        from fla.ops.utils.cache import CachedAutotuner
+        layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
+                                   device="cuda", dtype=torch.bfloat16)
+        for batch in batches:
+            cu = cu_seqlens_of(document_lengths(batch, t_local))
+            x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
+        torch.cuda.synchronize()
+        kernels = {obj.kernel_name for module in list(sys.modules.values()) if (module.__name__ or "").startswith("fla")
+                   for obj in vars(module).values() if isinstance(obj, CachedAutotuner)}
+        return export_fla_configs(cache, out, kernels=kernels)
