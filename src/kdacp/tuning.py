@@ -127,6 +127,6 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
             x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
         torch.cuda.synchronize()
-        kernels = {obj.kernel_name for module in list(sys.modules.values()) if (module.__name__ or "").startswith("fla")
-                   for obj in vars(module).values() if isinstance(obj, CachedAutotuner)}
+        fla_modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
+        kernels = {obj.kernel_name for m in fla_modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
         return export_fla_configs(cache, out, kernels=kernels)
