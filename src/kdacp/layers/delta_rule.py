@@ -6,6 +6,8 @@ A subclass adds its gate's parameters and says how its gate reaches the recurren
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -14,7 +16,15 @@ from .context_parallel import SINGLE_DEVICE, KDAContextParallel
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution
 
-__all__ = ["DeltaRuleLayer"]
+__all__ = ["DeltaRuleLayer", "initial_dt_bias"]
+
+
+def initial_dt_bias(n: int, device=None) -> torch.Tensor:
+    """FLA's initial ``dt_bias [n]`` float32: ``softplus^-1(dt)`` with ``dt`` log-uniform in [1e-3, 1e-1]
+    (at least 1e-4)."""
+    dt = torch.exp(torch.rand(n, device=device, dtype=torch.float32) * (math.log(0.1) - math.log(0.001))
+                   + math.log(0.001)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 class DeltaRuleLayer(nn.Module):
@@ -68,6 +78,15 @@ class DeltaRuleLayer(nn.Module):
         if cp is not None:
             cp.validate_heads(self.num_heads, self.num_v_heads)
         self._cp = cp
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
+                f"{self._gate_repr()}cp={self.cp}")
+
+    def _gate_repr(self) -> str:
+        """The gate's settings for :meth:`extra_repr` (``"name=value, "``), if any."""
+        return ""
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The gate's raw logits ``[B, T, C]``, head-major over value heads (``C = HV * c``)."""

@@ -1,14 +1,12 @@
 """The Gated DeltaNet layer (Qwen3-Next, Qwen3.5), FLA-compatible, with optional context parallelism."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from ..reference.gdn import scalar_gate_as_kda
 from .context_parallel import KDAContextParallel
-from .delta_rule import DeltaRuleLayer
+from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
 __all__ = ["GatedDeltaNet"]
 
@@ -40,17 +38,10 @@ class GatedDeltaNet(DeltaRuleLayer):
         self.a_proj = nn.Linear(hidden_size, HV, bias=False, **f)
         # FLA's initialisation: A = U(0, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1].
         self.A_log = nn.Parameter(torch.empty(HV, device=device, dtype=torch.float32).uniform_(0, 16).log())
-        dt = torch.exp(torch.rand(HV, device=device, dtype=torch.float32)
-                       * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(initial_dt_bias(HV, device))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.g_proj = nn.Linear(hidden_size, HV * head_v_dim, bias=False, **f)
-
-    def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
-                f"cp={self.cp}")
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.a_proj(x)

@@ -1,13 +1,11 @@
 """The Kimi Delta Attention layer (Kimi Linear), FLA-compatible, with optional context parallelism."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from .context_parallel import KDAContextParallel
-from .delta_rule import DeltaRuleLayer
+from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
 __all__ = ["KimiDeltaAttention", "apply_context_parallel"]
 
@@ -62,18 +60,14 @@ class KimiDeltaAttention(DeltaRuleLayer):
         else:
             A_log = torch.zeros(HV, device=device, dtype=torch.float32)
         self.A_log = nn.Parameter(A_log)
-        dt = torch.exp(torch.rand(gate_dim, device=device, dtype=torch.float32)
-                       * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(initial_dt_bias(gate_dim, device))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_v_dim, bias=False, **f),
                                     nn.Linear(head_v_dim, value_dim, bias=True, **f))
 
-    def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_size={self.conv_size}, "
-                f"gate_lower_bound={self.gate_lower_bound}, cp={self.cp}")
+    def _gate_repr(self) -> str:
+        return f"gate_lower_bound={self.gate_lower_bound}, "
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.f_proj(x)
