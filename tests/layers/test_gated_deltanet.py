@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kdacp.layers import GatedDeltaNet
 from kdacp.reference import l2norm, recurrent_gated_delta_rule
-from tests.helpers import rel_err
+from tests.layers.test_kda_layer import check_against_naive
 
 # FLA 0.6.0's GatedDeltaNet(hidden_size=32, head_dim=16, expand_v=1, num_heads=2, num_v_heads=4,
 # conv_size=4), state dict names and shapes read from its source.
@@ -72,18 +72,4 @@ def test_state_dict_round_trip_with_fla():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_layer_matches_naive_composition(packed):
-    layer = small_layer()
-    torch.manual_seed(1)
-    B, T = (1, 70) if packed else (2, 40)
-    cu = torch.tensor([0, 2, 31, 33, 70]) if packed else None
-    N = 4 if packed else B
-    x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
-    h0 = 0.5 * torch.randn(N, 4, 16, 16, dtype=torch.float64, requires_grad=True)
-    y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
-    y_ref, S_ref = naive_layer(layer, x, cu, h0)
-    assert rel_err(y, y_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
-    w = torch.randn_like(y)
-    grads = torch.autograd.grad((y * w).sum() + S.sum(), [x, h0, *layer.parameters()])
-    grads_ref = torch.autograd.grad((y_ref * w).sum() + S_ref.sum(), [x, h0, *layer.parameters()])
-    for (name, _), a, b in zip([("x", 0), ("h0", 0), *layer.named_parameters()], grads, grads_ref):
-        assert rel_err(a, b) < 1e-10, name
+    check_against_naive(small_layer(), naive_layer, packed)

@@ -82,10 +82,9 @@ def test_state_dict_round_trip_with_fla():
         assert torch.equal(p, ours.state_dict()[name]), name
 
 
-@pytest.mark.parametrize("gate_lower_bound", [-5.0, None])
-@pytest.mark.parametrize("packed", [False, True])
-def test_layer_matches_naive_composition(gate_lower_bound, packed):
-    layer = small_layer(gate_lower_bound, conv_bias=True)
+def check_against_naive(layer, naive, packed: bool) -> None:
+    """``layer`` (hidden 32, 4 value heads of 16, float64) against ``naive(layer, x, cu, h0)``: outputs, final
+    states and the gradients of the input, the initial states and every parameter; shared with GDN's tests."""
     torch.manual_seed(1)
     B, T = (1, 70) if packed else (2, 40)
     cu = torch.tensor([0, 2, 31, 33, 70]) if packed else None
@@ -93,13 +92,19 @@ def test_layer_matches_naive_composition(gate_lower_bound, packed):
     x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
     h0 = 0.5 * torch.randn(N, 4, 16, 16, dtype=torch.float64, requires_grad=True)
     y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
-    y_ref, S_ref = naive_layer(layer, x, cu, h0)
+    y_ref, S_ref = naive(layer, x, cu, h0)
     assert rel_err(y, y_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
     w = torch.randn_like(y)
     grads = torch.autograd.grad((y * w).sum() + S.sum(), [x, h0, *layer.parameters()])
     grads_ref = torch.autograd.grad((y_ref * w).sum() + S_ref.sum(), [x, h0, *layer.parameters()])
     for (name, _), a, b in zip([("x", 0), ("h0", 0), *layer.named_parameters()], grads, grads_ref):
         assert rel_err(a, b) < 1e-10, name
+
+
+@pytest.mark.parametrize("gate_lower_bound", [-5.0, None])
+@pytest.mark.parametrize("packed", [False, True])
+def test_layer_matches_naive_composition(gate_lower_bound, packed):
+    check_against_naive(small_layer(gate_lower_bound, conv_bias=True), naive_layer, packed)
 
 
 def test_causal_conv1d_halo_and_packed_sequences():
