@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["BATCHES", "DOCS_7", "document_lengths", "cu_seqlens_of", "local_cu_seqlens"]
+__all__ = ["BATCHES", "DOCS_7", "document_lengths", "cu_seqlens_of"]
 
 # Seven documents of a 32K-token batch (16K tokens per rank on 2 ranks); the third crosses the edge.
 DOCS_7 = (7777, 3000, 12000, 513, 1000, 1000, 7478)
@@ -45,8 +45,3 @@ def cu_seqlens_of(lengths) -> list[int]:
     for n in lengths:
         cu.append(cu[-1] + n)
     return cu
-
-
-def local_cu_seqlens(cu: list[int], start: int, end: int) -> list[int]:
-    """The boundaries of global tokens ``[start, end)`` as a batch of their own (documents cut at the edges)."""
-    return [0] + [c - start for c in cu if start < c < end] + [end - start]

@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import load_fla
 from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from kdacp.distributed.plan import local_cu_seqlens
 
-from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
+from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
 from .timing import peak_gb, time_round_robin
 

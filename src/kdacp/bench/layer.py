@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from kdacp.distributed import new_cp_group
+from kdacp.distributed.plan import local_cu_seqlens
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 
-from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
+from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
 from .timing import peak_gb, time_round_robin
 

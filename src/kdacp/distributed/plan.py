@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..backends.base import Span
 from ..validation import check_cu_seqlens
 
-__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "rank_layouts", "STRATEGIES"]
+__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "local_cu_seqlens", "rank_layouts", "STRATEGIES"]
 
 STRATEGIES = ("p2p", "allgather", "scan")
 
@@ -116,6 +116,12 @@ class RankLayout:
     @cached_property
     def before_tail(self) -> Span:
         return self.span(0, self.tail_start)
+
+
+def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
+    """The boundaries of global tokens ``[start, end)`` of a packed batch (global ``cu_seqlens``) as a
+    batch of their own: sequences cut at the edges, offsets relative to ``start``."""
+    return [0] + [c - start for c in cu_seqlens if start < c < end] + [end - start]
 
 
 def rank_layouts(cu_seqlens: tuple[int, ...] | None, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:

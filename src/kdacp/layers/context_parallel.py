@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from ..distributed.plan import local_cu_seqlens
 from ..ops import chunk_kda as local_chunk_kda
 from .comm import all_to_all, all_to_all_gather, shift_right
 
@@ -246,8 +247,7 @@ class KDAContextParallel(_SingleDevice):
             plan = build_cp_plan(cu, local_lengths=[T] * self.state_size, group=self.state_group,
                                  strategy=self.strategy)
         start, end = self.state_rank * T, (self.state_rank + 1) * T
-        cuts = [start] + [c for c in cu if start < c < end] + [end]
-        local = torch.tensor([c - start for c in cuts], dtype=torch.int64)
+        local = torch.tensor(local_cu_seqlens(cu, start, end), dtype=torch.int64)
         # from pinned memory: a copy from pageable memory would make the host wait for the queue
         local_device = (local.pin_memory() if device.type == "cuda" else local).to(device, non_blocking=True)
         group = self.state_group if self.state_size > 1 else None
