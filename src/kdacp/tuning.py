@@ -112,21 +112,38 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
     if "fla" in sys.modules:
         raise RuntimeError("kdacp tune must run in a fresh process: FLA was imported already")
     out = Path(out_dir) if out_dir is not None else USER_CONFIGS / gpu_dir_name(torch.cuda.get_device_name())
+    saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "FLA_CACHE_MODE")}
     with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:
         os.environ["TRITON_CACHE_DIR"], os.environ["FLA_CACHE_MODE"] = cache, "disabled"  # tune afresh
-        from .backends.fla_adapter import load_fla
-        from .bench.batches import cu_seqlens_of, document_lengths
-        from .bench.layer import layer_step
-        from .layers import KimiDeltaAttention
-        load_fla()
-        from fla.ops.utils.cache import CachedAutotuner
-        layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
-                                   device="cuda", dtype=torch.bfloat16)
-        for batch in batches:
-            cu = cu_seqlens_of(document_lengths(batch, t_local))
-            x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
-        torch.cuda.synchronize()
-        fla_modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
-        kernels = {obj.kernel_name for m in fla_modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
-        return export_fla_configs(cache, out, kernels=kernels)
+        try:
+            return _tune_into(cache, out, t_local, hidden, heads, head_dim, batches)
+        finally:  # the temporary cache goes away: leave no variable pointing at it
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _tune_into(cache: str, out: Path, t_local: int, hidden: int, heads: int, head_dim: int, batches) -> list[Path]:
+    """:func:`tune`'s work, with the Triton cache at ``cache`` and FLA's config lookup off."""
+    import sys
+
+    import torch
+
+    from .backends.fla_adapter import load_fla
+    from .bench.batches import cu_seqlens_of, document_lengths
+    from .bench.layer import layer_step
+    from .layers import KimiDeltaAttention
+    load_fla()
+    from fla.ops.utils.cache import CachedAutotuner
+    layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
+                               device="cuda", dtype=torch.bfloat16)
+    for batch in batches:
+        cu = cu_seqlens_of(document_lengths(batch, t_local))
+        x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
+    torch.cuda.synchronize()
+    fla_modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
+    kernels = {obj.kernel_name for m in fla_modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
+    return export_fla_configs(cache, out, kernels=kernels)
