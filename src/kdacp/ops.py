@@ -38,9 +38,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0, *saved = ctx.saved_tensors
         # Like FLA, the state pass is recomputed rather than kept (memory).
         local = ctx.backend.backward_local(ctx.saved_type(*saved), ctx.span, do.contiguous(), h0)
-        dh0 = ctx.backend.backward_states(local, dht)
-        grads = input_gradients(ctx.backend.backward_inputs(local), ctx.input_dtypes)
-        return (None, None, None, *grads, dh0 if ctx.has_initial_state else None)
+        states = ctx.backend.backward_states(local, dht)
+        grads = input_gradients(ctx.backend.backward_inputs(states), ctx.input_dtypes)
+        return (None, None, None, *grads, states.dinitial_state if ctx.has_initial_state else None)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -28,7 +28,8 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
     results = dict(o=o, final_state=states.final_state, S_ext=summary.state, M=summary.transition, G=G)
     for suffix, kept in (("", None), ("_kept", states)):  # recomputed states, or the forward's
         local = backend.backward_local(saved, span, do, h0, kept)
-        grads = dict(dinitial_state=backend.backward_states(local, dht), **vars(backend.backward_inputs(local)))
+        states = backend.backward_states(local, dht)
+        grads = dict(dinitial_state=states.dinitial_state, **vars(backend.backward_inputs(states)))
         results.update({name + suffix: g for name, g in grads.items()})
     return results
 

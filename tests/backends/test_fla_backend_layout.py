@@ -54,7 +54,8 @@ def test_strided_inputs_and_state_gradients_reach_fla_contiguous():
     backend.prepare(KDAInputs(q, k, v, g, beta, A_log, dt_bias), Span(0, T, (0, T)))
     dht = torch.randn(2, 2 * H, K, K).chunk(2, dim=1)[1]  # a head chunk of gathered state gradients
     assert not dht.is_contiguous()
-    local = type("Local", (), dict(qg=q, kg=k, w=k, gc=g, initial_state=None, do=v, dv=v, varlen={}))()
+    local = type("Local", (), dict(qg=q, kg=k, w=k, gc=g, initial_state=None, do=v, dv_local=v, varlen={},
+                                        span=Span(0, T, (0, T))))()
     backend.backward_states(local, dht)
     names = [name for name, _ in backend.fla.calls]
     assert names == ["l2norm_fwd", "l2norm_fwd", "kda_gate_chunk_cumsum", "chunk_kda_fwd_intra",

@@ -1,9 +1,11 @@
 """The ``torch`` backend's stages compose like the distributed op uses them."""
+import dataclasses
+
 import pytest
 import torch
 
 from kdacp.backends import make_backend, resolve_backend
-from kdacp.backends.base import KDAInputs, KDAOptions, Span
+from kdacp.backends.base import BackwardStates, KDAInputs, KDAOptions, Span
 from tests.helpers import make_kda_inputs, rel_err
 
 T, CUT, HV, K, V = 150, 70, 2, 16, 16
@@ -43,9 +45,28 @@ def test_gradient_summary_and_transition_give_the_input_gradient(gate):
     dht = torch.randn(1, HV, K, V, dtype=torch.float64, generator=gen)
     local = backend.backward_local(chunks, span, do, h0)
     G = backend.state_gradient_summary(local)
-    dh0 = backend.backward_states(local, dht)
+    dh0 = backend.backward_states(local, dht).dinitial_state
     M = backend.state_summary(chunks, span, with_transition=True).transition
     assert rel_err(M.transpose(-1, -2) @ dht + G, dh0) < 1e-10
+
+
+def test_backward_stages_hand_on_values():
+    """``backward_states`` returns a new, immutable record that ``backward_inputs`` takes; no stage
+    changes an earlier stage's result (for FLA's records too, checked without a GPU)."""
+    from kdacp.backends.fla_backend import FlaBackward, FlaBackwardStates
+    backend, chunks = _setup("plain")
+    span = Span(0, T, (0, T))
+    do = torch.randn(1, T, HV, V, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    local = backend.backward_local(chunks, span, do, torch.zeros(1, HV, K, V, dtype=torch.float64))
+    before = dict(vars(local))
+    states = backend.backward_states(local, None)
+    assert isinstance(states, BackwardStates) and states.span == span and states.dinitial_state.shape == (1, HV, K, V)
+    assert vars(local) == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        states.dinitial_state = None
+    assert backend.backward_inputs(states).dq.shape == (1, T, 1, K)
+    for record in (type(local), type(states), FlaBackward, FlaBackwardStates):
+        assert record.__dataclass_params__.frozen, record
 
 
 def test_resolve_backend_names():

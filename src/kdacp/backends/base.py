@@ -82,6 +82,17 @@ class LocalStates:
     v_new: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class BackwardStates:
+    """A span's gradient state pass, as ``backward_states`` returns it and ``backward_inputs`` takes it:
+    the ``span`` and ``dinitial_state [n, HV, K, V]``, the gradient of its segments' initial states.
+    Each backend subclasses it with what its ``backward_inputs`` reads, so that stage cannot run
+    before the state pass."""
+
+    span: Span
+    dinitial_state: torch.Tensor
+
+
 @dataclass
 class LocalGrads:
     """Gradients of one span: token-wise ``[1, T_span, ...]`` like the inputs, ``dA_log [HV]`` and
@@ -103,8 +114,9 @@ class LocalBackend(Protocol):
     and/or ``state_pass`` -> ``output``. ``to_saved`` keeps what backward needs (a dataclass whose
     fields are tensors or ``None``, stored with ``save_for_backward``).
     Backward per span: ``backward_local`` (everything that needs no final-state gradient) ->
-    ``state_gradient_summary`` and/or ``backward_states`` (the gradient state pass, giving the
-    initial-state gradient) -> ``backward_inputs``.
+    ``state_gradient_summary`` and/or ``backward_states`` (the gradient state pass) ->
+    ``backward_inputs``. Each stage's result is a value the next one takes; no stage changes
+    another's result, so a stage can only run once what it needs exists.
     """
 
     name: str
@@ -132,12 +144,13 @@ class LocalBackend(Protocol):
         """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
         state's gradient is zero."""
 
-    def backward_states(self, local, dht: torch.Tensor | None) -> torch.Tensor:
-        """The gradient state pass given the final-state gradient ``dht [n, HV, K, V]`` (or
-        ``None``: zero); returns the initial-state gradient ``[n, HV, K, V]``."""
+    def backward_states(self, local, dht: torch.Tensor | None) -> BackwardStates:
+        """The gradient state pass of ``local`` (from :meth:`backward_local`) given the final-state
+        gradient ``dht [n, HV, K, V]`` (or ``None``: zero); its ``dinitial_state [n, HV, K, V]``
+        is the initial-state gradient."""
 
-    def backward_inputs(self, local) -> LocalGrads:
-        """The input gradients of the span (after :meth:`backward_states`)."""
+    def backward_inputs(self, states: BackwardStates) -> LocalGrads:
+        """The input gradients of ``states.span``, from :meth:`backward_states`'s result."""
 
 
 def tensor_fields(obj) -> list:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
+from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
 from ..kernels import state_gradient_summary, state_summary
 
@@ -46,11 +46,11 @@ class FlaSaved:
                           for name, t in vars(self).items()))
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlaBackward:
-    """One span's backward in progress: its saved inputs, the span, FLA's packed-sequence arguments,
-    ``do``, the initial states, the recomputed ``gc, w, qg, kg``, the states ``h``, ``v_new``, the
-    intra-chunk gradients ``dAqk`` and ``dv`` (local, then after the gradient state pass), and ``dh``."""
+    """One span's backward before the gradient state pass: its saved inputs, the span, FLA's
+    packed-sequence arguments, ``do``, the initial states, the recomputed ``gc, w, qg, kg``, the
+    states ``h``, ``v_new``, and the intra-chunk gradients ``dAqk`` and ``dv_local``."""
 
     saved: FlaSaved
     span: Span
@@ -64,8 +64,17 @@ class FlaBackward:
     h: torch.Tensor
     v_new: torch.Tensor
     dAqk: torch.Tensor
+    dv_local: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FlaBackwardStates(BackwardStates):
+    """After the gradient state pass: ``local``, the state gradients ``dh`` before each chunk and
+    ``dv`` (the local ``dv`` plus the part through the states)."""
+
+    local: FlaBackward
+    dh: torch.Tensor
     dv: torch.Tensor
-    dh: torch.Tensor | None = None
 
 
 @dataclass
@@ -172,21 +181,22 @@ class FlaBackend:
         return FlaBackward(x, span, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
 
     def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
-        return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv, self.options.scale,
+        return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv_local, self.options.scale,
                                       chunk_size=self.options.chunk_size, cu_seqlens=local.span.cu_seqlens_host())
 
-    def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> torch.Tensor:
-        local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
+    def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> FlaBackwardStates:
+        dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.qg, k=local.kg, w=local.w, gk=local.gc, h0=local.initial_state,
-            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
-            chunk_size=self.options.chunk_size, **local.varlen)
-        return dh0
+            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv_local,
+            scale=self.options.scale, chunk_size=self.options.chunk_size, **local.varlen)
+        return FlaBackwardStates(local.span, dh0, local, dh, dv)
 
-    def backward_inputs(self, local: FlaBackward) -> LocalGrads:
+    def backward_inputs(self, states: FlaBackwardStates) -> LocalGrads:
+        local = states.local
         o, fla, x, varlen = self.options, self.fla, local.saved, local.varlen
         dq, dk, dv, dbeta, dg, dAkk = fla.chunk_kda_bwd_wy_dqkg_fused(
             q=x.q, k=x.k, v=x.v, v_new=local.v_new, g=local.gc, beta=x.beta, A=x.Akk, h=local.h, do=local.do,
-            dh=local.dh, dv=local.dv, scale=o.scale, chunk_size=o.chunk_size, **varlen)
+            dh=states.dh, dv=states.dv, scale=o.scale, chunk_size=o.chunk_size, **varlen)
         dq, dk, dbeta, dg = fla.chunk_kda_bwd_intra(q=x.q, k=x.k, g=local.gc, beta=x.beta, dAqk=local.dAqk, dAkk=dAkk,
                                                     dq=dq, dk=dk, db=dbeta, dg=dg, chunk_size=o.chunk_size,
                                                     safe_gate=o.safe_gate, **varlen)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from .base import KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
+from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 
 __all__ = ["TorchBackend"]
 
@@ -29,15 +29,21 @@ class TorchChunks:
     dt_bias: torch.Tensor | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchBackward:
-    """One span's backward: its inputs, output gradient and initial state; ``grads`` once computed."""
+    """One span's backward before the gradient state pass: its inputs, output gradient and initial state."""
 
     saved: TorchChunks
     span: Span
     do: torch.Tensor
     initial_state: torch.Tensor
-    grads: LocalGrads | None = None
+
+
+@dataclass(frozen=True)
+class TorchBackwardStates(BackwardStates):
+    """After the gradient state pass: the input gradients, computed with it."""
+
+    grads: LocalGrads
 
 
 class TorchBackend:
@@ -96,8 +102,8 @@ class TorchBackend:
         dv_local = reference.chunk_dv_local(inter.Aqk, local.do, scale, C, cu)
         return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, local.do, dv_local, scale, C, cu)
 
-    def backward_states(self, local: TorchBackward, dht: torch.Tensor | None) -> torch.Tensor:
-        """Differentiates the reference chunked form once; the input gradients wait in ``local``."""
+    def backward_states(self, local: TorchBackward, dht: torch.Tensor | None) -> TorchBackwardStates:
+        """Differentiates the reference chunked form once; the input gradients wait in the result."""
         x = self._span_inputs(local.saved, local.span)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_() for t in
@@ -112,8 +118,7 @@ class TorchBackend:
             wrt = [t for t in leaves if t is not None]
             grads = iter(torch.autograd.grad(outputs, wrt, grads_out, allow_unused=True))
             grads = [None if t is None else next(grads) for t in leaves]
-        local.grads = LocalGrads(*grads[:7])
-        return grads[7]
+        return TorchBackwardStates(local.span, grads[7], LocalGrads(*grads[:7]))
 
-    def backward_inputs(self, local: TorchBackward) -> LocalGrads:
-        return local.grads
+    def backward_inputs(self, states: TorchBackwardStates) -> LocalGrads:
+        return states.grads

@@ -164,25 +164,25 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         kept = head_states if span == layout.head else None
         return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
 
-    message, known_local, tail_local, dinitial_known = None, None, None, None
+    message, known_states, tail_local = None, None, None
     if route.affine[plan.rank]:
         tail_local = local_work(tail, local_initial[n_known:])
         message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
     elif not known.empty:
         known_local = local_work(known, local_initial[:n_known])
         dht_known = None if dht_all is None else dht_all[[s.sequence for s in segments[:n_known]]]
-        dinitial_known = backend.backward_states(known_local, dht_known)
+        known_states = backend.backward_states(known_local, dht_known)
         if layout.num_receive:
-            message = AffineMessage(dinitial_known[:layout.num_receive])
+            message = AffineMessage(known_states.dinitial_state[:layout.num_receive])
     exchange.send(pending, message)
     if tail_local is None and not tail.empty:
         tail_local = local_work(tail, local_initial[n_known:])
-    known_grads = None if known_local is None else backend.backward_inputs(known_local)
+    known_grads = None if known_states is None else backend.backward_inputs(known_states)
     dS_out = exchange.receive(pending)
-    tail_grads, dinitial_tail = None, None
+    tail_states, tail_grads = None, None
     if not tail.empty:
-        dinitial_tail = backend.backward_states(tail_local, dS_out)
-        tail_grads = backend.backward_inputs(tail_local)
+        tail_states = backend.backward_states(tail_local, dS_out)
+        tail_grads = backend.backward_inputs(tail_states)
     pending.finish_sends()
 
     parts: list[LocalGrads] = [g for g in (known_grads, tail_grads) if g is not None]
@@ -192,7 +192,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         dA_log, ddt_bias = _add(dA_log, g.dA_log), _add(ddt_bias, g.ddt_bias)
     dinitial_state = None
     if has_initial_state:
-        local = _cat([dinitial_known, dinitial_tail], 0)
+        local = _cat([s and s.dinitial_state for s in (known_states, tail_states)], 0)
         dinitial_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
         for i, seg in enumerate(segments):
             if not seg.receives:
