@@ -150,12 +150,42 @@ USAGE_ERRORS = [
     (("bench", "--suite", "layer", "--device", "cpu", "--backend", "fla"), "--backend fla needs --device cuda"),
     (("bench", "--suite", "layer", "--world-size", "0"), "argument --world-size: expected a positive integer"),
     (("bench", "--suite", "layer", "--seq-lens", "abc"), "argument --seq-lens: expected comma-separated"),
+    (("demo", "--mode", "hybrid", "--world-size", "2"), "2 has none (4 or 6 do)"),
+    (("demo", "--dtype", "float16"), "argument --dtype: invalid choice: 'float16'"),
+    (("demo", "--timeout", "0"), "argument --timeout: expected a positive number of seconds, got '0'"),
+    (("demo", "--timeout", "-5"), "argument --timeout: expected a positive number of seconds, got '-5'"),
+    (("demo", "--timeout", "nan"), "argument --timeout: expected a positive number of seconds, got 'nan'"),
+    (("demo", "--port", "-1"), "argument --port: expected a port number from 0 (pick a free one) to 65535, got '-1'"),
+    (("demo", "--port", "99999"), "argument --port: expected a port number from 0"),
+    (("bench", "--suite", "layer", "--timeout", "0"), "argument --timeout: expected a positive number of seconds"),
+    (("bench", "--suite", "layer", "--port", "abc"), "argument --port: expected a port number from 0"),
+    (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer, not --suite virtual"),
+    (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer, not --suite kernels"),
+    (("bench", "--suite", "virtual", "--world-size", "2"), "--world-size is for --suite cp or layer or soak"),
+    (("bench", "--suite", "soak", "--trace", "t"), "--trace is for --suite cp, not --suite soak"),
+    (("bench",), "the following arguments are required: --suite"),
+    ((), "the following arguments are required: command"),
 ]
 
 
 @pytest.mark.parametrize("argv,msg", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
 def test_usage_errors_exit_2_with_one_line(no_workers, capsys, argv, msg):
     assert msg in _usage_error(capsys, *argv)
+
+
+def test_demo_fla_without_a_gpu_is_a_usage_error(no_workers, capsys):
+    """On a CPU-only machine the default device is the CPU, where FLA's kernels cannot run."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "--backend fla needs --device cuda" in _usage_error(capsys, "demo", "--backend", "fla")
+
+
+def test_demo_hybrid_runs_with_its_defaults():
+    """``--mode hybrid`` without ``--ulysses-size`` once failed inside the workers."""
+    proc = _demo("--mode", "hybrid", "--steps", "1")
+    out, err = proc.communicate(timeout=170)
+    assert proc.returncode == 0, err[-3000:]
+    assert "mode hybrid (ulysses_size 2, strategy p2p)" in out and "PASS" in out
 
 
 @pytest.mark.parametrize("mode,heads,ulysses_size", [("state", 2, None), ("ulysses", 4, None), ("hybrid", 2, 2)])

@@ -25,6 +25,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 (pick a free one) to 65535, got {text!r}")
+    return value
+
+
 def _batches(text: str) -> tuple[str, ...]:
     """argparse type: comma-separated batch names of :data:`kdacp.bench.batches.BATCHES`."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -119,6 +139,21 @@ def _demo(args: argparse.Namespace) -> int:
 _CPU_LAYER = dict(backend="torch", hidden=128, heads=4, head_dim=32, warmup=1, iters=3)
 _CPU_T_LOCAL = 256
 
+# The bench options that only some suites read: given to another suite, they are a usage error
+# rather than silently unused.
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "layer"), "batches": ("cp", "layer"), "trace": ("cp",),
+                  "world_size": ("cp", "layer", "soak"), "backend": ("layer",), "hidden": ("layer",),
+                  "heads": ("layer",), "head_dim": ("layer",)}
+
+
+def _unread_option(args: argparse.Namespace) -> str | None:
+    """The message for the first bench option given that ``--suite`` does not read, or ``None``."""
+    for name, suites in _SUITE_OPTIONS.items():
+        if getattr(args, name) is not None and args.suite not in suites:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} is for --suite {' or '.join(suites)}, not --suite {args.suite}"
+    return None
+
 
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
@@ -126,6 +161,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import load_suite, run_suite
     from .bench.harness import markdown_table, write_results
 
+    unread = _unread_option(args)
+    if unread:
+        print(f"kdacp bench: {unread}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
@@ -215,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="(default: float64 on CPU, bfloat16 on CUDA)")
     demo.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    demo.add_argument("--port", type=int, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    demo.add_argument("--timeout", type=float, default=None,
+    demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
+    demo.add_argument("--timeout", type=_positive_float, default=None,
                       help="seconds before the run is stopped (default: 300 on CPU; 1800 on CUDA, where FLA "
                            "autotunes its kernels at first use)")
     demo.set_defaults(func=_demo)
@@ -233,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp/layer (default: all GPUs)")
+    bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp, layer and soak (default: every GPU; 2 on CPU)")
     bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
                        help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
     bench.add_argument("--hidden", type=_positive_int, default=None,
@@ -242,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU)")
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
-    bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
-    bench.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-rank run is stopped")
+    bench.add_argument("--port", type=_port, default=0, help="rendezvous port (0: pick a free one)")
+    bench.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "

@@ -108,9 +108,9 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
 
     import torch
     if not torch.cuda.is_available():
-        raise RuntimeError("kdacp tune needs a CUDA GPU (it times FLA's kernels on it)")
+        raise RuntimeError("tuning needs a CUDA GPU (it times FLA's kernels on it)")
     if "fla" in sys.modules:
-        raise RuntimeError("kdacp tune must run in a fresh process: FLA was imported already")
+        raise RuntimeError("tuning must run in a fresh process (FLA reads its settings at import, and it was imported already)")
     out = Path(out_dir) if out_dir is not None else USER_CONFIGS / gpu_dir_name(torch.cuda.get_device_name())
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "FLA_CACHE_MODE")}
     with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:

@@ -16,24 +16,11 @@ from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates
 __all__ = ["TorchBackend"]
 
 
-@dataclass
-class TorchChunks:
-    """The (detached) raw inputs of all local tokens; every stage recomputes from them."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    A_log: torch.Tensor | None
-    dt_bias: torch.Tensor | None
-
-
 @dataclass(frozen=True)
 class TorchBackward:
     """One span's backward before the gradient state pass: its inputs, output gradient and initial state."""
 
-    saved: TorchChunks
+    saved: KDAInputs
     span: Span
     do: torch.Tensor
     initial_state: torch.Tensor
@@ -52,7 +39,7 @@ class TorchBackend:
     def __init__(self, options: KDAOptions):
         self.options = options
 
-    def _span_inputs(self, chunks: TorchChunks, span: Span) -> KDAInputs:
+    def _span_inputs(self, chunks: KDAInputs, span: Span) -> KDAInputs:
         cut = slice(span.start, span.end)
         return KDAInputs(chunks.q[:, cut], chunks.k[:, cut], chunks.v[:, cut], chunks.g[:, cut],
                          chunks.beta[:, cut], chunks.A_log, chunks.dt_bias)
@@ -63,36 +50,36 @@ class TorchBackend:
                     use_qk_l2norm_in_kernel=o.use_qk_l2norm_in_kernel, use_gate_in_kernel=o.use_gate_in_kernel,
                     A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=o.lower_bound, chunk_size=o.chunk_size)
 
-    def _intermediates(self, chunks: TorchChunks, span: Span) -> reference.ChunkIntermediates:
+    def _intermediates(self, chunks: KDAInputs, span: Span) -> reference.ChunkIntermediates:
         x = self._span_inputs(chunks, span)
         return reference.chunk_kda_intermediates(x.q, x.k, x.v, x.g, x.beta, **self._kwargs(x, span))
 
-    def prepare(self, inputs: KDAInputs, span: Span) -> TorchChunks:
-        return TorchChunks(*(None if t is None else t.detach() for t in
-                             (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.A_log, inputs.dt_bias)))
+    def prepare(self, inputs: KDAInputs, span: Span) -> KDAInputs:
+        """The (detached) raw inputs of all local tokens: every stage recomputes from them."""
+        return KDAInputs(*(None if t is None else t.detach() for t in vars(inputs).values()))
 
-    def state_summary(self, chunks: TorchChunks, span: Span, with_transition: bool) -> reference.StateSummary:
+    def state_summary(self, chunks: KDAInputs, span: Span, with_transition: bool) -> reference.StateSummary:
         inter = self._intermediates(chunks, span)
         cu = span.cu_seqlens_tensor(chunks.q.device)
         summary = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, self.options.chunk_size, cu)
         return summary if with_transition else summary._replace(transition=None)
 
-    def state_pass(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor,
+    def state_pass(self, chunks: KDAInputs, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
         x = self._span_inputs(chunks, span)
         _, final_state = reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
                                              output_final_state=output_final_state, **self._kwargs(x, span))
         return LocalStates(final_state)
 
-    def output(self, chunks: TorchChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
+    def output(self, chunks: KDAInputs, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
         x = self._span_inputs(chunks, span)
         return reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
                                    **self._kwargs(x, span))[0]
 
-    def to_saved(self, chunks: TorchChunks) -> TorchChunks:
+    def to_saved(self, chunks: KDAInputs) -> KDAInputs:
         return chunks
 
-    def backward_local(self, saved: TorchChunks, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
+    def backward_local(self, saved: KDAInputs, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
                        states: LocalStates | None = None) -> TorchBackward:
         return TorchBackward(saved, span, do, initial_state)
 

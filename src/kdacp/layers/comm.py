@@ -25,27 +25,28 @@ def _p2p(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, 
             work.wait()
 
 
+def _shift(x: torch.Tensor, step: int, group) -> torch.Tensor:
+    """Rank ``r`` receives rank ``r - step``'s ``x`` (zeros where there is no such rank)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.zeros_like(x)
+    dst, src = rank + step, rank - step
+    _p2p(x if 0 <= dst < size else None, dst, out if 0 <= src < size else None, src, group)
+    return out
+
+
 class _ShiftRight(torch.autograd.Function):
-    """Rank ``r`` receives rank ``r-1``'s tensor (rank 0 receives zeros); backward shifts left."""
+    """Rank ``r`` receives rank ``r-1``'s tensor (rank 0 receives zeros); backward shifts left (the
+    last rank's tensor reached nobody, so its gradient is zero)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        x = x.contiguous()
-        out = torch.zeros_like(x)
-        _p2p(x if rank + 1 < size else None, rank + 1, out if rank > 0 else None, rank - 1, group)
-        return out
+        return _shift(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        grad = grad.contiguous()
-        # The last rank's tensor reached nobody, so its gradient is zero.
-        out = torch.zeros_like(grad)
-        _p2p(grad if rank > 0 else None, rank - 1, out if rank + 1 < size else None, rank + 1, group)
-        return out, None
+        return _shift(grad, -1, ctx.group), None
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
