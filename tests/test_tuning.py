@@ -3,7 +3,7 @@ when kdacp points FLA at them."""
 import hashlib
 import json
 
-from kdacp.tuning import SHIPPED_CONFIGS, export_fla_configs, fla_key_hash, gpu_dir_name, use_shipped_configs
+from kdacp.backends.fla_configs import SHIPPED_CONFIGS, export_fla_configs, fla_key_hash, gpu_dir_name, use_shipped_configs
 
 
 def _config(bt, warps):

@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    bench.add_argument("--world-size", type=_positive_int, default=None, help="ranks for cp, layer and soak (default: every GPU; 2 on CPU)")
+    bench.add_argument("--world-size", type=_positive_int, default=None,
+                       help="ranks for cp, layer and soak (default: every GPU; 2 on CPU)")
     bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
                        help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
     bench.add_argument("--hidden", type=_positive_int, default=None,
@@ -282,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
     bench.add_argument("--port", type=_port, default=0, help="rendezvous port (0: pick a free one)")
-    bench.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds before a multi-rank run is stopped")
+    bench.add_argument("--timeout", type=_positive_float, default=1800.0,
+                       help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "

@@ -1,93 +1,16 @@
-"""Tuned FLA kernel configurations: shipped with kdacp for the GPUs it was measured on, so that FLA's
-first use of a shape does not autotune (minutes on a cold machine).
+"""``kdacp tune``: FLA's kernel configurations made on the user's GPU for kdacp's layer.
 
-FLA 0.6.0 looks a kernel's configuration up in ``$FLA_CONFIG_DIR/<kernel name>.json`` when
-``FLA_CACHE_MODE`` says so (read once, when FLA is imported), keyed by the kernel's autotune key (its
-key arguments' values and its tensor arguments' dtypes); on a miss it autotunes as usual.
-:func:`use_shipped_configs` points FLA at kdacp's files for the GPU at hand, unless the user set either
-variable. :func:`export_fla_configs` turns a Triton autotune cache (``TRITON_CACHE_DIR``, where FLA's
-autotuner records its timings) into such files, which is how the shipped ones were made.
+The files, how FLA reads them and how kdacp points FLA at them are :mod:`kdacp.backends.fla_configs`.
+This module runs the layer, so it sits above it; the backends never import it.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 from pathlib import Path
 
-__all__ = ["SHIPPED_CONFIGS", "USER_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs",
-           "fla_key_hash", "tune"]
+from .backends.fla_configs import USER_CONFIGS, export_fla_configs, gpu_dir_name
 
-SHIPPED_CONFIGS = Path(__file__).parent / "configs"
-# where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
-USER_CONFIGS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kdacp" / "fla-configs"
-
-
-def gpu_dir_name(device_name: str) -> str:
-    """FLA's directory name for a GPU (``"NVIDIA H200"`` -> ``"NVIDIA_H200"``)."""
-    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
-
-
-def use_shipped_configs(device_name: str | None, environ=os.environ, user_dir: Path | None = None) -> Path | None:
-    """Set ``FLA_CONFIG_DIR`` to the configurations for ``device_name`` (the user's own from ``kdacp tune``
-    in ``user_dir``, default :data:`USER_CONFIGS`, else kdacp's shipped ones) and ``FLA_CACHE_MODE`` to
-    ``strict`` (exact key matches; anything else autotunes), unless the user set either variable or none
-    exist for that GPU. Returns the directory used, or None. Call it before FLA is imported."""
-    if device_name is None or "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ:
-        return None
-    name = gpu_dir_name(device_name)
-    folder = next((d for d in ((user_dir or USER_CONFIGS) / name, SHIPPED_CONFIGS / name) if d.is_dir()), None)
-    if folder is None:
-        return None
-    environ["FLA_CONFIG_DIR"], environ["FLA_CACHE_MODE"] = str(folder), "strict"
-    return folder
-
-
-def fla_key_hash(key: list) -> str:
-    """The hash FLA files an autotune entry under (its ``AutotuneKey.key_hash``)."""
-    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
-
-
-def _best(configs_timings: list) -> dict:
-    """The configuration with the smallest mean timing."""
-    return min(configs_timings, key=lambda ct: sum(ct[1]) / len(ct[1]))[0]
-
-
-def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernels=None,
-                       triton_version: str | None = None) -> list[Path]:
-    """Write FLA configuration files from the autotune results in a Triton cache.
-
-    Args:
-        triton_cache_dir: a ``TRITON_CACHE_DIR`` holding ``<hash>/<kernel>.autotune.json`` files.
-        out_dir: where ``<kernel>.json`` files go; entries already there are kept, the new win.
-        kernels: only these kernel names (default: all found).
-        triton_version: recorded in each file (default: the installed Triton's).
-
-    Returns:
-        The files written, sorted.
-    """
-    if triton_version is None:
-        import triton
-        triton_version = triton.__version__
-    found: dict[str, dict] = {}
-    for path in sorted(Path(triton_cache_dir).rglob("*.autotune.json")):
-        name = path.name[:-len(".autotune.json")]
-        if kernels is not None and name not in kernels:
-            continue
-        data = json.loads(path.read_text())
-        key, best = data["key"], _best(data["configs_timings"])
-        found.setdefault(name, {})[fla_key_hash(key)] = {"autotune_key": key, "config": best}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, entries in sorted(found.items()):
-        path = out / f"{name}.json"
-        old = json.loads(path.read_text()).get("autotune_entries", {}) if path.exists() else {}
-        path.write_text(json.dumps({"kernel_name": name, "triton_version": triton_version,
-                                    "autotune_entries": {**old, **entries}}, indent=1, sort_keys=True))
-        written.append(path)
-    return written
+__all__ = ["tune"]
 
 
 def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int = 2048, heads: int = 32,
@@ -110,7 +33,8 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU (it times FLA's kernels on it)")
     if "fla" in sys.modules:
-        raise RuntimeError("tuning must run in a fresh process (FLA reads its settings at import, and it was imported already)")
+        raise RuntimeError("tuning must run in a fresh process (FLA reads its settings at import, and it was "
+                           "imported already)")
     out = Path(out_dir) if out_dir is not None else USER_CONFIGS / gpu_dir_name(torch.cuda.get_device_name())
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "FLA_CACHE_MODE")}
     with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:
@@ -127,16 +51,12 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
 
 def _tune_into(cache: str, out: Path, t_local: int, hidden: int, heads: int, head_dim: int, batches) -> list[Path]:
     """:func:`tune`'s work, with the Triton cache at ``cache`` and FLA's config lookup off."""
-    import sys
-
     import torch
 
-    from .backends.fla_adapter import load_fla
+    from .backends.fla_adapter import autotuned_kernel_names
     from .bench.batches import cu_seqlens_of, document_lengths
     from .bench.layer import layer_step
     from .layers import KimiDeltaAttention
-    load_fla()
-    from fla.ops.utils.cache import CachedAutotuner
     layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
                                device="cuda", dtype=torch.bfloat16)
     for batch in batches:
@@ -144,6 +64,4 @@ def _tune_into(cache: str, out: Path, t_local: int, hidden: int, heads: int, hea
         x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
     torch.cuda.synchronize()
-    fla_modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
-    kernels = {obj.kernel_name for m in fla_modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
-    return export_fla_configs(cache, out, kernels=kernels)
+    return export_fla_configs(cache, out, kernels=autotuned_kernel_names())

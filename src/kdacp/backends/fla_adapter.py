@@ -9,7 +9,8 @@ import functools
 import importlib
 from types import SimpleNamespace
 
-__all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla", "load_fla_layer"]
+__all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla", "load_fla_layer",
+           "autotuned_kernel_names"]
 
 REQUIRED_FLA_VERSION = "0.6.0"
 
@@ -47,7 +48,7 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
     # unless the user chose FLA's settings; a config missed still autotunes.
     import torch
 
-    from ..tuning import use_shipped_configs
+    from .fla_configs import use_shipped_configs
     use_shipped_configs(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     try:
         import fla
@@ -104,3 +105,13 @@ def load_fla_layer(name: str = "KimiDeltaAttention"):
         return getattr(importlib.import_module("fla.layers"), name)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"fla.layers.{name} is not usable ({type(e).__name__}: {e})") from None
+
+
+def autotuned_kernel_names() -> set[str]:
+    """The names of FLA's autotuned kernels (``CachedAutotuner``, the kernels that read FLA's
+    configuration files) in the FLA modules imported so far; loads FLA first."""
+    import sys
+    load_fla()
+    from fla.ops.utils.cache import CachedAutotuner
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
+    return {obj.kernel_name for m in modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
