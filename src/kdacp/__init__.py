@@ -13,7 +13,7 @@ from .kernels import state_gradient_summary, state_summary, transition
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
 from .models import parallelize, shard_batch
-from .ops import chunk_kda
+from .kda import chunk_kda
 
 __version__ = "0.1.0"
 

@@ -9,8 +9,8 @@ written yet.
 """
 from __future__ import annotations
 
-from .distributed.op import cp_chunk_kda
-from .ops import chunk_kda
+from .distributed.cp_kda import cp_chunk_kda
+from .kda import chunk_kda
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 

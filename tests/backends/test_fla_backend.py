@@ -1,11 +1,11 @@
-"""The ``fla`` backend's stages against the ``torch`` backend, and ``kdacp.ops.chunk_kda`` against
+"""The ``fla`` backend's stages against the ``torch`` backend, and ``kdacp.kda.chunk_kda`` against
 FLA's own ``chunk_kda`` (CUDA only)."""
 import pytest
 import torch
 
 from kdacp.backends.base import KDAInputs, KDAOptions, Span
 from kdacp.backends.torch_backend import TorchBackend
-from kdacp.ops import chunk_kda
+from kdacp.kda import chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +64,7 @@ def test_fla_stages_match_torch_stages(gate):
         assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
 
 
-def test_ops_chunk_kda_fla_matches_fla_chunk_kda():
+def test_chunk_kda_fla_matches_fla_chunk_kda():
     fla = _fla()
     cu = torch.tensor([0, 100, 1000, 1500], device="cuda")
     args = make_kda_inputs(1, 1500, H, HV, K, V, gate="default", dtype=torch.bfloat16, initial_state=True,

@@ -178,7 +178,7 @@ def _check_contract(rank, world_size):
 
 def _local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
     """``KDAContextParallel.chunk_kda`` without the state exchange: each rank's pieces start from zero."""
-    from kdacp.ops import chunk_kda
+    from kdacp.kda import chunk_kda
     return chunk_kda(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
                      backend=backend, **kwargs)
 

@@ -7,7 +7,7 @@ kernels' queue, and it keeps kdacp's messages out of the queue of other collecti
 all-reduces) on the default group.
 """
 from .comm import new_group as new_cp_group
-from .op import cp_chunk_kda
+from .cp_kda import cp_chunk_kda
 from .plan import STRATEGIES, CPPlan, LocalSegment, RankLayout, build_cp_plan
 
 __all__ = ["CPPlan", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "cp_chunk_kda", "new_cp_group"]

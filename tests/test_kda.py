@@ -1,9 +1,9 @@
-"""``kdacp.ops.chunk_kda`` (torch backend) against the token-by-token reference."""
+"""``kdacp.kda.chunk_kda`` (torch backend) against the token-by-token reference."""
 import pytest
 import torch
 
 from kdacp import reference
-from kdacp.ops import chunk_kda
+from kdacp.kda import chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 

@@ -1,4 +1,6 @@
-"""Single-device chunk KDA with FLA's arguments, on a selectable local backend."""
+"""``chunk_kda``: Kimi Delta Attention on one device with FLA's arguments, differentiable, on a
+selectable local backend. Its context-parallel twin is :mod:`kdacp.distributed.cp_kda`; both prepare
+the call with :mod:`kdacp.backends.call`."""
 from __future__ import annotations
 
 import torch
