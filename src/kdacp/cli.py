@@ -15,34 +15,22 @@ from .layers.context_parallel import MODES
 from .workers import WorkerError, launch, under_torchrun
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(parse, fits, expected: str):
+    """An argparse type: ``parse(text)`` when it ``fits``, else a usage error saying what was ``expected``."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not fits(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return check
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number from 0 (pick a free one) to 65535, got {text!r}")
-    return value
+_positive_int = _number(int, lambda x: x >= 1, "a positive integer")
+_seconds = _number(float, lambda x: 0 < x < float("inf"), "a positive number of seconds")
+_port = _number(int, lambda x: 0 <= x <= 65535, "a port number from 0 (pick a free one) to 65535")
 
 
 def _batches(text: str) -> tuple[str, ...]:
@@ -255,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    demo.add_argument("--timeout", type=_positive_float, default=None,
+    demo.add_argument("--timeout", type=_seconds, default=None,
                       help="seconds before the run is stopped (default: 300 on CPU; 1800 on CUDA, where FLA "
                            "autotunes its kernels at first use)")
     demo.set_defaults(func=_demo)
@@ -283,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
     bench.add_argument("--port", type=_port, default=0, help="rendezvous port (0: pick a free one)")
-    bench.add_argument("--timeout", type=_positive_float, default=1800.0,
+    bench.add_argument("--timeout", type=_seconds, default=1800.0,
                        help="seconds before a multi-rank run is stopped")
     bench.set_defaults(func=_bench)
 
