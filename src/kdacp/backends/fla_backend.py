@@ -181,8 +181,9 @@ class FlaBackend:
         return FlaBackward(x, span, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
 
     def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
-        return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv_local, self.options.scale,
-                                      chunk_size=self.options.chunk_size, cu_seqlens=local.span.cu_seqlens_host())
+        return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv_local,
+                                      self.options.scale, chunk_size=self.options.chunk_size,
+                                      cu_seqlens=local.span.cu_seqlens_host())
 
     def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> FlaBackwardStates:
         dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
