@@ -106,17 +106,24 @@ def test_layer_bf16_as_close_as_fla_layer(cu):
 
 @pytest.mark.parametrize("cu", CU)
 def test_layer_float32_equals_fla_layer(cu):
-    """float32: kdacp's layer and FLA's compute the same function, to the rounding of FLA's float32
-    kernels, whose products are TF32: FLA's layer runs their ``state_v_first`` variant and kdacp the
-    other, and the outputs differed by 2.6e-5 (one H200, 2026-12-01), so the bound is 1e-4, not 1e-5."""
+    """float32: kdacp's layer and FLA's compute the same function. Everything outside the recurrence
+    is bitwise equal (one H200, 2026-12-01: projections, convolutions, gate and norm inputs); the
+    recurrence runs FLA's float32 kernels, whose products are TF32, in a different order (FLA's
+    fused entry point against kdacp's stages), so the two differ by about 2e-5 while each is about
+    1e-3 from a float64 run (gradients: up to 1.7e-4 apart, 1e-3 from float64). The bound: kdacp as
+    close to float64 as FLA's layer, and the two within a quarter of that error of each other."""
     ours, fla = _layers(torch.float32)
+    ref = copy.deepcopy(ours).double()
+    ref.backend = "torch"
     x = torch.randn(1, 2048, 512, device="cuda")
     cu = None if cu is None else torch.tensor(cu, device="cuda")
     y_ours, g_ours = _step(ours, x, cu)
     y_fla, g_fla = _step(fla, x, cu)
-    assert rel_err(y_ours, y_fla) < 1e-4, f"float32 output {rel_err(y_ours, y_fla):.2e}"
-    for name in g_fla:
-        assert rel_err(g_ours[name], g_fla[name]) < 1e-4, f"float32 {name} {rel_err(g_ours[name], g_fla[name]):.2e}"
+    y_ref, g_ref = _step(ref, x.double(), cu)
+    for name, a, b, r in [("output", y_ours, y_fla, y_ref)] + [(n, g_ours[n], g_fla[n], g_ref[n]) for n in g_fla]:
+        e_ours, e_fla, apart = rel_err(a, r), rel_err(b, r), rel_err(a, b)
+        print(f"float32 {name}: kdacp {e_ours:.2e} and FLA {e_fla:.2e} from float64, {apart:.2e} apart")
+        assert e_ours <= 1.05 * e_fla and apart <= 0.25 * e_fla, (name, e_ours, e_fla, apart)
 
 
 def test_gdn_layer_bf16_as_close_as_fla_gdn_layer():
