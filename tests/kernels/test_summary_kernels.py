@@ -143,7 +143,7 @@ def test_bad_summary_config_raises(field, value):
 def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from kdacp.kernels.utils import launch_fitting_stages
+    from kdacp.kernels.stages import launch_fitting_stages
 
     class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory up to ``fits`` stages
         def __init__(self, fits):

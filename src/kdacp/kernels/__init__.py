@@ -6,6 +6,6 @@ against, are in :mod:`kdacp.reference.summary`.
 """
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition
-from .utils import SummaryConfig
+from .config import SummaryConfig
 
 __all__ = ["SummaryConfig", "state_gradient_summary", "state_summary", "transition"]

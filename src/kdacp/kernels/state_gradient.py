@@ -16,11 +16,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_summary_inputs
-from .compose import fold_summaries
-from .state_summary import _strides
-from .utils import (SummaryConfig, chunk_decay, dot_inputs, dot_state, dot_state_left, initial_tile,
-                    launch_fitting_stages, load_last_gate, locate_program, pick_chunks_per_program, plan_summary,
-                    split_bf16, store_tile)
+from .config import SummaryConfig
+from .launch import launch_summary, token_strides
+from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left
+from .tiles import initial_tile, load_last_gate, locate_program, store_tile
 
 __all__ = ["state_gradient_summary"]
 
@@ -117,23 +116,10 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     dims = check_summary_inputs({"qg": qg, "kg": kg, "w": w}, {"do": do}, gc, chunk_size=chunk_size,
                                 head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
                                 cu_seqlens=cu_seqlens, segment=segment, dv=dv)
-    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
-    K, V, HV = dims.K, dims.V, dims.HV
-    block_v = min(cfg.block_v, K, V)
-    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (V + K) // block_v, chunk_size,
-                                                          kg.device, serial_programs=HV * V // block_v)
-    plan = plan_summary(dims.bounds, chunk_size, L, reverse=True, transition_everywhere=False, device=kg.device)
-    ncol = V + (K if plan.max_subsegments > 1 else 0)
-    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
-    grid = (ncol // block_v, plan.num_work, HV)
-    launch_fitting_stages(
-        _state_gradient_kernel, grid,
-        (qg, kg, w, gc, do, dv, ws, plan.work,
-         *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
-         float(scale), dims.head_start, HV),
-        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype),
-             NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
-        cfg.num_warps, cfg.num_stages)
-    G, _ = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=V, want_a=True, want_t=False, reverse=True,
-                          block_v=block_v)
+    G, _ = launch_summary(
+        _state_gradient_kernel, (qg, kg, w, gc, do, dv),
+        (*token_strides(qg), *token_strides(kg), *token_strides(w, w_head_first), *token_strides(gc),
+         *token_strides(do), *token_strides(dv), float(scale), dims.head_start, dims.HV),
+        dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
+        a_cols=dims.V, want_t=False, reverse=True)
     return G

@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_summary_inputs
 from ..affine import StateSummary
-from .compose import fold_summaries
-from .utils import (SummaryConfig, chunk_decay, dot_state, dot_state_left, initial_tile, launch_fitting_stages,
-                    load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16,
-                    store_tile)
+from .checks import check_summary_inputs
+from .config import SummaryConfig
+from .launch import launch_summary, token_strides
+from .precision import chunk_decay, dot_state, dot_state_left
+from .tiles import initial_tile, load_last_gate, locate_program, store_tile
 
 __all__ = ["state_summary", "transition"]
 
@@ -93,38 +93,15 @@ def _state_summary_kernel(
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
-def _strides(x: torch.Tensor, head_first: bool = False):
-    """``(batch, token, head)`` strides of a 4-d tensor stored token-first or head-first."""
-    return (x.stride(0), x.stride(2), x.stride(1)) if head_first else (x.stride(0), x.stride(1), x.stride(2))
-
-
 def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
-    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
     has_s = output != "transition"
-    K, V, HV = dims.K, dims.V, dims.HV
-    s_cols = V if has_s else 0
-    block_v = min(cfg.block_v, K, V) if has_s else min(cfg.block_v, K)
-    # cutting a state-only summary into sub-segments adds M columns: only worth it on a small grid
-    serial = HV * V // block_v if output == "state" else None
-    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (s_cols + K) // block_v, chunk_size,
-                                                          kg.device, serial_programs=serial)
-    plan = plan_summary(dims.bounds, chunk_size, L, reverse=False, transition_everywhere=output != "state",
-                        device=kg.device)
-    # state-only with one sub-segment per sequence never needs M columns at all
-    with_m = output != "state" or plan.max_subsegments > 1
-    ncol = s_cols + (K if with_m else 0)
-    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
-    grid = (ncol // block_v, plan.num_work, HV)
-    launch_fitting_stages(
-        _state_summary_kernel, grid,
-        (kg, w, u if has_s else kg, gc, ws, plan.work,
-         *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
-         dims.head_start, HV),
-        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
-             SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
-        cfg.num_warps, cfg.num_stages)
-    S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",
-                          reverse=False, block_v=block_v)
+    S, M = launch_summary(
+        _state_summary_kernel, (kg, w, u if has_s else kg, gc),
+        (*token_strides(kg), *token_strides(w, w_head_first), *(token_strides(u) if has_s else (0, 0, 0)),
+         *token_strides(gc), dims.head_start, dims.HV),
+        dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
+        a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
+        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s))
     return StateSummary(S, M)
 
 
