@@ -14,12 +14,18 @@ from .planning import pick_chunks_per_program, plan_summary
 from .precision import split_bf16
 from .stages import launch_fitting_stages
 
-__all__ = ["token_strides", "launch_summary"]
+__all__ = ["token_strides", "gate_strides", "launch_summary"]
 
 
 def token_strides(x: torch.Tensor, head_first: bool = False) -> tuple[int, int, int]:
     """``(batch, token, head)`` strides of a 4-d tensor stored token-first or head-first."""
     return (x.stride(0), x.stride(2), x.stride(1)) if head_first else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def gate_strides(gc: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(batch, token, head, channel)`` strides of ``gc [B, T, HV, K]``, or of a scalar gate ``[B, T, HV]``
+    (channel stride 0)."""
+    return (*token_strides(gc), gc.stride(3) if gc.dim() == 4 else 0)
 
 
 def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: int, config: SummaryConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate"]
+__all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile"]
 
 
 @triton.jit
@@ -46,7 +46,26 @@ def store_tile(ws, HV, st, o_k, o_c, K: tl.constexpr, NCOL: tl.constexpr, VF: tl
 
 
 @triton.jit
-def load_last_gate(p_g, s_gt, start, end, chunk, o_k, valid, BT: tl.constexpr):
-    """``gc`` at the last token of chunk ``chunk`` of the segment ``[start, end)`` (zeros where not ``valid``)."""
+def load_last_gate(p_g, s_gt, s_gk, start, end, chunk, o_k, valid, BT: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """``gc`` at the last token of chunk ``chunk`` of the segment ``[start, end)`` (zero where not
+    ``valid``): ``[K]`` with channel stride ``s_gk`` (0: a broadcast scalar gate), or one value with
+    ``SCALAR_GATE``."""
     last = tl.minimum(start + (chunk + 1) * BT, end) - 1
-    return tl.load(p_g + last * s_gt + o_k, mask=(o_k >= 0) & valid, other=0.0)
+    if SCALAR_GATE:
+        out = tl.load(p_g + last * s_gt, mask=valid, other=0.0)
+    else:
+        out = tl.load(p_g + last * s_gt + o_k * s_gk, mask=(o_k >= 0) & valid, other=0.0)
+    return out
+
+
+@triton.jit
+def decay_tile(st, decay, SCALAR_GATE: tl.constexpr, VF: tl.constexpr):
+    """``Diag(decay) st`` for a ``[K, BV]`` tile (``st Diag(decay)`` for ``[BV, K]`` with ``VF``);
+    ``decay`` one value with ``SCALAR_GATE``, else ``[K]``."""
+    if SCALAR_GATE:
+        out = st * decay
+    elif VF:
+        out = st * decay[None, :]
+    else:
+        out = st * decay[:, None]
+    return out
