@@ -168,7 +168,7 @@ def _bench(args: argparse.Namespace) -> int:
     world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
     seq_lens = args.seq_lens
     if args.suite == "kernels":
-        cases = [{"T": T} for T in (seq_lens or [16384])]
+        cases = [{"T": T, "family": args.family} for T in (seq_lens or [16384])]
     elif args.suite in ("virtual", "soak"):
         cases = [{}]
     elif args.suite == "cp":
@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
+    bench.add_argument("--family", default="kda", choices=("kda", "gdn"),
+                       help="kernels suite: KDA's per-channel gate, or GDN's scalar gate at Qwen3-Next shapes "
+                            "(default: %(default)s)")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None,

@@ -143,7 +143,7 @@ def test_bad_summary_config_raises(field, value):
 def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from kdacp.kernels.utils import launch_fitting_stages
+    from kdacp.kernels.stages import launch_fitting_stages
 
     class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory up to ``fits`` stages
         def __init__(self, fits):
@@ -259,10 +259,13 @@ def _bad_cases():
         (dict(kg=kg.new_zeros(1, 70, 2, 256), w=w.new_zeros(1, 70, 2, 256), gc=gc.new_zeros(1, 70, 2, 256)),
          NotImplementedError, "K=256"),
         (dict(u=u.new_zeros(1, 70, 2, 96)), ValueError, "value dim V"),
+        (dict(gc=gc[..., 0, :]), ValueError, r"gc must have shape .* or, a scalar gate, \[B, T, HV\]"),
+        (dict(gc=gc[0, :, 0]), ValueError, "gc must have 4 dims .* or 3 dims"),
+        (dict(gc=torch.cat([gc, gc], -1)[..., ::2]), ValueError, "gc must be .* last-dim stride in"),
     ]
 
 
-@pytest.mark.parametrize("case", range(21))
+@pytest.mark.parametrize("case", range(24))
 def test_bad_inputs_raise_before_running(case):
     low, _ = make(1, 70, 2, 64, 64, torch.float32)
     change, exc, match = _bad_cases()[case]
@@ -283,6 +286,104 @@ def test_bad_gradient_inputs():
         kn.state_gradient_summary(*a[:5], a[5][:, :10], SCALE)
     with pytest.raises(ValueError, match="w must have shape"):
         kn.state_gradient_summary(*a[:2], a[2][:, :, :1], *a[3:], SCALE)
+
+
+# ------------------------------------------------------------------------------- scalar gate (GDN)
+@functools.lru_cache(maxsize=None)
+def _gdn_intermediates(B, T, H, HV, K, V, cu=None, seed=0, device=DEVICE):
+    """Chunked-GDN intermediates in float64: the reference KDA form on a scalar gate broadcast over ``K``."""
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    args = make_kda_inputs(B, T, H, HV, K, V, dtype=torch.float64, requires_grad=False, seed=seed,
+                           cu_seqlens=cu_seqlens, device=device)
+    gen = torch.Generator().manual_seed(seed + 2)
+    # natural-log decay per token and value head; heads decay at different rates
+    bias = torch.linspace(1.0, 5.0, HV, dtype=torch.float64)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64) + bias).to(device)
+    args["g"] = ref.scalar_gate_as_kda(g, K)[0]
+    it = ref.chunk_kda_intermediates(**args)
+    out = {n: getattr(it, n) for n in FIELDS}
+    assert torch.equal(out["gc"], out["gc"][..., :1].expand_as(out["gc"]))
+    out["gc"] = out["gc"][..., 0].contiguous()  # [B, T, HV]: one log2 value per token and head
+    out["do"] = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(device)
+    out["dv"] = ref.chunk_dv_local(out["Aqk"], out["do"], SCALE, cu_seqlens=args.get("cu_seqlens"))
+    return out
+
+
+def make_gdn(B, T, H, HV, K, V, dtype, cu=None, seed=0):
+    """GDN kernel inputs in ``dtype`` (scalar ``gc [B, T, HV]`` float32) and the same values in float64
+    with the gate broadcast over ``K`` (the per-channel form the reference takes)."""
+    x = _gdn_intermediates(B, T, H, HV, K, V, cu, seed)
+    low = {n: x[n].to(torch.float32 if n in ("gc", "dv") else dtype) for n in x}
+    wide = {n: t.double() for n, t in low.items()}
+    wide["gc"] = wide["gc"].unsqueeze(-1).expand(B, T, HV, K)
+    return low, wide
+
+
+def gate_variant(gc: torch.Tensor, variant: str, K: int) -> torch.Tensor:
+    """The scalar gate ``[B, T, HV]`` as the constexpr variant reads it, or as a zero-stride ``K`` view."""
+    if variant == "scalar":
+        return gc
+    view = gc.unsqueeze(-1).expand(*gc.shape, K)
+    assert view.stride(-1) == 0
+    return view
+
+
+GDN_CU = (0, 70, 200, 261)
+# (B, T, H, HV, K, V, dtype, chunks per program, cu_seqlens): grouped value heads (HV = 2H), partial last
+# chunks, sub-segments, packed sequences
+GDN_CASES = [
+    (2, 150, 1, 2, 64, 64, torch.float32, None, None),
+    (1, 200, 2, 4, 64, 64, torch.float32, 1, None),
+    (1, 130, 1, 2, 128, 64, torch.bfloat16, 2, None),
+    (1, 37, 1, 2, 64, 128, torch.float16, None, None),
+    (1, GDN_CU[-1], 1, 2, 64, 64, torch.float32, None, GDN_CU),
+    (1, GDN_CU[-1], 1, 2, 64, 64, torch.float32, 1, GDN_CU),
+]
+
+
+@pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu", GDN_CASES)
+def test_scalar_gate_summaries_match_reference(B, T, H, HV, K, V, dtype, L, cu, variant):
+    low, x = make_gdn(B, T, H, HV, K, V, dtype, cu)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    gc = gate_variant(low["gc"], variant, K)
+    kg, w, u = low["kg"], low["w"], low["u"]
+    S_ref, M_ref = ref_summary(x, cu)
+    S, M = kn.state_summary(kg, w, u, gc, cu_seqlens=cu, config=cfg(L))
+    N = B if cu is None else len(cu) - 1
+    assert S.shape == (N, HV, K, V) and M.shape == (N, HV, K, K)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    S_only, _ = kn.state_summary(kg, w, u, gc, output="state", cu_seqlens=cu, config=cfg(L))
+    assert rel_err(S_only, S_ref) < TOL
+    assert rel_err(kn.transition(kg, w, gc, cu_seqlens=cu, config=cfg(L)), M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], kg, w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L))
+    G_ref = ref_grad(x, cu)
+    assert G.shape == (N, HV, K, V) and rel_err(G, G_ref) < TOL
+    # the gate is read: without it M is another, and so are S_ext and G past one chunk
+    zero = torch.zeros_like(gc)
+    S0, M0 = kn.state_summary(kg, w, u, zero, cu_seqlens=cu, config=cfg(L))
+    G0 = kn.state_gradient_summary(low["qg"], kg, w, zero, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L))
+    assert rel_err(M0, M_ref) > 1e-3
+    if T > 64:
+        assert rel_err(S0, S_ref) > 1e-3 and rel_err(G0, G_ref) > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
+def test_scalar_gate_head_range_segment_and_v_first(variant):
+    low, x = make_gdn(1, GDN_CU[-1], 2, 4, 64, 64, torch.float32, GDN_CU)
+    gc = gate_variant(low["gc"], variant, 64)
+    hs, nh, (s, e) = 1, 2, GDN_CU[1:3]
+    seg = {n: t[:, s:e, hs:hs + nh] for n, t in x.items()}
+    S_ref, M_ref = ref_summary(seg)
+    w_hf = low["w"].transpose(1, 2).contiguous()
+    S, M = kn.state_summary(low["kg"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
+                            segment=(s, e), config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
+    assert S.shape == (1, nh, 64, 64)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], low["kg"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
+                                  num_heads=nh, w_head_first=True, segment=(s, e),
+                                  config=kn.SummaryConfig(v_first=True, block_v=16))
+    assert rel_err(G, ref_grad(seg)) < TOL
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -357,3 +458,55 @@ def test_gpu_chunk_size_128_bf16():
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
                                   chunk_size=128)
     assert rel_err(G, ref_grad(x, chunk_size=128)) < 5e-5
+
+
+GDN_GPU_SHAPE = (1, 16384, 16, 32, 128, 128)  # Qwen3-Next: 16 q/k heads, 32 value heads, K = V = 128
+GDN_GPU_CU = (0, 6000, 16384)
+
+
+@functools.lru_cache(maxsize=1)
+def _gdn_gpu_inputs():
+    """Two packed sequences of real chunked-GDN intermediates in bf16 (scalar ``gc [1, T, HV]`` float32)."""
+    B, T, H, HV, K, V = GDN_GPU_SHAPE
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    # one decay per token and head, slow enough that M stays far from underflow over 10K tokens
+    g = torch.nn.functional.logsigmoid(rnd(B, T, HV) + torch.linspace(6.0, 12.0, HV, device="cuda"))
+    cu = torch.tensor(GDN_GPU_CU, dtype=torch.int64)
+    it = ref.chunk_kda_intermediates(q, k, rnd(B, T, HV, V), ref.scalar_gate_as_kda(g, K)[0],
+                                     torch.sigmoid(rnd(B, T, HV) - 2.0), cu_seqlens=cu.cuda())
+    low = {n: getattr(it, n).to(torch.bfloat16) for n in ("qg", "kg", "w", "u")}
+    low["gc"] = it.gc[..., 0].float().contiguous()
+    low["do"] = rnd(B, T, HV, V).to(torch.bfloat16)
+    low["dv"] = ref.chunk_dv_local(it.Aqk, low["do"].float(), SCALE, cu_seqlens=cu).to(torch.bfloat16)
+    x = {n: t.double() for n, t in low.items()}
+    x["gc"] = x["gc"].unsqueeze(-1).expand(B, T, HV, K)
+    return low, x, cu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
+def test_gpu_scalar_gate_qwen3_next_shapes_bf16(variant):
+    low, x, cu = _gdn_gpu_inputs()
+    K = GDN_GPU_SHAPE[4]
+    gc = gate_variant(low["gc"], variant, K)
+    S_ref, M_ref = ref_summary(x, cu)
+    assert M_ref.norm() > 1e-20
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], gc, cu_seqlens=cu)
+    assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
+    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], gc, output="state", cu_seqlens=cu)
+    assert rel_err(S_only, S_ref) < 5e-5
+    assert rel_err(kn.transition(low["kg"], low["w"], gc, cu_seqlens=cu), M_ref) < 2e-4
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], gc, low["do"], low["dv"], SCALE, cu_seqlens=cu)
+    assert rel_err(G, ref_grad(x, cu)) < 5e-5
+    # one sequence of the batch, half the heads, no copies
+    s, e = GDN_GPU_CU[1:]
+    sub = {n: t[:, s:e, 8:24] for n, t in x.items()}
+    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], gc, head_start=8, num_heads=16, segment=(s, e))
+    S1_ref, M1_ref = ref_summary(sub)
+    assert rel_err(S1, S1_ref) < 5e-5 and rel_err(M1, M1_ref) < 2e-4

@@ -1,10 +1,20 @@
 """Summary kernels on one GPU, side by side with FLA 0.6.0's CP summary kernels and its main state pass.
 
-Inputs are real chunked-KDA intermediates (reference ``chunk_kda_intermediates`` in float32 on the GPU)
-rounded to bf16 (``gc`` float32); each result's relative error is taken against the float64 reference
-summaries of exactly those values. Times are ``triton.testing.do_bench`` medians, warm.
+KDA (``family="kda"``): inputs are real chunked-KDA intermediates (reference ``chunk_kda_intermediates``
+in float32 on the GPU) rounded to bf16 (``gc`` float32); each result's relative error is taken against
+the float64 reference summaries of exactly those values. Times are ``triton.testing.do_bench``
+medians, warm.
 
-    kdacp bench --suite kernels [--seq-lens 16384]
+GDN (``family="gdn"``, Qwen3-Next shapes: 16 q/k heads, 32 value heads, K=V=128, bf16): our scalar-gate
+kernels in both forms (``gc [1, T, HV]``, the ``SCALAR_GATE`` variant; and a zero-stride ``[1, T, HV, K]``
+view through the per-channel kernels) against FLA's GDN CP summary kernels (``chunk_cp_fwd_h`` and
+``chunk_cp_bwd_dh`` with a scalar ``g``, as FLA's GDN CP pre-processing calls them). Both start from the
+same bf16 ``q, k [1, T, 16, K]``, ``w, u, do, dv`` and float32 ``gc``; FLA gates ``q, k`` inside its
+kernels, ours take ``qg, kg [1, T, 32, K]`` formed from them (a row times that, in PyTorch). Errors are
+against float64 summaries of those shared inputs; times are CUDA-event means per call, warm, the
+contenders taking turns (round robin) so that clock and thermal drift hit all alike.
+
+    kdacp bench --suite kernels [--seq-lens 16384] [--family gdn]
 
 ``run(...)`` returns the table as a list of dicts; ``sweep(...)`` times tilings (to choose defaults).
 """
@@ -12,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import torch
 
@@ -203,10 +214,164 @@ def sweep(x, r, costs, BT, which="fwd"):
     return rows
 
 
-def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True, do_sweep=None,
-        device="cuda", report=None):
+def make_gdn_inputs(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, device="cuda",
+                    seed=0):
+    """GDN kernel inputs for one sequence: FLA's ``q, k [1, T, H, K]`` and scalar ``g`` (log2 chunk
+    cumsum, float32 ``[1, T, HV]``), our ``qg, kg [1, T, HV, K]`` and ``gc`` (the same ``g``), and the
+    shared ``w, u, do, dv``; float64 ``S, M, G`` of exactly these values."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q = torch.nn.functional.normalize(rnd(1, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rnd(1, T, H, K), dim=-1)
+    # one natural-log decay per token and value head, from faster to slower heads (as Qwen3-Next's
+    # A_log spreads them); slow enough that M stays far above underflow over 32K tokens
+    g = torch.nn.functional.logsigmoid(rnd(1, T, HV) + torch.linspace(6.0, 12.0, HV, device=device))
+    with torch.no_grad():
+        it = ref.chunk_kda_intermediates(q, k, rnd(1, T, HV, V), ref.scalar_gate_as_kda(g, K)[0],
+                                         torch.sigmoid(rnd(1, T, HV) - 2.0), chunk_size=chunk_size)
+    x = {"q": q.to(dtype), "k": k.to(dtype), "w": it.w.to(dtype), "u": it.u.to(dtype)}
+    x["gc"] = it.gc[..., 0].float().contiguous()
+    x["scale"] = K ** -0.5
+    x["do"] = rnd(1, T, HV, V).to(dtype)
+    x["dv"] = ref.chunk_dv_local(it.Aqk, x["do"].float(), x["scale"], chunk_size=chunk_size).to(dtype)
+    del it
+    x["qg"], x["kg"] = gdn_gated(x["q"], x["k"], x["gc"], chunk_size)
+    # the truth: float64 from the shared inputs, the gating included
+    d = {n: t.double() for n, t in x.items() if isinstance(t, torch.Tensor) and n not in ("qg", "kg")}
+    qg, kg = gdn_gated(d["q"], d["k"], d["gc"], chunk_size)
+    gc = d["gc"].unsqueeze(-1).expand(*d["gc"].shape, K)
+    S, M = ref.state_summary(kg, d["w"], d["u"], gc, chunk_size=chunk_size)
+    G = ref.state_gradient_summary(qg, kg, d["w"], gc, d["do"], d["dv"], x["scale"], chunk_size=chunk_size)
+    return x, {"S": S, "M": M, "G": G}
+
+
+def gdn_gated(q, k, gc, chunk_size):
+    """``(qg, kg) [1, T, HV, K]`` in ``q``'s dtype: ``q exp2(gc)``, ``k exp2(gc_last - gc)`` for
+    ``q, k [1, T, H, K]`` and a scalar gate ``gc [1, T, HV]`` (``T`` a multiple of ``chunk_size``)."""
+    B, T, H, K = k.shape
+    HV = gc.shape[2]
+    gc = gc.float() if gc.dtype != torch.float64 else gc
+    chunks = gc.view(B, T // chunk_size, chunk_size, HV)
+    to_last = (chunks[:, :, -1:] - chunks).view(B, T, HV, 1)
+    qg = q.repeat_interleave(HV // H, dim=2) * torch.exp2(gc)[..., None]
+    kg = k.repeat_interleave(HV // H, dim=2) * torch.exp2(to_last)
+    return qg.to(q.dtype), kg.to(k.dtype)
+
+
+def time_in_turns(fns: dict, device, warmup: int = 3, rounds: int = 10, iters: int = 5) -> dict:
+    """Mean milliseconds per call of each of ``fns`` (name -> callable) on one device: after ``warmup``
+    calls each, ``rounds`` times each contender in turn runs ``iters`` calls back to back, timed by
+    CUDA events (wall clock on CPU)."""
+    cuda = torch.device(device).type == "cuda"
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    total = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                total[name] += start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                total[name] += (time.perf_counter() - t0) * 1e3
+    return {name: t / (rounds * iters) for name, t in total.items()}
+
+
+def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True,
+            device="cuda", report=None, timing: dict | None = None):
+    """The GDN rows (see the module docstring): ``kernel, ms, TFLOP/s, GB/s, GFLOP, MB, roofline_ms,
+    err_*`` and ``speedup_vs_fla``. ``timing``: keyword arguments of :func:`time_in_turns`."""
+    if T % chunk_size:
+        raise ValueError(f"T must be a multiple of chunk_size={chunk_size} here, got T={T}")
+    x, r = make_gdn_inputs(T, H, HV, K, V, chunk_size, dtype=dtype, device=device)
+    costs = _costs(1, T, HV, K, V, chunk_size, x["kg"].element_size())
+    gates = {"scalar": x["gc"], "zero-stride K": x["gc"].unsqueeze(-1).expand(1, T, HV, K)}
+    gargs = (x["qg"], x["kg"], x["w"])
+    contenders = {}  # name -> (fn, cost, outputs -> errors)
+    for form, gc in gates.items():
+        contenders[f"kdacp state_summary (S_ext+M, {form} gate)"] = (
+            lambda gc=gc: kn.state_summary(x["kg"], x["w"], x["u"], gc, chunk_size=chunk_size), costs["both"],
+            lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+        contenders[f"kdacp state_gradient_summary (G, {form} gate)"] = (
+            lambda gc=gc: kn.state_gradient_summary(*gargs, gc, x["do"], x["dv"], x["scale"], chunk_size=chunk_size),
+            costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
+    contenders["kdacp state_summary (S_ext only, scalar gate)"] = (
+        lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output="state"),
+        costs["state"], lambda out: {"S": rel_err(out.state, r["S"])})
+    # what our kernels need beyond FLA's inputs: the gated q, k per value head (an upper bound, eager)
+    contenders["PyTorch qg, kg from q, k, gc (eager, ours need them)"] = (
+        lambda: gdn_gated(x["q"], x["k"], x["gc"], chunk_size), (0, 4 * T * K * (H + HV)), lambda _: {})
+    if with_fla:
+        contenders.update(_fla_gdn_contenders(x, r, costs, HV, K, V, chunk_size))
+    results = {name: fn() for name, (fn, _, _) in contenders.items()}
+    ms = time_in_turns({name: fn for name, (fn, _, _) in contenders.items()}, device, **(timing or {}))
+    rows = []
+    for name, (_, cost, errors) in contenders.items():
+        row = {"T": T, **_row(name, ms[name], cost, **errors(results[name]))}
+        base = ("FLA chunk_cp_fwd_h" if "state_summary (S_ext+M" in name
+                else "FLA chunk_cp_bwd_dh" if "state_gradient_summary" in name else None)
+        fla = next((n for n in contenders if base and n.startswith(base)), None)
+        if fla is not None:
+            row["speedup_vs_fla"] = ms[fla] / ms[name]
+        rows.append(row)
+        if report is not None:
+            report(row)
+    return rows
+
+
+def _fla_gdn_contenders(x, r, costs, HV, K, V, chunk_size) -> dict:
+    """FLA's GDN CP summary kernels (scalar ``g``, raw ``q, k``), writing ``[S_ext | M]`` / ``[G | dM]``."""
+    try:
+        fla = load_fla()
+    except ImportError as e:  # FLA is optional
+        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
+        return {}
+    hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["k"].device)
+    dhm = torch.zeros_like(hm)
+
+    def fwd():
+        fla.chunk_cp_fwd_h(k=x["k"], w=x["w"], u=x["u"], hm=hm, g=x["gc"], chunk_size=chunk_size)
+        return hm
+
+    def bwd():
+        fla.chunk_cp_bwd_dh(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], dhm=dhm, g=x["gc"],
+                            scale=x["scale"], chunk_size=chunk_size)
+        return dhm
+
+    # FLA also forms dM (= M^T) in backward; its cost is in the time, the FLOP count is ours (G only)
+    return {
+        "FLA chunk_cp_fwd_h (S_ext+M, scalar g)": (
+            fwd, costs["both"],
+            lambda out: {"S": rel_err(out[None, :, :, :V], r["S"]), "M": rel_err(out[None, :, :, V:], r["M"])}),
+        "FLA chunk_cp_bwd_dh (G+dM, scalar g)": (
+            bwd, costs["grad"],
+            lambda out: {"G": rel_err(out[None, :, :, :V], r["G"]),
+                         "M": rel_err(out[None, :, :, V:], r["M"].transpose(-1, -2))}),
+    }
+
+
+def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype=torch.bfloat16, with_fla=True,
+        do_sweep=None, device="cuda", report=None):
     """Time every kernel on one set of inputs; returns rows (dicts) with ``kernel, ms, TFLOP/s, GB/s,
-    GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups."""
+    GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups.
+    ``family="gdn"``: the GDN rows of :func:`run_gdn` at Qwen3-Next shapes (``B``, ``HV``, ``K``, ``V``
+    and the sweep are KDA's)."""
+    if family == "gdn":
+        return run_gdn(T, chunk_size=chunk_size, dtype=dtype, with_fla=with_fla, device=device, report=report)
+    if family != "kda":
+        raise ValueError(f"family must be 'kda' or 'gdn', got {family!r}")
     x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
     r = reference_summaries(x)
     costs = _costs(B, T, HV, K, V, chunk_size, x["kg"].element_size())

@@ -1,11 +1,17 @@
 """Triton kernels for the affine state summaries exchanged between context-parallel ranks.
 
 Launchers validate their inputs (raising ``TypeError``/``ValueError`` naming the argument) before any
-kernel runs; every summary is float32. The math, and the plain-PyTorch version every kernel is tested
-against, are in :mod:`kdacp.reference.summary`.
+kernel runs; every summary is float32. The gate is KDA's per channel (``gc [B, T, HV, K]``) or GDN's
+scalar per token and head (``gc [B, T, HV]``, its own kernel variant). The math, and the plain-PyTorch
+version every kernel is tested against, are in :mod:`kdacp.reference.summary`.
+
+Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers), ``launch`` (their
+shared host side), ``planning`` (sub-segments), ``stages`` (pipeline stages that fit), ``compose`` (the
+fold kernel), ``tiles`` and ``precision`` (shared Triton helpers), ``checks`` (input checks),
+``config`` (:class:`SummaryConfig`).
 """
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition
-from .utils import SummaryConfig
+from .config import SummaryConfig
 
 __all__ = ["SummaryConfig", "state_gradient_summary", "state_summary", "transition"]

@@ -20,8 +20,8 @@ SUPPORTED_CHUNK = (16, 32, 64, 128)
 @dataclass(frozen=True)
 class SummaryDims:
     """Sizes of one launch: batch ``B``, tokens ``T``, heads of the given tensors ``HV_total``, the
-    selected heads ``[head_start, head_start + HV)``, ``K``, ``V``, and the sequences
-    ``(batch row, first token, end token)``."""
+    selected heads ``[head_start, head_start + HV)``, ``K``, ``V``, the sequences
+    ``(batch row, first token, end token)``, and whether ``gc`` is a scalar gate ``[B, T, HV]``."""
 
     B: int
     T: int
@@ -31,6 +31,7 @@ class SummaryDims:
     K: int
     V: int
     bounds: tuple
+    scalar_gate: bool = False
 
 
 def _check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
@@ -38,9 +39,12 @@ def _check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device} but the first input is on {device}; all inputs must share a device")
 
 
-def _check_layout(name: str, x: torch.Tensor) -> None:
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {tuple(x.stride())}")
+def _check_layout(name: str, x: torch.Tensor, last_strides: tuple | None = (1,)) -> None:
+    """Non-negative strides, and the last dim's in ``last_strides`` (any with None)."""
+    if last_strides is not None and x.stride(-1) not in last_strides:
+        what = "contiguous in its last dim (stride 1)" if last_strides == (1,) else \
+            f"a last-dim stride in {last_strides}"
+        raise ValueError(f"{name} must be {what}, got strides {tuple(x.stride())}")
     if any(s < 0 for s in x.stride()):
         raise ValueError(f"{name} must have non-negative strides, got {tuple(x.stride())}")
 
@@ -81,13 +85,17 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         keys: ``name -> tensor`` of the key-side inputs ``[B, T, HV, K]`` (``w`` may be head-first
             ``[B, HV, T, K]``); the first one fixes the shapes, dtype and device.
         values: ``name -> tensor`` of the value-side inputs ``[B, T, HV, V]`` in the same dtype.
-        gc: the within-chunk cumulative log2 gate ``[B, T, HV, K]``, any supported float dtype.
+        gc: the within-chunk cumulative log2 gate, any supported float dtype: ``[B, T, HV, K]`` (unit or
+            zero stride on ``K``: a broadcast scalar gate), or ``[B, T, HV]`` (a scalar gate, any strides).
         dv: optional ``[B, T, HV, V]`` tensor allowed its own float dtype.
     """
     names = list(keys) + list(values) + ["gc"] + (["dv"] if dv is not None else [])
     tensors = list(keys.values()) + list(values.values()) + [gc] + ([dv] if dv is not None else [])
     for name, x in zip(names, tensors):
-        check_tensor(name, x, 4)
+        check_tensor(name, x, None if name == "gc" else 4)
+    if gc.dim() not in (3, 4):
+        raise ValueError(f"gc must have 4 dims [B, T, HV, K] or 3 dims [B, T, HV] (a scalar gate), "
+                         f"got shape {tuple(gc.shape)}")
     first_name, first = next(iter(keys.items()))
     B, T, HV_total, K = first.shape
     if T < 1 or HV_total < 1:
@@ -108,8 +116,10 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         if tuple(x.shape) != (B, T, HV_total, V):
             raise ValueError(f"{name} must have shape [B, T, HV, V] = {(B, T, HV_total, V)}, got {tuple(x.shape)}")
         _check_dtype(name, x, INPUT_DTYPES, first, first_name)
-    if tuple(gc.shape) != (B, T, HV_total, K):
-        raise ValueError(f"gc must have shape [B, T, HV, K] = {(B, T, HV_total, K)}, got {tuple(gc.shape)}")
+    scalar_gate = gc.dim() == 3
+    if tuple(gc.shape) != ((B, T, HV_total) if scalar_gate else (B, T, HV_total, K)):
+        raise ValueError(f"gc must have shape [B, T, HV, K] = {(B, T, HV_total, K)} or, a scalar gate, [B, T, HV] = "
+                         f"{(B, T, HV_total)}, got {tuple(gc.shape)}")
     _check_dtype("gc", gc, INPUT_DTYPES)
     if dv is not None:
         if tuple(dv.shape) != (B, T, HV_total, V):
@@ -117,7 +127,12 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         _check_dtype("dv", dv, INPUT_DTYPES)
     for name, x in zip(names, tensors):
         _check_device(name, x, device)
-        _check_layout(name, x)
+        if name != "gc":
+            _check_layout(name, x)
+        elif scalar_gate:
+            _check_layout(name, x, None)
+        else:
+            _check_layout(name, x, (1, 0))
     if K == 256:
         raise NotImplementedError("K=256 is not supported by the summary kernels (the float32 K x K transition "
                                   "does not fit one tile); use K=64 or 128")
@@ -134,4 +149,5 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         raise ValueError(f"num_heads must be an int >= 1 with head_start + num_heads <= HV={HV_total}, "
                          f"got head_start={head_start}, num_heads={num_heads!r}")
     bounds = sequence_ranges(B, T, cu_seqlens, segment)
-    return SummaryDims(B=B, T=T, HV_total=HV_total, head_start=head_start, HV=HV, K=K, V=V, bounds=bounds)
+    return SummaryDims(B=B, T=T, HV_total=HV_total, head_start=head_start, HV=HV, K=K, V=V, bounds=bounds,
+                       scalar_gate=scalar_gate)

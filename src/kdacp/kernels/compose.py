@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import F32_DOT
+from .precision import F32_DOT
 
 __all__ = ["fold_summaries"]
 

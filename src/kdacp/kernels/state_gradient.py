@@ -16,11 +16,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_summary_inputs
-from .compose import fold_summaries
-from .state_summary import _strides
-from .utils import (SummaryConfig, chunk_decay, dot_inputs, dot_state, dot_state_left, initial_tile,
-                    launch_fitting_stages, load_last_gate, locate_program, pick_chunks_per_program, plan_summary,
-                    split_bf16, store_tile)
+from .config import SummaryConfig
+from .launch import gate_strides, launch_summary, token_strides
+from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left
+from .tiles import decay_tile, initial_tile, load_last_gate, locate_program, store_tile
 
 __all__ = ["state_gradient_summary"]
 
@@ -31,19 +30,19 @@ DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, bf16_piece
 
 
 @triton.jit
-def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end, n_chunks,
-               n_run, o_k, o_c, m_v, BT: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
-               VF: tl.constexpr):
+def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start, end,
+               n_chunks, n_run, o_k, o_c, m_v, BT: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
+               VF: tl.constexpr, SCALAR_GATE: tl.constexpr):
     """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
-    g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 1, o_k, n_run > 0, BT)
+    g_next = load_last_gate(p_g, s_gt, s_gk, start, end, n_chunks - 1, o_k, n_run > 0, BT, SCALAR_GATE)
     for i in range(n_run):
         t0 = start + (n_chunks - 1 - i) * BT
         rows = t0 + o_t
         m_t = rows < end
         b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
-        g_next = load_last_gate(p_g, s_gt, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT)
+        g_next = load_last_gate(p_g, s_gt, s_gk, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT, SCALAR_GATE)
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]
             b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -52,7 +51,7 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
             b_dvp = b_dv + dot_state_left(st, b_kt, SPLIT_BF16, NSPLIT)
             b_do = tl.load(p_do + rows[None, :] * s_ot + o_c[:, None], mask=m_tv, other=0.0)
             b_q = tl.load(p_q + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)
-            acc = st * b_decay[None, :] + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
+            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             st = acc - dot_state_left(b_dvp, b_w, SPLIT_BF16, NSPLIT)
         else:  # st is dS [K, BV]
@@ -63,7 +62,7 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
             b_dvp = b_dv + dot_state(b_k, st, SPLIT_BF16, NSPLIT)
             b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
-            acc = st * b_decay[:, None] + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
+            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
             st = acc - dot_state(b_wt, b_dvp, SPLIT_BF16, NSPLIT)
     return st
@@ -72,14 +71,15 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot,
 @triton.jit
 def _state_gradient_kernel(
     qg, kg, w, gc, do, dv, ws, work,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_gb, s_gt, s_gh,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_gb, s_gt, s_gh, s_gk,
     s_ob, s_ot, s_oh, s_vb, s_vt, s_vh,
     scale, head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr, VF: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
-    chunks in reverse. ``qg, kg, gc [B, T, HV, K]``, ``w`` via strides, ``do, dv [B, T, HV, V]``;
+    chunks in reverse. ``qg, kg [B, T, HV, K]``, ``gc`` as in the forward kernel, ``w`` via strides,
+    ``do, dv [B, T, HV, V]``;
     writes ``ws [NW, HV_out, K, NCOL]`` float32 (``M^T`` columns from ``V``)."""
     # the last sub-segment's M^T is never read: its chunk loop is skipped
     b, h, start, end, n_chunks, n_run, o_k, o_c = locate_program(work, head_start, V, K, BT, BV)
@@ -92,8 +92,8 @@ def _state_gradient_kernel(
     p_dv = dv + b * s_vb + h * s_vh
     # G columns start from zero, M^T columns from the identity
     st = initial_tile(o_k, o_c, V, VF)
-    st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_ot, s_vt, scale, start, end,
-                    n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF)
+    st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start,
+                    end, n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
@@ -103,7 +103,9 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     """``G [N, HV, K, V]`` float32: ``dS_in = M^T dS_out + G`` for each sequence.
 
     Args:
-        qg, kg, gc: ``[B, T, HV, K]`` (``qg = q exp2(gc)``); ``w`` ``[B, T, HV, K]`` or ``[B, HV, T, K]``
+        qg, kg: ``[B, T, HV, K]`` (``qg = q exp2(gc)``, ``kg = k exp2(gc_last - gc)``); ``gc``: ``[B, T, HV, K]``,
+            or ``[B, T, HV]`` for a scalar gate (GDN; selects the scalar-gate kernel), or a zero-``K``-stride
+            view, as in :func:`.state_summary.state_summary`; ``w`` ``[B, T, HV, K]`` or ``[B, HV, T, K]``
             with ``w_head_first``; ``do`` ``[B, T, HV, V]`` in the dtype of ``qg, kg, w``;
             ``dv`` ``[B, T, HV, V]`` (bf16, fp16 or fp32; only read): the gradient reaching ``v_new``
             from each chunk's own outputs. ``scale``: the output scale.
@@ -117,23 +119,10 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     dims = check_summary_inputs({"qg": qg, "kg": kg, "w": w}, {"do": do}, gc, chunk_size=chunk_size,
                                 head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
                                 cu_seqlens=cu_seqlens, segment=segment, dv=dv)
-    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
-    K, V, HV = dims.K, dims.V, dims.HV
-    block_v = min(cfg.block_v, K, V)
-    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (V + K) // block_v, chunk_size,
-                                                          kg.device, serial_programs=HV * V // block_v)
-    plan = plan_summary(dims.bounds, chunk_size, L, reverse=True, transition_everywhere=False, device=kg.device)
-    ncol = V + (K if plan.max_subsegments > 1 else 0)
-    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
-    grid = (ncol // block_v, plan.num_work, HV)
-    launch_fitting_stages(
-        _state_gradient_kernel, grid,
-        (qg, kg, w, gc, do, dv, ws, plan.work,
-         *_strides(qg), *_strides(kg), *_strides(w, w_head_first), *_strides(gc), *_strides(do), *_strides(dv),
-         float(scale), dims.head_start, HV),
-        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(kg.dtype),
-             NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
-        cfg.num_warps, cfg.num_stages)
-    G, _ = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=V, want_a=True, want_t=False, reverse=True,
-                          block_v=block_v)
+    G, _ = launch_summary(
+        _state_gradient_kernel, (qg, kg, w, gc, do, dv),
+        (*token_strides(qg), *token_strides(kg), *token_strides(w, w_head_first), *gate_strides(gc),
+         *token_strides(do), *token_strides(dv), float(scale), dims.head_start, dims.HV),
+        dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
+        a_cols=dims.V, want_t=False, reverse=True, constants=dict(SCALAR_GATE=dims.scalar_gate))
     return G

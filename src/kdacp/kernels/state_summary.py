@@ -5,7 +5,9 @@ column by column on ``S``: ``S_ext`` starts from zero with the real ``u``; ``M``
 identity with ``u = 0``, so ``M = prod_c (Diag(exp2(gc_last_c)) - kg_c^T w_c)`` (later chunks on the left).
 One kernel walks the ``[K, V + K]`` state ``[S | M]`` in ``[K, BV]`` column tiles; a long sequence is cut
 into sub-segments summarised in parallel (grid: column tiles x sub-segments x heads) and folded in
-float32 by :func:`.compose.fold_summaries` (``S <- M_p S + S_p``, ``M <- M_p M``).
+float32 by :func:`.compose.fold_summaries` (``S <- M_p S + S_p``, ``M <- M_p M``). A scalar gate (GDN)
+makes ``Diag(exp2(gc_last))`` a multiple of the identity: the ``SCALAR_GATE`` variant reads one value
+per chunk and head.
 """
 from __future__ import annotations
 
@@ -13,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_summary_inputs
 from ..affine import StateSummary
-from .compose import fold_summaries
-from .utils import (SummaryConfig, chunk_decay, dot_state, dot_state_left, initial_tile, launch_fitting_stages,
-                    load_last_gate, locate_program, pick_chunks_per_program, plan_summary, split_bf16,
-                    store_tile)
+from .checks import check_summary_inputs
+from .config import SummaryConfig
+from .launch import gate_strides, launch_summary, token_strides
+from .precision import chunk_decay, dot_state, dot_state_left
+from .tiles import decay_tile, initial_tile, load_last_gate, locate_program, store_tile
 
 __all__ = ["state_summary", "transition"]
 
@@ -28,19 +30,19 @@ DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_piece
 
 
 @triton.jit
-def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks, o_k, o_c, m_u,
+def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_chunks, o_k, o_c, m_u,
           BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
-          NSPLIT: tl.constexpr, VF: tl.constexpr):
+          NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
-    g_next = load_last_gate(p_g, s_gt, start, end, 0, o_k, n_chunks > 0, BT)
+    g_next = load_last_gate(p_g, s_gt, s_gk, start, end, 0, o_k, n_chunks > 0, BT, SCALAR_GATE)
     for i in range(n_chunks):
         t0 = start + i * BT
         rows = t0 + o_t
         m_t = rows < end
         b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
-        g_next = load_last_gate(p_g, s_gt, start, end, i + 1, o_k, i + 1 < n_chunks, BT)
+        g_next = load_last_gate(p_g, s_gt, s_gk, start, end, i + 1, o_k, i + 1 < n_chunks, BT, SCALAR_GATE)
         # padded rows load as zero and add nothing
         if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -51,7 +53,7 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
             else:
                 b_u = tl.zeros([BV, BT], dtype=tl.float32)
             b_v = b_u - dot_state_left(st, b_wt, SPLIT_BF16, NSPLIT)
-            st = st * b_decay[None, :] + dot_state_left(b_v, b_kg, SPLIT_BF16, NSPLIT)
+            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state_left(b_v, b_kg, SPLIT_BF16, NSPLIT)
         else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -61,22 +63,23 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_chunks,
             else:
                 b_u = tl.zeros([BT, BV], dtype=tl.float32)
             b_v = b_u - dot_state(b_w, st, SPLIT_BF16, NSPLIT)
-            st = st * b_decay[:, None] + dot_state(b_kt, b_v, SPLIT_BF16, NSPLIT)
+            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state(b_kt, b_v, SPLIT_BF16, NSPLIT)
     return st
 
 
 @triton.jit
 def _state_summary_kernel(
     kg, w, u, gc, ws, work,
-    s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh,
+    s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh, s_gk,
     head_start, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
     MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
-    VF: tl.constexpr,
+    VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
 
-    ``kg, gc [B, T, HV, K]``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
+    ``kg [B, T, HV, K]``, ``gc`` ``[B, T, HV, K]`` (channel stride ``s_gk``) or ``[B, T, HV]`` with
+    ``SCALAR_GATE``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
     ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
     """
     # the first sub-segment's M is never read in state-only mode: its chunk loop is skipped
@@ -88,43 +91,20 @@ def _state_summary_kernel(
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
     st = initial_tile(o_k, o_c, MOFF, VF)
-    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, start, end, n_run, o_k, o_c, m_u,
-               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF)
+    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
+               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
-def _strides(x: torch.Tensor, head_first: bool = False):
-    """``(batch, token, head)`` strides of a 4-d tensor stored token-first or head-first."""
-    return (x.stride(0), x.stride(2), x.stride(1)) if head_first else (x.stride(0), x.stride(1), x.stride(2))
-
-
 def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
-    cfg = (config or SummaryConfig()).resolved(DEFAULT_CONFIG)
     has_s = output != "transition"
-    K, V, HV = dims.K, dims.V, dims.HV
-    s_cols = V if has_s else 0
-    block_v = min(cfg.block_v, K, V) if has_s else min(cfg.block_v, K)
-    # cutting a state-only summary into sub-segments adds M columns: only worth it on a small grid
-    serial = HV * V // block_v if output == "state" else None
-    L = cfg.chunks_per_program or pick_chunks_per_program(dims.bounds, HV * (s_cols + K) // block_v, chunk_size,
-                                                          kg.device, serial_programs=serial)
-    plan = plan_summary(dims.bounds, chunk_size, L, reverse=False, transition_everywhere=output != "state",
-                        device=kg.device)
-    # state-only with one sub-segment per sequence never needs M columns at all
-    with_m = output != "state" or plan.max_subsegments > 1
-    ncol = s_cols + (K if with_m else 0)
-    ws = torch.empty(plan.num_work, HV, K, ncol, dtype=torch.float32, device=kg.device)
-    grid = (ncol // block_v, plan.num_work, HV)
-    launch_fitting_stages(
-        _state_summary_kernel, grid,
-        (kg, w, u if has_s else kg, gc, ws, plan.work,
-         *_strides(kg), *_strides(w, w_head_first), *(_strides(u) if has_s else (0, 0, 0)), *_strides(gc),
-         dims.head_start, HV),
-        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, MOFF=s_cols, HAS_S=has_s,
-             SPLIT_BF16=split_bf16(kg.dtype), NSPLIT=cfg.bf16_pieces, VF=cfg.v_first),
-        cfg.num_warps, cfg.num_stages)
-    S, M = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=s_cols, want_a=has_s, want_t=output != "state",
-                          reverse=False, block_v=block_v)
+    S, M = launch_summary(
+        _state_summary_kernel, (kg, w, u if has_s else kg, gc),
+        (*token_strides(kg), *token_strides(w, w_head_first), *(token_strides(u) if has_s else (0, 0, 0)),
+         *gate_strides(gc), dims.head_start, dims.HV),
+        dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
+        a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
+        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate))
     return StateSummary(S, M)
 
 
@@ -134,8 +114,13 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
-        kg, gc: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)`` and the within-chunk cumulative
-            log2 gate (restarting every chunk; a partial chunk's ``gc_last`` is its last valid token).
+        kg: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)``.
+        gc: the within-chunk cumulative log2 gate (restarting every chunk; a partial chunk's ``gc_last``
+            is its last valid token; only ``gc_last`` is read), bf16, fp16 or fp32: ``[B, T, HV, K]`` per
+            channel (KDA), or ``[B, T, HV]``, one value per token and head (GDN's scalar gate, FLA's
+            ``g`` after its log2 chunk cumsum), which selects the scalar-gate kernels; a scalar gate as
+            a ``[B, T, HV, K]`` view with stride 0 on ``K`` (``gc.unsqueeze(-1).expand(..., K)``) runs the
+            per-channel kernels on it, nothing materialised.
         w: ``[B, T, HV, K]``, or ``[B, HV, T, K]`` with ``w_head_first``. ``u``: ``[B, T, HV, V]``.
             ``kg, w, u`` share one dtype (bf16, fp16 or fp32); any strides with a unit last dim.
         chunk_size: 16, 32, 64 or 128.

@@ -1,0 +1,47 @@
+"""The public tiling and precision options of the summary kernels."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["SummaryConfig"]
+
+
+@dataclass(frozen=True)
+class SummaryConfig:
+    """Tiling and precision of the summary kernels; ``None`` fields take each kernel's default.
+
+    Args:
+        block_v: state columns per program (16, 32 or 64).
+        chunks_per_program: chunks one program walks serially; a longer sequence is cut into
+            sub-segments summarised in parallel and folded afterwards (each but one then also walks
+            the ``K`` transition columns). ``None``: pick from the grid and the GPU size.
+        num_warps, num_stages: Triton launch options of the main kernel (fewer stages are used where
+            the requested ones do not fit in shared memory).
+        bf16_pieces: bf16 pieces of the float32 state operand with bf16 inputs: 3 (float32-faithful)
+            or 2 (~16 bits per product, faster).
+        v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
+            operand of every product.
+    """
+
+    block_v: int | None = None
+    chunks_per_program: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bf16_pieces: int | None = None
+    v_first: bool | None = None
+
+    def __post_init__(self):
+        allowed = {"block_v": (16, 32, 64), "num_warps": (1, 2, 4, 8, 16), "bf16_pieces": (2, 3),
+                   "v_first": (False, True)}
+        for name, values in allowed.items():
+            value = getattr(self, name)
+            if value is not None and (type(value) is not type(values[0]) or value not in values):
+                raise ValueError(f"SummaryConfig.{name} must be one of {values} or None, got {value!r}")
+        for name in ("chunks_per_program", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"SummaryConfig.{name} must be a positive int or None, got {value!r}")
+
+    def resolved(self, default: "SummaryConfig") -> "SummaryConfig":
+        """This config with its ``None`` fields taken from ``default``."""
+        return replace(default, **{k: v for k, v in self.__dict__.items() if v is not None})

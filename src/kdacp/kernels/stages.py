@@ -1,0 +1,29 @@
+"""Launching a Triton kernel with the most pipeline stages that fit in shared memory."""
+from __future__ import annotations
+
+import torch
+import triton
+
+__all__ = ["launch_fitting_stages"]
+
+# (kernel, launch constants, input dtypes, warps, requested stages) -> stages whose buffers fit;
+# bounded by the kernels and configurations a process uses
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch_fitting_stages(kernel, grid, args, constants: dict, num_warps: int, num_stages: int) -> None:
+    """``kernel[grid](*args, **constants)`` with ``num_stages`` pipeline stages, or the most below that
+    whose buffers fit in shared memory (Triton's ``OutOfResources``; the choice is remembered)."""
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    key = (kernel, tuple(sorted(constants.items())), dtypes, num_warps, num_stages)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **constants, num_warps=num_warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+            continue
+        _STAGES_THAT_FIT[key] = stages
+        return
