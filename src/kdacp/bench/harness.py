@@ -31,6 +31,7 @@ class PlotSpec:
     title: str = ""
     ylabel: str = ""
     logx: bool = True
+    logy: bool = False
     bars: bool = False  # ``x`` is a category: one horizontal bar per row instead of lines
     where: tuple[str, str] | None = None
     points: tuple[str, str] | None = None
@@ -126,6 +127,8 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
                                 label=f"{name} measured")
         if spec.logx:
             ax.set_xscale("log", base=2)
+        if spec.logy:
+            ax.set_yscale("log")
         ax.set_xlabel(spec.x)
         ax.set_ylabel(spec.ylabel or str(spec.y))
         ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)

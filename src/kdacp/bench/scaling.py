@@ -20,8 +20,8 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
 Rows: ``source="model"`` per ``P`` of ``world_sizes``: each strategy's predicted step (forward +
 backward critical path) in ms and over one device's (``<s>_ratio``), and the best of kdacp's three.
 With ``validate`` (two or more ranks): ``source="measured"`` rows, ``cp_chunk_kda`` forward+backward
-steps of each strategy on the first ``P`` ranks for ``P = 2 ..`` the group's size (slowest rank,
-round-robin), over a 1-rank group's step; beside them ``source="model, shared cores"`` rows, the
+steps of each strategy on the first ``P`` ranks for ``P = 2 ..`` the group's size (round-robin, the
+slowest rank's time of each step, median over steps), over a 1-rank group's step; beside them ``source="model, shared cores"`` rows, the
 model with the ranks sharing ``cores`` cores (a CPU runs ``P`` processes on fewer cores: compute is
 then serialised, which the dedicated-device model would not see). ``measured`` (a ``cp`` suite JSON)
 adds its rows at that suite's world size as ``source="measured (cp suite)"``.
@@ -52,12 +52,11 @@ from kdacp.distributed.strategies import AffineMessage, Pending
 from kdacp.reference.gates import compute_dtype
 
 from .harness import PlotSpec, markdown_table
-from .timing import time_round_robin
 
 MULTI_RANK = True
 PLOTS = {"scaling": PlotSpec(x="P", y=tuple(f"{s}_ratio" for s in MODEL_STRATEGIES), where=("source", "model"),
-                             points=("source", "measured"), title="per-rank step / one device (model lines, "
-                             "measured points)", ylabel="ratio")}
+                             points=("source", "measured"), logy=True, title="per-rank step / one device (model "
+                             "lines, measured points)", ylabel="ratio")}
 WORLD_SIZES = tuple(2 ** i for i in range(1, 11))
 # Kimi Linear's gate and norm settings
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
@@ -117,10 +116,10 @@ class StageProbe:
 def make_inputs(T: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
     """One row of ``T`` tokens: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, raw gate logits ``g``, beta,
     float32 ``A_log``/``dt_bias`` (the gate is computed in the kernel)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dt)
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device).to(dt)
 
     return dict(q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, HV, V), g=rnd(1, T, HV, K),
                 beta=torch.sigmoid(rnd(1, T, HV, dt=torch.float32)).to(dtype),
@@ -298,10 +297,31 @@ def _ratios_row(source: str, P: int, T: int, ms: dict, one_ms: dict) -> dict:
     return row
 
 
+def _median_steps(fns: dict, group, device: torch.device, rounds: int, warmup: int = 1) -> dict:
+    """Milliseconds per call of each of ``fns``: round-robin, each call after a barrier, the slowest
+    rank's time of each call, the median over ``rounds`` (a median, not a mean: on a shared CPU a
+    few calls take several times the others)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _sync(device)
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    table = torch.tensor([times[n] for n in fns], dtype=torch.float64, device=device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    return {n: statistics.median(row) * 1e3 for n, row in zip(fns, table.tolist())}
+
+
 def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str, dtype, device, group,
-                   iters: int) -> dict:
+                   rounds: int) -> dict:
     """Milliseconds of one ``cp_chunk_kda`` forward+backward per strategy on ``group`` (``P`` ranks,
-    one sequence of ``P * t_local`` tokens), the slowest rank's."""
+    one sequence of ``P * t_local`` tokens; with ``P == 1`` the one-device step, as ``"p2p"``)."""
     rank = dist.get_rank(group)
     args = make_inputs(t_local, heads, heads, head_dim, head_dim, dtype, device, seed=rank)
     leaves = {n: t.requires_grad_() for n, t in args.items()}
@@ -312,7 +332,7 @@ def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str
         o, _ = cp_chunk_kda(**leaves, **OPTIONS, backend=backend, cp=plan)
         torch.autograd.grad(o, list(leaves.values()), do)
     fns = {s: (lambda p=plans[s]: step(p)) for s in (STRATEGIES if P > 1 else ("p2p",))}
-    return time_round_robin(fns, warmup=1, rounds=3, iters=iters, group=group, device=torch.device(device))
+    return _median_steps(fns, group, torch.device(device), rounds)
 
 
 def _read_measured(path: str, t_local: int) -> list[dict]:
@@ -344,7 +364,7 @@ class Calibration:
 
 def run(t_local: int | None = None, heads: int | None = None, head_dim: int | None = None, backend: str | None = None,
         world_sizes=WORLD_SIZES, link: dict | None = None, validate: bool = True, measured: str | None = None,
-        iters: int = 5, cores: int | None = None, group=None, device: str = "cuda", report=None) -> list[dict]:
+        iters: int = 7, cores: int | None = None, group=None, device: str = "cuda", report=None) -> list[dict]:
     """Calibrate on this machine and predict (see the module docstring); call on every rank.
 
     Args:
@@ -442,6 +462,8 @@ def _validate(cal: Calibration, t_local, heads, head_dim, backend, dtype, dev, g
                 for s in STRATEGIES:
                     row[f"{s}_model_err"] = model[f"{s}_ms"] / row[f"{s}_ms"] - 1
                 row["order_matches"] = sorted(STRATEGIES, key=ms.get) == sorted(STRATEGIES, key=lambda s: pred[s].step_s)
+                if hasattr(os, "getloadavg"):  # other processes on the machine slow every rank down
+                    row["loadavg_1min"] = os.getloadavg()[0]
                 rows += [row, model]
                 if report is not None:
                     report(row)
