@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..backends.base import Span
 from ..validation import check_cu_seqlens
+from . import cost_model
 
 __all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "local_cu_seqlens", "rank_layouts",
            "through_ranks", "resolve_strategy", "STRATEGIES", "STRATEGY_CHOICES", "AUTO_STATE_SHAPE"]
@@ -164,7 +165,6 @@ def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape
         raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
     if strategy != "auto":
         return strategy, "given"
-    from . import cost_model
     shape = AUTO_STATE_SHAPE if state_shape is None else tuple(state_shape)
     if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
         raise ValueError(f"state_shape must be (HV, K, V), three positive ints, got {state_shape!r}")
