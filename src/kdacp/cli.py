@@ -70,7 +70,7 @@ def _scaling_case(args: argparse.Namespace) -> dict:
         ("gather_latency_s", args.gather_latency_us, 1e-6), ("gather_bandwidth", args.gather_bandwidth_gbs, 1e9))
         if value is not None}
     case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
-                backend=args.backend, link=link or None, measured=args.measured)
+                backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
         case["world_sizes"] = args.predict_ranks
     return case
@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
                        help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
+    bench.add_argument("--sleep-check", action="store_true",
+                       help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
+                            "whose stages sleep (no compute, so no contention for cores)")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
     bench.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")

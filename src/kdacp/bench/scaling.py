@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp.affine import compose_state_summaries
-from kdacp.backends.base import LocalStates
+from kdacp.affine import StateSummary
+from kdacp.backends.base import KDAInputs, LocalGrads, LocalStates
 from kdacp.backends.call import prepare_call
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
 from kdacp.distributed.cost_model import (DEFAULT_LINK, MODEL_STRATEGIES, Link, RoleStages, StageTimes,
@@ -132,21 +133,21 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
                   local_lengths=lengths, rank_layouts=rank_layouts(None, 1, lengths))
 
 
-def _time_role(backend_name: str, args: dict, plan: CPPlan, device: torch.device, iters: int):
-    """Median ``(forward RoleStages, backward RoleStages)`` of one role's orchestration."""
-    call = prepare_call(backend_name, **args, scale=None, **OPTIONS)
-    state_dtype = compute_dtype(args["q"])
-    do = torch.randn_like(args["v"])
+def _time_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, device: torch.device,
+               iters: int) -> tuple[RoleStages, RoleStages]:
+    """Median ``(forward, backward)`` :class:`RoleStages` of one role's orchestration (``backend``: a
+    :class:`~kdacp.backends.base.LocalBackend`, ``inputs`` one packed row)."""
+    do = torch.randn_like(inputs.v)
     fwd, bwd = [], []
     for i in range(iters + 1):  # the first is warm-up
         probe = StageProbe(device)
         probe.stamp("start")
-        out = cp_forward(call.backend, plan, call.inputs, None, False, state_dtype, exchange=probe)
+        out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
         probe.stamp("end")
         f = probe.stages(probe.stamps["start"], probe.stamps["end"])
         probe = StageProbe(device)
         probe.stamp("start")
-        cp_backward(call.backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
+        cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
                     False, False, exchange=probe)
         probe.stamp("end")
         if i:
@@ -158,10 +159,28 @@ def _time_role(backend_name: str, args: dict, plan: CPPlan, device: torch.device
     return median(fwd), median(bwd)
 
 
-def _time_one_device(backend_name: str, args: dict, device: torch.device, iters: int) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of the same tokens on one device (a 1-rank plan, no exchange)."""
-    f, b = _time_role(backend_name, args, _plan(0, 1, args["q"].shape[1]), device, iters)
-    return f.total, b.total
+def _time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: torch.device, iters: int):
+    """``({role: (forward, backward) RoleStages}, (forward, backward) seconds on one device)``."""
+    T = inputs.q.shape[1]
+    roles = {role: _time_role(backend, inputs, state_dtype, _plan(rank, 3, T), device, iters)
+             for role, rank in ROLE_RANKS.items()}
+    f, b = _time_role(backend, inputs, state_dtype, _plan(0, 1, T), device, iters)  # no exchange
+    return roles, (f.total, b.total)
+
+
+def _op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: torch.device, iters: int) -> dict:
+    """One float64 ``M x + S`` (rounded to the wire dtype), one composition of open maps, the stack per byte."""
+    wire = torch.finfo(state_dtype).bits // 8
+    msg = AffineMessage(torch.randn(n, HV, K, V, device=device, dtype=state_dtype),
+                        torch.randn(n, HV, K, K, device=device, dtype=state_dtype))
+    x = torch.randn(n, HV, K, V, device=device, dtype=state_dtype)
+    apply_s = _median_time(lambda: msg.apply(x).to(state_dtype), device, iters)
+    a, b = (msg.offset, msg.transition), (x, msg.transition)
+    compose_s = _median_time(lambda: torch.cat(compose_state_summaries(a, b), -1).to(state_dtype), device, iters)
+    parts = [torch.randn(n, HV, K, K + V, device=device, dtype=state_dtype) for _ in range(8)]
+    copy_s = _median_time(lambda: torch.stack(parts), device, iters) / (8 * parts[0].numel() * wire)
+    return dict(apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=copy_s, state_bytes=n * HV * K * V * wire,
+                summary_bytes=n * HV * K * (K + V) * wire)
 
 
 def _time_summaries(backend_name: str, args: dict, device: torch.device, iters: int) -> tuple[float, float]:
@@ -211,31 +230,22 @@ def _time_fla(args: dict, device: torch.device, iters: int) -> dict:
 
 
 def measure_stages(t_local: int, heads: int, head_dim: int, backend: str, dtype: torch.dtype, device,
-                   iters: int = 5) -> StageTimes:
+                   iters: int = 7) -> StageTimes:
     """Every :class:`~kdacp.distributed.cost_model.StageTimes` field on this device (one process):
     ``heads`` q/k and value heads (H = HV), K = V = ``head_dim``, ``t_local`` tokens, Kimi Linear's options."""
     device = torch.device(device)
     args = make_inputs(t_local, heads, heads, head_dim, head_dim, dtype, device)
-    roles = {role: _time_role(backend, args, _plan(rank, 3, t_local), device, iters) for role, rank in ROLE_RANKS.items()}
-    HV, K, V = heads, head_dim, head_dim
+    call = prepare_call(backend, **args, scale=None, **OPTIONS)
     state_dtype = compute_dtype(args["q"])
-    wire = torch.finfo(state_dtype).bits // 8
-    msg = AffineMessage(torch.randn(1, HV, K, V, device=device, dtype=state_dtype),
-                        torch.randn(1, HV, K, K, device=device, dtype=state_dtype))
-    x = torch.randn(1, HV, K, V, device=device, dtype=state_dtype)
-    apply_s = _median_time(lambda: msg.apply(x).to(state_dtype), device, iters)
-    a, b = (msg.offset, msg.transition), (x, msg.transition)
-    compose_s = _median_time(lambda: torch.cat(compose_state_summaries(a, b), -1).to(state_dtype), device, iters)
-    parts = [torch.randn(1, HV, K, K + V, device=device, dtype=state_dtype) for _ in range(8)]
-    copy_s = _median_time(lambda: torch.stack(parts), device, iters) / (8 * parts[0].numel() * wire)
-    one = _time_one_device(backend, args, device, iters)
+    roles, one = _time_roles(call.backend, call.inputs, state_dtype, device, iters)
+    ops = _op_times(1, heads, head_dim, head_dim, state_dtype, device, iters)
     if backend == "fla":
         fla = _time_fla(args, device, iters)
     else:
-        fla = dict(fla_summary=_time_summaries(backend, args, device, iters), fla_one_device=one, fla_fold_s=apply_s)
+        fla = dict(fla_summary=_time_summaries(backend, args, device, iters), fla_one_device=one,
+                   fla_fold_s=ops["apply_s"])
     return StageTimes(forward={r: f for r, (f, _) in roles.items()}, backward={r: b for r, (_, b) in roles.items()},
-                      one_device=one, apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=copy_s,
-                      state_bytes=HV * K * V * wire, summary_bytes=HV * K * (K + V) * wire, **fla)
+                      one_device=one, **ops, **fla)
 
 
 def measure_link(nbytes: int, device, group=None, iters: int = 10) -> Link:
@@ -285,6 +295,116 @@ def measure_link(nbytes: int, device, group=None, iters: int = 10) -> Link:
     # A noisy pair can make the big message look no slower: floor the difference at 1% of its time.
     return Link(latency_s=small, bandwidth=nbytes / max(big - small, 0.01 * big),
                 gather_latency_s=g_small / (P - 1), gather_bandwidth=(P - 1) * nbytes / max(g_big - g_small, 0.01 * g_big))
+
+
+# Seconds each stage of SleepBackend sleeps for a whole rank's tokens: the proportions of the fla
+# backend's stages at 16K tokens on an H200 (issue 3's and 4's figures), ten times longer.
+SLEEP_STAGES = dict(prepare=0.015, state_summary=0.004, state_pass=0.004, output=0.008, backward_local=0.020,
+                    state_gradient_summary=0.004, backward_states=0.004, backward_inputs=0.035)
+
+
+class SleepBackend:
+    """A :class:`~kdacp.backends.base.LocalBackend` whose stages sleep (:data:`SLEEP_STAGES`, times the
+    span's share of the rank's tokens) and return zeros of the right shapes. Ranks that sleep use no
+    core, so on a CPU shared by more ranks than cores (and by other jobs) they behave as if each had
+    its own device: the orchestration, the exchanges and the link are real, the compute is not."""
+
+    name = "sleep"
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def _sleep(self, stage: str, span) -> None:
+        time.sleep(SLEEP_STAGES[stage] * (span.end - span.start) / self.tokens)
+
+    def _zeros(self, n: int, *shape):
+        return torch.zeros(n, *shape, dtype=self.dtype)
+
+    def prepare(self, inputs: KDAInputs, span):
+        self._sleep("prepare", span)
+        self.H, self.HV, self.K, self.V = inputs.q.shape[2], *inputs.v.shape[2:3], inputs.q.shape[3], inputs.v.shape[3]
+        self.dtype = torch.float32
+        return None
+
+    def state_summary(self, chunks, span, with_transition: bool) -> StateSummary:
+        self._sleep("state_summary", span)
+        n = span.num_segments
+        return StateSummary(self._zeros(n, self.HV, self.K, self.V),
+                            self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+
+    def state_pass(self, chunks, span, initial_state, output_final_state: bool) -> LocalStates:
+        self._sleep("state_pass", span)
+        return LocalStates(self._zeros(span.num_segments, self.HV, self.K, self.V) if output_final_state else None)
+
+    def output(self, chunks, span, initial_state, states) -> torch.Tensor:
+        self._sleep("output", span)
+        return self._zeros(1, span.end - span.start, self.HV, self.V)
+
+    def to_saved(self, chunks):
+        return None
+
+    def backward_local(self, saved, span, do, initial_state, states=None):
+        self._sleep("backward_local", span)
+        return span
+
+    def state_gradient_summary(self, local) -> torch.Tensor:
+        self._sleep("state_gradient_summary", local)
+        return self._zeros(local.num_segments, self.HV, self.K, self.V)
+
+    def backward_states(self, local, dht) -> torch.Tensor:
+        self._sleep("backward_states", local)
+        return self._zeros(local.num_segments, self.HV, self.K, self.V)
+
+    def backward_inputs(self, local) -> LocalGrads:
+        self._sleep("backward_inputs", local)
+        T = local.end - local.start
+        return LocalGrads(self._zeros(1, T, self.H, self.K), self._zeros(1, T, self.H, self.K),
+                          self._zeros(1, T, self.HV, self.V), self._zeros(1, T, self.HV, self.K),
+                          self._zeros(1, T, self.HV), None, None)
+
+
+def _sleep_inputs(T: int) -> KDAInputs:
+    """Inputs of ``T`` tokens for :class:`SleepBackend`: one head, K = V = 16 (small messages)."""
+    return KDAInputs(*(torch.zeros(1, T, 1, 16) for _ in range(4)), torch.zeros(1, T, 1))
+
+
+def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
+    """The composition alone: :class:`SleepBackend` ranks, stages and one device measured by the probe,
+    the link as calibrated; measured ``cp_forward`` + ``cp_backward`` steps (real exchanges, slowest
+    rank, median) at ``P = 2 ..`` the group's size against the model with a device per rank."""
+    rank, P_group = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
+    T, dev = 64, torch.device("cpu")
+    backend, inputs = SleepBackend(T), _sleep_inputs(T)
+    roles, one = _time_roles(backend, inputs, torch.float32, dev, iters) if rank == 0 else (None, None)
+    times = StageTimes(forward={r: f for r, (f, _) in roles.items()}, backward={r: b for r, (_, b) in roles.items()},
+                       one_device=one, **_op_times(1, 1, 16, 16, torch.float32, dev, iters)) if rank == 0 else None
+    from kdacp.distributed import new_cp_group
+    subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}
+    rows = []
+    for P in range(2, P_group + 1):
+        if rank < P:
+            plans = {s: build_cp_plan(batch_size=1, group=subgroups[P], strategy=s) for s in STRATEGIES}
+            do = torch.zeros(1, T, 1, 16)
+
+            def step(plan):
+                out = cp_forward(backend, plan, inputs, None, False, torch.float32)
+                cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
+                            False, False)
+            ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, subgroups[P], dev, iters)
+            if rank == 0:
+                pred = {s: predict(s, P, times, link) for s in STRATEGIES}
+                row = _ratios_row("sleep-stage measured", P, T, ms, dict.fromkeys(ms, sum(one) * 1e3))
+                model = _ratios_row("sleep-stage model", P, T, {s: p.step_s * 1e3 for s, p in pred.items()},
+                                    {s: p.one_device_s * 1e3 for s, p in pred.items()})
+                for s in STRATEGIES:
+                    row[f"{s}_model_err"] = model[f"{s}_ms"] / row[f"{s}_ms"] - 1
+                row["order_matches"] = sorted(STRATEGIES, key=ms.get) == sorted(STRATEGIES, key=lambda s: pred[s].step_s)
+                rows += [row, model]
+                if report is not None:
+                    report(row)
+        dist.barrier(group)
+    return rows
 
 
 def _ratios_row(source: str, P: int, T: int, ms: dict, one_ms: dict) -> dict:
@@ -363,8 +483,8 @@ class Calibration:
 
 
 def run(t_local: int | None = None, heads: int | None = None, head_dim: int | None = None, backend: str | None = None,
-        world_sizes=WORLD_SIZES, link: dict | None = None, validate: bool = True, measured: str | None = None,
-        iters: int = 7, cores: int | None = None, group=None, device: str = "cuda", report=None) -> list[dict]:
+        world_sizes=WORLD_SIZES, link: dict | None = None, validate: bool = True, sleep_check: bool = False,
+        measured: str | None = None, iters: int = 7, cores: int | None = None, group=None, device: str = "cuda", report=None) -> list[dict]:
     """Calibrate on this machine and predict (see the module docstring); call on every rank.
 
     Args:
@@ -375,6 +495,8 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
         link: figures replacing measured or default ones: any of ``Link``'s fields
             (``latency_s``, ``bandwidth`` in bytes/s, ``gather_latency_s``, ``gather_bandwidth``).
         validate: with two or more ranks, measure each strategy at ``P = 2 ..`` the group's size.
+        sleep_check: with two or more ranks, also check the composition alone with
+            :class:`SleepBackend` ranks (``sleep-stage`` rows; CPU only).
         measured: a ``cp`` suite JSON whose rows at ``t_local`` are drawn as measured points.
         cores: cores the ranks share, for the ``shared cores`` model rows (default: this process's
             CPU affinity on CPU; on CUDA none, a device per rank).
@@ -420,6 +542,8 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
             report(rows[-1])
     if validate and P_group > 1:
         rows += _validate(cal, t_local, heads, head_dim, backend, dtype, dev, group, cores, iters, report)
+    if sleep_check and P_group > 1:
+        rows += _sleep_check(cal.link, group, iters, report)
     if measured:
         rows += _read_measured(measured, t_local)
     return rows
