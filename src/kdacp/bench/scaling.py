@@ -133,39 +133,42 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
                   local_lengths=lengths, rank_layouts=rank_layouts(None, 1, lengths))
 
 
-def _time_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, device: torch.device,
-               iters: int) -> tuple[RoleStages, RoleStages]:
-    """Median ``(forward, backward)`` :class:`RoleStages` of one role's orchestration (``backend``: a
-    :class:`~kdacp.backends.base.LocalBackend`, ``inputs`` one packed row)."""
-    do = torch.randn_like(inputs.v)
-    fwd, bwd = [], []
-    for i in range(iters + 1):  # the first is warm-up
-        probe = StageProbe(device)
-        probe.stamp("start")
-        out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
-        probe.stamp("end")
-        f = probe.stages(probe.stamps["start"], probe.stamps["end"])
-        probe = StageProbe(device)
-        probe.stamp("start")
-        cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
-                    False, False, exchange=probe)
-        probe.stamp("end")
-        if i:
-            fwd.append(f)
-            bwd.append(probe.stages(probe.stamps["start"], probe.stamps["end"]))
-
-    def median(stages: list[RoleStages]) -> RoleStages:
-        return RoleStages(*(statistics.median(getattr(s, n) for s in stages) for n in ("ready", "between", "after")))
-    return median(fwd), median(bwd)
+def _role_once(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
+               device: torch.device) -> tuple[RoleStages, RoleStages]:
+    """``(forward, backward)`` :class:`RoleStages` of one call of one role's orchestration."""
+    probe = StageProbe(device)
+    probe.stamp("start")
+    out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
+    probe.stamp("end")
+    forward = probe.stages(probe.stamps["start"], probe.stamps["end"])
+    probe = StageProbe(device)
+    probe.stamp("start")
+    cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None, False, False,
+                exchange=probe)
+    probe.stamp("end")
+    return forward, probe.stages(probe.stamps["start"], probe.stamps["end"])
 
 
 def _time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: torch.device, iters: int):
-    """``({role: (forward, backward) RoleStages}, (forward, backward) seconds on one device)``."""
+    """``({role: (forward, backward) RoleStages}, (forward, backward) seconds on one device)``: medians
+    over ``iters`` calls after one, the roles taken in turn within each round so that a machine whose
+    load changes slows them alike (``backend``: a :class:`~kdacp.backends.base.LocalBackend`)."""
     T = inputs.q.shape[1]
-    roles = {role: _time_role(backend, inputs, state_dtype, _plan(rank, 3, T), device, iters)
-             for role, rank in ROLE_RANKS.items()}
-    f, b = _time_role(backend, inputs, state_dtype, _plan(0, 1, T), device, iters)  # no exchange
-    return roles, (f.total, b.total)
+    plans = {role: _plan(rank, 3, T) for role, rank in ROLE_RANKS.items()}
+    plans["one"] = _plan(0, 1, T)  # one device: no exchange
+    do = torch.randn_like(inputs.v)
+    got = {role: [] for role in plans}
+    for i in range(iters + 1):  # the first round warms up
+        for role, plan in plans.items():
+            result = _role_once(backend, inputs, state_dtype, plan, do, device)
+            if i:
+                got[role].append(result)
+
+    def median(stages: list[RoleStages]) -> RoleStages:
+        return RoleStages(*(statistics.median(getattr(s, n) for s in stages) for n in ("ready", "between", "after")))
+    medians = {role: (median([f for f, _ in runs]), median([b for _, b in runs])) for role, runs in got.items()}
+    f, b = medians.pop("one")
+    return medians, (f.total, b.total)
 
 
 def _op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: torch.device, iters: int) -> dict:
