@@ -30,9 +30,9 @@ def test_suite_runs_on_two_gloo_ranks(tmp_path, capsys):
     for r in by_source["model"]:
         assert all(r[f"{s}_ratio"] > 0.5 for s in ("p2p", "allgather", "scan", "fla")), r
         assert r["best"] in ("p2p", "allgather", "scan")
-    # with one sequence a rank more never makes the model's best strategy faster per rank
-    best = [min(r[f"{s}_ms"] for s in ("p2p", "allgather", "scan")) for r in by_source["model"]]
-    assert best == sorted(best)
+    # once there are ranks inside the chain, more of them only add hops, rounds or gathered summaries
+    five, many = by_source["model"][1:]
+    assert all(many[f"{s}_ms"] >= five[f"{s}_ms"] for s in ("p2p", "allgather", "scan", "fla"))
     measured = by_source["measured"][0]
     assert measured["P"] == 2 and all(measured[f"{s}_ms"] > 0 for s in ("p2p", "allgather", "scan"))
     assert "scan_model_err" in measured and isinstance(measured["order_matches"], bool)

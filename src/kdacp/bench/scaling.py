@@ -17,14 +17,19 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
   (per ring step). Given figures (``link``) replace measured ones; with one rank and none given,
   :data:`~kdacp.distributed.cost_model.DEFAULT_LINK`.
 
-Rows: ``source="model"`` per ``P`` of ``world_sizes``: each strategy's predicted step (forward +
-backward critical path) in ms and over one device's (``<s>_ratio``), and the best of kdacp's three.
-With ``validate`` (two or more ranks): ``source="measured"`` rows, ``cp_chunk_kda`` forward+backward
-steps of each strategy on the first ``P`` ranks for ``P = 2 ..`` the group's size (round-robin, the
-slowest rank's time of each step, median over steps), over a 1-rank group's step; beside them ``source="model, shared cores"`` rows, the
-model with the ranks sharing ``cores`` cores (a CPU runs ``P`` processes on fewer cores: compute is
-then serialised, which the dedicated-device model would not see). ``measured`` (a ``cp`` suite JSON)
-adds its rows at that suite's world size as ``source="measured (cp suite)"``.
+Rows: ``source="setup"`` and ``"stages"`` (the calibration), ``"model"`` per ``P`` of ``world_sizes``:
+each strategy's predicted step (forward + backward critical path) in ms and over one device's
+(``<s>_ratio``), and the best of kdacp's three. With ``validate`` (two or more ranks):
+``"measured"`` rows, ``cp_chunk_kda`` forward+backward steps of each strategy on the first ``P`` ranks
+for ``P = 2 ..`` the group's size (round-robin, the slowest rank's time of each step, median over
+steps) over a 1-rank group's step, beside ``"model, shared cores"`` rows: the model with the ranks
+sharing ``cores`` cores (a CPU runs ``P`` processes on fewer cores: compute is then serialised,
+which the dedicated-device model would not see). Other jobs on the machine slow calibration and
+measurement by different, changing amounts; the measured rows carry the load average.
+``sleep_check`` tests the composition where that does not reach: ranks whose stages sleep
+(:class:`SleepBackend`), so they need no core, with real orchestration, exchanges and link
+(``"sleep-stage measured"`` against ``"sleep-stage model"`` rows, a device per rank). ``measured``
+(a ``cp`` suite JSON) adds its rows as ``"measured (cp suite)"``.
 
     kdacp bench --suite scaling [--seq-lens 16384] [--link-latency-us 20 --link-bandwidth-gbs 300 ...]
 """
@@ -40,8 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kdacp.affine import compose_state_summaries
-from kdacp.affine import StateSummary
+from kdacp.affine import StateSummary, compose_state_summaries
 from kdacp.backends.base import KDAInputs, LocalGrads, LocalStates
 from kdacp.backends.call import prepare_call
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
@@ -296,12 +300,13 @@ def measure_link(nbytes: int, device, group=None, iters: int = 10) -> Link:
     dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)  # rank 0's p2p figures reach every rank
     small, big, g_small, g_big = figures.tolist()
     # A noisy pair can make the big message look no slower: floor the difference at 1% of its time.
-    return Link(latency_s=small, bandwidth=nbytes / max(big - small, 0.01 * big),
-                gather_latency_s=g_small / (P - 1), gather_bandwidth=(P - 1) * nbytes / max(g_big - g_small, 0.01 * g_big))
+    return Link(latency_s=small, bandwidth=nbytes / max(big - small, 0.01 * big), gather_latency_s=g_small / (P - 1),
+                gather_bandwidth=(P - 1) * nbytes / max(g_big - g_small, 0.01 * g_big))
 
 
-# Seconds each stage of SleepBackend sleeps for a whole rank's tokens: the proportions of the fla
-# backend's stages at 16K tokens on an H200 (issue 3's and 4's figures), ten times longer.
+# Seconds each stage of SleepBackend sleeps for a whole rank's tokens, ten times an H200's at 16K
+# tokens: the summaries and state passes from issue 3's figures, the other stages a rough split of
+# the rest of the 10.45 ms one-GPU step (issue 4).
 SLEEP_STAGES = dict(prepare=0.015, state_summary=0.004, state_pass=0.004, output=0.008, backward_local=0.020,
                     state_gradient_summary=0.004, backward_states=0.004, backward_inputs=0.035)
 
@@ -313,6 +318,7 @@ class SleepBackend:
     its own device: the orchestration, the exchanges and the link are real, the compute is not."""
 
     name = "sleep"
+    dtype = torch.float32
 
     def __init__(self, tokens: int):
         self.tokens = tokens
@@ -325,8 +331,8 @@ class SleepBackend:
 
     def prepare(self, inputs: KDAInputs, span):
         self._sleep("prepare", span)
-        self.H, self.HV, self.K, self.V = inputs.q.shape[2], *inputs.v.shape[2:3], inputs.q.shape[3], inputs.v.shape[3]
-        self.dtype = torch.float32
+        self.H, self.K = inputs.q.shape[2:]
+        self.HV, self.V = inputs.v.shape[2:]
         return None
 
     def state_summary(self, chunks, span, with_transition: bool) -> StateSummary:
@@ -397,17 +403,27 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
             ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, subgroups[P], dev, iters)
             if rank == 0:
                 pred = {s: predict(s, P, times, link) for s in STRATEGIES}
-                row = _ratios_row("sleep-stage measured", P, T, ms, dict.fromkeys(ms, sum(one) * 1e3))
-                model = _ratios_row("sleep-stage model", P, T, {s: p.step_s * 1e3 for s, p in pred.items()},
-                                    {s: p.one_device_s * 1e3 for s, p in pred.items()})
-                for s in STRATEGIES:
-                    row[f"{s}_model_err"] = model[f"{s}_ms"] / row[f"{s}_ms"] - 1
-                row["order_matches"] = sorted(STRATEGIES, key=ms.get) == sorted(STRATEGIES, key=lambda s: pred[s].step_s)
-                rows += [row, model]
+                rows += _compare("sleep-stage", P, T, ms, sum(one) * 1e3, pred)
                 if report is not None:
-                    report(row)
+                    report(rows[-2])
         dist.barrier(group)
     return rows
+
+
+def _compare(kind: str, P: int, T: int, ms: dict, one_ms: float, pred: dict) -> list[dict]:
+    """``[measured row, model row]`` of one ``P``: measured ``ms`` per strategy over ``one_ms``, and
+    the model's :class:`~kdacp.distributed.cost_model.Prediction` per strategy. The measured row gets
+    each ``<s>_model_err`` (model over measured, minus one) and whether both order the strategies
+    alike. ``kind`` prefixes the sources (``"sleep-stage"``); ``""`` gives ``"measured"`` and
+    ``"model, shared cores"``."""
+    row = _ratios_row(f"{kind} measured".strip(), P, T, ms, dict.fromkeys(ms, one_ms))
+    model_ms = {s: p.step_s * 1e3 for s, p in pred.items()}
+    model_one = {s: p.one_device_s * 1e3 for s, p in pred.items()}
+    model = _ratios_row(f"{kind} model" if kind else "model, shared cores", P, T, model_ms, model_one)
+    for s in pred:
+        row[f"{s}_model_err"] = model_ms[s] / ms[s] - 1
+    row["order_matches"] = sorted(pred, key=ms.get) == sorted(pred, key=model_ms.get)
+    return [row, model]
 
 
 def _ratios_row(source: str, P: int, T: int, ms: dict, one_ms: dict) -> dict:
@@ -487,7 +503,8 @@ class Calibration:
 
 def run(t_local: int | None = None, heads: int | None = None, head_dim: int | None = None, backend: str | None = None,
         world_sizes=WORLD_SIZES, link: dict | None = None, validate: bool = True, sleep_check: bool = False,
-        measured: str | None = None, iters: int = 7, cores: int | None = None, group=None, device: str = "cuda", report=None) -> list[dict]:
+        measured: str | None = None, iters: int = 7, cores: int | None = None, group=None, device: str = "cuda",
+        report=None) -> list[dict]:
     """Calibrate on this machine and predict (see the module docstring); call on every rank.
 
     Args:
@@ -567,7 +584,8 @@ def _calibration_rows(cal: Calibration, t_local, heads, head_dim, backend, dtype
     return rows
 
 
-def _validate(cal: Calibration, t_local, heads, head_dim, backend, dtype, dev, group, cores, iters, report) -> list[dict]:
+def _validate(cal: Calibration, t_local, heads, head_dim, backend, dtype, dev, group, cores, iters,
+              report) -> list[dict]:
     """Measured steps at ``P = 2 ..`` the group's size against the model with ``cores`` shared."""
     rank, P_group = dist.get_rank(group), dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
@@ -581,14 +599,9 @@ def _validate(cal: Calibration, t_local, heads, head_dim, backend, dtype, dev, g
         if rank < P:
             ms = _measure_steps(P, t_local, heads, head_dim, backend, dtype, dev, subgroups[P], iters)
             if rank == 0:
-                row = _ratios_row("measured", P, t_local, ms, dict.fromkeys(ms, one_ms))
                 pred = {s: predict(s, P, cal.stages, cal.link, cores) for s in STRATEGIES}
-                model = _ratios_row("model, shared cores", P, t_local, {s: p.step_s * 1e3 for s, p in pred.items()},
-                                    {s: p.one_device_s * 1e3 for s, p in pred.items()})
+                row, model = _compare("", P, t_local, ms, one_ms, pred)
                 model["cores"] = cores
-                for s in STRATEGIES:
-                    row[f"{s}_model_err"] = model[f"{s}_ms"] / row[f"{s}_ms"] - 1
-                row["order_matches"] = sorted(STRATEGIES, key=ms.get) == sorted(STRATEGIES, key=lambda s: pred[s].step_s)
                 if hasattr(os, "getloadavg"):  # other processes on the machine slow every rank down
                     row["loadavg_1min"] = os.getloadavg()[0]
                 rows += [row, model]

@@ -37,7 +37,7 @@ so after the through ranks' ``ready`` the chain is one hop (link + apply) per th
 
     compute(ready); send own payloads (every round's if the map is constant, else round 0's);
     compute(between); for each round d:
-        [affine, sends in round d > 0: compute(compose); send(i + 2**d, payload)]
+        [affine, sends in round d > 0: compute(compose, once anything has arrived); send(i + 2**d, payload)]
         [receives in round d: recv(i - 2**d); compute(compose or apply; nothing for the first)]
     compute(after)
 
@@ -47,8 +47,10 @@ so after the through ranks' ``ready`` the chain is one hop (link + apply) per th
     compute(i x fold); compute(FLA's one-device pass)
 
 The one-device work is put after the all-gather: every rank runs the same, so where it sits does not
-change the critical path. Not modelled: contention between sends of one rank or on shared links
-(one link parameter set for every pair), and the cores that a transfer itself uses on a CPU.
+change the critical path. Not modelled: contention between the messages of one rank (its sends and
+receives overlap freely) or on shared links (one link parameter set for every pair), and the cores
+that handling a message takes on a CPU (on gloo with the cores busy a rank's messages queue, which
+costs ``scan`` more than the model says: benchmarks/RESULTS.md, issue 15).
 """
 from __future__ import annotations
 
@@ -399,8 +401,10 @@ def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -
                       state_bytes=n * HV * K * V * wire_bytes, summary_bytes=n * HV * K * (K + V) * wire_bytes)
 
 
-def choose_strategy(forward: tuple[tuple[int, ...], tuple[bool, ...]], backward: tuple[tuple[int, ...], tuple[bool, ...]],
-                    times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
+Route = tuple[tuple[int, ...], tuple[bool, ...]]  # (emits, affine) by position
+
+
+def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
     """``(strategy, reason)``: the one of ``p2p``, ``allgather``, ``scan`` whose exchange the model
     predicts fastest (forward plus backward, local work left out: it is the same for all three but
     for what overlaps), for routes ``forward``/``backward`` given as ``(emits, affine)`` by position.
