@@ -10,7 +10,7 @@ import torch
 from .backends import BACKENDS
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
-from .distributed.plan import STRATEGIES
+from .distributed.plan import STRATEGY_CHOICES
 from .layers.context_parallel import MODES
 from .workers import WorkerError, launch, under_torchrun
 
@@ -30,6 +30,7 @@ def _number(parse, fits, expected: str):
 
 _positive_int = _number(int, lambda x: x >= 1, "a positive integer")
 _seconds = _number(float, lambda x: 0 < x < float("inf"), "a positive number of seconds")
+_positive_float = _number(float, lambda x: 0 < x < float("inf"), "a positive number")
 _port = _number(int, lambda x: 0 <= x <= 65535, "a port number from 0 (pick a free one) to 65535")
 
 
@@ -51,6 +52,27 @@ def _lengths(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 600,250,900,298, "
                                          f"got {text!r}")
     return values
+
+
+def _rank_counts(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated numbers of ranks, each at least 2."""
+    values = _lengths(text)
+    if min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rank counts of at least 2, got {text!r}")
+    return values
+
+
+def _scaling_case(args: argparse.Namespace) -> dict:
+    """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
+    link = {name: value * scale for name, value, scale in (
+        ("latency_s", args.link_latency_us, 1e-6), ("bandwidth", args.link_bandwidth_gbs, 1e9),
+        ("gather_latency_s", args.gather_latency_us, 1e-6), ("gather_bandwidth", args.gather_bandwidth_gbs, 1e9))
+        if value is not None}
+    case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
+                backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
+    if args.predict_ranks:
+        case["world_sizes"] = args.predict_ranks
+    return case
 
 
 def _print_demo_table(rows: list[dict], tol: float) -> bool:
@@ -156,13 +178,20 @@ def _bench(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
-              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch, --suite virtual and --suite "
-              "soak run without a GPU)",
+              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch, --suite virtual, --suite "
+              "soak and --suite scaling run without a GPU)",
               file=sys.stderr)
         return 1
     if args.backend == "fla" and device != "cuda":
         print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
               "use --backend torch", file=sys.stderr)
+        return 2
+    if args.suite == "scaling" and args.seq_lens and len(args.seq_lens) > 1:
+        print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
+              file=sys.stderr)
+        return 2
+    if args.measured is not None and not os.path.isfile(args.measured):
+        print(f"kdacp bench: --measured {args.measured}: no such file", file=sys.stderr)
         return 2
     suite = load_suite(args.suite)
     world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
@@ -171,6 +200,8 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [{"T": T, "family": args.family} for T in (seq_lens or [16384])]
     elif args.suite in ("virtual", "soak"):
         cases = [{}]
+    elif args.suite == "scaling":
+        cases = [_scaling_case(args)]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
         if args.trace:
@@ -195,8 +226,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     bar.close()
-    paths = write_results(args.suite, rows, args.out, getattr(suite, "PLOTS", None))
-    print(markdown_table(rows))
+    render = getattr(suite, "markdown", markdown_table)
+    paths = write_results(args.suite, rows, args.out, getattr(suite, "PLOTS", None), markdown=render)
+    print(render(rows))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -232,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", type=_positive_int, default=None,
                       help="q/k heads per layer (value heads: twice as many), a multiple of the ranks that split "
                            "them in ulysses and hybrid modes (default: 2, or that many ranks if more)")
-    demo.add_argument("--strategy", default="p2p", choices=STRATEGIES,
-                      help="how state passing exchanges states (default: %(default)s)")
+    demo.add_argument("--strategy", default="p2p", choices=STRATEGY_CHOICES,
+                      help="how state passing exchanges states; auto: the cost model's pick for the plan "
+                           "(default: %(default)s)")
     demo.add_argument("--backend", default="auto", choices=BACKENDS,
                       help="KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch "
                            "(default: %(default)s)")
@@ -266,13 +299,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--world-size", type=_positive_int, default=None,
                        help="ranks for cp, layer and soak (default: every GPU; 2 on CPU)")
     bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
-                       help="layer suite: KDA backend (default: fla on CUDA, torch on CPU)")
+                       help="layer and scaling suites: KDA backend (default: fla on CUDA, torch on CPU)")
     bench.add_argument("--hidden", type=_positive_int, default=None,
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
     bench.add_argument("--heads", type=_positive_int, default=None,
-                       help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU)")
+                       help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU); scaling: H = HV "
+                            "(default 32; 2 on CPU)")
     bench.add_argument("--head-dim", type=_positive_int, default=None,
-                       help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU)")
+                       help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU); scaling: K = V "
+                            "(default 128; 32 on CPU)")
+    bench.add_argument("--link-latency-us", type=_positive_float, default=None,
+                       help="scaling suite: point-to-point latency in microseconds (replaces the measured or "
+                            "default figure; default without a second rank: 20)")
+    bench.add_argument("--link-bandwidth-gbs", type=_positive_float, default=None,
+                       help="scaling suite: point-to-point bandwidth in GB/s (default without a second rank: 300)")
+    bench.add_argument("--gather-latency-us", type=_positive_float, default=None,
+                       help="scaling suite: all-gather latency per ring step in microseconds (default: 20)")
+    bench.add_argument("--gather-bandwidth-gbs", type=_positive_float, default=None,
+                       help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
+    bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
+                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
+    bench.add_argument("--sleep-check", action="store_true",
+                       help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
+                            "whose stages sleep (no compute, so no contention for cores)")
+    bench.add_argument("--measured", default=None, metavar="JSON",
+                       help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
     bench.add_argument("--port", type=_port, default=0, help="rendezvous port (0: pick a free one)")
     bench.add_argument("--timeout", type=_seconds, default=1800.0,
                        help="seconds before a multi-rank run is stopped")

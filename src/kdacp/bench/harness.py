@@ -20,7 +20,9 @@ __all__ = ["PlotSpec", "run_context", "markdown_table", "write_results"]
 @dataclass(frozen=True)
 class PlotSpec:
     """How to plot a suite's rows: ``y`` against ``x``, one line per distinct ``series`` value (or,
-    when ``y`` names several columns, one line per column), one panel per distinct ``panel`` value."""
+    when ``y`` names several columns, one line per column), one panel per distinct ``panel`` value.
+    ``where = (column, value)``: lines only from rows with that value; ``points = (column, prefix)``:
+    rows whose value starts with ``prefix`` are drawn as unconnected markers over the lines."""
 
     x: str
     y: str | tuple[str, ...]
@@ -29,7 +31,10 @@ class PlotSpec:
     title: str = ""
     ylabel: str = ""
     logx: bool = True
+    logy: bool = False
     bars: bool = False  # ``x`` is a category: one horizontal bar per row instead of lines
+    where: tuple[str, str] | None = None
+    points: tuple[str, str] | None = None
 
 
 def git_commit(path: Path) -> str:
@@ -80,7 +85,13 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    if any(spec.x not in r for r in rows):
+    marks = []
+    if spec.points:
+        column, prefix = spec.points
+        marks = [r for r in rows if str(r.get(column, "")).startswith(prefix)]
+    if spec.where:
+        rows = [r for r in rows if r.get(spec.where[0]) == spec.where[1]]
+    if not rows or any(spec.x not in r for r in rows):
         return False  # rows of another shape (an older or partial run): no plot, the table still stands
     if not spec.bars and len({r.get(spec.x) for r in rows}) < 2:
         return False  # a line needs two x values (e.g. "vs ranks" from a run at one world size)
@@ -108,9 +119,16 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
         for name, pts in lines.items():
             pts = sorted(p for p in pts if p[1] is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=str(name))
+                line, = ax.plot(*zip(*pts), marker="o", label=str(name))
+                if isinstance(spec.y, tuple):
+                    got = sorted((r[spec.x], r[name]) for r in marks if r.get(name) is not None)
+                    if got:
+                        ax.plot(*zip(*got), linestyle="none", marker="x", markersize=9, color=line.get_color(),
+                                label=f"{name} measured")
         if spec.logx:
             ax.set_xscale("log", base=2)
+        if spec.logy:
+            ax.set_yscale("log")
         ax.set_xlabel(spec.x)
         ax.set_ylabel(spec.ylabel or str(spec.y))
         ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)
@@ -125,17 +143,18 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
 
 
 def write_results(suite: str, rows: list[dict], out_dir: str | Path, plots: dict[str, PlotSpec] | None = None,
-                  context: dict | None = None) -> list[Path]:
+                  context: dict | None = None, markdown=markdown_table) -> list[Path]:
     """Write ``<suite>.json`` (context + rows), ``<suite>.md`` and one ``<stem>.png`` per entry of
     ``plots`` (when matplotlib is installed); return the paths written. ``context`` defaults to
-    this run's (:func:`run_context`); pass a recorded run's to re-render its results."""
+    this run's (:func:`run_context`); pass a recorded run's to re-render its results. ``markdown``
+    renders the rows (a suite whose rows are of several kinds gives its own)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     context = run_context() if context is None else context
     paths = [out / f"{suite}.json", out / f"{suite}.md"]
     paths[0].write_text(json.dumps({"suite": suite, "context": context, "rows": rows}, indent=2))
     head = ", ".join(f"{k} {v}" for k, v in context.items())
-    paths[1].write_text(f"# kdacp bench: {suite}\n\n{head}\n\n{markdown_table(rows)}\n")
+    paths[1].write_text(f"# kdacp bench: {suite}\n\n{head}\n\n{markdown(rows)}\n")
     for stem, spec in (plots or {}).items():
         if rows and _plot(rows, spec, out / f"{stem}.png", context):
             paths.append(out / f"{stem}.png")

@@ -33,8 +33,8 @@ import torch
 
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
 from . import comm
-from .plan import CPPlan, RankLayout
-from .strategies import AffineMessage, Route, make_exchange
+from .plan import CPPlan, RankLayout, through_ranks
+from .strategies import AffineMessage, Route, StateExchange, make_exchange
 
 __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
 
@@ -66,7 +66,7 @@ class CPGrads(LocalGrads):
 def _routes(plan: CPPlan, layouts, state_shape, dtype, device) -> tuple[Route, Route]:
     """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1)."""
     P = plan.world_size
-    through = tuple(lay.through and P > 1 and lay.num_receive > 0 for lay in layouts)
+    through = through_ranks(layouts)
     n = max(max(lay.num_send for lay in layouts), 1)
     shape = (n, *state_shape)
     forward = Route(plan.rank, plan.group, tuple(range(P)), tuple(lay.num_send for lay in layouts), through,
@@ -82,14 +82,16 @@ def _cat(parts: list, dim: int):
 
 
 def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_state: torch.Tensor | None,
-               output_final_state: bool, state_dtype: torch.dtype) -> CPForward:
-    """Run one rank's forward; see the module docstring for the order of stages."""
+               output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None
+               ) -> CPForward:
+    """Run one rank's forward; see the module docstring for the order of stages. ``exchange``: default
+    the plan's strategy's (:mod:`kdacp.bench.scaling` passes a probe that times the stages)."""
     T, HV, V, K = inputs.v.shape[1], inputs.v.shape[2], inputs.v.shape[3], inputs.q.shape[3]
     device = inputs.q.device
     layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
     route, _ = _routes(plan, layouts, (HV, K, V), state_dtype, device)
-    exchange = make_exchange(plan.strategy)
+    exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
     head, rest = layout.head, layout.after_head
@@ -137,9 +139,11 @@ def _add(a, b):
 
 def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch.Tensor,
                 transition: torch.Tensor | None, head_states: LocalStates | None, do: torch.Tensor,
-                dfinal: torch.Tensor | None, output_final_state: bool, has_initial_state: bool) -> CPGrads:
+                dfinal: torch.Tensor | None, output_final_state: bool, has_initial_state: bool,
+                exchange: StateExchange | None = None) -> CPGrads:
     """Run one rank's backward, mirroring :func:`cp_forward`; ``do [1, T_local, HV, V]``,
-    ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``)."""
+    ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``);
+    ``exchange`` as for :func:`cp_forward`."""
     T, HV, V = do.shape[1], do.shape[2], do.shape[3]
     K = local_initial.shape[2]
     state_dtype = local_initial.dtype
@@ -154,7 +158,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
             dht_all += dfinal
         dht_all = comm.all_reduce_sum(dht_all, plan.group)
     _, route = _routes(plan, layouts, (HV, K, V), state_dtype, do.device)
-    exchange = make_exchange(plan.strategy)
+    exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
     known, tail = layout.before_tail, layout.tail

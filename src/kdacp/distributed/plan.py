@@ -20,10 +20,15 @@ import torch.distributed as dist
 
 from ..backends.base import Span
 from ..validation import check_cu_seqlens
+from . import cost_model
 
-__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "local_cu_seqlens", "rank_layouts", "STRATEGIES"]
+__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "local_cu_seqlens", "rank_layouts",
+           "through_ranks", "resolve_strategy", "STRATEGIES", "STRATEGY_CHOICES", "AUTO_STATE_SHAPE"]
 
 STRATEGIES = ("p2p", "allgather", "scan")
+STRATEGY_CHOICES = STRATEGIES + ("auto",)
+# (HV, K, V) that "auto" sizes messages with when not told: Kimi Linear's (H=HV=32, K=V=128)
+AUTO_STATE_SHAPE = (32, 128, 128)
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,38 @@ def rank_layouts(cu_seqlens: tuple[int, ...] | None, batch_size: int, lengths: t
     return tuple(layouts)
 
 
+def through_ranks(layouts: tuple[RankLayout, ...]) -> tuple[bool, ...]:
+    """Per rank: strictly inside a chain, so its message is affine in what it receives (it sends
+    ``M``, forward, and ``M^T``, backward)."""
+    return tuple(lay.through and len(layouts) > 1 and lay.num_receive > 0 for lay in layouts)
+
+
+def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape=None, link=None) -> tuple[str, str]:
+    """``(strategy, reason)``: ``strategy`` itself (reason ``"given"``), or for ``"auto"`` the one the
+    cost model (:func:`kdacp.distributed.cost_model.choose_strategy`) predicts fastest for these
+    layouts, messages of ``state_shape`` ``(HV, K, V)`` (default :data:`AUTO_STATE_SHAPE`) and ``link``
+    (default :data:`~kdacp.distributed.cost_model.DEFAULT_LINK`). Plan-level facts only, so every rank
+    resolves the same.
+
+    Raises:
+        ValueError: unknown strategy, or a ``state_shape`` that is not three positive ints.
+    """
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    if strategy != "auto":
+        return strategy, "given"
+    shape = AUTO_STATE_SHAPE if state_shape is None else tuple(state_shape)
+    if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
+        raise ValueError(f"state_shape must be (HV, K, V), three positive ints, got {state_shape!r}")
+    through = through_ranks(layouts)
+    n = max(max(lay.num_send for lay in layouts), 1)
+    forward = (tuple(lay.num_send for lay in layouts), through)
+    backward = (tuple(lay.num_receive for lay in reversed(layouts)), tuple(reversed(through)))
+    chosen, why = cost_model.choose_strategy(forward, backward, cost_model.exchange_stage_times(n, *shape),
+                                             cost_model.DEFAULT_LINK if link is None else link)
+    return chosen, f"auto: {why}"
+
+
 @dataclass(frozen=True)
 class CPPlan:
     """Partition of one batch over a process group (see :func:`build_cp_plan`); frozen and complete.
@@ -148,7 +185,8 @@ class CPPlan:
     ``local_lengths`` the tokens per rank and ``rank_layouts`` every rank's :class:`RankLayout`
     (both ``None`` for an equal split read from the call: rows of ``T_local`` tokens on every rank).
     ``check_every_call``: run the cross-rank input check on every call instead of once per call
-    signature.
+    signature. ``strategy`` is always a concrete one (``"auto"`` is resolved when the plan is built);
+    ``strategy_reason`` says why (``"given"``, or the cost model's comparison).
     """
 
     rank: int
@@ -160,6 +198,7 @@ class CPPlan:
     local_lengths: tuple[int, ...] | None
     check_every_call: bool = False
     rank_layouts: tuple[RankLayout, ...] | None = field(default=None, repr=False, compare=False)
+    strategy_reason: str = "given"
 
     @property
     def num_sequences(self) -> int:
@@ -185,7 +224,7 @@ class CPPlan:
 
 
 def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,
-                  strategy: str = "p2p", check_every_call: bool = False) -> CPPlan:
+                  strategy: str = "p2p", check_every_call: bool = False, state_shape=None, link=None) -> CPPlan:
     """Build the context-parallel plan of one batch; call it on every rank with the same arguments.
 
     Args:
@@ -197,19 +236,25 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
         batch_size: number of equal-length sequences when ``cu_seqlens`` is ``None`` (default 1).
         group: the ``torch.distributed`` process group (default: the world); on NCCL prefer one
             from :func:`new_cp_group` (high-priority streams: see there why).
-        strategy: state exchange, ``"p2p"`` (wavefront), ``"allgather"`` or ``"scan"`` (log-step
-            prefix scan: ``ceil(log2 P)`` rounds of point-to-point messages).
+        strategy: state exchange, ``"p2p"`` (wavefront), ``"allgather"``, ``"scan"`` (log-step
+            prefix scan: ``ceil(log2 P)`` rounds of point-to-point messages) or ``"auto"``: the one
+            :mod:`kdacp.distributed.cost_model` predicts fastest for this plan's chains (see
+            :func:`resolve_strategy`); the plan's ``strategy_reason`` says why.
         check_every_call: ``cp_chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
             with one small all-gather, which ends in a host sync. By default it does so once per
             call signature: later calls whose own signature was already verified skip it, so a rank
             that alone changes its inputs afterwards is not caught (it waits in the check while the
             others go on). ``True`` checks every call (for debugging).
+        state_shape: ``(HV, K, V)`` of the states, read only by ``"auto"`` to size messages (default
+            :data:`AUTO_STATE_SHAPE`, Kimi Linear's).
+        link: a :class:`~kdacp.distributed.cost_model.Link`, read only by ``"auto"`` (default: an
+            order of magnitude for one node's NVLink; pass measured figures, e.g. across nodes).
 
     Raises:
-        ValueError: unknown strategy, invalid ``cu_seqlens``, lengths that do not add up.
+        ValueError: unknown strategy, bad ``state_shape``, invalid ``cu_seqlens``, lengths that do not add up.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_cp_plan needs an initialised torch.distributed process group")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -243,6 +288,9 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
                              "pass local_lengths")
         local_lengths = (cu[-1] // world_size,) * world_size
     layouts = None if local_lengths is None else rank_layouts(cu, batch_size, local_lengths)
+    # An open split (rows of T_local on every rank) has the same chains for every T_local.
+    strategy, reason = resolve_strategy(strategy, layouts or rank_layouts(None, batch_size, (1,) * world_size),
+                                        state_shape, link)
     return CPPlan(rank=rank, world_size=world_size, group=group, strategy=strategy, batch_size=batch_size,
                   cu_seqlens=cu, local_lengths=local_lengths, check_every_call=bool(check_every_call),
-                  rank_layouts=layouts)
+                  rank_layouts=layouts, strategy_reason=reason)

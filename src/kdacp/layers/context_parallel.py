@@ -139,7 +139,7 @@ class KDAContextParallel(_SingleDevice):
             :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
         strategy: state-exchange strategy for ``cp_chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
-            ``"p2p"``, ``"allgather"``, ``"scan"``).
+            ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
 
     Raises:

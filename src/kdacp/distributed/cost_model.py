@@ -1,0 +1,427 @@
+"""Cost model of the state exchange: each strategy's forward and backward critical path, composed
+event by event from stage times and link parameters (measured by :mod:`kdacp.bench.scaling`; not a
+curve fitted to step times). ``strategy="auto"`` (:func:`choose_strategy`) uses it with the
+exchange's costs alone.
+
+Positions ``i = 0 .. P-1`` follow the direction states flow (forward: rank ``i``; backward: rank
+``P-1-i``). Each position runs one program, its ops in order:
+
+- ``compute(s)``: ``s`` seconds of work on the position's own device (with ``cores``: all positions
+  computing at once share that many cores, each at rate ``min(1, cores / computing)``);
+- ``send(j, bytes)``: does not block; the message arrives at ``j`` ``link.p2p(bytes)`` later;
+- ``recv(j)``: blocks until the next message from ``j`` has arrived;
+- ``gather(bytes)``: joins the one all-gather and goes on; it starts when every position has joined
+  and ends ``link.all_gather(P, bytes)`` later, for all; ``wait``: blocks until it has ended.
+
+Stage times come per rank role (``first``: rank 0, ``through``: strictly inside the chain, ``last``:
+rank P-1) and direction, as the orchestration (:mod:`.orchestration`) runs them: ``ready`` (local
+work before the message is posted: forward ``prepare`` and the summary ``(S_ext, M)`` or the state
+pass; backward the local backward and ``G`` or the gradient state pass), ``between`` (work after
+posting that needs no incoming value) and ``after`` (work on the incoming value). ``apply``: one
+``M x + S`` in float64; ``compose``: one ``(A2 A1, A2 b1 + b2)``; ``stack``: copying the gathered
+summaries. The programs (``[...]``: only where it applies):
+
+``p2p`` (wavefront)::
+
+    compute(ready); [map constant: send(i+1, state)]; compute(between);
+    [i > 0: recv(i-1)]; [through: compute(apply); send(i+1, state)]; compute(after)
+
+so after the through ranks' ``ready`` the chain is one hop (link + apply) per through rank.
+
+``allgather``::
+
+    compute(ready); gather(summary, with M when any rank is through); compute(between); wait;
+    compute(stack of P summaries + (chain before i - 1) x apply); compute(after)
+
+``scan`` (the rounds of :func:`~.strategies.scan_schedule`, ``ceil(log2 P)`` of them)::
+
+    compute(ready); send own payloads (every round's if the map is constant, else round 0's);
+    compute(between); for each round d:
+        [affine, sends in round d > 0: compute(compose, once anything has arrived); send(i + 2**d, payload)]
+        [receives in round d: recv(i - 2**d); compute(compose or apply; nothing for the first)]
+    compute(after)
+
+``fla`` (FLA 0.6.0's scheme; ``P`` and the direction alone fix it)::
+
+    [not the last position: compute(FLA's summary kernel)]; gather(summary [HV, K, K+V]); wait;
+    compute(i x fold); compute(FLA's one-device pass)
+
+The one-device work is put after the all-gather: every rank runs the same, so where it sits does not
+change the critical path. Not modelled: contention between the messages of one rank (its sends and
+receives overlap freely) or on shared links (one link parameter set for every pair), and the cores
+that handling a message takes on a CPU (on gloo with the cores busy a rank's messages queue, which
+costs ``scan`` more than the model says: benchmarks/RESULTS.md, issue 15).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from .strategies import scan_schedule
+
+__all__ = ["Link", "RoleStages", "StageTimes", "Prediction", "MODEL_STRATEGIES", "DEFAULT_LINK", "simulate",
+           "chain_route", "programs", "fla_programs", "predict", "exchange_stage_times", "choose_strategy"]
+
+MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
+ROLES = ("first", "through", "last")
+_EPS = 1e-12  # seconds: a compute op with less left than this is done
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link between any two ranks: a point-to-point message of ``b`` bytes takes
+    ``latency_s + b / bandwidth`` seconds; an all-gather of ``b`` bytes per rank over ``P`` ranks is a
+    ring of ``P - 1`` steps of ``gather_latency_s + b / gather_bandwidth`` each.
+
+    The defaults are an order of magnitude for one node's NVLink (H100/H200 class: tens of
+    microseconds per NCCL call, a few hundred GB/s), not a measurement; pass measured figures.
+    Across nodes both bandwidths are lower and latencies higher: pass those for large ``P``."""
+
+    latency_s: float = 20e-6
+    bandwidth: float = 300e9
+    gather_latency_s: float = 20e-6
+    gather_bandwidth: float = 300e9
+
+    def __post_init__(self):
+        for name in ("latency_s", "bandwidth", "gather_latency_s", "gather_bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.bandwidth <= 0 or self.gather_bandwidth <= 0:
+            raise ValueError(f"bandwidths must be > 0, got {self.bandwidth} and {self.gather_bandwidth}")
+
+    def p2p(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+    def all_gather(self, P: int, nbytes: int) -> float:
+        return (P - 1) * (self.gather_latency_s + nbytes / self.gather_bandwidth)
+
+
+DEFAULT_LINK = Link()
+
+
+@dataclass(frozen=True)
+class RoleStages:
+    """One rank role's local work in one direction, seconds (see the module docstring)."""
+
+    ready: float = 0.0
+    between: float = 0.0
+    after: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.ready + self.between + self.after
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Everything the model needs from the device, seconds (bytes where said).
+
+    ``forward``/``backward``: role (``first``, ``through``, ``last``) -> :class:`RoleStages`;
+    ``one_device``: ``(forward, backward)`` of the same tokens unsplit on one device; ``apply_s``,
+    ``compose_s``: one float64 ``M x + S`` and one composition of open maps; ``copy_s_per_byte``: the
+    all-gather's stack; ``state_bytes``: one message ``n * HV * K * V`` on the wire and
+    ``summary_bytes`` one with its transition ``n * HV * K * (K + V)``; ``fla_summary``: FLA's summary
+    kernel ``(forward, backward)``, ``fla_one_device`` its unsplit op, ``fla_fold_s`` one step of its
+    merge.
+    """
+
+    forward: dict = field(default_factory=lambda: {r: RoleStages() for r in ROLES})
+    backward: dict = field(default_factory=lambda: {r: RoleStages() for r in ROLES})
+    one_device: tuple[float, float] = (0.0, 0.0)
+    apply_s: float = 0.0
+    compose_s: float = 0.0
+    copy_s_per_byte: float = 0.0
+    state_bytes: int = 0
+    summary_bytes: int = 0
+    fla_summary: tuple[float, float] = (0.0, 0.0)
+    fla_one_device: tuple[float, float] = (0.0, 0.0)
+    fla_fold_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Critical paths (slowest position's finish) in seconds, and the step over one device's."""
+
+    strategy: str
+    P: int
+    forward_s: float
+    backward_s: float
+    one_device_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
+
+
+def simulate(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:
+    """The finish time of every position's program (ops as in the module docstring); ``cores``:
+    ``None`` for a device per position, else the positions share that many cores.
+
+    Raises:
+        RuntimeError: a program waits for a message nobody sends (or an all-gather not all join).
+    """
+    if cores is None or cores >= len(programs):
+        return _simulate_dedicated(programs, link)
+    return _simulate_shared(programs, link, cores)
+
+
+def _deadlock(finish) -> RuntimeError:
+    stuck = [i for i, f in enumerate(finish) if f is None]
+    return RuntimeError(f"positions {stuck} wait for messages nobody sends (a bug in the programs)")
+
+
+def _simulate_dedicated(programs: list[list[tuple]], link: Link) -> list[float]:
+    """A device per position: each runs on its own clock, woken when what it waits for is sent."""
+    P = len(programs)
+    clock, pc = [0.0] * P, [0] * P
+    finish: list[float | None] = [None] * P
+    arrivals: dict = defaultdict(deque)
+    joined: list[tuple[float, int]] = []
+    gather_end: float | None = None
+    work = deque(range(P))
+    while work:
+        i = work.popleft()
+        ops = programs[i]
+        while pc[i] < len(ops):
+            op = ops[pc[i]]
+            kind = op[0]
+            if kind == "compute":
+                clock[i] += op[1]
+            elif kind == "send":
+                arrivals[(i, op[1])].append(clock[i] + link.p2p(op[2]))
+                work.append(op[1])  # it may be waiting for this
+            elif kind == "recv":
+                queue = arrivals[(op[1], i)]
+                if not queue:
+                    break
+                clock[i] = max(clock[i], queue.popleft())
+            elif kind == "gather":
+                joined.append((clock[i], op[1]))
+                if len(joined) == P:
+                    gather_end = max(s for s, _ in joined) + link.all_gather(P, max(b for _, b in joined))
+                    work.extend(range(P))
+            elif kind == "wait":
+                if gather_end is None:
+                    break
+                clock[i] = max(clock[i], gather_end)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            pc[i] += 1
+        if pc[i] == len(ops):
+            finish[i] = clock[i]
+    if any(f is None for f in finish):
+        raise _deadlock(finish)
+    return finish
+
+
+def _simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> list[float]:
+    """Positions share ``cores``: one global clock, every position computing at ``min(1, cores / computing)``."""
+    P = len(programs)
+    pc, left = [0] * P, [None] * P
+    finish: list[float | None] = [None] * P
+    arrivals: dict = defaultdict(deque)
+    joined: list[tuple[float, int]] = []
+    gather_end: float | None = None
+    t = 0.0
+    while True:
+        for i in range(P):  # run every position up to its next compute or blocking op
+            ops = programs[i]
+            while finish[i] is None:
+                if pc[i] == len(ops):
+                    finish[i] = t
+                    break
+                op = ops[pc[i]]
+                kind = op[0]
+                if kind == "compute":
+                    if left[i] is None:
+                        left[i] = op[1]
+                    if left[i] > _EPS:
+                        break
+                    left[i] = None
+                elif kind == "send":
+                    arrivals[(i, op[1])].append(t + link.p2p(op[2]))
+                elif kind == "recv":
+                    queue = arrivals[(op[1], i)]
+                    if not queue or queue[0] > t + _EPS:
+                        break
+                    queue.popleft()
+                elif kind == "gather":
+                    joined.append((t, op[1]))
+                    if len(joined) == P:
+                        gather_end = max(s for s, _ in joined) + link.all_gather(P, max(b for _, b in joined))
+                elif kind == "wait":
+                    if gather_end is None or gather_end > t + _EPS:
+                        break
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+                pc[i] += 1
+        if all(f is not None for f in finish):
+            return finish
+        computing = [i for i in range(P) if finish[i] is None and left[i] is not None]
+        rate = min(1.0, cores / len(computing)) if computing else 1.0
+        events = [t + left[i] / rate for i in computing]
+        for i in range(P):
+            if finish[i] is None and left[i] is None:
+                op = programs[i][pc[i]]
+                if op[0] == "recv" and arrivals[(op[1], i)]:
+                    events.append(arrivals[(op[1], i)][0])
+                elif op[0] == "wait" and gather_end is not None:
+                    events.append(gather_end)
+        if not events:
+            raise _deadlock(finish)
+        t_next = min(events)
+        for i in computing:
+            left[i] -= (t_next - t) * rate
+        t = t_next
+
+
+def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """``(emits, affine)`` by position of one sequence split over ``P`` ranks (either direction)."""
+    emits = (1,) * (P - 1) + (0,)
+    affine = tuple(0 < i < P - 1 for i in range(P))
+    return emits, affine
+
+
+def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes) -> list[list[tuple]]:
+    """Every position's program for ``strategy`` (``p2p``, ``allgather``, ``scan``) on one route:
+    ``emits``/``affine`` by position (as :class:`~.strategies.Route`'s, in its order), ``stages[i]``
+    position ``i``'s local work."""
+    P = len(emits)
+    state, summary = times.state_bytes, times.summary_bytes
+    incoming = [i > 0 and emits[i - 1] > 0 for i in range(P)]
+    out = []
+    # chain[i]: the messages position i's incoming value is folded from (allgather)
+    chain = [0] * P
+    for i in range(1, P):
+        chain[i] = 0 if not incoming[i] else 1 if not affine[i - 1] else chain[i - 1] + 1
+    if strategy == "scan":
+        schedule = scan_schedule(tuple(emits), tuple(affine))
+        scan_sends, scan_receives = [{} for _ in range(P)], [{} for _ in range(P)]
+        for d, transfers in enumerate(schedule.rounds):
+            for src, dst, is_open in transfers:
+                scan_sends[src][d], scan_receives[dst][d] = (dst, is_open), (src, is_open)
+    for i in range(P):
+        s = stages[i]
+        constant = not affine[i] or not emits[i]
+        prog: list[tuple] = [("compute", s.ready)]
+        if strategy == "p2p":
+            sends = emits[i] > 0 and i + 1 < P
+            if sends and not affine[i]:
+                prog.append(("send", i + 1, state))
+            prog.append(("compute", s.between))
+            if incoming[i]:
+                prog.append(("recv", i - 1))
+            if sends and affine[i]:
+                prog += [("compute", times.apply_s), ("send", i + 1, state)]
+        elif strategy == "allgather":
+            if any(emits):
+                prog.append(("gather", summary if any(affine) else state))
+            prog.append(("compute", s.between))
+            if any(emits):
+                prog.append(("wait",))
+                stack = P * (summary if any(affine) else state) * times.copy_s_per_byte
+                prog.append(("compute", stack + max(chain[i] - 1, 0) * times.apply_s))
+        elif strategy == "scan":
+            sends, receives = scan_sends[i], scan_receives[i]
+            for d, (dst, is_open) in sends.items():
+                if constant or d == 0:
+                    prog.append(("send", dst, summary if is_open else state))
+            prog.append(("compute", s.between))
+            held, held_open = False, True  # what position i has composed so far
+            for d in range(len(schedule.rounds)):
+                if d in sends and d > 0 and not constant:
+                    dst, is_open = sends[d]
+                    if held:  # own o held: nothing to compose while nothing has arrived
+                        prog.append(("compute", times.compose_s if held_open else times.apply_s))
+                    prog.append(("send", dst, summary if is_open else state))
+                if d in receives:
+                    src, is_open = receives[d]
+                    prog.append(("recv", src))
+                    if held:
+                        prog.append(("compute", times.compose_s if is_open else times.apply_s))
+                    held, held_open = True, held_open and is_open
+        else:
+            raise ValueError(f"strategy must be one of {MODEL_STRATEGIES[:3]} here, got {strategy!r}")
+        prog.append(("compute", s.after))
+        out.append(prog)
+    return out
+
+
+def fla_programs(P: int, direction: str, times: StageTimes) -> list[list[tuple]]:
+    """FLA 0.6.0's all-gather scheme for one sequence over ``P`` ranks, positions in flow order."""
+    k = 0 if direction == "forward" else 1
+    nbytes = times.summary_bytes
+    return [([("compute", times.fla_summary[k])] if i < P - 1 else [])
+            + [("gather", nbytes), ("wait",), ("compute", i * times.fla_fold_s), ("compute", times.fla_one_device[k])]
+            for i in range(P)]
+
+
+def _role(rank: int, P: int) -> str:
+    return "first" if rank == 0 else "last" if rank == P - 1 else "through"
+
+
+def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
+            ) -> Prediction:
+    """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
+    forward and backward critical paths, and one device's step on the same tokens per rank."""
+    if strategy not in MODEL_STRATEGIES:
+        raise ValueError(f"strategy must be one of {MODEL_STRATEGIES}, got {strategy!r}")
+    if isinstance(P, bool) or not isinstance(P, int) or P < 2:
+        raise ValueError(f"P must be an int >= 2, got {P!r}")
+    emits, affine = chain_route(P)
+    paths = []
+    for direction, per_role in (("forward", times.forward), ("backward", times.backward)):
+        if strategy == "fla":
+            progs = fla_programs(P, direction, times)
+        else:
+            ranks = range(P) if direction == "forward" else reversed(range(P))
+            progs = programs(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times)
+        paths.append(max(simulate(progs, link, cores)))
+    one = times.fla_one_device if strategy == "fla" else times.one_device
+    return Prediction(strategy, P, paths[0], paths[1], sum(one))
+
+
+# The exchange's own compute where nothing was measured: float64 batched products on a GPU, a
+# launch overhead plus the flops at a modest float64 rate (an order of magnitude, used by auto).
+_LAUNCH_S, _FLOPS = 10e-6, 2e13
+
+
+def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -> StageTimes:
+    """:class:`StageTimes` with no local work, for comparing exchanges alone: message sizes of ``n``
+    rows of ``[HV, K, V]`` states, and estimated costs of one apply and one composition."""
+    apply_s = _LAUNCH_S + 2 * n * HV * K * K * V / _FLOPS
+    compose_s = _LAUNCH_S + 2 * n * HV * K * K * (K + V) / _FLOPS
+    return StageTimes(apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=1 / 1e12,
+                      state_bytes=n * HV * K * V * wire_bytes, summary_bytes=n * HV * K * (K + V) * wire_bytes)
+
+
+Route = tuple[tuple[int, ...], tuple[bool, ...]]  # (emits, affine) by position
+
+
+def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
+    """``(strategy, reason)``: the one of ``p2p``, ``allgather``, ``scan`` whose exchange the model
+    predicts fastest (forward plus backward, local work left out: it is the same for all three but
+    for what overlaps), for routes ``forward``/``backward`` given as ``(emits, affine)`` by position.
+    Without a rank strictly inside a chain every strategy is one hop: ``p2p``. Deterministic: the
+    same arguments give the same answer on every rank (ties go to the earlier of p2p, scan,
+    allgather)."""
+    P = len(forward[0])
+    inside = sum(forward[1])
+    if inside == 0:
+        return "p2p", f"no rank inside a chain (P={P}): one hop"
+    cost = {}
+    for s in ("p2p", "scan", "allgather"):
+        total = 0.0
+        for emits, affine in (forward, backward):
+            zero = [RoleStages()] * len(emits)
+            total += max(simulate(programs(s, emits, affine, zero, times), link))
+        cost[s] = total
+    best = min(cost, key=lambda s: (cost[s], ("p2p", "scan", "allgather").index(s)))
+    others = ", ".join(f"{s} {cost[s] * 1e3:.3g}" for s in cost if s != best)
+    return best, f"{inside} of {P} ranks inside a chain; model exchange {cost[best] * 1e3:.3g} ms vs {others} ms"

@@ -1,0 +1,74 @@
+"""``kdacp bench --suite scaling``: runs on 2 gloo ranks (calibration, model rows, a measured row
+at P=2 beside the shared-cores model, the sleep-stage check of the composition), reads a cp suite's
+JSON, and refuses bad arguments (exit 2)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kdacp.bench.scaling import _read_measured, markdown
+from kdacp.cli import main
+
+TINY = ["--device", "cpu", "--seq-lens", "64", "--heads", "1", "--head-dim", "8"]
+
+
+def test_suite_runs_on_two_gloo_ranks(tmp_path, capsys):
+    rc = main(["bench", "--suite", "scaling", *TINY, "--world-size", "2", "--predict-ranks", "2,5,64",
+               "--gather-bandwidth-gbs", "7", "--sleep-check", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    by_source = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append(r)
+    assert set(by_source) == {"setup", "stages", "model", "measured", "model, shared cores", "sleep-stage measured",
+                              "sleep-stage model"}
+    setup = by_source["setup"][0]
+    assert setup["gather_bandwidth_GBs"] == pytest.approx(7.0) and "measured over 2 ranks" in setup["link"]
+    assert len(by_source["stages"]) == 6 and all(r["ready_ms"] >= 0 for r in by_source["stages"])
+    assert [r["P"] for r in by_source["model"]] == [2, 5, 64]
+    for r in by_source["model"]:
+        assert all(r[f"{s}_ratio"] > 0.5 for s in ("p2p", "allgather", "scan", "fla")), r
+        assert r["best"] in ("p2p", "allgather", "scan")
+    # once there are ranks inside the chain, more of them only add hops, rounds or gathered summaries
+    five, many = by_source["model"][1:]
+    assert all(many[f"{s}_ms"] >= five[f"{s}_ms"] for s in ("p2p", "allgather", "scan", "fla"))
+    measured = by_source["measured"][0]
+    assert measured["P"] == 2 and all(measured[f"{s}_ms"] > 0 for s in ("p2p", "allgather", "scan"))
+    assert "scan_model_err" in measured and isinstance(measured["order_matches"], bool)
+    # sleeping stages need no core: the model's composition holds to a few percent even on a busy machine
+    sleep = by_source["sleep-stage measured"][0]
+    assert sleep["P"] == 2 and all(abs(sleep[f"{s}_model_err"]) < 0.15 for s in ("p2p", "allgather", "scan")), sleep
+    assert (tmp_path / "scaling.png").exists()
+    text = (tmp_path / "scaling.md").read_text()
+    assert "### model" in text and "### measured" in text and "### model, shared cores" in text
+    assert "### measured" in capsys.readouterr().out
+
+
+def test_measured_points_from_a_cp_suite_json(tmp_path):
+    path = tmp_path / "cp.json"
+    rows = [dict(T_local=16384, world_size=2, kdacp_ratio=1.06, kdacp_allgather_ratio=1.7, fla_ratio=1.4),
+            dict(T_local=8192, world_size=2, kdacp_ratio=1.1),
+            dict(T_local=16384, world_size=2, batch="docs7", kdacp_cp_ratio=1.2)]
+    path.write_text(json.dumps({"rows": rows}))
+    got = _read_measured(str(path), 16384)
+    assert got == [dict(source="measured (cp suite)", P=2, T_local=16384, p2p_ratio=1.06, allgather_ratio=1.7,
+                        fla_ratio=1.4)]
+    assert markdown(got).startswith("### measured (cp suite)")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-lens", "64,128"], "takes one --seq-lens value"),
+    (["--measured", "/nonexistent/cp.json"], "no such file"),
+])
+def test_usage_errors_exit_2(extra, message, capsys, tmp_path):
+    assert main(["bench", "--suite", "scaling", *TINY, *extra, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--predict-ranks", "1,4"], ["--link-latency-us", "-1"],
+                                   ["--gather-bandwidth-gbs", "inf"]])
+def test_bad_values_are_argparse_errors(extra, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--suite", "scaling", *TINY, *extra, "--out", str(tmp_path)])
+    assert e.value.code == 2

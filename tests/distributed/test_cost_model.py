@@ -1,0 +1,187 @@
+"""The cost model's composition on cases worked out by hand (fixed stage times and link figures give a
+known critical path), its two simulators against each other, and ``strategy="auto"``: the model's pick
+for a few plans, and on real gloo ranks the same results as the strategy it picked."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed.cost_model import (Link, RoleStages, StageTimes, _simulate_dedicated, _simulate_shared,
+                                          chain_route, choose_strategy, exchange_stage_times, fla_programs, predict,
+                                          programs, simulate)
+from kdacp.distributed.plan import AUTO_STATE_SHAPE, STRATEGIES, rank_layouts, resolve_strategy
+from tests.multiprocess import run_ranks
+
+# ---------------------------------------------------------------------------------------------
+# hand-computed critical paths, P = 4, one sequence: stage times in seconds, free bytes
+
+FIRST, THROUGH, LAST = RoleStages(1, 2, 0), RoleStages(3, 0, 2), RoleStages(0.5, 0, 4)
+TIMES = StageTimes(forward={"first": FIRST, "through": THROUGH, "last": LAST},
+                   backward={"first": RoleStages(), "through": RoleStages(), "last": RoleStages()},
+                   one_device=(4.0, 1.0), apply_s=0.25, compose_s=0.75, fla_summary=(1.0, 0.0),
+                   fla_one_device=(5.0, 0.0), fla_fold_s=0.1)
+LINK = Link(latency_s=0.5, bandwidth=1e30, gather_latency_s=0.2, gather_bandwidth=1e30)
+
+
+def _forward(strategy: str, P: int = 4, times=TIMES, link=LINK, idle: bool = False) -> list[float]:
+    emits, affine = chain_route(P)
+    stages = [RoleStages()] * P if idle else [FIRST] + [THROUGH] * (P - 2) + [LAST]
+    return simulate(programs(strategy, emits, affine, stages, times), link)
+
+
+def test_p2p_by_hand():
+    # rank 0 sends at 1 (arrives 1.5); rank 1 ready at 3, applies (3.25), sends (arrives 3.75), finishes
+    # 5.25; rank 2 waits until 3.75, applies (4.0), sends (4.5), finishes 6.0; rank 3 waits until 4.5: 8.5
+    assert _forward("p2p") == pytest.approx([3.0, 5.25, 6.0, 8.5])
+
+
+def test_allgather_by_hand():
+    # ranks join at 1, 3, 3, 0.5: the gather ends at 3 + 3 * 0.2 = 3.6; rank i folds i - 1 applies
+    assert _forward("allgather") == pytest.approx([3.6, 5.6, 5.85, 8.1])
+
+
+def test_scan_by_hand():
+    # round 0: 0->1 (closed, sent at 1), 1->2 and 2->3 (open, sent at 3); round 1: 0->2 (closed, at 1),
+    # 1->3 (closed: rank 1 applies what came from 0 to its own map, sends at 3.25, arrives 3.75).
+    # rank 2: 3.5 (from 1), then applies 0's closed state: 3.75, + 2; rank 3: 3.5, then 3.75 + 0.25 + 4
+    assert _forward("scan") == pytest.approx([3.0, 5.25, 5.75, 8.0])
+
+
+def test_fla_by_hand():
+    # summaries end at 1 on ranks 0-2 (none on the last), gather ends at 1.6, rank i folds i x 0.1, then 5
+    finish = simulate(fla_programs(4, "forward", TIMES), LINK)
+    assert finish == pytest.approx([6.6, 6.7, 6.8, 6.9])
+
+
+def test_predict_adds_directions_and_divides_by_one_device():
+    p = predict("scan", 4, TIMES, LINK)
+    # backward, no local work: rank 1's round-1 payload leaves after its round-0 message (0.5) and an
+    # apply (0.25), arrives at 1.25, and the last position applies it: 1.5
+    assert (p.forward_s, p.backward_s) == pytest.approx((8.0, 1.5))
+    assert p.ratio == pytest.approx((8.0 + 1.5) / 5.0)
+    assert predict("fla", 4, TIMES, LINK).one_device_s == pytest.approx(5.0)
+
+
+def test_link_bytes_and_ring():
+    link = Link(latency_s=1e-5, bandwidth=1e9, gather_latency_s=2e-5, gather_bandwidth=2e9)
+    assert link.p2p(10**6) == pytest.approx(1e-5 + 1e-3)
+    assert link.all_gather(5, 10**6) == pytest.approx(4 * (2e-5 + 5e-4))
+    assert link.all_gather(1, 10**6) == 0
+
+
+def test_message_sizes_reach_the_link():
+    times = StageTimes(state_bytes=100, summary_bytes=300)
+    link = Link(latency_s=0.0, bandwidth=100.0, gather_latency_s=0.0, gather_bandwidth=100.0)
+    # P = 3, no local work: p2p two state hops (1 s each); allgather: 2 ring steps of a summary (3 s each)
+    assert max(_forward("p2p", 3, times, link, idle=True)) == pytest.approx(2.0)
+    assert max(_forward("allgather", 3, times, link, idle=True)) == pytest.approx(6.0)
+    # scan: rank 2 gets rank 1's open map (3 s) and rank 0's state (1 s) in parallel
+    assert max(_forward("scan", 3, times, link, idle=True)) == pytest.approx(3.0)
+
+
+def test_shared_cores_serialise_compute():
+    link = Link()
+    assert simulate([[("compute", 1.0)], [("compute", 3.0)]], link, cores=1) == pytest.approx([2.0, 4.0])
+    assert simulate([[("compute", 1.0)], [("compute", 3.0)]], link, cores=None) == pytest.approx([1.0, 3.0])
+    # a rank waiting for a message leaves its core to the others
+    progs = [[("compute", 2.0), ("send", 1, 0)], [("recv", 0), ("compute", 1.0)], [("compute", 2.0)]]
+    fast = Link(latency_s=0.0, bandwidth=1e30)
+    assert simulate(progs, fast, cores=1) == pytest.approx([4.0, 5.0, 4.0])
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 7, 8, 13])
+def test_simulators_agree_with_a_core_each(P):
+    rng = random.Random(P)
+    times = StageTimes(apply_s=0.3, compose_s=0.7, copy_s_per_byte=1e-3, state_bytes=10, summary_bytes=30)
+    link = Link(latency_s=0.2, bandwidth=50.0, gather_latency_s=0.1, gather_bandwidth=80.0)
+    for strategy in STRATEGIES:
+        emits, affine = chain_route(P)
+        stages = [RoleStages(rng.random(), rng.random(), rng.random()) for _ in range(P)]
+        progs = programs(strategy, emits, affine, stages, times)
+        assert _simulate_shared(progs, link, cores=P) == pytest.approx(_simulate_dedicated(progs, link)), strategy
+
+
+def test_deadlock_and_bad_arguments():
+    with pytest.raises(RuntimeError, match="wait for messages nobody sends"):
+        simulate([[("recv", 1)], []], Link())
+    with pytest.raises(ValueError, match="P must be an int >= 2"):
+        predict("p2p", 1, TIMES)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        predict("ring", 4, TIMES)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link(bandwidth=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# strategy="auto"
+
+def _chain_layouts(P: int):
+    return rank_layouts(None, 1, (64,) * P)
+
+
+def test_auto_without_a_through_rank_is_p2p():
+    assert resolve_strategy("auto", _chain_layouts(2))[0] == "p2p"
+    # packed: no sequence covers a whole rank (4 ranks of 32 tokens)
+    strategy, reason = resolve_strategy("auto", rank_layouts((0, 40, 80, 128), 1, (32,) * 4))
+    assert strategy == "p2p" and "no rank inside a chain" in reason
+
+
+def test_auto_at_64_ranks_is_scan():
+    # default link: p2p pays 62 hops of >= 20 us each way, scan 6 rounds
+    strategy, reason = resolve_strategy("auto", _chain_layouts(64))
+    assert strategy == "scan" and reason.startswith("auto: 62 of 64 ranks inside a chain")
+
+
+def test_auto_with_a_free_all_gather_is_allgather():
+    link = Link(latency_s=1.0, bandwidth=1e30, gather_latency_s=0.0, gather_bandwidth=1e30)
+    assert resolve_strategy("auto", _chain_layouts(8), link=link)[0] == "allgather"
+
+
+@pytest.mark.parametrize("P", [3, 4, 8, 16, 33])
+def test_auto_is_the_models_fastest(P):
+    times = exchange_stage_times(1, *AUTO_STATE_SHAPE)
+    emits, affine = chain_route(P)
+    costs = {s: sum(max(simulate(programs(s, emits, affine, [RoleStages()] * P, times), Link()))
+                    for _ in range(2)) for s in STRATEGIES}
+    strategy, reason = resolve_strategy("auto", _chain_layouts(P))
+    assert costs[strategy] == min(costs.values())
+    assert reason == "auto: " + choose_strategy((emits, affine), (emits, affine), times)[1]
+
+
+def test_auto_bad_arguments():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        resolve_strategy("fastest", _chain_layouts(3))
+    with pytest.raises(ValueError, match="state_shape must be"):
+        resolve_strategy("auto", _chain_layouts(3), state_shape=(32, 128))
+
+
+def _auto_ranks(rank: int, world_size: int) -> None:
+    from tests.helpers import make_kda_inputs
+    cases = [(None, "scan"), ((0, 20, 40, 64, 96), "p2p")]  # one sequence over 3 ranks; packed, no through rank
+    for cu, expected in cases:
+        T = 96
+        args = make_kda_inputs(1, T, 1, 2, 16, 16, gate="safe", requires_grad=False, seed=7)
+        lo, hi = rank * T // world_size, (rank + 1) * T // world_size
+        options = {n: x for n, x in args.items() if not isinstance(x, torch.Tensor)}
+        local = {n: (x[:, lo:hi] if x.dim() > 1 else x).clone().requires_grad_() for n, x in args.items()
+                 if isinstance(x, torch.Tensor)}
+        do = torch.randn(1, hi - lo, 2, 16, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        auto = build_cp_plan(cu, batch_size=None if cu else 1, strategy="auto")
+        assert auto.strategy == expected and auto.strategy_reason.startswith("auto: "), repr(auto)
+        assert "strategy_reason='auto: " in repr(auto)
+        given = build_cp_plan(cu, batch_size=None if cu else 1, strategy=auto.strategy)
+        results = []
+        for plan in (auto, given):
+            o, _ = cp_chunk_kda(**local, **options, safe_gate=True, backend="torch", cp=plan)
+            results.append([o, *torch.autograd.grad(o, list(local.values()), do)])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        dist.barrier()
+
+
+def test_auto_matches_the_chosen_strategy_on_gloo():
+    run_ranks(_auto_ranks, 3)
