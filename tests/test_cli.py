@@ -158,6 +158,7 @@ USAGE_ERRORS = [
     (("demo", "--mode", "hybrid", "--world-size", "4", "--heads", "2"), "multiple of --world-size 4, got 2"),
     (("demo", "--world-size", "2", "--heads", "3"), "multiple of --world-size 2, got 3"),
     (("demo", "--dtype", "float64"), "argument --dtype: invalid choice: 'float64'"),
+    (("demo", "--head-dim", "15"), "--head-dim must be even and >= 2"),
     (("demo", "--heads", "0"), "argument --heads: expected a positive integer, got '0'"),
     (("demo", "--steps", "0"), "argument --steps: expected a positive integer"),
     (("demo", "--mode", "ring"), "argument --mode: invalid choice: 'ring'"),
@@ -179,7 +180,9 @@ def test_demo_defaults_fit_every_mode(world_size, mode, heads, ulysses_size):
     from kdacp.demo import demo_config
     cfg = demo_config(world_size, mode, seq_lens=(100 * world_size, 28 * world_size))
     cfg.validate()
-    assert (cfg.num_heads, cfg.ulysses_size) == (heads, ulysses_size)
+    assert (cfg.num_heads, cfg.head_dim, cfg.ulysses_size) == (heads, 16, ulysses_size)
+    gpu = demo_config(world_size, mode, device="cuda", seq_lens=(100 * world_size,))
+    assert (gpu.num_heads, gpu.head_dim) == ({3: 33, 9: 36}.get(world_size, 32), 128)
 
 
 def test_demo_help_shows_defaults(capsys):
@@ -189,7 +192,8 @@ def test_demo_help_shows_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert e.value.code == 0
     for default in ("default: 600,250,900,298", "default: state", "default: p2p", "default: auto", "default: 3)",
-                    "default: 4 on CPU", "default: float32 on CPU", "default: 4, or the world size's smallest multiple",
+                    "default: 4 on CPU", "default: float32 on CPU", "default: 4 on CPU, 32 on CUDA",
+                    "default: 16 on CPU",
                     "default: the smallest"):
         assert default in out, default
 
@@ -197,7 +201,7 @@ def test_demo_help_shows_defaults(capsys):
 def test_demo_names_mode_and_strategy():
     from kdacp.demo import demo_config
     assert demo_config(4, "state", strategy="allgather").describe().startswith(
-        "4 ranks, mode state (strategy allgather), Kimi Linear (KDA, MLA, KDA; 4 heads), float32")
+        "4 ranks, mode state (strategy allgather), Kimi Linear (KDA, MLA, KDA; 4 heads of 16), float32")
     assert "mode hybrid (ulysses_size 2, strategy p2p)" in demo_config(4, "hybrid").describe()
 
 

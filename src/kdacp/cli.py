@@ -83,8 +83,8 @@ def _demo(args: argparse.Namespace) -> int:
                   f"{os.environ['WORLD_SIZE']}; leave it out under torchrun", file=sys.stderr)
             return 2
         world = int(os.environ["WORLD_SIZE"])
-    cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, seq_lens=args.seq_lens,
-                      strategy=args.strategy, backend=args.backend, device=device,
+    cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, head_dim=args.head_dim,
+                      seq_lens=args.seq_lens, strategy=args.strategy, backend=args.backend, device=device,
                       dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"), steps=args.steps,
                       seed=args.seed)
     try:
@@ -214,8 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: the smallest such divisor)")
     demo.add_argument("--heads", type=_positive_int, default=None,
                       help="heads of every KDA and MLA layer, a multiple of the world size (the MLA layers' "
-                           "Ulysses attention splits them over all ranks) (default: 4, or the world size's "
-                           "smallest multiple from 4 up)")
+                           "Ulysses attention splits them over all ranks) (default: 4 on CPU, 32 on CUDA, or the "
+                           "world size's smallest multiple from there up)")
+    demo.add_argument("--head-dim", type=_positive_int, default=None,
+                      help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, which the "
+                           "shipped H200 kernel configurations cover)")
     demo.add_argument("--strategy", default="p2p", choices=STRATEGIES,
                       help="how state passing exchanges states (default: %(default)s)")
     demo.add_argument("--backend", default="auto", choices=BACKENDS,

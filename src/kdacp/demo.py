@@ -28,7 +28,7 @@ from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch
 from .workers import RankContext
 
-__all__ = ["DTYPES", "DemoConfig", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model", "demo_step",
+__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model", "demo_step",
            "demo_worker"]
 
 
@@ -102,6 +102,9 @@ class DemoConfig:
                              f"world size needs a divisor between 1 and itself; {P} has none (4 or 6 do)")
         if self.mode == "hybrid" and (not 1 < U < P or P % U):
             raise ValueError(f"--ulysses-size {U} must divide --world-size {P} and lie strictly between 1 and {P}")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"--head-dim must be even and >= 2 (the MLA layers' rotary part is half of it), "
+                             f"got {self.head_dim}")
         if self.num_heads < 1 or self.num_heads % P:
             raise ValueError(f"--heads must be a positive multiple of --world-size {P}, got {self.num_heads}: the MLA "
                              f"layers' Ulysses attention splits every layer's heads over all {P} ranks")
@@ -123,23 +126,31 @@ class DemoConfig:
         how = {"state": f"strategy {self.strategy}", "ulysses": "all-to-all over heads, no state passing",
                "hybrid": f"ulysses_size {self.ulysses_size}, strategy {self.strategy}"}[self.mode]
         layers = ", ".join({"linear_attention": "KDA", "full_attention": "MLA"}[t] for t in LAYER_TYPES)
-        return (f"{self.world_size} ranks, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads), "
-                f"{self.dtype}, backend {self.backend}, {self.steps} steps")
+        return (f"{self.world_size} ranks, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads "
+                f"of {self.head_dim}), {self.dtype}, backend {self.backend}, {self.steps} steps")
+
+
+# Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), which
+# the FLA kernel configurations shipped for the H200 cover, so the first step need not autotune.
+HEADS = {"cpu": (4, 16), "cuda": (32, 128)}
 
 
 def demo_config(world_size: int, mode: str = "state", *, ulysses_size: int | None = None,
-                num_heads: int | None = None, **options) -> DemoConfig:
-    """A :class:`DemoConfig` whose unset sizes fit ``world_size``; check it with ``validate()``.
+                num_heads: int | None = None, head_dim: int | None = None, device: str = "cpu",
+                **options) -> DemoConfig:
+    """A :class:`DemoConfig` whose unset sizes fit ``world_size`` and ``device``; check it with ``validate()``.
 
     ``ulysses_size`` (hybrid): the smallest divisor of ``world_size`` between 1 and itself (None if
-    there is none). ``num_heads``: 4 or, where that does not split over the ranks, ``world_size``'s
-    smallest multiple from 4 up.
+    there is none). ``num_heads`` and ``head_dim``: :data:`HEADS` of the device, the heads raised to
+    ``world_size``'s smallest multiple from there where they do not split over the ranks.
     """
     if mode == "hybrid" and ulysses_size is None:
         ulysses_size = next((d for d in range(2, world_size) if world_size % d == 0), None)
+    heads, dim = HEADS.get(device, HEADS["cpu"])
     if num_heads is None:
-        num_heads = -(-4 // world_size) * world_size
-    return DemoConfig(world_size=world_size, mode=mode, ulysses_size=ulysses_size, num_heads=num_heads, **options)
+        num_heads = -(-heads // world_size) * world_size
+    return DemoConfig(world_size=world_size, mode=mode, ulysses_size=ulysses_size, num_heads=num_heads,
+                      head_dim=dim if head_dim is None else head_dim, device=device, **options)
 
 
 def demo_model(cfg: DemoConfig, device=None) -> nn.Module:
