@@ -54,8 +54,8 @@ def _print_demo_table(rows: list[dict], tol: float) -> bool:
         print(f"{r['rank']:>4} {r['device']:>8} {r['tokens']:>7} {r['sequences']:>9} {r['first_s']:>8.2f} "
               f"{r['later_ms']:>9.1f} {r['output_err']:>11.2e} {r['loss_err']:>9.2e} {r['grad_err']:>9.2e}")
     first, later = max(r["first_s"] for r in rows), max(r["later_ms"] for r in rows)
-    print(f"step time (slowest rank): first step {first:.2f} s, later steps {later:.1f} ms on average"
-          + ("" if len(rows[0]["losses"]) > 1 else " (one step only)"))
+    print(f"step time (slowest rank): first step {first:.2f} s, "
+          + (f"later steps {later:.1f} ms on average" if len(rows[0]["losses"]) > 1 else "no later steps"))
     print("loss per step: " + ", ".join(f"{x:.4f}" for x in rows[0]["losses"]))
     worst = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in rows)
     ok = worst <= tol
@@ -217,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "Ulysses attention splits them over all ranks) (default: 4 on CPU, 32 on CUDA, or the "
                            "world size's smallest multiple from there up)")
     demo.add_argument("--head-dim", type=_positive_int, default=None,
-                      help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, which the "
-                           "shipped H200 kernel configurations cover)")
+                      help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, at which the "
+                           "shipped H200 kernel configurations were tuned)")
     demo.add_argument("--strategy", default="p2p", choices=STRATEGIES,
                       help="how state passing exchanges states (default: %(default)s)")
     demo.add_argument("--backend", default="auto", choices=BACKENDS,

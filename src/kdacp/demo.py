@@ -130,8 +130,9 @@ class DemoConfig:
                 f"of {self.head_dim}), {self.dtype}, backend {self.backend}, {self.steps} steps")
 
 
-# Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), which
-# the FLA kernel configurations shipped for the H200 cover, so the first step need not autotune.
+# Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), the
+# sizes the FLA kernel configurations shipped for the H200 were tuned at, so that the first step can find
+# them instead of autotuning (whether every kernel's key matches shows in that step's time).
 HEADS = {"cpu": (4, 16), "cuda": (32, 128)}
 
 
