@@ -28,8 +28,8 @@ from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch
 from .workers import RankContext
 
-__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model", "demo_step",
-           "demo_worker"]
+__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model",
+           "demo_step", "demo_worker"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.
@@ -103,7 +103,7 @@ class DemoConfig:
         if self.mode == "hybrid" and (not 1 < U < P or P % U):
             raise ValueError(f"--ulysses-size {U} must divide --world-size {P} and lie strictly between 1 and {P}")
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"--head-dim must be even and >= 2 (the MLA layers' rotary part is half of it), "
+            raise ValueError(f"--head-dim must be even and >= 2 (the MLA layers' qk_rope_head_dim is half of it), "
                              f"got {self.head_dim}")
         if self.num_heads < 1 or self.num_heads % P:
             raise ValueError(f"--heads must be a positive multiple of --world-size {P}, got {self.num_heads}: the MLA "
@@ -158,9 +158,9 @@ def demo_model(cfg: DemoConfig, device=None) -> nn.Module:
     """The demo's transformers ``KimiLinearForCausalLM``, float32, with weights from ``cfg.seed``.
 
     Sizes from ``cfg``: ``hidden_size``, ``num_heads`` heads of ``head_dim`` in the KDA layers and in the
-    MLA layers (NoPE part ``head_dim``, no-rotary part ``head_dim // 2``), layers :data:`LAYER_TYPES`
-    with dense MLPs, attention ``sdpa``. The RMSNorm weights are moved off their all-ones start, so
-    that their gradients are checked on something general.
+    MLA layers (``qk_nope_head_dim``, ``v_head_dim`` and ``kv_lora_rank`` ``head_dim``, ``qk_rope_head_dim``
+    half of it), layers :data:`LAYER_TYPES` with dense MLPs, attention ``sdpa``. The RMSNorm weights are
+    moved off their all-ones start, so that their gradients are checked on something general.
     """
     kl = load_kimi_linear()
     d, H, K = cfg.hidden_size, cfg.num_heads, cfg.head_dim
