@@ -241,7 +241,7 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     from transformers.utils import logging
     logging.set_verbosity_error()  # the reference's notices that it runs transformers' PyTorch fallbacks
     model = demo_model(cfg, ctx.device)
-    reference = copy.deepcopy(model)  # float32, its own config: parallelize changes the model's
+    reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))
     cp = KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
                             backend=cfg.backend)

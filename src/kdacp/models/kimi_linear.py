@@ -42,6 +42,7 @@ generation), padding masks, returned attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -266,7 +267,12 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
         for m in mla:
             m._kdacp_ulysses = _UlyssesAttention(cp.group, inner_name, inner)
         AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
-        # Every module sharing this config (the whole model) now looks up the Ulysses function; the mask
-        # code builds no mask for a name it does not know, and the function builds its own.
-        config._attn_implementation = ATTENTION_NAME
+        # The config object may be shared with other models (built from the same config, or a reference
+        # copy's): this model's modules get their own copy, so that only they look up the Ulysses function.
+        # The mask code builds no mask for a name it does not know, and the function builds its own.
+        own = copy.deepcopy(config)
+        own._attn_implementation = ATTENTION_NAME
+        for m in model.modules():
+            if getattr(m, "config", None) is config:
+                m.config = own
     return model
