@@ -42,7 +42,19 @@ def test_demo_defaults_pass_within_two_minutes():
     assert "PASS" in out
     lines = [ln for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
     assert len(lines) == 4  # one row per rank of the default world size
+    assert "step time (slowest rank): first step" in out and "later steps" in out
     assert elapsed < 120, f"the default demo took {elapsed:.0f} s"
+
+
+def test_demo_on_one_rank_prints_the_first_step_time():
+    """The lead's GPU timing command is `kdacp demo --world-size 1 --device cuda`: one rank must work."""
+    proc = _demo("--world-size", "1", "--seq-lens", "100,28", "--steps", "2")
+    out, err = proc.communicate(timeout=170)
+    assert proc.returncode == 0, err[-3000:]
+    rows = [ln.split() for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
+    assert len(rows) == 1 and rows[0][2:4] == ["128", "2"]  # all tokens, both documents
+    first, later = float(rows[0][4]), float(rows[0][5])
+    assert first > 0 and later > 0 and "PASS" in out
 
 
 def test_demo_reports_a_killed_worker_and_leaves_no_process():
@@ -142,8 +154,11 @@ USAGE_ERRORS = [
     (("demo", "--mode", "hybrid", "--world-size", "4", "--ulysses-size", "4"), "--ulysses-size 4 must divide"),
     (("demo", "--mode", "state", "--ulysses-size", "2"), "--ulysses-size is for --mode hybrid only"),
     (("demo", "--mode", "ulysses", "--world-size", "4", "--heads", "6"),
-     "--mode ulysses splits each layer's heads over 4 ranks, so --heads must be a positive multiple of 4; got 6"),
-    (("demo", "--mode", "hybrid", "--world-size", "4", "--heads", "3"), "heads over 2 ranks"),
+     "--heads must be a positive multiple of --world-size 4, got 6: the MLA layers' Ulysses attention splits"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--heads", "2"), "multiple of --world-size 4, got 2"),
+    (("demo", "--world-size", "2", "--heads", "3"), "multiple of --world-size 2, got 3"),
+    (("demo", "--dtype", "float64"), "argument --dtype: invalid choice: 'float64'"),
+    (("demo", "--head-dim", "15"), "--head-dim must be even and >= 2"),
     (("demo", "--heads", "0"), "argument --heads: expected a positive integer, got '0'"),
     (("demo", "--steps", "0"), "argument --steps: expected a positive integer"),
     (("demo", "--mode", "ring"), "argument --mode: invalid choice: 'ring'"),
@@ -188,13 +203,16 @@ def test_demo_hybrid_runs_with_its_defaults():
     assert "mode hybrid (ulysses_size 2, strategy p2p)" in out and "PASS" in out
 
 
-@pytest.mark.parametrize("mode,heads,ulysses_size", [("state", 2, None), ("ulysses", 4, None), ("hybrid", 2, 2)])
-def test_demo_defaults_fit_every_mode(mode, heads, ulysses_size):
+@pytest.mark.parametrize("world_size,mode,heads,ulysses_size", [
+    (4, "state", 4, None), (4, "ulysses", 4, None), (4, "hybrid", 4, 2), (1, "state", 4, None),
+    (1, "ulysses", 4, None), (3, "state", 6, None), (8, "ulysses", 8, None), (9, "hybrid", 9, 3)])
+def test_demo_defaults_fit_every_mode(world_size, mode, heads, ulysses_size):
     from kdacp.demo import demo_config
-    cfg = demo_config(4, mode)
+    cfg = demo_config(world_size, mode, seq_lens=(100 * world_size, 28 * world_size))
     cfg.validate()
-    assert (cfg.num_heads, cfg.num_v_heads, cfg.ulysses_size) == (heads, 2 * heads, ulysses_size)
-    assert demo_config(8, "ulysses").num_heads == 8 and demo_config(9, "hybrid").ulysses_size == 3
+    assert (cfg.num_heads, cfg.head_dim, cfg.ulysses_size) == (heads, 16, ulysses_size)
+    gpu = demo_config(world_size, mode, device="cuda", seq_lens=(100 * world_size,))
+    assert (gpu.num_heads, gpu.head_dim) == ({3: 33, 9: 36}.get(world_size, 32), 128)
 
 
 def test_demo_help_shows_defaults(capsys):
@@ -204,14 +222,16 @@ def test_demo_help_shows_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert e.value.code == 0
     for default in ("default: 600,250,900,298", "default: state", "default: p2p", "default: auto", "default: 3)",
-                    "default: 4 on CPU", "default: float64 on CPU", "default: 2,", "default: the smallest"):
+                    "default: 4 on CPU", "default: float32 on CPU", "default: 4 on CPU, 32 on CUDA",
+                    "default: 16 on CPU",
+                    "default: the smallest"):
         assert default in out, default
 
 
 def test_demo_names_mode_and_strategy():
     from kdacp.demo import demo_config
     assert demo_config(4, "state", strategy="allgather").describe().startswith(
-        "4 ranks, mode state (strategy allgather), 2 q/k heads, 4 value heads")
+        "4 ranks, mode state (strategy allgather), Kimi Linear (KDA, MLA, KDA; 4 heads of 16), float32")
     assert "mode hybrid (ulysses_size 2, strategy p2p)" in demo_config(4, "hybrid").describe()
 
 

@@ -10,7 +10,7 @@ from tests.multiprocess import run_ranks
 
 
 def _soak(rank, world_size):
-    rows = soak.run(steps=16, every=8, group=dist.group.WORLD)
+    rows = soak.run(steps=16, every=8, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
     assert [r["step"] for r in rows] == [1, 8, 16]
     assert all(r["batch_memo"] <= CACHED_BATCHES for r in rows) and rows[-1]["batch_memo"] == CACHED_BATCHES
     # a plan's verification memo goes with the plan: at most the batches kept, plus one in flight

@@ -152,6 +152,14 @@ def _check_contract(rank, world_size):
     assert all(p is params[n] for n, p in model.named_parameters()), "parallelize replaced a parameter"
     with pytest.raises(ValueError, match="already parallelised"):
         kdacp.parallelize(model, cp)
+    # A model sharing the config object keeps its own attention: parallelize gives its model a copy.
+    from transformers import KimiLinearForCausalLM
+    shared = _model().config
+    twin = KimiLinearForCausalLM(shared)
+    parallel = kdacp.parallelize(KimiLinearForCausalLM(shared), cp)
+    assert shared._attn_implementation == "sdpa" and twin.config is shared
+    assert parallel.config is not shared and parallel.config._attn_implementation == "kdacp_ulysses"
+    twin(input_ids=_tokens()[:, :16], use_cache=False)  # not routed to the Ulysses function
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
         kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=3), cp)
     with pytest.raises(ValueError, match="num_heads % 2 == 0"):

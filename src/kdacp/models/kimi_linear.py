@@ -42,6 +42,7 @@ generation), padding masks, returned attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -53,13 +54,25 @@ from ..layers.context_parallel import KDAContextParallel
 from ..layers.norm import RMSNormGated
 from ..layers.short_conv import causal_conv1d, sequence_positions
 
-__all__ = ["ATTENTION_NAME", "parallelize"]
+__all__ = ["ATTENTION_NAME", "load_kimi_linear", "parallelize"]
 
 ATTENTION_NAME = "kdacp_ulysses"
 _INNER = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def _kimi_linear_classes():
+def load_kimi_linear():
+    """transformers' ``modeling_kimi_linear`` module (``KimiLinearConfig``, ``KimiLinearForCausalLM``, ...).
+
+    Importing it imports FLA where installed (transformers' kernel fallback), and FLA reads
+    ``FLA_CACHE_MODE`` once, at import: so kdacp's adapter loads FLA first, pointed at kdacp's tuned
+    configurations (:func:`kdacp.tuning.use_shipped_configs`). Build models through this module, or
+    call it before transformers imports its Kimi Linear code, to have them.
+
+    Raises:
+        ImportError: transformers missing or without Kimi Linear (the ``models`` extra).
+    """
+    from ..backends.fla_adapter import fla_available
+    fla_available()
     try:
         from transformers.models.kimi_linear import modeling_kimi_linear as kl
     except ImportError as e:  # transformers < 5.x or missing: the `models` extra
@@ -215,7 +228,7 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
         ValueError: a model without Kimi Linear token mixers, one already parallelised, heads that do not
             split over the ranks, an unsupported attention implementation or convolution activation.
     """
-    kl = _kimi_linear_classes()
+    kl = load_kimi_linear()
     from transformers import AttentionInterface
 
     if not isinstance(cp, KDAContextParallel):
@@ -254,7 +267,12 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
         for m in mla:
             m._kdacp_ulysses = _UlyssesAttention(cp.group, inner_name, inner)
         AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
-        # Every module sharing this config (the whole model) now looks up the Ulysses function; the mask
-        # code builds no mask for a name it does not know, and the function builds its own.
-        config._attn_implementation = ATTENTION_NAME
+        # The config object may be shared with other models (built from the same config, or a reference
+        # copy's): this model's modules get their own copy, so that only they look up the Ulysses function.
+        # The mask code builds no mask for a name it does not know, and the function builds its own.
+        own = copy.deepcopy(config)
+        own._attn_implementation = ATTENTION_NAME
+        for m in model.modules():
+            if getattr(m, "config", None) is config:
+                m.config = own
     return model
