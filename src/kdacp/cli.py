@@ -138,12 +138,15 @@ def _bench(args: argparse.Namespace) -> int:
               "use --backend torch", file=sys.stderr)
         return 2
     suite = load_suite(args.suite)
-    world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
+    world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
+                                else 2)
     seq_lens = args.seq_lens
     if args.suite == "kernels":
         cases = [{"T": T} for T in (seq_lens or [16384])]
     elif args.suite in ("virtual", "soak"):
         cases = [{}]
+    elif args.suite == "gdn":
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
         if args.trace:

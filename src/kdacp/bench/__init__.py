@@ -1,5 +1,5 @@
 """Benchmark suites behind ``kdacp bench``: ``kernels`` (summary kernels on one GPU), ``cp``
-(``cp_chunk_kda`` against one GPU and FLA's CP), ``layer`` (the layer against FLA's, and its CP modes)
+(``cp_chunk_kda`` against one GPU and FLA's CP), ``gdn`` (GDN on one GPU against FLA's), ``layer`` (the layer against FLA's, and its CP modes)
 ``virtual`` (each strategy's accuracy at 2 to 1024 virtual ranks, one device) and ``soak`` (a long
 training run, watching memory, threads, files and caches).
 
@@ -17,7 +17,7 @@ from ..workers import RankContext, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
-SUITES = ("kernels", "cp", "layer", "virtual", "soak")
+SUITES = ("kernels", "cp", "gdn", "layer", "virtual", "soak")
 CPU_SUITES = ("layer", "virtual", "soak")  # the suites that also run without a GPU
 
 
