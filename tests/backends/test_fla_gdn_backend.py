@@ -78,6 +78,23 @@ def test_summary_operands_are_the_reference_intermediates():
     assert rel_err(qg, ref.qg) < 1e-14 and rel_err(kg, ref.kg) < 1e-14 and torch.equal(gate, ref.gc)
 
 
+@pytest.mark.parametrize("backend", ["torch", "fla"])
+def test_prepare_call_runs_gdn_on_the_scalar_gate_with_fla_only(backend):
+    """The torch backend gets the broadcast gate and ``dt_bias [HV*K]``; the fla backend GDN's own."""
+    from kdacp.backends.call import prepare_call
+    if backend == "fla":
+        _fla()
+    x = _gdn_case(20, 1, 2, 8, 8, gate_in_kernel=True, dtype=torch.float32, seed=4)
+    g, dt_bias = scalar_gate_as_kda(x["g"], 8, x["dt_bias"])
+    call = prepare_call(backend, x["q"], x["k"], x["v"], g, x["beta"], scale=None, use_qk_l2norm_in_kernel=True,
+                        use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=dt_bias, lower_bound=None,
+                        safe_gate=False, scalar_gate=(x["g"], x["dt_bias"]))
+    want_g, want_dt = (g, dt_bias) if backend == "torch" else (x["g"], x["dt_bias"])
+    assert type(call.backend).__name__ == ("TorchBackend" if backend == "torch" else "FlaGDNBackend")
+    assert call.inputs.g.shape == want_g.shape and torch.equal(call.inputs.g, want_g)
+    assert call.inputs.dt_bias is want_dt
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="runs FLA's kernels under the Triton interpreter on the CPU")
 @pytest.mark.parametrize("gate_in_kernel", [False, True])
@@ -179,3 +196,38 @@ def test_fla_gdn_matches_fla_chunk_gated_delta_rule(case, entry):
     want = _run(fla.chunk_gated_delta_rule, args, seed=8)
     for name, b in want.items():
         assert rel_err(got[name], b) < 2e-3, (name, rel_err(got[name], b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
+def test_fla_gdn_stages_match_torch_stages(gate_in_kernel):
+    """Every stage, the summaries ``S_ext``, ``M``, ``G`` included, in bf16 at Qwen3-Next's heads
+    against the ``torch`` backend on the broadcast gate in float64 (its ``dg``, ``ddt_bias`` summed over K)."""
+    _fla()
+    from kdacp.backends.fla_gdn_backend import FlaGDNBackend
+    from kdacp.backends.torch_backend import TorchBackend
+    from tests.backends.test_fla_backend import _stage_results
+    T = 300
+    x = _gdn_case(T, H, HV, K, V, gate_in_kernel=gate_in_kernel, dtype=torch.bfloat16, seed=11)
+    x = {n: t.cuda() for n, t in x.items()}
+    options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel)
+    gdn_inputs = KDAInputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("A_log"), x.get("dt_bias"))
+    g, dt_bias = scalar_gate_as_kda(x["g"].double(), K, x["dt_bias"].double() if gate_in_kernel else None)
+    kda_inputs = KDAInputs(x["q"].double(), x["k"].double(), x["v"].double(), g, x["beta"].double(),
+                           x["A_log"].double() if gate_in_kernel else None, dt_bias)
+    span, head = Span(0, T, (0, 100, T)), Span(0, 100, (0, 100))
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    h0 = torch.randn(2, HV, K, V, device="cuda", generator=gen)
+    do = torch.randn(1, T, HV, V, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn(2, HV, K, V, device="cuda", generator=gen)
+    ref = _stage_results(TorchBackend(options), kda_inputs, span, h0.double(), do.double(), dht.double(), head)
+    got = _stage_results(FlaGDNBackend(options), gdn_inputs, span, h0, do, dht, head)
+    tol = 2e-2  # bf16 inputs and intermediates against the float64 reference
+    for name, b in ref.items():
+        if b is not None and name.startswith("dg"):
+            b = b.sum(-1)
+        if b is not None and name.startswith("ddt_bias"):
+            b = b.view(HV, K).sum(-1)
+        a = got[name]
+        assert (a is None) == (b is None), name
+        assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
