@@ -274,3 +274,21 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "cp", "--batches", "nope"])
     assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err
+
+
+def test_bench_gdn_runs_on_one_rank(monkeypatch, tmp_path):
+    import kdacp.bench
+    import kdacp.bench.harness
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):
+        calls.append((name, case, kwargs["world_size"]))
+        return [dict(batch="docs7", label="x", kdacp_ratio=1.0)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    monkeypatch.setattr(kdacp.bench.harness, "run_context",
+                        lambda: dict(date="d", device="gpu", gpus=8, torch="t", triton="t", commit="c"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    main(["bench", "--suite", "gdn", "--batches", "one_sequence", "--out", str(tmp_path)])
+    assert calls[-1] == ("gdn", dict(t_locals=(16384, 32768), batches=("one_sequence",)), 1)

@@ -201,7 +201,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: --measured {args.measured}: no such file", file=sys.stderr)
         return 2
     suite = load_suite(args.suite)
-    world = args.world_size or (max(torch.cuda.device_count(), 1) if device == "cuda" else 2)
+    world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
+                                else 2)
     seq_lens = args.seq_lens
     if args.suite == "kernels":
         cases = [{"T": T, "family": args.family} for T in (seq_lens or [16384])]
@@ -209,6 +210,8 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [{}]
     elif args.suite == "scaling":
         cases = [_scaling_case(args)]
+    elif args.suite == "gdn":
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
         if args.trace:

@@ -3,9 +3,9 @@
 GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` instead of
 ``[B, T, HV, K]``. Both entry points check the GDN shapes, broadcast the gate over ``K``
 (:func:`kdacp.reference.gdn.scalar_gate_as_kda`, a view) and run the KDA machinery, so plans,
-strategies, backends and summaries are shared. The ``fla`` backend then runs FLA's KDA kernels on
-the broadcast gate (materialised as ``[T, HV, K]``); kernels that read the scalar gate are not
-written yet.
+strategies and summaries are shared. The ``torch`` backend runs the KDA reference on the broadcast
+gate; the ``fla`` backend runs FLA's GDN kernels on the scalar gate itself
+(:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ __all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule"]
 
 
 def _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
-    """KDA's ``g``/``A_log``/``dt_bias`` arguments for GDN's, after checking GDN's shapes."""
+    """KDA's ``g``/``A_log``/``dt_bias`` arguments for GDN's (and GDN's own gate, for the ``fla``
+    backend), after checking GDN's shapes."""
     for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
         check_tensor(name, x, nd)
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
@@ -32,9 +33,10 @@ def _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
             check_tensor("dt_bias", dt_bias)
             if tuple(dt_bias.shape) != (HV,):
                 raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
-    g, dt_bias = scalar_gate_as_kda(g, q.shape[-1], dt_bias if use_gate_in_kernel else None)
+    scalar = (g, dt_bias if use_gate_in_kernel else None)
+    g, dt_bias = scalar_gate_as_kda(g, q.shape[-1], scalar[1])
     return dict(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
-                dt_bias=dt_bias)
+                dt_bias=dt_bias, _scalar_gate=scalar)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -48,7 +48,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False):
+              check_finite=False, *, _scalar_gate=None):
     """Chunk KDA on one device, differentiable.
 
     Args:
@@ -69,6 +69,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             When off, non-finite values are not looked for: a NaN in one sequence of a packed batch
             reaches that sequence's outputs and gradients (and the shared A_log/dt_bias gradients),
             no other sequence's.
+        _scalar_gate: set by :func:`kdacp.chunk_gated_delta_rule` only: GDN's own ``(g, dt_bias)`` of
+            which ``g``/``dt_bias`` here are the broadcast (see :func:`kdacp.backends.call.prepare_call`).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
@@ -88,7 +90,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                  dt_bias=dt_bias if use_gate_in_kernel else None))
     call = prepare_call(resolve_backend(backend, q.device), q, k, v, g, beta, scale=scale,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=safe_gate)
+                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=safe_gate,
+                        scalar_gate=_scalar_gate)
     B, T = dims.B, dims.T
     cu = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
     o, final_state = ChunkKDAFunction.apply(call.backend, Span(0, B * T, tuple(cu)), bool(output_final_state),

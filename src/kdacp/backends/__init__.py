@@ -39,11 +39,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def make_backend(name: str, options: KDAOptions) -> LocalBackend:
-    """A backend instance for one call; ``name`` as returned by :func:`resolve_backend`."""
-    if name == "torch":
+def make_backend(name: str, options: KDAOptions, scalar_gate: bool = False) -> LocalBackend:
+    """A backend instance for one call; ``name`` as returned by :func:`resolve_backend`. With
+    ``scalar_gate`` (``"fla"`` only) it runs FLA's GDN kernels on a gate ``g [1, T, HV]``."""
+    if name == "torch" and not scalar_gate:
         return TorchBackend(options)
     if name == "fla":
+        if scalar_gate:
+            from .fla_gdn_backend import FlaGDNBackend
+            return FlaGDNBackend(options)
         from .fla_backend import FlaBackend
         return FlaBackend(options)
-    raise ValueError(f"backend must be 'torch' or 'fla', got {name!r}")
+    raise ValueError(f"backend must be 'torch' or 'fla' ('fla' with scalar_gate), got {name!r}")

@@ -32,18 +32,26 @@ class PreparedCall:
 
 
 def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 A_log, dt_bias, lower_bound, safe_gate) -> PreparedCall:
-    """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved)."""
+                 A_log, dt_bias, lower_bound, safe_gate, scalar_gate=None) -> PreparedCall:
+    """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved).
+
+    ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)`` of which ``g`` and
+    ``dt_bias`` are the per-channel broadcast; the ``fla`` backend then runs FLA's GDN kernels on it,
+    the ``torch`` backend the KDA reference on the broadcast.
+    """
     B, T, _, K = q.shape
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate))
+    gdn = scalar_gate is not None and backend_name == "fla"
+    if gdn:
+        g, dt_bias = scalar_gate
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    return PreparedCall(make_backend(backend_name, options), KDAInputs(*packed, A_log, dt_bias), B, T, v.shape[2],
-                        v.shape[3])
+    return PreparedCall(make_backend(backend_name, options, scalar_gate=gdn), KDAInputs(*packed, A_log, dt_bias), B,
+                        T, v.shape[2], v.shape[3])
 
 
 def input_dtypes(inputs: KDAInputs) -> tuple:

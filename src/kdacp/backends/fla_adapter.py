@@ -31,11 +31,21 @@ _STAGES = {
     "chunk_kda_bwd_wy_dqkg_fused": ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused"),
     "chunk_kda_bwd_intra": ("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra"),
     "kda_gate_bwd": ("fla.ops.kda.gate", "kda_gate_bwd"),
+    # GDN (scalar gate)
+    "gdn_gate_chunk_cumsum": ("fla.ops.gated_delta_rule.gate", "gdn_gate_chunk_cumsum"),
+    "chunk_gated_delta_rule_fwd_intra": ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra"),
+    "gdn_recompute_w_u_fwd": ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd"),
+    "chunk_fwd_o": ("fla.ops.common.chunk_o", "chunk_fwd_o"),
+    "chunk_bwd_dv_local": ("fla.ops.common.chunk_o", "chunk_bwd_dv_local"),
+    "chunk_bwd_dqkwg": ("fla.ops.common.chunk_o", "chunk_bwd_dqkwg"),
+    "gdn_prepare_wy_repr_bwd": ("fla.ops.gated_delta_rule.wy_fast", "prepare_wy_repr_bwd"),
+    "gdn_gate_bwd": ("fla.ops.gated_delta_rule.gate", "gdn_gate_bwd"),
     # the layer's fused parts
     "causal_conv1d": ("fla.modules.causal_conv1d", "causal_conv1d"),
     "rms_norm_gated": ("fla.modules.norm.fused_norm_gate", "rms_norm_gated"),
     # whole ops, for comparisons and benchmarks
     "chunk_kda": ("fla.ops.kda", "chunk_kda"),
+    "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
     "build_cp_context": ("fla.ops.cp", "build_cp_context"),
     "chunk_cp_fwd_h": ("fla.ops.cp.chunk_fwd", "chunk_cp_fwd_h"),
     "chunk_cp_bwd_dh": ("fla.ops.cp.chunk_bwd", "chunk_cp_bwd_dh"),

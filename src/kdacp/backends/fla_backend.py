@@ -106,8 +106,11 @@ class FlaBackend:
             cu, BT = span.cu_seqlens, self.options.chunk_size
             # FLA's chunk_indices: (sequence, chunk within it) for every chunk, in order
             indices = [(n, i) for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])) for i in range(-(-(eos - bos) // BT))]
-            self._varlens[span] = {name: torch.tensor(value, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-                                   for name, value in (("cu_seqlens", cu), ("chunk_indices", indices))}
+            host = {name: torch.tensor(value, dtype=torch.int64) for name, value in (("cu_seqlens", cu),
+                                                                                     ("chunk_indices", indices))}
+            # pinned only for a device copy (the interpreter's CPU tensors have no pinned memory)
+            self._varlens[span] = {name: t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+                                   for name, t in host.items()}
         return self._varlens[span]
 
     def _gate_cumsum(self, g, A_log, dt_bias, varlen: dict) -> torch.Tensor:

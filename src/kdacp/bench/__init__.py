@@ -1,8 +1,9 @@
 """Benchmark suites behind ``kdacp bench``: ``kernels`` (summary kernels on one GPU), ``cp``
-(``cp_chunk_kda`` against one GPU and FLA's CP), ``layer`` (the layer against FLA's, and its CP modes)
-``virtual`` (each strategy's accuracy at 2 to 1024 virtual ranks, one device), ``soak`` (a long
-training run, watching memory, threads, files and caches) and ``scaling`` (each strategy's step at 2
-to 1024 ranks, predicted from stage and link times measured here; with several ranks, also measured).
+(``cp_chunk_kda`` against one GPU and FLA's CP), ``gdn`` (GDN on one GPU against FLA's), ``layer``
+(the layer against FLA's, and its CP modes), ``virtual`` (each strategy's accuracy at 2 to 1024
+virtual ranks, one device), ``soak`` (a long training run, watching memory, threads, files and
+caches) and ``scaling`` (each strategy's step at 2 to 1024 ranks, predicted from stage and link times
+measured here; with several ranks, also measured).
 
 Each suite module defines ``run(..., report=None) -> list[dict]`` and ``PLOTS`` (file stem ->
 :class:`~kdacp.bench.harness.PlotSpec`), and may define ``markdown(rows) -> str``; multi-rank suites set ``MULTI_RANK = True`` and their
@@ -18,7 +19,7 @@ from ..workers import RankContext, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
-SUITES = ("kernels", "cp", "layer", "virtual", "soak", "scaling")
+SUITES = ("kernels", "cp", "gdn", "layer", "virtual", "soak", "scaling")
 CPU_SUITES = ("layer", "virtual", "soak", "scaling")  # the suites that also run without a GPU
 
 

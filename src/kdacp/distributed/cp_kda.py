@@ -52,7 +52,7 @@ class CPChunkKDAFunction(torch.autograd.Function):
 
 def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                 lower_bound=None, safe_gate=False, backend="auto", cp=None, check_finite=False):
+                 lower_bound=None, safe_gate=False, backend="auto", cp=None, check_finite=False, *, _scalar_gate=None):
     """Chunk KDA over tokens split across the ranks of ``cp.group``; call it on every rank.
 
     Args:
@@ -76,6 +76,7 @@ def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_
             all-gather, which then runs on every call); pass the same value on every rank. Off by
             default: then a NaN in one sequence of a packed batch reaches that sequence's outputs
             and gradients (and the shared A_log/dt_bias gradients), no other sequence's.
+        _scalar_gate: set by :func:`kdacp.cp_chunk_gated_delta_rule` only, as in :func:`kdacp.chunk_kda`.
 
     Returns:
         ``(o [B, T_local, HV, V] in v's dtype, final_state [N, HV, K, V] or None)``; states are
@@ -93,7 +94,7 @@ def cp_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_
                          resolve_backend=resolve_backend, check_finite=check_finite)
     prepared = prepare_call(name, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                            lower_bound=lower_bound, safe_gate=safe_gate)
+                            lower_bound=lower_bound, safe_gate=safe_gate, scalar_gate=_scalar_gate)
     call = _Call(cp, prepared.backend, bool(output_final_state), initial_state is not None, compute_dtype(q))
     o, final_state = CPChunkKDAFunction.apply(call, *vars(prepared.inputs).values(), initial_state)
     return prepared.unpack(o), final_state

@@ -20,7 +20,8 @@ class GatedDeltaNet(DeltaRuleLayer):
     (the rest as :class:`~kdacp.layers.delta_rule.DeltaRuleLayer`). Parameter names and shapes follow
     FLA's ``fla.layers.GatedDeltaNet`` with ``use_gate=True`` (``head_k_dim`` is FLA's ``head_dim``,
     ``head_v_dim`` its ``head_dim * expand_v``). The recurrence runs as KDA with the gate broadcast over
-    ``K`` (:mod:`kdacp.gdn`), so every context-parallel mode applies unchanged.
+    ``K`` (FLA's GDN kernels with the ``fla`` backend, :mod:`kdacp.gdn`), so every context-parallel mode
+    applies unchanged.
 
     Args:
         hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias, norm_eps,
@@ -48,4 +49,5 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         g, dt_bias = scalar_gate_as_kda(gate, self.head_k_dim, self.dt_bias[v_heads])
-        return dict(g=g, A_log=self.A_log[v_heads], dt_bias=dt_bias)
+        # the scalar gate itself too: the fla backend runs FLA's GDN kernels on it (kdacp.gdn)
+        return dict(g=g, A_log=self.A_log[v_heads], dt_bias=dt_bias, _scalar_gate=(gate, self.dt_bias[v_heads]))

@@ -1,0 +1,227 @@
+"""The ``fla`` backend for Gated DeltaNet: FLA 0.6.0's GDN stage kernels, which read the scalar gate.
+
+Same stages as :class:`.fla_backend.FlaBackend`, with ``g [1, T, HV]`` (and ``dt_bias [HV]`` with the
+gate in kernel). FLA's GDN kernels keep ``q, k`` at their ``H`` heads and apply the gate to ``v_new``
+rather than to the keys: ``kg^T v_new = k^T (exp2(gc_last - gc) v_new)`` for a scalar gate, so the
+state pass, ``h`` and ``v_new`` are the same as KDA's with the gate broadcast over ``K``. Stages:
+``prepare`` = L2 norm, gate cumsum (log2 units, chunk-local), the fused ``A = (I + kkt)^-1`` and
+``w, u``; ``state_pass`` = the state kernel; ``output`` = the output kernel (``q k^T`` recomputed);
+``backward_local`` = ``w, u`` recompute, (state recompute,) local ``dv``; ``backward_states`` = the
+gradient state kernel; ``backward_inputs`` = ``dq, dk, dw, dg``, the WY backward, reverse gate cumsum,
+gate and L2-norm backward. Saved for backward as FLA's ``chunk_gated_delta_rule`` (``w, u`` recomputed).
+
+The summaries ``S_ext``, ``M`` and ``G`` are defined on KDA's per-channel intermediates
+(:mod:`kdacp.reference.summary`); :func:`summary_operands` builds them from the scalar gate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import KDAInputs, LocalGrads, LocalStates, Span
+from .fla_backend import FlaBackend
+from ..kernels import state_gradient_summary, state_summary
+
+__all__ = ["FlaGDNBackend", "chunk_last_index", "summary_operands"]
+
+
+def chunk_last_index(span: Span, chunk_size: int) -> torch.Tensor:
+    """``[T_span]`` int64 on the host: for every token of ``span``, the span-relative index of the last
+    token of its chunk (chunks start at each segment's first token; a partial chunk ends at the
+    segment's end)."""
+    cu = torch.tensor(span.cu_seqlens, dtype=torch.int64)
+    pos = torch.arange(int(cu[-1]), dtype=torch.int64)
+    seq = torch.searchsorted(cu[1:], pos, right=True)
+    bos, eos = cu[seq], cu[seq + 1]
+    return torch.minimum(bos + ((pos - bos) // chunk_size + 1) * chunk_size, eos) - 1
+
+
+def _expand_gate(gc: torch.Tensor, K: int) -> torch.Tensor:
+    """``gc [1, T, HV]`` as the ``[1, T, HV, K]`` gate the summary kernels read.
+
+    Materialised: their launchers require a unit stride on ``K``, so a zero-stride view is refused.
+    The one place to change once the kernels take the scalar gate."""
+    return gc.unsqueeze(-1).expand(*gc.shape, K).contiguous()
+
+
+def _per_value_head(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """``[1, T, H, K]`` -> ``[1, T, HV, K]``: value head ``i`` reads q/k head ``i // (HV // H)``."""
+    H = x.shape[2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+
+
+def summary_operands(q: torch.Tensor | None, k: torch.Tensor, gc: torch.Tensor, last: torch.Tensor):
+    """KDA's summary operands of a GDN span: ``(qg, kg, gate)``, ``qg = q exp2(gc)`` (``None`` without
+    ``q``), ``kg = k exp2(gc_last - gc)`` ``[1, T, HV, K]`` in k's dtype (computed in float32 or wider)
+    and the gate ``[1, T, HV, K]``.
+
+    Args:
+        q, k: ``[1, T, H, K]`` (after the optional L2 norm); gc ``[1, T, HV]``: the chunk-local
+            cumulative log2 gate; last: ``[T]`` from :func:`chunk_last_index` on gc's device.
+    """
+    HV, K = gc.shape[2], k.shape[3]
+    wide = torch.promote_types(gc.dtype, torch.float32)
+    gc = gc.to(wide)
+    kg = (_per_value_head(k, HV) * torch.exp2(gc[:, last] - gc)[..., None]).to(k.dtype)
+    qg = None if q is None else (_per_value_head(q, HV) * torch.exp2(gc)[..., None]).to(q.dtype)
+    return qg, kg, _expand_gate(gc, K)
+
+
+@dataclass
+class GDNSaved:
+    """What backward needs, token-first ``[1, T, ...]``: ``q``, ``k`` ``[1, T, H, K]`` after the optional
+    L2 norm (with ``q_rstd``, ``k_rstd [1, T, H]``), ``v``, ``beta``, raw ``g`` (gate in kernel, else
+    ``None``), its log2 chunk cumsum ``gc [1, T, HV]`` float32, and ``A = (I + kkt)^-1 [1, T, HV, BT]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    g: torch.Tensor | None
+    gc: torch.Tensor
+    A: torch.Tensor
+    q_rstd: torch.Tensor | None
+    k_rstd: torch.Tensor | None
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+
+    def narrow(self, span: Span) -> "GDNSaved":
+        cut = slice(span.start, span.end)
+        return GDNSaved(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
+                          for name, t in vars(self).items()))
+
+
+@dataclass
+class GDNChunks:
+    """Forward chunk data: the saved part plus ``w [1, T, HV, K]`` and ``u [1, T, HV, V]``."""
+
+    saved: GDNSaved
+    w: torch.Tensor
+    u: torch.Tensor
+
+
+@dataclass
+class GDNBackward:
+    """One span's backward in progress: its saved inputs, the span, FLA's packed-sequence arguments,
+    ``do``, the initial states, ``w``, the states ``h``, ``v_new``, ``dv`` (local, then after the
+    gradient state pass) and ``dh``."""
+
+    saved: GDNSaved
+    span: Span
+    varlen: dict
+    do: torch.Tensor
+    initial_state: torch.Tensor
+    w: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
+    dv: torch.Tensor
+    dh: torch.Tensor | None = None
+
+
+class FlaGDNBackend(FlaBackend):
+    """GDN on FLA's GDN kernels; shares :class:`FlaBackend`'s packed-sequence arguments."""
+
+    name = "fla"
+
+    def __init__(self, options):
+        super().__init__(options)
+        self._last: dict = {}
+
+    def _chunk_last(self, span: Span, device) -> torch.Tensor:
+        if span not in self._last:
+            self._last[span] = chunk_last_index(span, self.options.chunk_size).to(device)
+        return self._last[span]
+
+    def _gate_cumsum(self, g, A_log, dt_bias, varlen: dict) -> torch.Tensor:
+        """``gc [1, T, HV]`` float32: chunk-local cumulative gate in log2 units."""
+        o, fla = self.options, self.fla
+        if o.use_gate_in_kernel:
+            return fla.gdn_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fla.RCP_LN2,
+                                             chunk_size=o.chunk_size, **varlen)
+        return fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=o.chunk_size, **varlen)
+
+    def prepare(self, inputs: KDAInputs, span: Span) -> GDNChunks:
+        o, fla = self.options, self.fla
+        inputs = KDAInputs(*(None if t is None else t.contiguous() for t in vars(inputs).values()))
+        varlen = self._varlen(span, inputs.q.device)
+        q, k, q_rstd, k_rstd = inputs.q, inputs.k, None, None
+        if o.use_qk_l2norm_in_kernel:
+            q, q_rstd = fla.l2norm_fwd(q)
+            k, k_rstd = fla.l2norm_fwd(k)
+        gc = self._gate_cumsum(inputs.g, inputs.A_log, inputs.dt_bias, varlen)
+        w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=inputs.v, g=gc, beta=inputs.beta,
+                                                       chunk_size=o.chunk_size, **varlen)
+        saved = GDNSaved(q, k, inputs.v, inputs.beta, inputs.g if o.use_gate_in_kernel else None, gc, A,
+                         q_rstd, k_rstd, inputs.A_log, inputs.dt_bias)
+        return GDNChunks(saved, w, u)
+
+    def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool):
+        cut, x = slice(span.start, span.end), chunks.saved
+        _, kg, gate = summary_operands(None, x.k[:, cut], x.gc[:, cut], self._chunk_last(span, x.k.device))
+        return state_summary(kg, chunks.w[:, cut], chunks.u[:, cut], gate, chunk_size=self.options.chunk_size,
+                             output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host())
+
+    def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
+                   output_final_state: bool) -> LocalStates:
+        cut = slice(span.start, span.end)
+        h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
+            k=chunks.saved.k[:, cut], w=chunks.w[:, cut], u=chunks.u[:, cut], g=chunks.saved.gc[:, cut],
+            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
+            **self._varlen(span, chunks.w.device))
+        return LocalStates(final_state, h, v_new)
+
+    def output(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
+        cut, x = slice(span.start, span.end), chunks.saved
+        o = self.fla.chunk_fwd_o(q=x.q[:, cut], k=x.k[:, cut], v=states.v_new, h=states.h, g=x.gc[:, cut],
+                                 scale=self.options.scale, chunk_size=self.options.chunk_size,
+                                 **self._varlen(span, chunks.w.device))
+        return o.to(x.v.dtype)
+
+    def to_saved(self, chunks: GDNChunks) -> GDNSaved:
+        return chunks.saved
+
+    def backward_local(self, saved: GDNSaved, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
+                       states: LocalStates | None = None) -> GDNBackward:
+        o, fla = self.options, self.fla
+        x = saved.narrow(span)
+        varlen = self._varlen(span, do.device)
+        w, u = fla.gdn_recompute_w_u_fwd(k=x.k, v=x.v, beta=x.beta, A=x.A, g=x.gc, **varlen)
+        if states is None or states.h is None:
+            h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=x.k, w=w, u=u, g=x.gc, initial_state=initial_state,
+                                                           output_final_state=False, chunk_size=o.chunk_size, **varlen)
+        else:
+            h, v_new = states.h, states.v_new
+        dv = fla.chunk_bwd_dv_local(q=x.q, k=x.k, do=do, g=x.gc, scale=o.scale, chunk_size=o.chunk_size, **varlen)
+        return GDNBackward(x, span, varlen, do, initial_state, w, h, v_new, dv)
+
+    def state_gradient_summary(self, local: GDNBackward) -> torch.Tensor:
+        x, span = local.saved, local.span
+        qg, kg, gate = summary_operands(x.q, x.k, x.gc, self._chunk_last(span, x.k.device))
+        return state_gradient_summary(qg, kg, local.w, gate, local.do, local.dv, self.options.scale,
+                                      chunk_size=self.options.chunk_size, cu_seqlens=span.cu_seqlens_host())
+
+    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> torch.Tensor:
+        local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
+            q=local.saved.q, k=local.saved.k, w=local.w, g=local.saved.gc, h0=local.initial_state,
+            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
+            chunk_size=self.options.chunk_size, **local.varlen)
+        return dh0
+
+    def backward_inputs(self, local: GDNBackward) -> LocalGrads:
+        o, fla, x, varlen = self.options, self.fla, local.saved, local.varlen
+        # dq, dk come back summed over each q/k head's value heads
+        dq, dk, dw, dg = fla.chunk_bwd_dqkwg(q=x.q, k=x.k, v=local.v_new, w=local.w, g=x.gc, h=local.h, dv=local.dv,
+                                             do=local.do, dh=local.dh, scale=o.scale, chunk_size=o.chunk_size, **varlen)
+        dk_wy, dv, dbeta, dg_wy = fla.gdn_prepare_wy_repr_bwd(k=x.k, v=x.v, beta=x.beta, A=x.A, dw=dw, du=local.dv,
+                                                              g=x.gc, **varlen)
+        dk.add_(dk_wy)
+        dg.add_(dg_wy)
+        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
+        dA_log = ddt_bias = None
+        if o.use_gate_in_kernel:
+            dg, dA_log, ddt_bias = fla.gdn_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg)
+        if o.use_qk_l2norm_in_kernel:
+            dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
+            dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
+        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)

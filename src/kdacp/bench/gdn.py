@@ -1,0 +1,115 @@
+"""Gated DeltaNet on one GPU: kdacp's GDN ``fla`` backend beside FLA 0.6.0's own op and kdacp's former
+broadcast-gate path.
+
+Qwen3-Next's GDN settings: 16 q/k heads, 32 value heads, K = V = 128, gate in kernel (``A_log``,
+``dt_bias [HV]``), L2 norm in kernel, B=1, bf16; one sequence or packed documents
+(:mod:`kdacp.bench.batches`). Contenders, round-robin in one run (CUDA-event time per forward+backward
+step, warm):
+
+- ``fla``: FLA's ``chunk_gated_delta_rule``;
+- ``kdacp``: ``kdacp.chunk_gated_delta_rule(backend="fla")`` (FLA's GDN kernels, scalar gate);
+- ``kdacp_cp1``: ``kdacp.cp_chunk_gated_delta_rule`` on a one-rank plan (the state pass only);
+- ``kdacp_broadcast``: ``kdacp.chunk_kda(backend="fla")`` on the gate broadcast over ``K`` (FLA's KDA
+  kernels; what ``kdacp.chunk_gated_delta_rule`` ran before the GDN backend).
+
+Ratios are over ``fla``; ``max_rel_diff_vs_fla``: ``kdacp`` against ``fla``, output and every gradient.
+
+    kdacp bench --suite gdn --world-size 1 [--seq-lens 16384,32768] [--batches one_sequence,docs7]
+
+``run(...)`` returns the rows; call it on the one rank of an initialised NCCL group.
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from kdacp.backends.fla_adapter import load_fla
+from kdacp.distributed import build_cp_plan, new_cp_group
+from kdacp.gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
+from kdacp.ops import chunk_kda
+from kdacp.reference.gdn import scalar_gate_as_kda
+
+from .batches import cu_seqlens_of, document_lengths
+from .cp import _max_rel_diff, _step, log
+from .harness import PlotSpec
+from .timing import time_round_robin
+
+MULTI_RANK = True
+PLOTS = {"gdn_ratio": PlotSpec(x="label", y="kdacp_ratio", bars=True,
+                               title="kdacp GDN fwd+bwd step / FLA's chunk_gated_delta_rule", ylabel="ratio")}
+
+CONTENDERS = ("fla", "kdacp", "kdacp_cp1", "kdacp_broadcast")
+OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+
+
+def make_inputs(T: int, H: int, HV: int, D: int, seed: int) -> dict:
+    """``[1, T, ...]`` bf16 GDN inputs (raw gate logits ``[1, T, HV]``), float32 ``A_log``/``dt_bias [HV]``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    x = dict(q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, HV, D), g=rnd(1, T, HV),
+             beta=torch.sigmoid(rnd(1, T, HV, dtype=torch.float32)).bfloat16(),
+             A_log=torch.rand(HV, generator=gen, device="cuda").mul(15).add(1).log(),
+             dt_bias=rnd(HV, dtype=torch.float32) * 0.5)
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def _broadcast(varlen: dict, **x):
+    """The former path: KDA with the GDN gate (and ``dt_bias``) broadcast over ``K``."""
+    g, dt_bias = scalar_gate_as_kda(x.pop("g"), x["q"].shape[-1], x.pop("dt_bias"))
+    return chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen, backend="fla")
+
+
+def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int = 16, v_heads: int = 32,
+        head_dim: int = 128, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device: str = "cuda",
+        report=None, contenders=CONTENDERS, seed: int = 0) -> list[dict]:
+    """Rows ``batch, docs, T``, each contender's ``<name>_ms`` and ``<name>_ratio`` (over ``fla``) and
+    ``max_rel_diff_vs_fla``. ``report(row)`` is called as each row completes."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"the gdn suite runs FLA's CUDA kernels; device must be cuda, got {device!r}")
+    fla = load_fla()
+    group = group or new_cp_group()
+    if dist.get_world_size(group) != 1:
+        raise ValueError("the gdn suite compares on one GPU; run it with --world-size 1")
+    rows = []
+    for T in t_locals:
+        for batch in batches:
+            lengths = document_lengths(batch, T, seed=seed)
+            cu_list = cu_seqlens_of(lengths)
+            packed = len(lengths) > 1
+            # the boundaries also on the host, so that no contender syncs to read them
+            varlen = dict(cu_seqlens=torch.tensor(cu_list, device="cuda"), cu_seqlens_cpu=torch.tensor(cu_list)) \
+                if packed else {}
+            plan = build_cp_plan(cu_list if packed else None, batch_size=None if packed else 1, group=group)
+            x = make_inputs(T, heads, v_heads, head_dim, seed=seed)
+            do = torch.randn(1, T, v_heads, head_dim, device="cuda").bfloat16()
+            runs = {
+                "fla": lambda **a: fla.chunk_gated_delta_rule(**a, **OPTIONS, **varlen),
+                "kdacp": lambda **a: chunk_gated_delta_rule(**a, **OPTIONS, **varlen, backend="fla"),
+                "kdacp_cp1": lambda **a: cp_chunk_gated_delta_rule(**a, **OPTIONS, backend="fla", cp=plan),
+                "kdacp_broadcast": lambda **a: _broadcast(varlen, **a),
+            }
+            fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
+            log(f"gdn T={T} {batch} ({len(lengths)} documents)")
+            row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}")
+            try:
+                ms = time_round_robin(fns, warmup, rounds, iters, group, torch.device("cuda"))
+            except Exception:  # noqa: BLE001 - one failing case must not lose the others' figures
+                log(f"gdn T={T} {batch} failed:\n{traceback.format_exc()}")
+                ms = dict.fromkeys(fns, float("nan"))
+            for name in CONTENDERS:
+                row[f"{name}_ms"] = ms.get(name, float("nan"))
+            for name in CONTENDERS:
+                row[f"{name}_ratio"] = row[f"{name}_ms"] / row["fla_ms"]
+            if "kdacp" in fns and "fla" in fns:
+                row["max_rel_diff_vs_fla"] = _max_rel_diff(fns["kdacp"](), fns["fla"](), group)
+            rows.append(row)
+            if report is not None:
+                report(row)
+            del x, do
+            torch.cuda.empty_cache()
+    return rows
