@@ -28,7 +28,7 @@ import torch.distributed as dist
 from kdacp.backends.fla_adapter import load_fla
 from kdacp.distributed import build_cp_plan, new_cp_group
 from kdacp.gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
-from kdacp.ops import chunk_kda
+from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import scalar_gate_as_kda
 
 from .batches import cu_seqlens_of, document_lengths
