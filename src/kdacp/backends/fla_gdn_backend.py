@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KDAInputs, LocalGrads, LocalStates, Span
+from .base import BackwardStates, KDAInputs, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend
 from ..kernels import state_gradient_summary, state_summary
 
@@ -37,14 +37,6 @@ def chunk_last_index(span: Span, chunk_size: int) -> torch.Tensor:
     return torch.minimum(bos + ((pos - bos) // chunk_size + 1) * chunk_size, eos) - 1
 
 
-def _expand_gate(gc: torch.Tensor, K: int) -> torch.Tensor:
-    """``gc [1, T, HV]`` as the ``[1, T, HV, K]`` gate the summary kernels read.
-
-    Materialised: their launchers require a unit stride on ``K``, so a zero-stride view is refused.
-    The one place to change once the kernels take the scalar gate."""
-    return gc.unsqueeze(-1).expand(*gc.shape, K).contiguous()
-
-
 def _per_value_head(x: torch.Tensor, HV: int) -> torch.Tensor:
     """``[1, T, H, K]`` -> ``[1, T, HV, K]``: value head ``i`` reads q/k head ``i // (HV // H)``."""
     H = x.shape[2]
@@ -54,18 +46,18 @@ def _per_value_head(x: torch.Tensor, HV: int) -> torch.Tensor:
 def summary_operands(q: torch.Tensor | None, k: torch.Tensor, gc: torch.Tensor, last: torch.Tensor):
     """KDA's summary operands of a GDN span: ``(qg, kg, gate)``, ``qg = q exp2(gc)`` (``None`` without
     ``q``), ``kg = k exp2(gc_last - gc)`` ``[1, T, HV, K]`` in k's dtype (computed in float32 or wider)
-    and the gate ``[1, T, HV, K]``.
+    and the scalar gate ``gc [1, T, HV]`` (the summary kernels' scalar-gate variant reads it).
 
     Args:
         q, k: ``[1, T, H, K]`` (after the optional L2 norm); gc ``[1, T, HV]``: the chunk-local
             cumulative log2 gate; last: ``[T]`` from :func:`chunk_last_index` on gc's device.
     """
-    HV, K = gc.shape[2], k.shape[3]
+    HV = gc.shape[2]
     wide = torch.promote_types(gc.dtype, torch.float32)
     gc = gc.to(wide)
     kg = (_per_value_head(k, HV) * torch.exp2(gc[:, last] - gc)[..., None]).to(k.dtype)
     qg = None if q is None else (_per_value_head(q, HV) * torch.exp2(gc)[..., None]).to(q.dtype)
-    return qg, kg, _expand_gate(gc, K)
+    return qg, kg, gc
 
 
 @dataclass
@@ -104,8 +96,7 @@ class GDNChunks:
 @dataclass
 class GDNBackward:
     """One span's backward in progress: its saved inputs, the span, FLA's packed-sequence arguments,
-    ``do``, the initial states, ``w``, the states ``h``, ``v_new``, ``dv`` (local, then after the
-    gradient state pass) and ``dh``."""
+    ``do``, the initial states, ``w``, the states ``h``, ``v_new`` and the local ``dv``."""
 
     saved: GDNSaved
     span: Span
@@ -116,7 +107,16 @@ class GDNBackward:
     h: torch.Tensor
     v_new: torch.Tensor
     dv: torch.Tensor
-    dh: torch.Tensor | None = None
+
+
+@dataclass
+class GDNBackwardStates(BackwardStates):
+    """After the gradient state pass: ``local``, the state gradients ``dh`` before each chunk and
+    ``dv`` (the local ``dv`` plus the part through the states)."""
+
+    local: GDNBackward
+    dh: torch.Tensor
+    dv: torch.Tensor
 
 
 class FlaGDNBackend(FlaBackend):
@@ -201,19 +201,20 @@ class FlaGDNBackend(FlaBackend):
         return state_gradient_summary(qg, kg, local.w, gate, local.do, local.dv, self.options.scale,
                                       chunk_size=self.options.chunk_size, cu_seqlens=span.cu_seqlens_host())
 
-    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> torch.Tensor:
-        local.dh, dh0, local.dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
+    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> GDNBackwardStates:
+        dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.saved.q, k=local.saved.k, w=local.w, g=local.saved.gc, h0=local.initial_state,
             dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
             chunk_size=self.options.chunk_size, **local.varlen)
-        return dh0
+        return GDNBackwardStates(local.span, dh0, local, dh, dv)
 
-    def backward_inputs(self, local: GDNBackward) -> LocalGrads:
+    def backward_inputs(self, states: GDNBackwardStates) -> LocalGrads:
+        local = states.local
         o, fla, x, varlen = self.options, self.fla, local.saved, local.varlen
         # dq, dk come back summed over each q/k head's value heads
-        dq, dk, dw, dg = fla.chunk_bwd_dqkwg(q=x.q, k=x.k, v=local.v_new, w=local.w, g=x.gc, h=local.h, dv=local.dv,
-                                             do=local.do, dh=local.dh, scale=o.scale, chunk_size=o.chunk_size, **varlen)
-        dk_wy, dv, dbeta, dg_wy = fla.gdn_prepare_wy_repr_bwd(k=x.k, v=x.v, beta=x.beta, A=x.A, dw=dw, du=local.dv,
+        dq, dk, dw, dg = fla.chunk_bwd_dqkwg(q=x.q, k=x.k, v=local.v_new, w=local.w, g=x.gc, h=local.h, dv=states.dv,
+                                             do=local.do, dh=states.dh, scale=o.scale, chunk_size=o.chunk_size, **varlen)
+        dk_wy, dv, dbeta, dg_wy = fla.gdn_prepare_wy_repr_bwd(k=x.k, v=x.v, beta=x.beta, A=x.A, dw=dw, du=states.dv,
                                                               g=x.gc, **varlen)
         dk.add_(dk_wy)
         dg.add_(dg_wy)
