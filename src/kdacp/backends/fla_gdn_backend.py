@@ -109,7 +109,7 @@ class GDNBackward:
     dv: torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class GDNBackwardStates(BackwardStates):
     """After the gradient state pass: ``local``, the state gradients ``dh`` before each chunk and
     ``dv`` (the local ``dv`` plus the part through the states)."""
