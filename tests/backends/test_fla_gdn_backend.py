@@ -69,13 +69,13 @@ def _reference(x: dict, cu, options: KDAOptions):
 
 def test_summary_operands_are_the_reference_intermediates():
     """The derivation: with a scalar gate, KDA's ``qg = q exp2(gc)``, ``kg = k exp2(gc_last - gc)`` and
-    gate are those of the broadcast gate, grouped value heads included (no FLA needed)."""
+    the scalar gate are those of the broadcast gate, grouped value heads included (no FLA needed)."""
     cu, C = (0, 1, 64, 65, 100, 150), 16
     x = _gdn_case(150, 2, 4, 8, 8, gate_in_kernel=False, dtype=torch.float64, seed=1)
     options = KDAOptions(scale=0.3, chunk_size=C)
     ref = _reference(x, cu, options)
     qg, kg, gate = summary_operands(x["q"], x["k"], ref.gc[..., 0], chunk_last_index(Span(0, 150, cu), C))
-    assert rel_err(qg, ref.qg) < 1e-14 and rel_err(kg, ref.kg) < 1e-14 and torch.equal(gate, ref.gc)
+    assert rel_err(qg, ref.qg) < 1e-14 and rel_err(kg, ref.kg) < 1e-14 and torch.equal(gate, ref.gc[..., 0])
 
 
 @pytest.mark.parametrize("backend", ["torch", "fla"])
