@@ -20,6 +20,13 @@ from kdacp.reference.gdn import gdn_gate, scalar_gate_as_kda
 from tests.helpers import rel_err
 
 
+def _fla_gdn_backward():
+    """Skip where FLA refuses its GDN backward (Hopper with Triton >= 3.4, < 3.7.1, no tilelang)."""
+    from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported
+    if not fla_gated_gdn_backward_supported():
+        pytest.skip("FLA 0.6.0 refuses its gated GDN backward on this GPU and Triton (FLA issue #640)")
+
+
 def _fla(monkeypatch=None):
     from kdacp.backends.fla_adapter import fla_available, load_fla
     if not fla_available():
@@ -188,6 +195,7 @@ def test_fla_gdn_matches_fla_chunk_gated_delta_rule(case, entry):
     """bf16 at Qwen3-Next shapes: the same kernels as FLA's op, so the results agree to bf16 rounding
     of the extra summands (outputs, final states, every gradient)."""
     fla = _fla()
+    _fla_gdn_backward()
     from kdacp.gdn import chunk_gated_delta_rule
     T, cu = (4096, None) if case != "packed" else (4096, [0, 1, 700, 765, 3000, 4096])
     args = _gpu_inputs(T, cu, gate_in_kernel=case == "gate-in-kernel", seed=7)
@@ -204,6 +212,7 @@ def test_fla_gdn_stages_match_torch_stages(gate_in_kernel):
     """Every stage, the summaries ``S_ext``, ``M``, ``G`` included, in bf16 at Qwen3-Next's heads
     against the ``torch`` backend on the broadcast gate in float64 (its ``dg``, ``ddt_bias`` summed over K)."""
     _fla()
+    _fla_gdn_backward()
     from kdacp.backends.fla_gdn_backend import FlaGDNBackend
     from kdacp.backends.torch_backend import TorchBackend
     from tests.backends.test_fla_backend import _stage_results
@@ -231,3 +240,24 @@ def test_fla_gdn_stages_match_torch_stages(gate_in_kernel):
         a = got[name]
         assert (a is None) == (b is None), name
         assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
+
+
+@pytest.mark.gpu
+def test_fla_gdn_where_fla_refuses_its_backward_trains_on_kda_kernels():
+    """Where FLA refuses its GDN backward, ``backend="fla"`` with gradients runs FLA's KDA kernels on the
+    broadcast gate (forward-only calls keep FLA's GDN kernels): outputs and every gradient equal the
+    ``torch`` backend's within bf16 rounding."""
+    _fla()
+    from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported
+    from kdacp.gdn import chunk_gated_delta_rule
+    if fla_gated_gdn_backward_supported():
+        pytest.skip("FLA's GDN backward runs on this GPU")
+    args = _gpu_inputs(1024, [0, 300, 1024], gate_in_kernel=True, seed=13)
+    got = _run(lambda **a: chunk_gated_delta_rule(**a, backend="fla"), args, seed=14)
+    want = _run(lambda **a: chunk_gated_delta_rule(**a, backend="torch"), args, seed=14)
+    for name, b in want.items():
+        assert rel_err(got[name], b) < 2e-2, (name, rel_err(got[name], b))
+    with torch.no_grad():
+        o_fwd, _ = chunk_gated_delta_rule(**{n: t.detach() if isinstance(t, torch.Tensor) else t
+                                             for n, t in args.items()}, backend="fla")
+    assert rel_err(o_fwd, want["o"]) < 2e-2

@@ -9,6 +9,7 @@ import torch
 
 from . import make_backend
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
+from .fla_adapter import fla_gated_gdn_backward_supported
 
 __all__ = ["PreparedCall", "prepare_call", "input_dtypes", "input_gradients"]
 
@@ -37,14 +38,17 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
 
     ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)`` of which ``g`` and
     ``dt_bias`` are the per-channel broadcast; the ``fla`` backend then runs FLA's GDN kernels on it,
-    the ``torch`` backend the KDA reference on the broadcast.
+    the ``torch`` backend the KDA reference on the broadcast. Where FLA refuses its GDN backward
+    (:func:`~kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`) and a gradient is wanted,
+    the ``fla`` backend runs FLA's KDA kernels on the broadcast gate instead (same math, slower).
     """
     B, T, _, K = q.shape
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate))
-    gdn = scalar_gate is not None and backend_name == "fla"
+    gdn = scalar_gate is not None and backend_name == "fla" and (
+        fla_gated_gdn_backward_supported() or not _wants_gradient(q, k, v, g, beta, A_log, dt_bias))
     if gdn:
         g, dt_bias = scalar_gate
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -52,6 +56,10 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
         A_log = dt_bias = None
     return PreparedCall(make_backend(backend_name, options, scalar_gate=gdn), KDAInputs(*packed, A_log, dt_bias), B,
                         T, v.shape[2], v.shape[3])
+
+
+def _wants_gradient(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def input_dtypes(inputs: KDAInputs) -> tuple:

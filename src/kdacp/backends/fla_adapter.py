@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from types import SimpleNamespace
 
 __all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla", "load_fla_layer",
@@ -93,6 +94,17 @@ def load_fla() -> SimpleNamespace:
     """FLA's stage functions by name (see ``_STAGES``); raises ImportError when unusable."""
     require_fla()
     return _load()[0]
+
+
+def fla_gated_gdn_backward_supported() -> bool:
+    """Whether FLA's GDN backward can run here: FLA 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` (its
+    own words: wrong results, FLA issue #640) on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, unless
+    tilelang is installed, in which case FLA runs tilelang's kernel instead. Seen on an H200 with
+    Triton 3.6 on 2026-12-01. Loads FLA first."""
+    load_fla()
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+    return not refused or importlib.util.find_spec("tilelang") is not None
 
 
 def load_fla_layer(name: str = "KimiDeltaAttention"):

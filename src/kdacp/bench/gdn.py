@@ -13,6 +13,10 @@ step, warm):
   kernels; what ``kdacp.chunk_gated_delta_rule`` ran before the GDN backend).
 
 Ratios are over ``fla``; ``max_rel_diff_vs_fla``: ``kdacp`` against ``fla``, output and every gradient.
+Where FLA refuses its GDN backward (Hopper with Triton >= 3.4 and < 3.7.1 without tilelang, as on the
+H200 with Triton 3.6: :func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), neither
+FLA's op nor kdacp's GDN kernels can train there, so every contender is timed forward only and the
+rows say ``pass: forward``.
 
     kdacp bench --suite gdn --world-size 1 [--seq-lens 16384,32768] [--batches one_sequence,docs7]
 
@@ -25,7 +29,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from kdacp.backends.fla_adapter import load_fla
+from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
 from kdacp.distributed import build_cp_plan, new_cp_group
 from kdacp.gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from kdacp.kda import chunk_kda
@@ -64,6 +68,13 @@ def _broadcast(varlen: dict, **x):
     return chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen, backend="fla")
 
 
+def _forward(fn, x: dict):
+    """One forward call without gradients: ``(o, [final_state])``, shaped like :func:`_step`'s result."""
+    with torch.no_grad():
+        o, final = fn(**x)
+    return o, [] if final is None else [final]
+
+
 def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int = 16, v_heads: int = 32,
         head_dim: int = 128, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device: str = "cuda",
         report=None, contenders=CONTENDERS, seed: int = 0) -> list[dict]:
@@ -75,6 +86,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
     group = group or new_cp_group()
     if dist.get_world_size(group) != 1:
         raise ValueError("the gdn suite compares on one GPU; run it with --world-size 1")
+    backward = fla_gated_gdn_backward_supported()
     rows = []
     for T in t_locals:
         for batch in batches:
@@ -93,9 +105,14 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                 "kdacp_cp1": lambda **a: cp_chunk_gated_delta_rule(**a, **OPTIONS, backend="fla", cp=plan),
                 "kdacp_broadcast": lambda **a: _broadcast(varlen, **a),
             }
-            fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
+            if backward:
+                fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
+            else:
+                x_in = {n: t.detach() for n, t in x.items()}
+                fns = {name: (lambda fn=runs[name]: _forward(fn, x_in)) for name in contenders}
             log(f"gdn T={T} {batch} ({len(lengths)} documents)")
-            row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}")
+            row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}",
+                       **{"pass": "forward+backward" if backward else "forward"})
             try:
                 ms = time_round_robin(fns, warmup, rounds, iters, group, torch.device("cuda"))
             except Exception:  # noqa: BLE001 - one failing case must not lose the others' figures

@@ -219,7 +219,7 @@ def _time_fla(args: dict, device: torch.device, iters: int) -> dict:
                                                         cu_seqlens=cu), device, iters)
     x0 = torch.zeros(1, HV, K, V, dtype=torch.float32, device=device)
     local = backend.backward_local(backend.to_saved(chunks), whole, torch.randn_like(args["v"]), x0, None)
-    summary_b = _median_time(lambda: fla.chunk_cp_bwd_dh(q=local.qg, k=local.kg, w=local.w, do=local.do, dv=local.dv,
+    summary_b = _median_time(lambda: fla.chunk_cp_bwd_dh(q=local.qg, k=local.kg, w=local.w, do=local.do, dv=local.dv_local,
                                                          dhm=hm, gk=local.gc, scale=backend.options.scale,
                                                          cu_seqlens=cu), device, iters)
     leaves = {n: t.detach().clone().requires_grad_() for n, t in args.items()}
