@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.affine import StateSummary, compose_state_summaries
-from kdacp.backends.base import KDAInputs, LocalGrads, LocalStates
+from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 from kdacp.backends.call import prepare_call
 from kdacp.distributed import build_cp_plan, cp_chunk_kda
 from kdacp.distributed.cost_model import (DEFAULT_LINK, MODEL_STRATEGIES, Link, RoleStages, StageTimes,
@@ -360,13 +360,13 @@ class SleepBackend:
         self._sleep("state_gradient_summary", local)
         return self._zeros(local.num_segments, self.HV, self.K, self.V)
 
-    def backward_states(self, local, dht) -> torch.Tensor:
+    def backward_states(self, local, dht) -> BackwardStates:
         self._sleep("backward_states", local)
-        return self._zeros(local.num_segments, self.HV, self.K, self.V)
+        return BackwardStates(local, self._zeros(local.num_segments, self.HV, self.K, self.V))
 
-    def backward_inputs(self, local) -> LocalGrads:
-        self._sleep("backward_inputs", local)
-        T = local.end - local.start
+    def backward_inputs(self, states: BackwardStates) -> LocalGrads:
+        self._sleep("backward_inputs", states.span)
+        T = states.span.end - states.span.start
         return LocalGrads(self._zeros(1, T, self.H, self.K), self._zeros(1, T, self.H, self.K),
                           self._zeros(1, T, self.HV, self.V), self._zeros(1, T, self.HV, self.K),
                           self._zeros(1, T, self.HV), None, None)
