@@ -158,9 +158,10 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer"),
-                  "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling"), "backend": ("layer", "scaling"),
-                  "hidden": ("layer",), "heads": ("layer", "scaling"), "head_dim": ("layer", "scaling")}
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer", "gdn"),
+                  "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
+                  "backend": ("layer", "scaling"), "hidden": ("layer",), "heads": ("layer", "scaling"),
+                  "head_dim": ("layer", "scaling")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
