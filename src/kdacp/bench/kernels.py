@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 
 import torch
 
@@ -31,6 +30,7 @@ from kdacp import reference as ref
 from kdacp.backends.fla_adapter import load_fla
 
 from .harness import PlotSpec
+from .timing import time_round_robin
 
 PLOTS = {"kernels": PlotSpec(x="kernel", y="ms", bars=True, panel="T", ylabel="ms (median, warm)",
                              title="state-summary kernels, B=1, HV=32, K=V=128, bf16,")}
@@ -261,38 +261,11 @@ def gdn_gated(q, k, gc, chunk_size):
     return qg.to(q.dtype), kg.to(k.dtype)
 
 
-def time_in_turns(fns: dict, device, warmup: int = 3, rounds: int = 10, iters: int = 5) -> dict:
-    """Mean milliseconds per call of each of ``fns`` (name -> callable) on one device: after ``warmup``
-    calls each, ``rounds`` times each contender in turn runs ``iters`` calls back to back, timed by
-    CUDA events (wall clock on CPU)."""
-    cuda = torch.device(device).type == "cuda"
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    total = dict.fromkeys(fns, 0.0)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                total[name] += start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                total[name] += (time.perf_counter() - t0) * 1e3
-    return {name: t / (rounds * iters) for name, t in total.items()}
-
-
 def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True,
             device="cuda", report=None, timing: dict | None = None):
     """The GDN rows (see the module docstring): ``kernel, ms, TFLOP/s, GB/s, GFLOP, MB, roofline_ms,
-    err_*`` and ``speedup_vs_fla``. ``timing``: keyword arguments of :func:`time_in_turns`."""
+    err_*`` and ``speedup_vs_fla``. ``timing``: ``warmup``, ``rounds``, ``iters`` of
+    :func:`~kdacp.bench.timing.time_round_robin` (default 3, 10, 5)."""
     if T % chunk_size:
         raise ValueError(f"T must be a multiple of chunk_size={chunk_size} here, got T={T}")
     x, r = make_gdn_inputs(T, H, HV, K, V, chunk_size, dtype=dtype, device=device)
@@ -316,7 +289,9 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
     if with_fla:
         contenders.update(_fla_gdn_contenders(x, r, costs, HV, K, V, chunk_size))
     results = {name: fn() for name, (fn, _, _) in contenders.items()}
-    ms = time_in_turns({name: fn for name, (fn, _, _) in contenders.items()}, device, **(timing or {}))
+    timing = dict(warmup=3, rounds=10, iters=5) | (timing or {})
+    ms = time_round_robin({name: fn for name, (fn, _, _) in contenders.items()}, group=None,
+                          device=torch.device(device), **timing)
     rows = []
     for name, (_, cost, errors) in contenders.items():
         row = {"T": T, **_row(name, ms[name], cost, **errors(results[name]))}

@@ -1,4 +1,5 @@
-"""Timing shared by the multi-rank suites: contenders round-robin in one run, the slowest rank's figure."""
+"""Timing shared by the suites: contenders round-robin in one run, the slowest rank's figure (or one
+process's, without a group)."""
 from __future__ import annotations
 
 import time
@@ -15,7 +16,8 @@ def _sync(device: torch.device) -> None:
 
 
 def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device) -> dict:
-    """Milliseconds per call of each of ``fns`` (name -> callable), the slowest rank's.
+    """Milliseconds per call of each of ``fns`` (name -> callable), the slowest rank's of ``group``
+    (``None``: this process alone, no collective).
 
     After ``warmup`` calls of each, ``rounds`` times: each contender in turn runs ``iters`` calls
     back to back (a warm queue), timed by CUDA events (wall clock on CPU) after a barrier, so a
@@ -27,7 +29,8 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
     for _ in range(rounds):
         for name, fn in fns.items():
             _sync(device)
-            dist.barrier(group)
+            if group is not None:
+                dist.barrier(group)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -41,9 +44,12 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
                 for _ in range(iters):
                     fn()
                 total[name] += (time.perf_counter() - t0) * 1e3
-    ms = torch.tensor([total[n] / (rounds * iters) for n in fns], dtype=torch.float64, device=device)
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(fns, ms.tolist()))
+    ms = {n: total[n] / (rounds * iters) for n in fns}
+    if group is None:
+        return ms
+    slowest = torch.tensor(list(ms.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(fns, slowest.tolist()))
 
 
 def peak_gb(fn, group, device: torch.device) -> float:
