@@ -5,7 +5,9 @@ GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` inst
 (:func:`kdacp.reference.gdn.scalar_gate_as_kda`, a view) and run the KDA machinery, so plans,
 strategies and summaries are shared. The ``torch`` backend runs the KDA reference on the broadcast
 gate; the ``fla`` backend runs FLA's GDN kernels on the scalar gate itself
-(:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`).
+(:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`), except where FLA refuses its GDN backward and
+a gradient is wanted (:func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`): then
+FLA's KDA kernels run on the broadcast gate.
 """
 from __future__ import annotations
 
