@@ -69,10 +69,11 @@ class FlaBackward:
 
 @dataclass(frozen=True)
 class FlaBackwardStates(BackwardStates):
-    """After the gradient state pass: ``local``, the state gradients ``dh`` before each chunk and
-    ``dv`` (the local ``dv`` plus the part through the states)."""
+    """After the gradient state pass: ``local`` (the span's backward record: :class:`FlaBackward`, or
+    the GDN backend's), the state gradients ``dh`` before each chunk and ``dv`` (the local ``dv``
+    plus the part through the states)."""
 
-    local: FlaBackward
+    local: object
     dh: torch.Tensor
     dv: torch.Tensor
 

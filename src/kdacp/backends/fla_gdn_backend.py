@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BackwardStates, KDAInputs, LocalGrads, LocalStates, Span
-from .fla_backend import FlaBackend
+from .base import KDAInputs, LocalGrads, LocalStates, Span
+from .fla_backend import FlaBackend, FlaBackwardStates
 from ..kernels import state_gradient_summary, state_summary
 
 __all__ = ["FlaGDNBackend", "chunk_last_index", "summary_operands"]
@@ -109,16 +109,6 @@ class GDNBackward:
     dv: torch.Tensor
 
 
-@dataclass(frozen=True)
-class GDNBackwardStates(BackwardStates):
-    """After the gradient state pass: ``local``, the state gradients ``dh`` before each chunk and
-    ``dv`` (the local ``dv`` plus the part through the states)."""
-
-    local: GDNBackward
-    dh: torch.Tensor
-    dv: torch.Tensor
-
-
 class FlaGDNBackend(FlaBackend):
     """GDN on FLA's GDN kernels; shares :class:`FlaBackend`'s packed-sequence arguments."""
 
@@ -201,14 +191,14 @@ class FlaGDNBackend(FlaBackend):
         return state_gradient_summary(qg, kg, local.w, gate, local.do, local.dv, self.options.scale,
                                       chunk_size=self.options.chunk_size, cu_seqlens=span.cu_seqlens_host())
 
-    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> GDNBackwardStates:
+    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> FlaBackwardStates:
         dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.saved.q, k=local.saved.k, w=local.w, g=local.saved.gc, h0=local.initial_state,
             dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
             chunk_size=self.options.chunk_size, **local.varlen)
-        return GDNBackwardStates(local.span, dh0, local, dh, dv)
+        return FlaBackwardStates(local.span, dh0, local, dh, dv)
 
-    def backward_inputs(self, states: GDNBackwardStates) -> LocalGrads:
+    def backward_inputs(self, states: FlaBackwardStates) -> LocalGrads:
         local = states.local
         o, fla, x, varlen = self.options, self.fla, local.saved, local.varlen
         # dq, dk come back summed over each q/k head's value heads

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from kdacp.distributed.plan import local_cu_seqlens
 
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
-from .timing import peak_gb, time_round_robin
+from .timing import peak_gb, timed_columns
 
 MULTI_RANK = True
 PLOTS = {"cp_ratio": PlotSpec(x="label", y="kdacp_cp_ratio", bars=True, title="kdacp p2p step / one-GPU step",
@@ -115,15 +114,8 @@ def run(t_locals=(16384, 32768), batches=BATCHES, heads: int = 32, head_dim: int
             fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
             log(f"T_local={T} {batch} ({len(lengths)} documents)")
             row = dict(batch=batch, docs=len(lengths), T_local=T, world_size=world_size, label=f"{batch} {T}")
-            try:
-                ms = time_round_robin(fns, warmup, rounds, iters, group, torch.device("cuda"))
-            except Exception:  # noqa: BLE001 - one failing case must not lose the others' figures
-                log(f"T_local={T} {batch} failed:\n{traceback.format_exc()}")
-                ms = dict.fromkeys(fns, float("nan"))
-            for name in CONTENDERS:
-                row[f"{name}_ms"] = ms.get(name, float("nan"))
-            for name in CONTENDERS:
-                row[f"{name}_ratio"] = row[f"{name}_ms"] / row["one_gpu_ms"]
+            row.update(timed_columns(fns, CONTENDERS, "one_gpu", warmup, rounds, iters, group, torch.device("cuda"),
+                                     lambda tb: log(f"T_local={T} {batch} failed:\n{tb}")))
             if "kdacp_cp" in fns and "one_gpu" in fns:
                 row["peak_ratio"] = peak_gb(fns["kdacp_cp"], group, torch.device("cuda")) / \
                     peak_gb(fns["one_gpu"], group, torch.device("cuda"))

@@ -24,7 +24,6 @@ rows say ``pass: forward``.
 """
 from __future__ import annotations
 
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,7 @@ from kdacp.reference.gdn import scalar_gate_as_kda
 from .batches import cu_seqlens_of, document_lengths
 from .cp import _max_rel_diff, _step, log
 from .harness import PlotSpec
-from .timing import time_round_robin
+from .timing import timed_columns
 
 MULTI_RANK = True
 PLOTS = {"gdn_ratio": PlotSpec(x="label", y="kdacp_ratio", bars=True,
@@ -113,15 +112,8 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
             log(f"gdn T={T} {batch} ({len(lengths)} documents)")
             row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}",
                        **{"pass": "forward+backward" if backward else "forward"})
-            try:
-                ms = time_round_robin(fns, warmup, rounds, iters, group, torch.device("cuda"))
-            except Exception:  # noqa: BLE001 - one failing case must not lose the others' figures
-                log(f"gdn T={T} {batch} failed:\n{traceback.format_exc()}")
-                ms = dict.fromkeys(fns, float("nan"))
-            for name in CONTENDERS:
-                row[f"{name}_ms"] = ms.get(name, float("nan"))
-            for name in CONTENDERS:
-                row[f"{name}_ratio"] = row[f"{name}_ms"] / row["fla_ms"]
+            row.update(timed_columns(fns, CONTENDERS, "fla", warmup, rounds, iters, group, torch.device("cuda"),
+                                     lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
             if "kdacp" in fns and "fla" in fns:
                 row["max_rel_diff_vs_fla"] = _max_rel_diff(fns["kdacp"](), fns["fla"](), group)
             rows.append(row)

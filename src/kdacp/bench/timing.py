@@ -3,11 +3,12 @@ process's, without a group)."""
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["time_round_robin", "peak_gb"]
+__all__ = ["time_round_robin", "timed_columns", "peak_gb"]
 
 
 def _sync(device: torch.device) -> None:
@@ -50,6 +51,21 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
     slowest = torch.tensor(list(ms.values()), dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(fns, slowest.tolist()))
+
+
+def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,
+                  device: torch.device, on_failure) -> dict:
+    """``<name>_ms`` and ``<name>_ratio`` (over ``base``'s time) for every name of ``names``, timed by
+    :func:`time_round_robin` (NaN for a name not in ``fns``). When timing raises, ``on_failure(traceback
+    text)`` is called and every time is NaN: one failing case must not lose the others' figures."""
+    try:
+        ms = time_round_robin(fns, warmup, rounds, iters, group, device)
+    except Exception:  # noqa: BLE001 - reported through on_failure
+        on_failure(traceback.format_exc())
+        ms = {}
+    columns = {f"{name}_ms": ms.get(name, float("nan")) for name in names}
+    columns.update({f"{name}_ratio": columns[f"{name}_ms"] / columns[f"{base}_ms"] for name in names})
+    return columns
 
 
 def peak_gb(fn, group, device: torch.device) -> float:
