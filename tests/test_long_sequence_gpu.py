@@ -1,9 +1,16 @@
 """One sequence of 1M tokens on one GPU, cut into virtual ranks: the incoming state of the last
 virtual rank, formed from the other ranks' summaries (``S_out = M S_in + S_ext``, float32 messages)
-as ``cp_chunk_kda`` forms it, against one unsplit pass with float32 states; at the safe gate's two
-extremes (every decay at the lower bound -5, and decays near 0, where the state forgets least).
+as ``cp_chunk_kda`` forms it, then the last rank's pass; at the safe gate's two extremes (every decay
+at the lower bound -5, and decays near 0, where the state forgets least).
+
+The final state is held to the float64 reference of the same bf16 inputs (run piece by piece, the
+state carried in float64): context parallelism must be no further from it than FLA's own unsplit
+pass, whose bf16 intermediate ``v_new`` costs it about 2e-3 when decays near 0 keep the whole
+history. The last rank's outputs are compared with the unsplit pass's.
 
 Run on the GPU machine; at 8 heads it needs about 40 GB."""
+import functools
+
 import pytest
 import torch
 
@@ -30,6 +37,28 @@ def _inputs(gate_logit: float) -> dict:
                 A_log=torch.zeros(H, device="cuda"), dt_bias=torch.zeros(H * K, device="cuda"))
 
 
+SETTINGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
+
+
+def float64_final_state(x: dict, piece: int = 1 << 15) -> torch.Tensor:
+    """The reference's final state ``[1, HV, K, V]`` (float64) of inputs ``x`` (one sequence), run
+    ``piece`` tokens at a time with the state carried in float64 (memory: one piece's intermediates)."""
+    from kdacp import reference as ref
+    T = x["q"].shape[1]
+    state = None
+    for start in range(0, T, piece):
+        cut = slice(start, min(start + piece, T))
+        _, state = ref.chunk_kda(*(x[n][:, cut].double() for n in ("q", "k", "v", "g", "beta")),
+                                 initial_state=state, output_final_state=True, A_log=x["A_log"].double(),
+                                 dt_bias=x["dt_bias"].double(), **SETTINGS)
+    return state
+
+
+@functools.cache
+def _truth(gate_logit: float) -> torch.Tensor:
+    return float64_final_state(_inputs(gate_logit))
+
+
 @pytest.mark.parametrize("gate_logit", [20.0, -20.0], ids=["decay_at_lower_bound", "decay_near_zero"])
 @pytest.mark.parametrize("P", [2, 8])
 def test_million_tokens_virtual_ranks(P, gate_logit):
@@ -38,7 +67,7 @@ def test_million_tokens_virtual_ranks(P, gate_logit):
     if not fla_available():
         pytest.skip("fla-core 0.6.0 is not installed")
     x = _inputs(gate_logit)
-    settings = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    settings = dict(SETTINGS, safe_gate=True)
     with torch.no_grad():
         o_ref, final_ref = chunk_kda(**x, output_final_state=True, backend="fla", **settings)
         backend = make_backend("fla", KDAOptions(scale=K ** -0.5, **settings))
@@ -53,8 +82,10 @@ def test_million_tokens_virtual_ranks(P, gate_logit):
         last = slice((P - 1) * n, T)
         o_last, final = chunk_kda(**{name: t[:, last] if t.dim() > 1 else t for name, t in x.items()},
                                   initial_state=state, output_final_state=True, backend="fla", **settings)
-    e_state, e_out = rel_err(final, final_ref), rel_err(o_last, o_ref[:, last])
-    print(f"1M tokens, P={P}, gate logit {gate_logit}: final state {e_state:.2e}, last rank's outputs {e_out:.2e}")
+    truth = _truth(gate_logit)
+    e_cp, e_fla, e_out = rel_err(final, truth), rel_err(final_ref, truth), rel_err(o_last, o_ref[:, last])
+    print(f"1M tokens, P={P}, gate logit {gate_logit}: final state against float64: virtual ranks {e_cp:.2e}, "
+          f"FLA unsplit {e_fla:.2e}; last rank's outputs against FLA unsplit {e_out:.2e}")
     assert torch.isfinite(final).all() and torch.isfinite(o_last).all()
-    # bf16 outputs round at 4e-3; the states stay float32 all the way
-    assert e_state < 1e-3 and e_out < 1e-2, (e_state, e_out)
+    assert e_cp <= 1.1 * e_fla + 1e-5 and e_cp < 5e-3, (e_cp, e_fla)
+    assert e_out < 1e-2, e_out  # bf16 outputs round at 4e-3

@@ -71,3 +71,52 @@ def test_tune_needs_a_gpu(capsys):
         import pytest
         pytest.skip("this machine has a GPU")
     assert main(["tune"]) == 1 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _plain_autotuned_kernel():
+    """A kernel shaped like FLA's gated norm: ``@triton.heuristics`` over Triton's plain ``@triton.autotune``."""
+    import triton
+    import triton.language as tl
+
+    @triton.heuristics({"HAS_W": lambda args: args["w"] is not None})
+    @triton.autotune(configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (4, 8) for w in (1, 2)],
+                     key=["D", "HAS_W"])
+    @triton.jit
+    def scale_rows(x, w, y, T, D: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr):
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.arange(0, D)
+        mask = (rows < T)[:, None]
+        v = tl.load(x + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        if HAS_W:
+            v = v * tl.load(w + cols)[None, :]
+        tl.store(y + rows[:, None] * D + cols[None, :], v * 2, mask=mask)
+    return scale_rows
+
+
+def test_seeded_plain_autotuner_runs_the_shipped_config_without_tuning(tmp_path):
+    import torch
+    import triton
+
+    from kdacp.backends.fla_configs import seed_autotuner
+    kernel = _plain_autotuned_kernel()
+    autotuner = kernel.fn  # under the heuristics
+    key = [16, True, "torch.float32", "torch.float32", "torch.float32"]  # D, HAS_W, then x, w, y dtypes
+    other = [32, False, "torch.float32", "torch.float32"]
+    autotuner.cache[tuple(other)] = triton.Config({"BT": 4}, num_warps=1)  # tuned already: kept
+    (tmp_path / "scale_rows.json").write_text(json.dumps({"kernel_name": "scale_rows", "autotune_entries": {
+        fla_key_hash(key): {"autotune_key": key, "config": _config(8, 2) | {"kwargs": {"BT": 8}}},
+        fla_key_hash(other): {"autotune_key": other, "config": _config(8, 2) | {"kwargs": {"BT": 8}}}}}))
+    assert seed_autotuner(autotuner, tmp_path / "absent") == 0
+    assert seed_autotuner(autotuner, tmp_path) == 1
+    seeded = autotuner.cache[tuple(key)]
+    assert seeded.kwargs == {"BT": 8} and seeded.num_warps == 2
+    assert autotuner.cache[tuple(other)].kwargs == {"BT": 4}
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("the seeded key was autotuned")
+    autotuner._bench = no_tuning
+    x, w = torch.randn(20, 16), torch.randn(16)
+    y = torch.empty_like(x)
+    kernel[lambda meta: (triton.cdiv(20, meta["BT"]),)](x, w, y, 20, D=16)
+    assert autotuner.best_config is seeded
+    torch.testing.assert_close(y, 2 * x * w)

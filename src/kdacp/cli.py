@@ -247,7 +247,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
     try:
-        paths = tune(args.out, t_local=args.seq_len, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+        paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
     except RuntimeError as e:
         print(f"kdacp tune: {e}", file=sys.stderr)
         return 1
@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "configurations (used instead of the shipped ones)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tune.add_argument("--out", default=None, help="folder for the files (default: ~/.cache/kdacp/fla-configs/<GPU>)")
-    tune.add_argument("--seq-len", type=_positive_int, default=16384, help="tokens per call")
+    tune.add_argument("--seq-lens", type=_positive_int, nargs="+", default=[16384, 2048],
+                      help="tokens per call, one or several (some kernels tune per token count)")
     tune.add_argument("--hidden", type=_positive_int, default=2048)
     tune.add_argument("--heads", type=_positive_int, default=32)
     tune.add_argument("--head-dim", type=_positive_int, default=128)

@@ -5,6 +5,7 @@ This module runs the layer, so it sits above it; the backends never import it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -13,12 +14,15 @@ from .backends.fla_configs import USER_CONFIGS, export_fla_configs, gpu_dir_name
 __all__ = ["tune"]
 
 
-def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int = 2048, heads: int = 32,
-         head_dim: int = 128, batches=("one_sequence", "docs7")) -> list[Path]:
+def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: int = 2048, heads: int = 32,
+         head_dim: int = 128, batches=("one_sequence", "docs7"), gates=(-5.0, None)) -> list[Path]:
     """Autotune FLA's kernels for kdacp's layer on this GPU and write FLA configuration files.
 
-    Runs one forward and backward of :class:`kdacp.KimiDeltaAttention` (``fla`` backend, bf16, Kimi
-    Linear's gate) per batch of ``t_local`` tokens, with FLA autotuning into a fresh Triton cache, then
+    Runs one forward and backward of :class:`kdacp.KimiDeltaAttention` (``fla`` backend, bf16) per
+    gate in ``gates`` (``gate_lower_bound``: -5 is Kimi Linear's safe gate, None the softplus gate of
+    transformers' Kimi Linear; FLA runs different kernels for each), batch, and token count in
+    ``t_local`` (an int or several: some kernels, such as the gated norm, key their tuning on the
+    token count), with FLA autotuning into a fresh Triton cache, then
     exports the kernels that read FLA's configuration directory into ``out_dir`` (default:
     :data:`USER_CONFIGS` / the GPU's name, which kdacp then prefers over its shipped files).
 
@@ -40,7 +44,7 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
     with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:
         os.environ["TRITON_CACHE_DIR"], os.environ["FLA_CACHE_MODE"] = cache, "disabled"  # tune afresh
         try:
-            return _tune_into(cache, out, t_local, hidden, heads, head_dim, batches)
+            return _tune_into(cache, out, t_local, hidden, heads, head_dim, batches, gates)
         finally:  # the temporary cache goes away: leave no variable pointing at it
             for name, value in saved.items():
                 if value is None:
@@ -49,7 +53,8 @@ def tune(out_dir: str | Path | None = None, *, t_local: int = 16384, hidden: int
                     os.environ[name] = value
 
 
-def _tune_into(cache: str, out: Path, t_local: int, hidden: int, heads: int, head_dim: int, batches) -> list[Path]:
+def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim: int, batches,
+               gates=(-5.0, None)) -> list[Path]:
     """:func:`tune`'s work, with the Triton cache at ``cache`` and FLA's config lookup off."""
     import torch
 
@@ -57,11 +62,12 @@ def _tune_into(cache: str, out: Path, t_local: int, hidden: int, heads: int, hea
     from .bench.batches import cu_seqlens_of, document_lengths
     from .bench.layer import layer_step
     from .layers import KimiDeltaAttention
-    layer = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
-                               device="cuda", dtype=torch.bfloat16)
-    for batch in batches:
-        cu = cu_seqlens_of(document_lengths(batch, t_local))
-        x = torch.randn(1, t_local, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layers = [KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
+                                 gate_lower_bound=gate, device="cuda", dtype=torch.bfloat16) for gate in gates]
+    for layer, tokens, batch in itertools.product(layers, (t_local,) if isinstance(t_local, int) else t_local,
+                                                   batches):
+        cu = cu_seqlens_of(document_lengths(batch, tokens))
+        x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
     torch.cuda.synchronize()
     return export_fla_configs(cache, out, kernels=autotuned_kernel_names())

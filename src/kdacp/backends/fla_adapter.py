@@ -77,7 +77,45 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
             missing.append(f"{module}.{attr} ({type(e).__name__}: {e})")
     if missing:
         return None, "fla-core " + version + " lacks: " + "; ".join(missing)
+    _seed_plain_autotuners()
     return SimpleNamespace(**found), None
+
+
+# FLA modules whose kernels use Triton's plain autotuner, not FLA's configuration-reading one
+_PLAIN_AUTOTUNED_MODULES = ("fla.modules.norm.fused_norm_gate",)
+
+
+def _autotuners(modules) -> list:
+    """The Triton autotuners defined in ``modules`` (module objects), found under any
+    ``@triton.heuristics`` that wraps them."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    found = []
+    for module in modules:
+        for obj in vars(module).values():
+            while isinstance(obj, Heuristics):
+                obj = obj.fn
+            if isinstance(obj, Autotuner):
+                found.append(obj)
+    return found
+
+
+def _plain_autotuners() -> list:
+    """The plain Triton autotuners (not FLA's ``CachedAutotuner``) of :data:`_PLAIN_AUTOTUNED_MODULES`."""
+    from fla.ops.utils.cache import CachedAutotuner
+    modules = [importlib.import_module(name) for name in _PLAIN_AUTOTUNED_MODULES]
+    return [a for a in _autotuners(modules) if not isinstance(a, CachedAutotuner)]
+
+
+def _seed_plain_autotuners() -> None:
+    """Where FLA reads configuration files (``FLA_CONFIG_DIR`` and a ``FLA_CACHE_MODE`` other than
+    ``disabled``), give the plain autotuners their entries too, so they do not autotune either."""
+    import os
+
+    from .fla_configs import seed_autotuner
+    folder, mode = os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE", "disabled")
+    if folder and mode != "disabled":
+        for autotuner in _plain_autotuners():
+            seed_autotuner(autotuner, folder)
 
 
 def fla_available() -> bool:
@@ -130,10 +168,11 @@ def load_fla_layer(name: str = "KimiDeltaAttention"):
 
 
 def autotuned_kernel_names() -> set[str]:
-    """The names of FLA's autotuned kernels (``CachedAutotuner``, the kernels that read FLA's
-    configuration files) in the FLA modules imported so far; loads FLA first."""
+    """The names of FLA's autotuned kernels in the FLA modules imported so far: those that read FLA's
+    configuration files (``CachedAutotuner``) and the plain ones kdacp seeds from them; loads FLA first."""
     import sys
     load_fla()
     from fla.ops.utils.cache import CachedAutotuner
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
-    return {obj.kernel_name for m in modules for obj in vars(m).values() if isinstance(obj, CachedAutotuner)}
+    cached = {a.kernel_name for a in _autotuners(modules) if isinstance(a, CachedAutotuner)}
+    return cached | {getattr(a.fn, "fn", a.fn).__name__ for a in _plain_autotuners()}

@@ -8,6 +8,10 @@ key arguments' values and its tensor arguments' dtypes); on a miss it autotunes 
 variable. :func:`export_fla_configs` turns a Triton autotune cache (``TRITON_CACHE_DIR``, where FLA's
 autotuner records its timings) into such files, which is how the shipped ones were made; making
 them on the user's GPU is :func:`kdacp.tuning.tune`.
+
+A few FLA kernels (the gated norm of ``fla.modules.norm.fused_norm_gate``) use Triton's plain autotuner,
+which never reads those files; :func:`seed_autotuner` gives such an autotuner the file's entries as
+already-tuned results, which is what FLA's own autotuner does on an exact key match.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import re
 from pathlib import Path
 
 __all__ = ["SHIPPED_CONFIGS", "USER_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs",
-           "fla_key_hash"]
+           "fla_key_hash", "seed_autotuner"]
 
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 # where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
@@ -89,3 +93,28 @@ def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernel
                                     "autotune_entries": {**old, **entries}}, indent=1, sort_keys=True))
         written.append(path)
     return written
+
+
+def seed_autotuner(autotuner, config_dir: str | Path) -> int:
+    """Give a Triton ``Autotuner`` the entries of ``config_dir/<kernel name>.json`` as tuned results
+    (its ``cache``, keyed like FLA's entries: key values, then tensor dtypes); keys it has already
+    tuned are kept. Returns the number of entries added (0 when there is no file)."""
+    import inspect
+
+    import triton
+    fn = autotuner.fn
+    name = getattr(fn, "fn", fn).__name__
+    path = Path(config_dir) / f"{name}.json"
+    if not path.is_file():
+        return 0
+    accepted = set(inspect.signature(triton.Config).parameters)
+    added = 0
+    for entry in json.loads(path.read_text()).get("autotune_entries", {}).values():
+        key, config = tuple(entry["autotune_key"]), entry["config"]
+        if key in autotuner.cache:
+            continue
+        options = {k: config[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg", "ir_override")
+                   if k in config and k in accepted}
+        autotuner.cache[key] = triton.Config(dict(config.get("kwargs") or {}), **options)
+        added += 1
+    return added
