@@ -1,7 +1,6 @@
 """The ``fla`` GDN backend (FLA's GDN kernels on the scalar gate).
 
-CPU: its summary operands against the float64 reference's per-channel intermediates, and, where
-``fla-core`` is importable, its stages under the Triton interpreter against the float64 reference
+CPU: where ``fla-core`` is importable, its stages under the Triton interpreter against the float64 reference
 (FLA's state kernels do not run under the interpreter, so the state pass there comes from the
 reference). GPU: ``kdacp.chunk_gated_delta_rule`` and a one-rank ``cp_chunk_gated_delta_rule`` with
 ``backend="fla"`` against FLA's own ``chunk_gated_delta_rule`` at Qwen3-Next shapes in bf16.
@@ -14,8 +13,6 @@ import torch.nn.functional as F
 
 from kdacp import reference
 from kdacp.backends.base import KDAInputs, KDAOptions, LocalStates, Span
-from kdacp.backends.fla_gdn_backend import chunk_last_index, summary_operands
-from kdacp.reference.chunk import chunk_bounds
 from kdacp.reference.gdn import gdn_gate, scalar_gate_as_kda
 from tests.helpers import rel_err
 
@@ -37,15 +34,6 @@ def _fla(monkeypatch=None):
         import triton.runtime.autotuner as autotuner
         monkeypatch.setattr(autotuner.Autotuner, "_bench", lambda self, *a, config, **k: [0.0, 0.0, 0.0])
     return load_fla()
-
-
-@pytest.mark.parametrize("cu", [(0, 150), (0, 1, 64, 65, 100, 150), (0, 128)])
-def test_chunk_last_index_is_each_chunk_s_last_token(cu):
-    want = torch.empty(cu[-1], dtype=torch.int64)
-    for bos, eos in zip(cu[:-1], cu[1:]):
-        for s, e in chunk_bounds(bos, eos, 64):
-            want[s:e] = e - 1
-    assert torch.equal(chunk_last_index(Span(0, cu[-1], cu), 64), want)
 
 
 def _gdn_case(T, H, HV, K, V, *, gate_in_kernel, dtype, seed):
@@ -72,17 +60,6 @@ def _reference(x: dict, cu, options: KDAOptions):
         q, k = reference.l2norm(q), reference.l2norm(k)
     return reference.chunk_kda_intermediates(q, k, x["v"], g, x["beta"], scale=options.scale,
                                              cu_seqlens=torch.tensor(cu), chunk_size=options.chunk_size)
-
-
-def test_summary_operands_are_the_reference_intermediates():
-    """The derivation: with a scalar gate, KDA's ``qg = q exp2(gc)``, ``kg = k exp2(gc_last - gc)`` and
-    the scalar gate are those of the broadcast gate, grouped value heads included (no FLA needed)."""
-    cu, C = (0, 1, 64, 65, 100, 150), 16
-    x = _gdn_case(150, 2, 4, 8, 8, gate_in_kernel=False, dtype=torch.float64, seed=1)
-    options = KDAOptions(scale=0.3, chunk_size=C)
-    ref = _reference(x, cu, options)
-    qg, kg, gate = summary_operands(x["q"], x["k"], ref.gc[..., 0], chunk_last_index(Span(0, 150, cu), C))
-    assert rel_err(qg, ref.qg) < 1e-14 and rel_err(kg, ref.kg) < 1e-14 and torch.equal(gate, ref.gc[..., 0])
 
 
 @pytest.mark.parametrize("backend", ["torch", "fla"])

@@ -306,6 +306,7 @@ def _gdn_intermediates(B, T, H, HV, K, V, cu=None, seed=0, device=DEVICE):
     out["gc"] = out["gc"][..., 0].contiguous()  # [B, T, HV]: one log2 value per token and head
     out["do"] = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64).to(device)
     out["dv"] = ref.chunk_dv_local(out["Aqk"], out["do"], SCALE, cu_seqlens=args.get("cu_seqlens"))
+    out["q"], out["k"] = args["q"], args["k"]  # [B, T, H, K], ungated: qg = q exp2(gc), kg = k exp2(gc_last - gc)
     return out
 
 
@@ -366,6 +367,51 @@ def test_scalar_gate_summaries_match_reference(B, T, H, HV, K, V, dtype, L, cu, 
     assert rel_err(M0, M_ref) > 1e-3
     if T > 64:
         assert rel_err(S0, S_ref) > 1e-3 and rel_err(G0, G_ref) > 1e-3
+
+
+# the float64 truth is gated from exact q, k; the raw inputs carry their dtype's rounding, and the kernel
+# rounds its gated q, k to that dtype: bf16 (truncated in the interpreter) 2^-8..2^-7, fp16 2^-11
+RAW_TOL = {torch.float32: TOL, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu", GDN_CASES)
+def test_raw_keys_are_gated_in_the_kernel(B, T, H, HV, K, V, dtype, L, cu, variant):
+    """``raw_keys=True``: ungated ``q, k`` at their ``H`` heads (grouped value heads read key head
+    ``i // (HV / H)``) give the summaries of the gated ones."""
+    low, x = make_gdn(B, T, H, HV, K, V, dtype, cu)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    gc = gate_variant(low["gc"], variant, K)
+    q, k, w, u = low["q"], low["k"], low["w"], low["u"]
+    assert k.shape[2] == H < HV or H == HV
+    tol = RAW_TOL[dtype]
+    S, M = kn.state_summary(k, w, u, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L))
+    S_ref, M_ref = ref_summary(x, cu)
+    assert rel_err(S, S_ref) < tol and rel_err(M, M_ref) < tol
+    assert rel_err(kn.transition(k, w, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L)), M_ref) < tol
+    G = kn.state_gradient_summary(q, k, w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu, raw_keys=True,
+                                  config=cfg(L))
+    G_ref = ref_grad(x, cu)
+    assert rel_err(G, G_ref) < tol
+    # not gated (the pre-gated path fed raw keys repeated over the value heads) is far off
+    rep = {n: t.repeat_interleave(HV // H, dim=2) for n, t in (("q", q), ("k", k))}
+    S_ungated, _ = kn.state_summary(rep["k"], w, u, gc, cu_seqlens=cu, config=cfg(L))
+    G_ungated = kn.state_gradient_summary(rep["q"], rep["k"], w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu,
+                                          config=cfg(L))
+    assert rel_err(S_ungated, S_ref) > 10 * tol and rel_err(G_ungated, G_ref) > 10 * tol
+
+
+def test_raw_keys_checks_name_the_problem():
+    low, _ = make_gdn(1, 150, 1, 2, 64, 64, torch.float32)
+    k, w, u, gc = low["k"], low["w"], low["u"], low["gc"]
+    with pytest.raises(ValueError, match="constant over K"):
+        kn.state_summary(k, w, u, gc.unsqueeze(-1).expand(1, 150, 2, 64).contiguous(), raw_keys=True)
+    with pytest.raises(ValueError, match="divides HV"):
+        kn.state_summary(torch.cat([k, k, k], dim=2), w, u, gc, raw_keys=True)
+    with pytest.raises(ValueError, match=r"must have shape \[B, T, HV, K\]"):
+        kn.state_summary(k, w, u, gc)  # raw keys without raw_keys=True: the heads disagree
+    with pytest.raises(TypeError, match="raw_keys must be a bool"):
+        kn.state_gradient_summary(low["q"], k, w, gc, low["do"], low["dv"], SCALE, raw_keys=1)
 
 
 @pytest.mark.parametrize("variant", ["scalar", "zero_stride"])

@@ -10,7 +10,8 @@ kernels in both forms (``gc [1, T, HV]``, the ``SCALAR_GATE`` variant; and a zer
 view through the per-channel kernels) against FLA's GDN CP summary kernels (``chunk_cp_fwd_h`` and
 ``chunk_cp_bwd_dh`` with a scalar ``g``, as FLA's GDN CP pre-processing calls them). Both start from the
 same bf16 ``q, k [1, T, 16, K]``, ``w, u, do, dv`` and float32 ``gc``; FLA gates ``q, k`` inside its
-kernels, ours take ``qg, kg [1, T, 32, K]`` formed from them (a row times that, in PyTorch). Errors are
+kernels, and so do ours with ``raw_keys=True`` (what kdacp's GDN backend runs); the other rows take
+``qg, kg [1, T, 32, K]`` formed beforehand (a row times that, in PyTorch). Errors are
 against float64 summaries of those shared inputs; times are CUDA-event means per call, warm, the
 contenders taking turns (round robin) so that clock and thermal drift hit all alike.
 
@@ -279,6 +280,14 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
             lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
         contenders[f"kdacp state_gradient_summary (G, {form} gate)"] = (
             lambda gc=gc: kn.state_gradient_summary(*gargs, gc, x["do"], x["dv"], x["scale"], chunk_size=chunk_size),
+            costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
+        # what the fla GDN backend runs: FLA's raw q, k [T, 16, K], gated inside the kernels
+        contenders[f"kdacp state_summary (S_ext+M, {form} gate, raw k)"] = (
+            lambda gc=gc: kn.state_summary(x["k"], x["w"], x["u"], gc, chunk_size=chunk_size, raw_keys=True),
+            costs["both"], lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+        contenders[f"kdacp state_gradient_summary (G, {form} gate, raw q, k)"] = (
+            lambda gc=gc: kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"],
+                                                    chunk_size=chunk_size, raw_keys=True),
             costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
     contenders["kdacp state_summary (S_ext only, scalar gate)"] = (
         lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output="state"),

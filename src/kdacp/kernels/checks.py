@@ -21,7 +21,8 @@ SUPPORTED_CHUNK = (16, 32, 64, 128)
 class SummaryDims:
     """Sizes of one launch: batch ``B``, tokens ``T``, heads of the given tensors ``HV_total``, the
     selected heads ``[head_start, head_start + HV)``, ``K``, ``V``, the sequences
-    ``(batch row, first token, end token)``, and whether ``gc`` is a scalar gate ``[B, T, HV]``."""
+    ``(batch row, first token, end token)``, whether ``gc`` is a scalar gate ``[B, T, HV]``, and
+    ``key_group``: value heads per head of the raw (ungated) q/k inputs, 1 without them."""
 
     B: int
     T: int
@@ -32,6 +33,7 @@ class SummaryDims:
     V: int
     bounds: tuple
     scalar_gate: bool = False
+    key_group: int = 1
 
 
 def _check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
@@ -78,12 +80,15 @@ def sequence_ranges(B: int, T: int, cu_seqlens, segment) -> tuple:
 
 
 def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_size, head_start, num_heads,
-                         w_head_first: bool, cu_seqlens, segment, dv=None) -> SummaryDims:
+                         w_head_first: bool, cu_seqlens, segment, dv=None, raw: tuple = ()) -> SummaryDims:
     """Check the launcher arguments and return their sizes.
 
     Args:
         keys: ``name -> tensor`` of the key-side inputs ``[B, T, HV, K]`` (``w`` may be head-first
-            ``[B, HV, T, K]``); the first one fixes the shapes, dtype and device.
+            ``[B, HV, T, K]``); the first one fixes the dtype and device, the first one not in ``raw``
+            the shapes.
+        raw: names in ``keys`` given ungated at ``H`` heads, ``[B, T, H, K]`` with ``H`` dividing ``HV``
+            (gated in the kernel: the gate must then be constant over ``K``).
         values: ``name -> tensor`` of the value-side inputs ``[B, T, HV, V]`` in the same dtype.
         gc: the within-chunk cumulative log2 gate, any supported float dtype: ``[B, T, HV, K]`` (unit or
             zero stride on ``K``: a broadcast scalar gate), or ``[B, T, HV]`` (a scalar gate, any strides).
@@ -97,16 +102,24 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         raise ValueError(f"gc must have 4 dims [B, T, HV, K] or 3 dims [B, T, HV] (a scalar gate), "
                          f"got shape {tuple(gc.shape)}")
     first_name, first = next(iter(keys.items()))
-    B, T, HV_total, K = first.shape
+    shape_name, shaper = next((n, x) for n, x in keys.items() if n not in raw)
+    if shape_name == "w" and w_head_first:
+        B, HV_total, T, K = shaper.shape
+    else:
+        B, T, HV_total, K = shaper.shape
     if T < 1 or HV_total < 1:
-        raise ValueError(f"{first_name} must have T >= 1 and at least one head, got shape {tuple(first.shape)}")
+        raise ValueError(f"{shape_name} must have T >= 1 and at least one head, got shape {tuple(shaper.shape)}")
     device = first.device
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{first_name} is on {device}; the kernels need a CUDA device "
                          "(or TRITON_INTERPRET=1 set before triton is imported)")
+    H = next((keys[n].shape[2] for n in raw), HV_total)
+    if H < 1 or HV_total % H:
+        raise ValueError(f"{raw[0]} must have a number of heads that divides HV={HV_total} (the heads of "
+                         f"{shape_name}), got shape {tuple(keys[raw[0]].shape)}")
     for name, x in keys.items():
-        expected = (B, HV_total, T, K) if (name == "w" and w_head_first) else (B, T, HV_total, K)
-        layout = "[B, HV, T, K]" if (name == "w" and w_head_first) else "[B, T, HV, K]"
+        expected = (B, HV_total, T, K) if (name == "w" and w_head_first) else (B, T, H if name in raw else HV_total, K)
+        layout = "[B, HV, T, K]" if (name == "w" and w_head_first) else "[B, T, H, K]" if name in raw else "[B, T, HV, K]"
         if tuple(x.shape) != expected:
             raise ValueError(f"{name} must have shape {layout} = {expected}, got {tuple(x.shape)}")
         _check_dtype(name, x, INPUT_DTYPES, None if x is first else first, first_name)
@@ -121,6 +134,9 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         raise ValueError(f"gc must have shape [B, T, HV, K] = {(B, T, HV_total, K)} or, a scalar gate, [B, T, HV] = "
                          f"{(B, T, HV_total)}, got {tuple(gc.shape)}")
     _check_dtype("gc", gc, INPUT_DTYPES)
+    if raw and not (scalar_gate or gc.stride(3) == 0):
+        raise ValueError(f"raw (ungated) {' and '.join(raw)} need a gate constant over K: a scalar gate gc "
+                         f"[B, T, HV] or a [B, T, HV, K] view of one with stride 0 on K, got strides {tuple(gc.stride())}")
     if dv is not None:
         if tuple(dv.shape) != (B, T, HV_total, V):
             raise ValueError(f"dv must have shape [B, T, HV, V] = {(B, T, HV_total, V)}, got {tuple(dv.shape)}")
@@ -150,4 +166,4 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
                          f"got head_start={head_start}, num_heads={num_heads!r}")
     bounds = sequence_ranges(B, T, cu_seqlens, segment)
     return SummaryDims(B=B, T=T, HV_total=HV_total, head_start=head_start, HV=HV, K=K, V=V, bounds=bounds,
-                       scalar_gate=scalar_gate)
+                       scalar_gate=scalar_gate, key_group=HV_total // H)

@@ -19,7 +19,8 @@ from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
 from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left
-from .tiles import decay_tile, initial_tile, load_last_gate, locate_program, store_tile
+from .tiles import (decay_tile, gate_keys, gate_queries, initial_tile, load_last_gate, load_row_gates,
+                    locate_program, store_tile)
 
 __all__ = ["state_gradient_summary"]
 
@@ -32,8 +33,9 @@ DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, bf16_piece
 @triton.jit
 def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start, end,
                n_chunks, n_run, o_k, o_c, m_v, BT: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
-               VF: tl.constexpr, SCALAR_GATE: tl.constexpr):
-    """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile."""
+               VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+    """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile
+    (``RAW_KEYS``: ``p_q``, ``p_k`` hold raw queries and keys, gated here)."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
     g_next = load_last_gate(p_g, s_gt, s_gk, start, end, n_chunks - 1, o_k, n_run > 0, BT, SCALAR_GATE)
@@ -42,25 +44,36 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk,
         rows = t0 + o_t
         m_t = rows < end
         b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
+        g_last = g_next
         g_next = load_last_gate(p_g, s_gt, s_gk, start, end, n_chunks - 2 - i, o_k, i + 1 < n_run, BT, SCALAR_GATE)
+        if RAW_KEYS:
+            g_rows = load_row_gates(p_g, s_gt, rows, m_t)
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]
             b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            if RAW_KEYS:
+                b_kt = gate_keys(b_kt, g_last, g_rows, SCALAR_GATE, True)
             b_dv = tl.load(p_dv + rows[None, :] * s_vt + o_c[:, None], mask=m_tv, other=0.0).to(tl.float32)
             # dv'^T = dS^T kg^T + dv^T, from the state before this chunk's update
             b_dvp = b_dv + dot_state_left(st, b_kt, SPLIT_BF16, NSPLIT)
             b_do = tl.load(p_do + rows[None, :] * s_ot + o_c[:, None], mask=m_tv, other=0.0)
             b_q = tl.load(p_q + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if RAW_KEYS:
+                b_q = gate_queries(b_q, g_rows, False)
             acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             st = acc - dot_state_left(b_dvp, b_w, SPLIT_BF16, NSPLIT)
         else:  # st is dS [K, BV]
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if RAW_KEYS:
+                b_k = gate_keys(b_k, g_last, g_rows, SCALAR_GATE, False)
             b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
             # dv' = kg dS + dv, from the state before this chunk's update
             b_dvp = b_dv + dot_state(b_k, st, SPLIT_BF16, NSPLIT)
             b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            if RAW_KEYS:
+                b_qt = gate_queries(b_qt, g_rows, True)
             b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
             acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -73,19 +86,21 @@ def _state_gradient_kernel(
     qg, kg, w, gc, do, dv, ws, work,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_gb, s_gt, s_gh, s_gk,
     s_ob, s_ot, s_oh, s_vb, s_vt, s_vh,
-    scale, head_start, HV,
+    scale, head_start, HV, key_group,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
     SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[G | M^T]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``,
-    chunks in reverse. ``qg, kg [B, T, HV, K]``, ``gc`` as in the forward kernel, ``w`` via strides,
+    chunks in reverse. ``qg, kg [B, T, HV, K]`` (``RAW_KEYS``: raw ``q, k [B, T, HV / key_group, K]``),
+    ``gc`` as in the forward kernel, ``w`` via strides,
     ``do, dv [B, T, HV, V]``;
     writes ``ws [NW, HV_out, K, NCOL]`` float32 (``M^T`` columns from ``V``)."""
     # the last sub-segment's M^T is never read: its chunk loop is skipped
     b, h, start, end, n_chunks, n_run, o_k, o_c = locate_program(work, head_start, V, K, BT, BV)
     m_v = o_c < V
-    p_q = qg + b * s_qb + h * s_qh
-    p_k = kg + b * s_kb + h * s_kh
+    p_q = qg + b * s_qb + (h // key_group) * s_qh
+    p_k = kg + b * s_kb + (h // key_group) * s_kh
     p_w = w + b * s_wb + h * s_wh
     p_g = gc + b * s_gb + h * s_gh
     p_do = do + b * s_ob + h * s_oh
@@ -93,13 +108,13 @@ def _state_gradient_kernel(
     # G columns start from zero, M^T columns from the identity
     st = initial_tile(o_k, o_c, V, VF)
     st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start,
-                    end, n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE)
+                    end, n_chunks, n_run, o_k, o_c, m_v, BT, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE, RAW_KEYS)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
 def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64, head_start: int = 0,
                            num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
-                           config: SummaryConfig | None = None) -> torch.Tensor:
+                           raw_keys: bool = False, config: SummaryConfig | None = None) -> torch.Tensor:
     """``G [N, HV, K, V]`` float32: ``dS_in = M^T dS_out + G`` for each sequence.
 
     Args:
@@ -109,6 +124,8 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
             with ``w_head_first``; ``do`` ``[B, T, HV, V]`` in the dtype of ``qg, kg, w``;
             ``dv`` ``[B, T, HV, V]`` (bf16, fp16 or fp32; only read): the gradient reaching ``v_new``
             from each chunk's own outputs. ``scale``: the output scale.
+        raw_keys: ``qg, kg`` are the raw ``q, k [B, T, H, K]``, gated inside the kernel (``qg = q
+            exp2(gc)``); the conditions of :func:`.state_summary.state_summary`'s ``raw_keys`` apply.
         Other arguments as :func:`.state_summary.state_summary`.
 
     Raises:
@@ -116,13 +133,17 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
     """
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not isinstance(raw_keys, bool):
+        raise TypeError(f"raw_keys must be a bool, got {type(raw_keys).__name__}")
     dims = check_summary_inputs({"qg": qg, "kg": kg, "w": w}, {"do": do}, gc, chunk_size=chunk_size,
                                 head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
-                                cu_seqlens=cu_seqlens, segment=segment, dv=dv)
+                                cu_seqlens=cu_seqlens, segment=segment, dv=dv,
+                                raw=("qg", "kg") if raw_keys else ())
     G, _ = launch_summary(
         _state_gradient_kernel, (qg, kg, w, gc, do, dv),
         (*token_strides(qg), *token_strides(kg), *token_strides(w, w_head_first), *gate_strides(gc),
-         *token_strides(do), *token_strides(dv), float(scale), dims.head_start, dims.HV),
+         *token_strides(do), *token_strides(dv), float(scale), dims.head_start, dims.HV, dims.key_group),
         dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
-        a_cols=dims.V, want_t=False, reverse=True, constants=dict(SCALAR_GATE=dims.scalar_gate))
+        a_cols=dims.V, want_t=False, reverse=True,
+        constants=dict(SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys))
     return G

@@ -20,7 +20,7 @@ from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
 from .precision import chunk_decay, dot_state, dot_state_left
-from .tiles import decay_tile, initial_tile, load_last_gate, locate_program, store_tile
+from .tiles import decay_tile, gate_keys, initial_tile, load_last_gate, load_row_gates, locate_program, store_tile
 
 __all__ = ["state_summary", "transition"]
 
@@ -32,8 +32,9 @@ DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_piece
 @triton.jit
 def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_chunks, o_k, o_c, m_u,
           BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
-          NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr):
-    """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile."""
+          NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+    """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile (``RAW_KEYS``:
+    ``p_kg`` holds raw keys, gated here)."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
     g_next = load_last_gate(p_g, s_gt, s_gk, start, end, 0, o_k, n_chunks > 0, BT, SCALAR_GATE)
@@ -42,11 +43,16 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
         rows = t0 + o_t
         m_t = rows < end
         b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
+        g_last = g_next
         g_next = load_last_gate(p_g, s_gt, s_gk, start, end, i + 1, o_k, i + 1 < n_chunks, BT, SCALAR_GATE)
+        if RAW_KEYS:
+            g_rows = load_row_gates(p_g, s_gt, rows, m_t)
         # padded rows load as zero and add nothing
         if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_kg = tl.load(p_kg + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if RAW_KEYS:
+                b_kg = gate_keys(b_kg, g_last, g_rows, SCALAR_GATE, False)
             if HAS_S:
                 b_u = tl.load(p_u + rows[None, :] * s_ut + o_c[:, None], mask=m_t[None, :] & m_u[:, None],
                               other=0.0).to(tl.float32)
@@ -57,6 +63,8 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
         else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
+            if RAW_KEYS:
+                b_kt = gate_keys(b_kt, g_last, g_rows, SCALAR_GATE, True)
             if HAS_S:
                 b_u = tl.load(p_u + rows[:, None] * s_ut + o_c[None, :], mask=m_t[:, None] & m_u[None, :],
                               other=0.0).to(tl.float32)
@@ -71,50 +79,55 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
 def _state_summary_kernel(
     kg, w, u, gc, ws, work,
     s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh, s_gk,
-    head_start, HV,
+    head_start, HV, key_group,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
     MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
-    VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
 
-    ``kg [B, T, HV, K]``, ``gc`` ``[B, T, HV, K]`` (channel stride ``s_gk``) or ``[B, T, HV]`` with
-    ``SCALAR_GATE``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
+    ``kg [B, T, HV, K]`` (``RAW_KEYS``: raw keys ``[B, T, HV / key_group, K]``, value head ``h`` reading
+    key head ``h // key_group``), ``gc`` ``[B, T, HV, K]`` (channel stride ``s_gk``) or ``[B, T, HV]``
+    with ``SCALAR_GATE``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
     ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
     """
     # the first sub-segment's M is never read in state-only mode: its chunk loop is skipped
     b, h, start, end, _, n_run, o_k, o_c = locate_program(work, head_start, MOFF, K, BT, BV)
     m_u = o_c < MOFF
-    p_kg = kg + b * s_kb + h * s_kh
+    p_kg = kg + b * s_kb + (h // key_group) * s_kh
     p_w = w + b * s_wb + h * s_wh
     p_u = u + b * s_ub + h * s_uh
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
     st = initial_tile(o_k, o_c, MOFF, VF)
     st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE)
+               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE, RAW_KEYS)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
-def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, config):
+def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, config):
     has_s = output != "transition"
     S, M = launch_summary(
         _state_summary_kernel, (kg, w, u if has_s else kg, gc),
         (*token_strides(kg), *token_strides(w, w_head_first), *(token_strides(u) if has_s else (0, 0, 0)),
-         *gate_strides(gc), dims.head_start, dims.HV),
+         *gate_strides(gc), dims.head_start, dims.HV, dims.key_group),
         dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
         a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
-        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate))
+        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys))
     return StateSummary(S, M)
 
 
 def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
                   num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
-                  config: SummaryConfig | None = None) -> StateSummary:
+                  raw_keys: bool = False, config: SummaryConfig | None = None) -> StateSummary:
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
-        kg: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)``.
+        kg: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)``. With ``raw_keys``: the keys ``k``
+            themselves, ``[B, T, H, K]`` with ``H`` dividing ``HV`` (value head ``i`` reads key head
+            ``i // (HV // H)``, as in grouped value heads), gated inside the kernel in float32 and
+            rounded to their dtype; the gate must then be constant over ``K`` (GDN's: a scalar ``gc``
+            or its zero-stride view). This saves forming ``kg`` at ``HV`` heads beforehand.
         gc: the within-chunk cumulative log2 gate (restarting every chunk; a partial chunk's ``gc_last``
             is its last valid token; only ``gc_last`` is read), bf16, fp16 or fp32: ``[B, T, HV, K]`` per
             channel (KDA), or ``[B, T, HV]``, one value per token and head (GDN's scalar gate, FLA's
@@ -143,15 +156,17 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
     if output not in _OUTPUTS:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
     values = {} if output == "transition" else {"u": u}
+    if not isinstance(raw_keys, bool):
+        raise TypeError(f"raw_keys must be a bool, got {type(raw_keys).__name__}")
     dims = check_summary_inputs({"kg": kg, "w": w}, values, gc, chunk_size=chunk_size, head_start=head_start,
                                 num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens,
-                                segment=segment)
+                                segment=segment, raw=("kg",) if raw_keys else ())
     return _launch(kg, w, u, gc, dims, chunk_size=chunk_size, output=output, w_head_first=w_head_first,
-                   config=config)
+                   raw_keys=raw_keys, config=config)
 
 
 def transition(kg, w, gc, *, chunk_size: int = 64, head_start: int = 0, num_heads: int | None = None,
-               w_head_first: bool = False, cu_seqlens=None, segment=None,
+               w_head_first: bool = False, cu_seqlens=None, segment=None, raw_keys: bool = False,
                config: SummaryConfig | None = None) -> torch.Tensor:
     """``M [N, HV, K, K]`` float32: the product of the chunk factors ``Diag(exp2(gc_last)) - kg^T w``
     (later chunks on the left), accumulated in float32 (bf16 inputs: products split into exact bf16
@@ -162,4 +177,4 @@ def transition(kg, w, gc, *, chunk_size: int = 64, head_start: int = 0, num_head
     fp32 inputs in the CPU tests: below 1e-6."""
     return state_summary(kg, w, None, gc, chunk_size=chunk_size, output="transition", head_start=head_start,
                          num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens, segment=segment,
-                         config=config).transition
+                         raw_keys=raw_keys, config=config).transition

@@ -4,7 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile"]
+__all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile", "load_row_gates",
+           "gate_keys", "gate_queries"]
 
 
 @triton.jit
@@ -69,3 +70,34 @@ def decay_tile(st, decay, SCALAR_GATE: tl.constexpr, VF: tl.constexpr):
     else:
         out = st * decay[:, None]
     return out
+
+
+@triton.jit
+def load_row_gates(p_g, s_gt, rows, m_t):
+    """``gc`` of every token in ``rows`` (float32 ``[BT]``; zero where not ``m_t``), from channel 0:
+    the gate of a scalar gate ``[B, T, HV]`` or of a view constant over ``K``."""
+    return tl.load(p_g + rows * s_gt, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def gate_keys(tile, g_last, g_rows, SCALAR_GATE: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Raw keys gated in float32 and rounded back to their dtype: ``k exp2(gc_last - gc)`` for a gate
+    constant over ``K``. ``tile`` is ``[K, BT]`` with ``KEYS_FIRST``, else ``[BT, K]``; ``g_last`` one
+    value with ``SCALAR_GATE``, else ``[K]`` (all equal); ``g_rows [BT]``."""
+    if SCALAR_GATE:
+        sc = tl.exp2(g_last.to(tl.float32) - g_rows)
+        sc = sc[None, :] if KEYS_FIRST else sc[:, None]
+    elif KEYS_FIRST:
+        sc = tl.exp2(g_last.to(tl.float32)[:, None] - g_rows[None, :])
+    else:
+        sc = tl.exp2(g_last.to(tl.float32)[None, :] - g_rows[:, None])
+    return (tile.to(tl.float32) * sc).to(tile.dtype)
+
+
+@triton.jit
+def gate_queries(tile, g_rows, KEYS_FIRST: tl.constexpr):
+    """Raw queries gated in float32 and rounded back to their dtype: ``q exp2(gc)``; ``tile`` as in
+    :func:`gate_keys`."""
+    sc = tl.exp2(g_rows)
+    sc = sc[None, :] if KEYS_FIRST else sc[:, None]
+    return (tile.to(tl.float32) * sc).to(tile.dtype)
