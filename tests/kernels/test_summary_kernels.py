@@ -556,3 +556,22 @@ def test_gpu_scalar_gate_qwen3_next_shapes_bf16(variant):
     S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], gc, head_start=8, num_heads=16, segment=(s, e))
     S1_ref, M1_ref = ref_summary(sub)
     assert rel_err(S1, S1_ref) < 5e-5 and rel_err(M1, M1_ref) < 2e-4
+
+
+@pytest.mark.gpu
+def test_gpu_raw_keys_as_accurate_as_pre_gated_qwen3_next_shapes_bf16():
+    """Qwen3-Next shapes, bf16, 8K tokens: gating FLA's raw ``q, k [T, 16, K]`` inside the kernels is no
+    further from float64 (of the same inputs, gated in float64) than the pre-gated ``qg, kg [T, 32, K]``."""
+    from kdacp.bench.kernels import make_gdn_inputs
+    x, r = make_gdn_inputs(T=8192)
+    K = x["k"].shape[-1]
+    for gc in (x["gc"], x["gc"].unsqueeze(-1).expand(*x["gc"].shape, K)):
+        raw = kn.state_summary(x["k"], x["w"], x["u"], gc, raw_keys=True)
+        pre = kn.state_summary(x["kg"], x["w"], x["u"], gc)
+        G_raw = kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"], raw_keys=True)
+        G_pre = kn.state_gradient_summary(x["qg"], x["kg"], x["w"], gc, x["do"], x["dv"], x["scale"])
+        for got, pre_got, truth in ((raw.state, pre.state, r["S"]), (raw.transition, pre.transition, r["M"]),
+                                    (G_raw, G_pre, r["G"])):
+            assert torch.isfinite(got).all()
+            assert rel_err(got, truth) <= 1.1 * rel_err(pre_got, truth) + 1e-6, (rel_err(got, truth),
+                                                                                   rel_err(pre_got, truth))
