@@ -401,6 +401,26 @@ def test_raw_keys_are_gated_in_the_kernel(B, T, H, HV, K, V, dtype, L, cu, varia
     assert rel_err(S_ungated, S_ref) > 10 * tol and rel_err(G_ungated, G_ref) > 10 * tol
 
 
+@pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
+def test_raw_keys_v_first_head_range_and_segment(variant):
+    """Raw keys with the transposed tile order, a head range that starts inside a key head's group, a
+    head-first ``w`` and one segment of a packed batch."""
+    low, x = make_gdn(1, GDN_CU[-1], 2, 4, 64, 64, torch.float32, GDN_CU)
+    gc = gate_variant(low["gc"], variant, 64)
+    hs, nh, (s, e) = 1, 2, GDN_CU[1:3]
+    seg = {n: t[:, s:e, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}
+    w_hf = low["w"].transpose(1, 2).contiguous()
+    S, M = kn.state_summary(low["k"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
+                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
+    S_ref, M_ref = ref_summary(seg)
+    assert S.shape == (1, nh, 64, 64)
+    assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
+    G = kn.state_gradient_summary(low["q"], low["k"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
+                                  num_heads=nh, w_head_first=True, segment=(s, e), raw_keys=True,
+                                  config=kn.SummaryConfig(v_first=True, block_v=16))
+    assert rel_err(G, ref_grad(seg)) < TOL
+
+
 def test_raw_keys_checks_name_the_problem():
     low, _ = make_gdn(1, 150, 1, 2, 64, 64, torch.float32)
     k, w, u, gc = low["k"], low["w"], low["u"], low["gc"]
