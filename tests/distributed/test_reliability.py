@@ -332,11 +332,11 @@ def _one_token_pieces(rank: int, P: int) -> int:
     return n
 
 
-def _many_sequences(rank: int, P: int, num: int = 2000) -> int:
-    """``num`` short packed sequences (1-9 tokens) over ``P`` ranks, outputs and final states (the
-    torch backend's per-sequence cost makes a backward over 2,000 sequences take ~30-50 s on the
-    2-core CI machine; gradients over many short sequences are in test_cp_chunk_kda.py); the
-    reference checks the sequences at the rank edges and every 25th."""
+def _many_sequences(rank: int, P: int, num: int = 10_000) -> int:
+    """``num`` short packed sequences (1-9 tokens) over ``P`` ranks, outputs and final states (26 s for
+    10,000 on 2 ranks of the 2-core machine; the torch backend's per-sequence cost makes a backward
+    over 2,000 sequences alone take ~30-50 s there, and gradients over many short sequences are in
+    test_cp_chunk_kda.py); the reference checks the sequences at the rank edges and every 25th."""
     lens = [1 + (7 * i) % 9 for i in range(num)]
     cu = [0, *itertools.accumulate(lens)]
     T = cu[-1] - cu[-1] % P
