@@ -54,7 +54,7 @@ def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: in
 
 
 def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim: int, batches,
-               gates=(-5.0, None)) -> list[Path]:
+               gates) -> list[Path]:
     """:func:`tune`'s work, with the Triton cache at ``cache`` and FLA's config lookup off."""
     import torch
 

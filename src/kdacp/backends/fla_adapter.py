@@ -173,6 +173,8 @@ def autotuned_kernel_names() -> set[str]:
     import sys
     load_fla()
     from fla.ops.utils.cache import CachedAutotuner
+
+    from .fla_configs import autotuner_kernel_name
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla") and m is not None]
-    cached = {a.kernel_name for a in _autotuners(modules) if isinstance(a, CachedAutotuner)}
-    return cached | {getattr(a.fn, "fn", a.fn).__name__ for a in _plain_autotuners()}
+    cached = [a for a in _autotuners(modules) if isinstance(a, CachedAutotuner)]
+    return {autotuner_kernel_name(a) for a in cached + _plain_autotuners()}

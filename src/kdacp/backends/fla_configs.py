@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 __all__ = ["SHIPPED_CONFIGS", "USER_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs",
-           "fla_key_hash", "seed_autotuner"]
+           "fla_key_hash", "autotuner_kernel_name", "seed_autotuner"]
 
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 # where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
@@ -95,6 +95,12 @@ def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernel
     return written
 
 
+def autotuner_kernel_name(autotuner) -> str:
+    """The kernel name a Triton autotuner is filed under (its jitted function's name, as FLA names it)."""
+    fn = autotuner.fn
+    return getattr(fn, "fn", fn).__name__
+
+
 def seed_autotuner(autotuner, config_dir: str | Path) -> int:
     """Give a Triton ``Autotuner`` the entries of ``config_dir/<kernel name>.json`` as tuned results
     (its ``cache``, keyed like FLA's entries: key values, then tensor dtypes); keys it has already
@@ -102,9 +108,7 @@ def seed_autotuner(autotuner, config_dir: str | Path) -> int:
     import inspect
 
     import triton
-    fn = autotuner.fn
-    name = getattr(fn, "fn", fn).__name__
-    path = Path(config_dir) / f"{name}.json"
+    path = Path(config_dir) / f"{autotuner_kernel_name(autotuner)}.json"
     if not path.is_file():
         return 0
     accepted = set(inspect.signature(triton.Config).parameters)

@@ -24,15 +24,15 @@ import torch
 from .base import KDAInputs, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend, FlaBackwardStates
 from ..kernels import state_gradient_summary, state_summary
+from ..reference.gdn import scalar_gate_as_kda
 
-__all__ = ["FlaGDNBackend", "summary_gate"]
+__all__ = ["FlaGDNBackend"]
 
 
-def summary_gate(gc: torch.Tensor, K: int) -> torch.Tensor:
-    """The summary kernels' view of a scalar gate ``gc [1, T, HV]``: ``[1, T, HV, K]`` with stride 0 on
-    ``K``, which runs the per-channel kernels on it with nothing materialised (on an H200 7-10% faster
-    than the scalar-gate variant; benchmarks/RESULTS.md)."""
-    return gc.unsqueeze(-1).expand(*gc.shape, K)
+def _summary_gate(gc: torch.Tensor, K: int) -> torch.Tensor:
+    """The scalar gate as the summary kernels take it: the broadcast ``[1, T, HV, K]`` view (stride 0
+    on ``K``; on an H200 7-10% faster than the scalar-gate variant, benchmarks/RESULTS.md)."""
+    return scalar_gate_as_kda(gc, K)[0]
 
 
 @dataclass
@@ -114,9 +114,10 @@ class FlaGDNBackend(FlaBackend):
 
     def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool):
         cut, x = slice(span.start, span.end), chunks.saved
-        return state_summary(x.k[:, cut], chunks.w[:, cut], chunks.u[:, cut], summary_gate(x.gc[:, cut], x.k.shape[-1]),
-                             chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
-                             cu_seqlens=span.cu_seqlens_host(), raw_keys=True)
+        gate = _summary_gate(x.gc[:, cut], x.k.shape[-1])
+        return state_summary(x.k[:, cut], chunks.w[:, cut], chunks.u[:, cut], gate, chunk_size=self.options.chunk_size,
+                             output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host(),
+                             raw_keys=True)
 
     def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
@@ -153,7 +154,7 @@ class FlaGDNBackend(FlaBackend):
 
     def state_gradient_summary(self, local: GDNBackward) -> torch.Tensor:
         x = local.saved
-        return state_gradient_summary(x.q, x.k, local.w, summary_gate(x.gc, x.k.shape[-1]), local.do, local.dv,
+        return state_gradient_summary(x.q, x.k, local.w, _summary_gate(x.gc, x.k.shape[-1]), local.do, local.dv,
                                       self.options.scale, chunk_size=self.options.chunk_size,
                                       cu_seqlens=local.span.cu_seqlens_host(), raw_keys=True)
 

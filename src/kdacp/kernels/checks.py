@@ -118,8 +118,12 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
         raise ValueError(f"{raw[0]} must have a number of heads that divides HV={HV_total} (the heads of "
                          f"{shape_name}), got shape {tuple(keys[raw[0]].shape)}")
     for name, x in keys.items():
-        expected = (B, HV_total, T, K) if (name == "w" and w_head_first) else (B, T, H if name in raw else HV_total, K)
-        layout = "[B, HV, T, K]" if (name == "w" and w_head_first) else "[B, T, H, K]" if name in raw else "[B, T, HV, K]"
+        if name == "w" and w_head_first:
+            expected, layout = (B, HV_total, T, K), "[B, HV, T, K]"
+        elif name in raw:
+            expected, layout = (B, T, H, K), "[B, T, H, K]"
+        else:
+            expected, layout = (B, T, HV_total, K), "[B, T, HV, K]"
         if tuple(x.shape) != expected:
             raise ValueError(f"{name} must have shape {layout} = {expected}, got {tuple(x.shape)}")
         _check_dtype(name, x, INPUT_DTYPES, None if x is first else first, first_name)
@@ -136,7 +140,8 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
     _check_dtype("gc", gc, INPUT_DTYPES)
     if raw and not (scalar_gate or gc.stride(3) == 0):
         raise ValueError(f"raw (ungated) {' and '.join(raw)} need a gate constant over K: a scalar gate gc "
-                         f"[B, T, HV] or a [B, T, HV, K] view of one with stride 0 on K, got strides {tuple(gc.stride())}")
+                         f"[B, T, HV] or a [B, T, HV, K] view of one with stride 0 on K, "
+                         f"got strides {tuple(gc.stride())}")
     if dv is not None:
         if tuple(dv.shape) != (B, T, HV_total, V):
             raise ValueError(f"dv must have shape [B, T, HV, V] = {(B, T, HV_total, V)}, got {tuple(dv.shape)}")
