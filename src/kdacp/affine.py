@@ -3,10 +3,14 @@
 A summary acts on a state as ``S_out = M S_in + S_ext`` (forward; backward the same form with ``M^T``
 and ``G``: ``dS_in = M^T dS_out + G``), and ``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``.
 
-Precision rule (every caller: the reference, the kernels' users, the exchange strategies): the
-products are formed in float64 with autocast off, and the result has the inputs' promoted dtype,
-at least float32. These are ``K x K`` by ``K x V`` products, a few per hop, so float64 costs nothing
-measurable, and no TF32 setting or autocast can round a chain of them.
+Precision rule (every caller: the reference, the kernels' users, the exchange strategies): float32
+operands on a GPU go through one Triton kernel in float32 (3xTF32 products, as the summary kernels';
+:mod:`kdacp.kernels.affine_product`); anything else (a float64 operand, or the CPU) is formed in float64
+with autocast off. The result has the inputs' promoted dtype, at least float32. No TF32 setting or
+autocast can round a chain of them. Why not float64 on the GPU: these products sit on the exchange's
+serial path, once per hop or scan round, and there float64 PyTorch took 86 us (apply) and 139 us
+(compose) on an H200 at 32 heads of 128, against tens of us of link latency; float32 products left
+the virtual-ranks errors unchanged at P = 2..64 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -47,10 +51,26 @@ def _out_dtype(*xs: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _affine(A: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``A x + b`` by the precision rule."""
+def _kernel_path(*xs: torch.Tensor) -> bool:
+    """Float32 GPU operands outside autograd (the kernel has no backward) take the Triton kernel."""
+    return (xs[0].is_cuda and all(x.dtype == torch.float32 for x in xs)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
+
+
+def _affine(A: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``A x + b`` (``b`` may be ``None``: zero) by the precision rule."""
+    operands = (A, x) if b is None else (A, x, b)
+    if _kernel_path(*operands):
+        # imported here: kdacp.kernels imports this module for StateSummary
+        from .kernels.affine_product import affine_product
+        lead = torch.broadcast_shapes(A.shape[:-2], x.shape[:-2], *(() if b is None else (b.shape[:-2],)))
+        return affine_product(A.expand(*lead, *A.shape[-2:]), x.expand(*lead, *x.shape[-2:]),
+                              None if b is None else b.expand(*lead, *b.shape[-2:]))
     with torch.autocast(device_type=A.device.type, enabled=False):
-        return (A.double() @ x.double() + b.double()).to(_out_dtype(A, x, b))
+        out = A.double() @ x.double()
+        if b is not None:
+            out = out + b.double()
+        return out.to(_out_dtype(*operands))
 
 
 def apply_state_summary(S_ext: torch.Tensor, M: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:
@@ -73,7 +93,4 @@ def compose_state_summaries(first, second) -> StateSummary:
     _check_pair("second M", M2, "first M", M1, M2.shape[-1])
     _check_pair("second M", M2, "first S_ext", S1, None)
     _check_pair("second M", M2, "second S_ext", S2, S1.shape[-1])
-    with torch.autocast(device_type=M2.device.type, enabled=False):
-        M2w = M2.double()
-        return StateSummary((M2w @ S1.double() + S2.double()).to(_out_dtype(M2, S1, S2)),
-                            (M2w @ M1.double()).to(_out_dtype(M2, M1)))
+    return StateSummary(_affine(M2, S1, S2), _affine(M2, M1, None))

@@ -33,7 +33,7 @@ class AffineMessage:
     def apply(self, x_in: torch.Tensor | None) -> torch.Tensor:
         if self.transition is None:
             return self.offset
-        # one small product per hop, by the precision rule of kdacp.affine (float64)
+        # one small product per hop, by the precision rule of kdacp.affine
         return apply_state_summary(self.offset, self.transition, x_in)
 
 
@@ -177,7 +177,8 @@ class AllGatherExchange:
 
 @dataclass(frozen=True)
 class _Partial:
-    """A composed summary of consecutive positions of a route, in float64: ``x -> transition @ x + offset``.
+    """A composed summary of consecutive positions of a route, in the exchange's dtype (float32 or
+    wider; products by :mod:`kdacp.affine`'s rule): ``x -> transition @ x + offset``.
 
     ``offset`` ``None``: the empty run (the identity). ``transition`` ``None`` with an offset: the run is
     *closed*, it holds a chain start (a rank whose message does not depend on its input, or one that
@@ -203,17 +204,18 @@ def _compose(later: _Partial, earlier: _Partial) -> _Partial:
     return _Partial(*compose_state_summaries((earlier.offset, earlier.transition), (later.offset, later.transition)))
 
 
-def _element(message: AffineMessage | None, emits: int, shape: tuple[int, ...], device) -> _Partial:
-    """A rank's own map, padded to ``shape``'s ``n`` rows, in float64. A rank that emits nothing
+def _element(message: AffineMessage | None, emits: int, shape: tuple[int, ...], dtype: torch.dtype, device
+             ) -> _Partial:
+    """A rank's own map, padded to ``shape``'s ``n`` rows, in ``dtype``. A rank that emits nothing
     breaks the chain: its map is the constant zero (closed)."""
     def padded(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float64)
+        x = x.to(dtype)
         if x.shape[0] == shape[0]:
             return x
         return torch.cat([x, x.new_zeros(shape[0] - x.shape[0], *x.shape[1:])])
 
     if message is None or not emits:
-        return _Partial(torch.zeros(shape, dtype=torch.float64, device=device))
+        return _Partial(torch.zeros(shape, dtype=dtype, device=device))
     if message.transition is None:
         return _Partial(padded(message.offset))
     return _Partial(padded(message.offset), padded(message.transition))
@@ -229,8 +231,7 @@ def _pack(partial: _Partial, is_open: bool, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _unpack(buffer: torch.Tensor, is_open: bool, V: int) -> _Partial:
-    wide = buffer.to(torch.float64)
-    return _Partial(wide[..., :V], wide[..., V:]) if is_open else _Partial(wide)
+    return _Partial(buffer[..., :V], buffer[..., V:]) if is_open else _Partial(buffer)
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,7 @@ def simulate_scan(messages: list[AffineMessage | None], emits, affine, dtype: to
         return [None] * len(messages)
     shape, V = tuple(first.offset.shape), first.offset.shape[-1]
     shape = (max(emits + (1,)),) + shape[1:]
-    own = [_element(m, e, shape, first.offset.device) for m, e in zip(messages, emits)]
+    own = [_element(m, e, shape, dtype, first.offset.device) for m, e in zip(messages, emits)]
     held = [_Partial() for _ in messages]
     for transfers in schedule.rounds:
         payloads = [_pack(_compose(own[src], held[src]), is_open, dtype) for src, _, is_open in transfers]
@@ -335,7 +336,7 @@ class ScanExchange:
 
     Variant: Kogge-Stone (Hillis-Steele) over the positions of ``Route.order``. In round ``d`` the
     rank at position ``i`` sends its composed map ``I_i = (A, b)`` of positions ``[i - 2**d + 1, i]`` to
-    ``i + 2**d`` and composes what arrives from ``i - 2**d`` into ``E_i <- E_i o I`` (float64:
+    ``i + 2**d`` and composes what arrives from ``i - 2**d`` into ``E_i <- E_i o I`` (
     ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``). After ``ceil(log2 P)`` rounds ``E_i`` is the exclusive
     prefix, applied to nothing (a chain always starts at a rank whose map is constant), so ``E_i``'s
     offset is the incoming value. Any ``P``: transfers past either end are simply absent.
@@ -359,8 +360,8 @@ class ScanExchange:
     ``send`` and round ``d`` after composing the receives of rounds ``< d``. Every dependency points
     from a round to a later one, so no ``P`` can deadlock; all receives are posted in ``begin``.
 
-    Precision: compositions in float64 (as :meth:`AffineMessage.apply`); payloads travel in
-    ``Route.dtype`` (float32 or wider), so a composed transition is rounded to it once per round.
+    Precision: products by :mod:`kdacp.affine`'s rule (as :meth:`AffineMessage.apply`), composed maps
+    held and sent in ``Route.dtype`` (float32 or wider), so each composition is rounded to it once.
     """
 
     def begin(self, route: Route) -> Pending:
@@ -386,7 +387,7 @@ class ScanExchange:
         sends = schedule.sends(position)
         if not sends:  # the last position, or a rank whose map nobody needs (it emits nothing)
             return
-        pending.own = own = _element(message, route.emits[route.rank], route.shape, route.device)
+        pending.own = own = _element(message, route.emits[route.rank], route.shape, route.dtype, route.device)
         constant = schedule.absolute[position]
         payload = None
         for d, dst, is_open in sends:
