@@ -12,6 +12,7 @@ gradients with them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .backends import resolve_backend
 from .distributed import new_cp_group
 from .layers import KDAContextParallel
 from .layers.context_parallel import MODES
-from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch
+from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .workers import RankContext
 
 __all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model",
@@ -220,7 +221,9 @@ def _collective_over_grads(model: nn.Module, collective, **kwargs) -> None:
 def _reference_step(model: nn.Module, ids: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The unmodified model's logits ``[1, T, vocab]`` (float32) and global token-mean loss, one
     document at a time; leaves the parameters' gradients."""
-    logits = [model(input_ids=ids[:, s:e], use_cache=False).logits.float() for s, e in zip(cu[:-1], cu[1:])]
+    # On CPU transformers' PyTorch code: where FLA imports, transformers calls its GPU-only kernels on any device.
+    with torch_fallbacks() if ids.device.type == "cpu" else contextlib.nullcontext():
+        logits = [model(input_ids=ids[:, s:e], use_cache=False).logits.float() for s, e in zip(cu[:-1], cu[1:])]
     total = sum(F.cross_entropy(lg[0, :-1], ids[0, s + 1:e], reduction="sum") for lg, s, e in zip(logits, cu, cu[1:]))
     loss = total / (cu[-1] - len(cu) + 1)
     loss.backward()

@@ -7,7 +7,7 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
   orchestration (:func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward``) runs one
   role of a 3-rank plan against a probe exchange that stamps the time (after a device sync) where
   the message is posted, where the rank blocks and where the incoming value is handed back;
-- one device's forward and backward on the same tokens (a 1-rank plan), one float64 ``M x + S``,
+- one device's forward and backward on the same tokens (a 1-rank plan), one ``M x + S`` (:mod:`kdacp.affine`'s rule),
   one composition of open maps, the all-gather's stack per byte; with the ``fla`` backend FLA
   0.6.0's own summary kernels (``chunk_cp_fwd_h`` / ``chunk_cp_bwd_dh``), its ``chunk_kda`` forward
   and backward, and one step of its merge (a float32 ``M x + S``); with ``torch`` kdacp's summary
@@ -176,7 +176,7 @@ def _time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: to
 
 
 def _op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: torch.device, iters: int) -> dict:
-    """One float64 ``M x + S`` (rounded to the wire dtype), one composition of open maps, the stack per byte."""
+    """One ``M x + S`` by :mod:`kdacp.affine`'s rule (rounded to the wire dtype), one composition of open maps, the stack per byte."""
     wire = torch.finfo(state_dtype).bits // 8
     msg = AffineMessage(torch.randn(n, HV, K, V, device=device, dtype=state_dtype),
                         torch.randn(n, HV, K, K, device=device, dtype=state_dtype))

@@ -6,11 +6,13 @@ intermediates of an unsplit-equivalent pass in the compute dtype) and rounded to
 (float32), as ranks send it. Then every segment's incoming state is formed in each strategy's order
 of operations, with its rounding:
 
-- ``p2p``: hop by hop, ``x_{r+1} = M_r x_r + S_r`` in float64, rounded to float32 at every hop (the
-  message);
-- ``allgather``: each rank folds the whole chain before it in float64 from the float32 summaries;
+- ``p2p``: hop by hop, ``x_{r+1} = M_r x_r + S_r``, rounded to float32 at every hop (the message);
+- ``allgather``: each rank folds the whole chain before it from the float32 summaries;
 - ``scan``: the recursive-doubling rounds of :class:`~kdacp.distributed.strategies.ScanExchange`,
   payloads rounded to float32 every round (:func:`~kdacp.distributed.strategies.simulate_scan`).
+
+Every product follows :mod:`kdacp.affine`'s rule, as the strategies run it: float64 on the CPU, the
+float32 kernel on a GPU.
 
 Errors are against the incoming states of an unsplit float64 pass (``rel``: largest over segments of
 ``||x - x_ref|| / ||x_ref||``), and for the outputs: each segment's output from its incoming state

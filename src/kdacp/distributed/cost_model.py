@@ -18,7 +18,7 @@ rank P-1) and direction, as the orchestration (:mod:`.orchestration`) runs them:
 work before the message is posted: forward ``prepare`` and the summary ``(S_ext, M)`` or the state
 pass; backward the local backward and ``G`` or the gradient state pass), ``between`` (work after
 posting that needs no incoming value) and ``after`` (work on the incoming value). ``apply``: one
-``M x + S`` in float64; ``compose``: one ``(A2 A1, A2 b1 + b2)``; ``stack``: copying the gathered
+``M x + S`` (:mod:`kdacp.affine`'s rule); ``compose``: one ``(A2 A1, A2 b1 + b2)``; ``stack``: copying the gathered
 summaries. The programs (``[...]``: only where it applies):
 
 ``p2p`` (wavefront)::
@@ -120,7 +120,7 @@ class StageTimes:
 
     ``forward``/``backward``: role (``first``, ``through``, ``last``) -> :class:`RoleStages`;
     ``one_device``: ``(forward, backward)`` of the same tokens unsplit on one device; ``apply_s``,
-    ``compose_s``: one float64 ``M x + S`` and one composition of open maps; ``copy_s_per_byte``: the
+    ``compose_s``: one ``M x + S`` and one composition of open maps; ``copy_s_per_byte``: the
     all-gather's stack; ``state_bytes``: one message ``n * HV * K * V`` on the wire and
     ``summary_bytes`` one with its transition ``n * HV * K * (K + V)``; ``fla_summary``: FLA's summary
     kernel ``(forward, backward)``, ``fla_one_device`` its unsplit op, ``fla_fold_s`` one step of its

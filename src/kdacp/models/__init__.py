@@ -5,7 +5,7 @@
 need only ``torch.distributed``.
 """
 from .batch import ShardedBatch, global_token_mean_loss, shard_batch
-from .kimi_linear import document_causal_mask, load_kimi_linear, parallelize
+from .kimi_linear import document_causal_mask, load_kimi_linear, parallelize, torch_fallbacks
 
 __all__ = ["ShardedBatch", "document_causal_mask", "global_token_mean_loss", "load_kimi_linear", "parallelize",
-           "shard_batch"]
+           "shard_batch", "torch_fallbacks"]

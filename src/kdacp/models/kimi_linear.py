@@ -42,8 +42,10 @@ generation), padding masks, returned attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 
 import torch
 import torch.nn as nn
@@ -54,7 +56,7 @@ from ..layers.context_parallel import KDAContextParallel
 from ..layers.norm import RMSNormGated
 from ..layers.short_conv import causal_conv1d, sequence_positions
 
-__all__ = ["ATTENTION_NAME", "load_kimi_linear", "parallelize"]
+__all__ = ["ATTENTION_NAME", "load_kimi_linear", "parallelize", "torch_fallbacks"]
 
 ATTENTION_NAME = "kdacp_ulysses"
 _INNER = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -79,6 +81,31 @@ def load_kimi_linear():
         raise ImportError("kdacp.parallelize needs Hugging Face transformers with Kimi Linear: "
                           "pip install 'kdacp[models]'") from e
     return kl
+
+
+# transformers' functions that bind a kernel package (FLA; causal-conv1d) where it imports, at import time.
+_KERNEL_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                     "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def torch_fallbacks():
+    """Inside the block, transformers' unmodified Kimi Linear models run its own PyTorch code.
+
+    transformers binds FLA's Triton kernels for KDA when it imports its Kimi Linear code, wherever FLA
+    imports, and calls them whatever the tensors' device: on a machine without a GPU they fail in Triton
+    ("0 active drivers"). The block swaps those module functions for the PyTorch code they wrap, and
+    restores them on exit. That code ignores packed-sequence boundaries: one sequence per row.
+    """
+    kl = load_kimi_linear()
+    saved = {name: getattr(kl, name) for name in _KERNEL_FUNCTIONS if hasattr(kl, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(kl, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(kl, name, fn)
 
 
 def _global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
