@@ -4,18 +4,22 @@ Per message row and head, apply is ``M x + S`` (``[K, K] @ [K, V]``), apply_T ``
 ``(M2 M1, M2 S1 + S2)``. Contenders, timed round-robin with CUDA events in one run:
 ``float64`` (casts, a batched DGEMM, an add, a cast back: kdacp.affine before 1c981a8),
 ``cublas_fp32`` (one ``torch.baddbmm`` in IEEE float32, TF32 off), ``kdacp`` (kdacp.affine now).
-Errors are against float64 products of the same float32 operands.
+Each is timed two ways, contenders in turn, median of 5 rounds: ``dev`` (device time per call, queued
+behind a sleep kernel so the host runs ahead, as it does when a rank reaches the exchange with its
+local kernels still running: :func:`kdacp.bench.timing.queued_device_time`) and ``host`` (the
+Python call's own time while queued). Errors are against float64 products of the same operands.
 
     python benchmarks/affine_products.py [--rows 1 4] [--heads 32] [--head-dim 128]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
 from kdacp import affine
-from kdacp.bench.timing import time_round_robin
+from kdacp.bench.timing import queued_device_time
 
 
 def _rel(a, b):
@@ -34,7 +38,8 @@ def main():
     dev = torch.device("cuda")
     HV, K = args.heads, args.head_dim
     V = K
-    print(f"{'op':8} {'n':>3} {'float64 us':>11} {'cublas_fp32 us':>15} {'kdacp us':>9} {'kdacp err':>10} {'fp32 err':>9}")
+    names = ("float64", "cublas_fp32", "kdacp")
+    print(f"{'op':8} {'n':>3} " + " ".join(f"{n + ' dev/host us':>24}" for n in names) + f" {'kdacp err':>10} {'fp32 err':>9}")
     for n in args.rows:
         g = torch.Generator(device="cuda").manual_seed(n)
         M1, M2 = (torch.randn(n, HV, K, K, device=dev, generator=g) / K ** 0.5 for _ in range(2))
@@ -60,9 +65,15 @@ def main():
         }
         for op, (generic, ours, expect) in cases.items():
             fns = {"float64": lambda: generic(f64), "cublas_fp32": lambda: generic(fp32), "kdacp": ours}
-            ms = time_round_robin(fns, warmup=20, rounds=10, iters=50, group=None, device=dev)
-            print(f"{op:8} {n:>3} {ms['float64'] * 1e3:>11.1f} {ms['cublas_fp32'] * 1e3:>15.1f} {ms['kdacp'] * 1e3:>9.1f} "
-                  f"{_rel(ours(), expect):>10.2e} {_rel(generic(fp32), expect):>9.2e}")
+            runs = {name: [] for name in fns}
+            for _ in range(5):
+                for name, fn in fns.items():
+                    runs[name].append(queued_device_time(fn, iters=100))
+            cells = []
+            for name in names:
+                d, h = (statistics.median(r[i] for r in runs[name]) * 1e6 for i in (0, 1))
+                cells.append(f"{d:>11.1f} / {h:>10.1f}")
+            print(f"{op:8} {n:>3} " + " ".join(cells) + f" {_rel(ours(), expect):>10.2e} {_rel(generic(fp32), expect):>9.2e}")
 
 
 if __name__ == "__main__":

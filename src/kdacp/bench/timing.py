@@ -8,7 +8,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-__all__ = ["time_round_robin", "timed_columns", "peak_gb"]
+__all__ = ["time_round_robin", "timed_columns", "peak_gb", "queued_device_time"]
 
 
 def _sync(device: torch.device) -> None:
@@ -51,6 +51,35 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
     slowest = torch.tensor(list(ms.values()), dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(fns, slowest.tolist()))
+
+
+def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, float]:
+    """``(device seconds, host seconds)`` per call of ``fn`` on the current CUDA device, as it costs
+    when the host runs ahead of a busy device: the calls are queued behind a sleep kernel, so the
+    events around them time only the device's execution (and the gaps between its kernels), and the
+    host's enqueue time is taken apart. Raises ``RuntimeError`` if the sleep ended before the host had
+    queued every call (the figure would then include host time)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # ~2 GHz: cover four times the host's estimated enqueue time of all calls
+    torch.cuda._sleep(int(min(4 * iters * one, 2.0) * 2e9))
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) / iters
+    ahead = not start.query()
+    end.record()
+    torch.cuda.synchronize()
+    if not ahead:
+        raise RuntimeError("queued_device_time: the device caught up with the host; the figure would include host time")
+    return start.elapsed_time(end) / 1e3 / iters, host
 
 
 def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,
