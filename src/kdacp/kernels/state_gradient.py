@@ -19,7 +19,7 @@ from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
 from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left
-from .tiles import (decay_tile, gate_keys, gate_queries, initial_tile, load_last_gate, load_row_gates,
+from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates,
                     locate_program, store_tile)
 
 __all__ = ["state_gradient_summary"]
@@ -35,7 +35,8 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk,
                n_chunks, n_run, o_k, o_c, m_v, BT: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
                VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
     """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile
-    (``RAW_KEYS``: ``p_q``, ``p_k`` hold raw queries and keys, gated here)."""
+    (``RAW_KEYS``: ``p_q``, ``p_k`` hold raw queries and keys; their gates scale the float32 operand
+    they meet, ``dS`` products or ``do``, so no gated value is rounded to the input dtype)."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
     g_next = load_last_gate(p_g, s_gt, s_gk, start, end, n_chunks - 1, o_k, n_run > 0, BT, SCALAR_GATE)
@@ -51,31 +52,39 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk,
         if VF:  # st is dS^T [BV, K]
             m_tv = m_v[:, None] & m_t[None, :]
             b_kt = tl.load(p_k + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
-            if RAW_KEYS:
-                b_kt = gate_keys(b_kt, g_last, g_rows, SCALAR_GATE, True)
             b_dv = tl.load(p_dv + rows[None, :] * s_vt + o_c[:, None], mask=m_tv, other=0.0).to(tl.float32)
             # dv'^T = dS^T kg^T + dv^T, from the state before this chunk's update
-            b_dvp = b_dv + dot_state_left(st, b_kt, SPLIT_BF16, NSPLIT)
+            b_kds = dot_state_left(st, b_kt, SPLIT_BF16, NSPLIT)
+            if RAW_KEYS:  # dS^T kg^T = (dS^T k^T) Diag(e)
+                b_kds = b_kds * key_gate_rows(g_last, g_rows, SCALAR_GATE)[None, :]
+            b_dvp = b_dv + b_kds
             b_do = tl.load(p_do + rows[None, :] * s_ot + o_c[:, None], mask=m_tv, other=0.0)
             b_q = tl.load(p_q + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)
-            if RAW_KEYS:
-                b_q = gate_queries(b_q, g_rows, False)
-            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_do, b_q, SPLIT_BF16)
+            if RAW_KEYS:  # do^T qg = (do^T Diag(exp2(gc))) q
+                b_dog = b_do.to(tl.float32) * tl.exp2(g_rows)[None, :]
+                b_dsq = dot_state_left(b_dog, b_q, SPLIT_BF16, NSPLIT)
+            else:
+                b_dsq = dot_inputs(b_do, b_q, SPLIT_BF16)
+            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * b_dsq
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             st = acc - dot_state_left(b_dvp, b_w, SPLIT_BF16, NSPLIT)
         else:  # st is dS [K, BV]
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
-            if RAW_KEYS:
-                b_k = gate_keys(b_k, g_last, g_rows, SCALAR_GATE, False)
             b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
             # dv' = kg dS + dv, from the state before this chunk's update
-            b_dvp = b_dv + dot_state(b_k, st, SPLIT_BF16, NSPLIT)
+            b_kds = dot_state(b_k, st, SPLIT_BF16, NSPLIT)
+            if RAW_KEYS:  # kg dS = Diag(e) (k dS)
+                b_kds = b_kds * key_gate_rows(g_last, g_rows, SCALAR_GATE)[:, None]
+            b_dvp = b_dv + b_kds
             b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
-            if RAW_KEYS:
-                b_qt = gate_queries(b_qt, g_rows, True)
             b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
-            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
+            if RAW_KEYS:  # qg^T do = q^T (Diag(exp2(gc)) do)
+                b_dog = b_do.to(tl.float32) * tl.exp2(g_rows)[:, None]
+                b_dsq = dot_state(b_qt, b_dog, SPLIT_BF16, NSPLIT)
+            else:
+                b_dsq = dot_inputs(b_qt, b_do, SPLIT_BF16)
+            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * b_dsq
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
             st = acc - dot_state(b_wt, b_dvp, SPLIT_BF16, NSPLIT)
     return st
@@ -124,8 +133,10 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
             with ``w_head_first``; ``do`` ``[B, T, HV, V]`` in the dtype of ``qg, kg, w``;
             ``dv`` ``[B, T, HV, V]`` (bf16, fp16 or fp32; only read): the gradient reaching ``v_new``
             from each chunk's own outputs. ``scale``: the output scale.
-        raw_keys: ``qg, kg`` are the raw ``q, k [B, T, H, K]``, gated inside the kernel (``qg = q
-            exp2(gc)``); the conditions of :func:`.state_summary.state_summary`'s ``raw_keys`` apply.
+        raw_keys: ``qg, kg`` are the raw ``q, k [B, T, H, K]``; the kernel applies their gates to the
+            float32 operand each meets (``kg dS = Diag(e) (k dS)``, ``qg^T do = q^T (Diag(exp2(gc)) do)``),
+            so no gated value is rounded; the conditions of :func:`.state_summary.state_summary`'s
+            ``raw_keys`` apply.
         Other arguments as :func:`.state_summary.state_summary`.
 
     Raises:

@@ -20,7 +20,7 @@ from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
 from .precision import chunk_decay, dot_state, dot_state_left
-from .tiles import decay_tile, gate_keys, initial_tile, load_last_gate, load_row_gates, locate_program, store_tile
+from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile
 
 __all__ = ["state_summary", "transition"]
 
@@ -34,7 +34,7 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
           BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
           NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile (``RAW_KEYS``:
-    ``p_kg`` holds raw keys, gated here)."""
+    ``p_kg`` holds raw keys, whose gate is applied to ``v_new``)."""
     o_t = tl.arange(0, BT)
     # each chunk's gate row is loaded one step ahead: its latency then hides behind the previous step
     g_next = load_last_gate(p_g, s_gt, s_gk, start, end, 0, o_k, n_chunks > 0, BT, SCALAR_GATE)
@@ -51,26 +51,26 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
         if VF:  # st is S^T [BV, K]: v_new^T = u^T - S^T w^T;  S^T <- S^T Diag(decay) + v_new^T kg
             b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_kg = tl.load(p_kg + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
-            if RAW_KEYS:
-                b_kg = gate_keys(b_kg, g_last, g_rows, SCALAR_GATE, False)
             if HAS_S:
                 b_u = tl.load(p_u + rows[None, :] * s_ut + o_c[:, None], mask=m_t[None, :] & m_u[:, None],
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BV, BT], dtype=tl.float32)
             b_v = b_u - dot_state_left(st, b_wt, SPLIT_BF16, NSPLIT)
+            if RAW_KEYS:  # v_new^T kg = (v_new^T Diag(e)) k
+                b_v = b_v * key_gate_rows(g_last, g_rows, SCALAR_GATE)[None, :]
             st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state_left(b_v, b_kg, SPLIT_BF16, NSPLIT)
         else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
-            if RAW_KEYS:
-                b_kt = gate_keys(b_kt, g_last, g_rows, SCALAR_GATE, True)
             if HAS_S:
                 b_u = tl.load(p_u + rows[:, None] * s_ut + o_c[None, :], mask=m_t[:, None] & m_u[None, :],
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BT, BV], dtype=tl.float32)
             b_v = b_u - dot_state(b_w, st, SPLIT_BF16, NSPLIT)
+            if RAW_KEYS:  # kg^T v_new = k^T (Diag(e) v_new)
+                b_v = b_v * key_gate_rows(g_last, g_rows, SCALAR_GATE)[:, None]
             st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state(b_kt, b_v, SPLIT_BF16, NSPLIT)
     return st
 
@@ -125,9 +125,10 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
     Args:
         kg: ``[B, T, HV, K]``: gated keys ``k exp2(gc_last - gc)``. With ``raw_keys``: the keys ``k``
             themselves, ``[B, T, H, K]`` with ``H`` dividing ``HV`` (value head ``i`` reads key head
-            ``i // (HV // H)``, as in grouped value heads), gated inside the kernel in float32 and
-            rounded to their dtype; the gate must then be constant over ``K`` (GDN's: a scalar ``gc``
-            or its zero-stride view). This saves forming ``kg`` at ``HV`` heads beforehand.
+            ``i // (HV // H)``, as in grouped value heads); the gate must then be constant over ``K``
+            (GDN's: a scalar ``gc`` or its zero-stride view), and the kernel applies it to ``v_new`` in
+            float32 (``kg^T v_new = k^T (Diag(exp2(gc_last - gc)) v_new)``), as FLA's GDN kernels do: no
+            gated key is formed at ``HV`` heads or rounded to the input dtype.
         gc: the within-chunk cumulative log2 gate (restarting every chunk; a partial chunk's ``gc_last``
             is its last valid token; only ``gc_last`` is read), bf16, fp16 or fp32: ``[B, T, HV, K]`` per
             channel (KDA), or ``[B, T, HV]``, one value per token and head (GDN's scalar gate, FLA's

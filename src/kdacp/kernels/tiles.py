@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile", "load_row_gates",
-           "gate_keys", "gate_queries"]
+           "key_gate_rows"]
 
 
 @triton.jit
@@ -80,24 +80,13 @@ def load_row_gates(p_g, s_gt, rows, m_t):
 
 
 @triton.jit
-def gate_keys(tile, g_last, g_rows, SCALAR_GATE: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """Raw keys gated in float32 and rounded back to their dtype: ``k exp2(gc_last - gc)`` for a gate
-    constant over ``K``. ``tile`` is ``[K, BT]`` with ``KEYS_FIRST``, else ``[BT, K]``; ``g_last`` one
-    value with ``SCALAR_GATE``, else ``[K]`` (all equal); ``g_rows [BT]``."""
+def key_gate_rows(g_last, g_rows, SCALAR_GATE: tl.constexpr):
+    """``exp2(gc_last - gc)`` per row (float32 ``[BT]``) for a gate constant over ``K``: the factor of
+    ``kg = k exp2(gc_last - gc)``. With raw keys the callers scale the *other* operand of each product
+    by it, in float32 (``kg^T v = k^T (Diag(e) v)``, ``kg S = Diag(e) (k S)``), so gated keys are never
+    rounded to the input dtype. ``g_last`` one value with ``SCALAR_GATE``, else ``[K]`` (all equal)."""
     if SCALAR_GATE:
-        sc = tl.exp2(g_last.to(tl.float32) - g_rows)
-        sc = sc[None, :] if KEYS_FIRST else sc[:, None]
-    elif KEYS_FIRST:
-        sc = tl.exp2(g_last.to(tl.float32)[:, None] - g_rows[None, :])
+        gl = g_last.to(tl.float32)
     else:
-        sc = tl.exp2(g_last.to(tl.float32)[None, :] - g_rows[:, None])
-    return (tile.to(tl.float32) * sc).to(tile.dtype)
-
-
-@triton.jit
-def gate_queries(tile, g_rows, KEYS_FIRST: tl.constexpr):
-    """Raw queries gated in float32 and rounded back to their dtype: ``q exp2(gc)``; ``tile`` as in
-    :func:`gate_keys`."""
-    sc = tl.exp2(g_rows)
-    sc = sc[None, :] if KEYS_FIRST else sc[:, None]
-    return (tile.to(tl.float32) * sc).to(tile.dtype)
+        gl = tl.max(g_last.to(tl.float32), axis=0)
+    return tl.exp2(gl - g_rows)
