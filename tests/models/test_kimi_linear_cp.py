@@ -60,12 +60,14 @@ def _tokens():
 
 def _reference() -> dict:
     """The unmodified model, one document at a time: global token-mean loss and parameter gradients."""
+    from kdacp.models import torch_fallbacks
     model, ids = _model(), _tokens()
     total = sum(e - s - 1 for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]))
     loss = 0.0
-    for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]):
-        logits = model(input_ids=ids[:, s:e]).logits[0]
-        loss = loss + F.cross_entropy(logits[:-1], ids[0, s + 1:e], reduction="sum")
+    with torch_fallbacks():  # where FLA imports, transformers would call its GPU-only kernels on these CPU tensors
+        for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]):
+            logits = model(input_ids=ids[:, s:e]).logits[0]
+            loss = loss + F.cross_entropy(logits[:-1], ids[0, s + 1:e], reduction="sum")
     loss = loss / total
     loss.backward()
     return dict(loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
@@ -159,7 +161,8 @@ def _check_contract(rank, world_size):
     parallel = kdacp.parallelize(KimiLinearForCausalLM(shared), cp)
     assert shared._attn_implementation == "sdpa" and twin.config is shared
     assert parallel.config is not shared and parallel.config._attn_implementation == "kdacp_ulysses"
-    twin(input_ids=_tokens()[:, :16], use_cache=False)  # not routed to the Ulysses function
+    with kdacp.models.torch_fallbacks():  # the unmodified model on CPU (see _reference)
+        twin(input_ids=_tokens()[:, :16], use_cache=False)  # not routed to the Ulysses function
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
         kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=3), cp)
     with pytest.raises(ValueError, match="num_heads % 2 == 0"):
