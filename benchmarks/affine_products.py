@@ -3,7 +3,7 @@
 Per message row and head, apply is ``M x + S`` (``[K, K] @ [K, V]``), apply_T ``M^T x + G``, compose
 ``(M2 M1, M2 S1 + S2)``. Contenders, timed round-robin with CUDA events in one run:
 ``float64`` (casts, a batched DGEMM, an add, a cast back: kdacp.affine before 1c981a8),
-``cublas_fp32`` (one ``torch.baddbmm`` in IEEE float32, TF32 off), ``kdacp`` (kdacp.affine now).
+``float64_fused`` (the same in one ``torch.baddbmm``), ``cublas_fp32`` (one ``torch.baddbmm`` in IEEE float32, TF32 off), ``kdacp`` (kdacp.affine now).
 Each is timed two ways, contenders in turn, median of 5 rounds: ``dev`` (device time per call, queued
 behind a sleep kernel so the host runs ahead, as it does when a rank reaches the exchange with its
 local kernels still running: :func:`kdacp.bench.timing.queued_device_time`) and ``host`` (the
@@ -38,7 +38,7 @@ def main():
     dev = torch.device("cuda")
     HV, K = args.heads, args.head_dim
     V = K
-    names = ("float64", "cublas_fp32", "kdacp")
+    names = ("float64", "float64_fused", "cublas_fp32", "kdacp")
     print(f"{'op':8} {'n':>3} " + " ".join(f"{n + ' dev/host us':>24}" for n in names) + f" {'kdacp err':>10} {'fp32 err':>9}")
     for n in args.rows:
         g = torch.Generator(device="cuda").manual_seed(n)
@@ -49,6 +49,11 @@ def main():
         def f64(A, X, B=None):
             out = A.double() @ X.double()
             return (out if B is None else out + B.double()).float()
+
+        def f64_fused(A, X, B=None):
+            a, xx = A.double().reshape(-1, K, K), X.double().reshape(-1, K, X.shape[-1])
+            out = torch.bmm(a, xx) if B is None else torch.baddbmm(B.double().reshape(-1, K, X.shape[-1]), a, xx)
+            return out.view(*X.shape).float()
 
         def fp32(A, X, B=None):
             a, xx = A.reshape(-1, K, K), X.reshape(-1, K, X.shape[-1])
@@ -64,11 +69,12 @@ def main():
                         torch.cat([M2.double() @ S1.double() + S2.double(), M2.double() @ M1.double()], -1)),
         }
         for op, (generic, ours, expect) in cases.items():
-            fns = {"float64": lambda: generic(f64), "cublas_fp32": lambda: generic(fp32), "kdacp": ours}
+            fns = {"float64": lambda: generic(f64), "float64_fused": lambda: generic(f64_fused),
+                   "cublas_fp32": lambda: generic(fp32), "kdacp": ours}
             runs = {name: [] for name in fns}
             for _ in range(5):
                 for name, fn in fns.items():
-                    runs[name].append(queued_device_time(fn, iters=100))
+                    runs[name].append(queued_device_time(fn, iters=40))
             cells = []
             for name in names:
                 d, h = (statistics.median(r[i] for r in runs[name]) * 1e6 for i in (0, 1))

@@ -24,6 +24,7 @@ from kdacp.models import parallelize
 
 
 def main(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
     dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:29517")
     cfg = demo_config(1, device="cuda", dtype="bfloat16")
     start = time.perf_counter()

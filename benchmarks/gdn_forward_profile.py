@@ -431,7 +431,8 @@ def annotation_self_ms(prof, name: str, calls: int) -> float:
 def host_op_table(prof, calls: int, rows: int = 25) -> str:
     text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)
     return f"(totals over {calls} calls; with_stack=False, so Python frames are not split out: the " \
-           f"{CALL_PREFIX}<name> row's self time is Python outside every recorded op)\n{text}"
+           f"{CALL_PREFIX}<name> row's self time is Python outside every recorded op, an autograd Function " \
+           f"row's (ChunkKDAFunction, ChunkGatedDeltaRuleFunction) Python inside its forward)\n{text}"
 
 
 def run_cprofile(torch, fn, calls: int, kdacp_dir: str, dump: Path) -> str:
@@ -630,14 +631,24 @@ def run_case_mode(torch, fla, case: str, mode: str, args, report: Report, kdacp_
     return row
 
 
-SUMMARY_COLUMNS = [
-    "case", "mode", "kdacp_backend", "bitwise_equal",
-    "fla_isolated_ms", "kdacp_isolated_ms", "ratio_isolated_ms",
-    "fla_queued_ms", "kdacp_queued_ms", "ratio_queued_ms",
-    "fla_device_only_ms", "kdacp_device_only_ms", "ratio_device_only_ms",
-    "fla_host_busy_ms", "kdacp_host_busy_ms", "kdacp_blocked",
-    "fla_kernels", "kdacp_kernels", "extra_kdacp_ops", "fla_syncs", "kdacp_syncs", "kdacp_dtoh",
+# (label, row key): the two summary tables, times and per-call counts
+SUMMARY_TIMES = [
+    ("case", "case"), ("mode", "mode"), ("kdacp backend", "kdacp_backend"), ("equal", "bitwise_equal"),
+    ("iso fla", "fla_isolated_ms"), ("iso kdacp", "kdacp_isolated_ms"), ("iso x", "ratio_isolated_ms"),
+    ("queued fla", "fla_queued_ms"), ("queued kdacp", "kdacp_queued_ms"), ("queued x", "ratio_queued_ms"),
+    ("dev-only fla", "fla_device_only_ms"), ("dev-only kdacp", "kdacp_device_only_ms"),
+    ("host fla", "fla_host_busy_ms"), ("host kdacp", "kdacp_host_busy_ms"), ("kdacp blocked", "kdacp_blocked"),
 ]
+SUMMARY_COUNTS = [
+    ("case", "case"), ("mode", "mode"), ("kernels fla", "fla_kernels"), ("kernels kdacp", "kdacp_kernels"),
+    ("extra kdacp ops", "extra_kdacp_ops"), ("launches fla", "fla_launches"), ("launches kdacp", "kdacp_launches"),
+    ("syncs fla", "fla_syncs"), ("syncs kdacp", "kdacp_syncs"), ("DtoH kdacp", "kdacp_dtoh"),
+    ("1st launch fla ms", "fla_first_launch_ms"), ("1st launch kdacp ms", "kdacp_first_launch_ms"),
+]
+
+
+def labelled(rows: list[dict], spec) -> str:
+    return table([{label: r.get(key, "") for label, key in spec} for r in rows], [label for label, _ in spec])
 
 
 def main(argv=None) -> int:
@@ -675,11 +686,13 @@ def main(argv=None) -> int:
                 (args.out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
         report(f"\nwritten: {args.out / 'report.txt'}, {args.out / 'summary.json'}, Chrome traces "
                f"(trace_*.json) and cProfile dumps (cprofile_*.pstats) in {args.out}")
-        report("\n" + "=" * 110 + "\nSUMMARY (ms per call, medians; ratio = kdacp / fla; isolated: one call on an idle "
-               "GPU; queued: back to back (the gdn suite's timing); device_only: the call's GPU work alone; host_busy: "
-               "the Python call alone; blocked: samples where kdacp waited for the GPU; kernels/syncs/dtoh per call "
-               "from torch.profiler)\n" + "=" * 110)
-        report(table(rows, SUMMARY_COLUMNS))
+        report("\n" + "=" * 110 + "\nSUMMARY, ms per call (medians; x = kdacp / fla). iso: one call, GPU idle before "
+               "it; queued: calls back to back (the gdn suite's timing); dev-only: the call's own GPU work, no host "
+               "gaps; host: the Python call alone, GPU kept busy; kdacp blocked: samples where the kdacp call waited "
+               "for the GPU\n" + "=" * 110)
+        report(labelled(rows, SUMMARY_TIMES))
+        report("\nper call, from torch.profiler (GPU ops, launches, API syncs, DtoH copies; host time to the first launch):")
+        report(labelled(rows, SUMMARY_COUNTS))
     finally:
         report.close()
     return 0

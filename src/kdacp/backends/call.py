@@ -48,7 +48,7 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate))
     gdn = scalar_gate is not None and backend_name == "fla" and (
-        fla_gated_gdn_backward_supported() or not _wants_gradient(q, k, v, g, beta, A_log, dt_bias))
+        not _wants_gradient(q, k, v, g, beta, A_log, dt_bias) or fla_gated_gdn_backward_supported())
     if gdn:
         g, dt_bias = scalar_gate
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]

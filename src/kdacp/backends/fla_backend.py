@@ -10,6 +10,7 @@ reused when the caller keeps them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,30 +90,36 @@ class FlaChunks:
     kg: torch.Tensor
 
 
+@functools.lru_cache(maxsize=16)
+def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> dict:
+    """FLA's ``cu_seqlens`` and ``chunk_indices`` (sequence, chunk within it) on ``device`` for the
+    boundaries ``cu``, shared by every call on the same batch (callers must not modify them).
+
+    Built on the host and moved from pinned memory without a device sync (a copy from pageable memory
+    makes the host wait for the whole queue, and the GPU then idles). Kept across calls, for the 16
+    newest batches: a backend is built per call, and rebuilding these cost two pinned allocations and
+    copies per call, and missed FLA's own caches keyed by the ``cu_seqlens`` tensor (five more small
+    kernels per call in its state pass)."""
+    indices = [(n, i) for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])) for i in range(-(-(eos - bos) // chunk_size))]
+    host = {name: torch.tensor(value, dtype=torch.int64) for name, value in (("cu_seqlens", cu),
+                                                                             ("chunk_indices", indices))}
+    # pinned only for a device copy (the interpreter's CPU tensors have no pinned memory)
+    return {name: t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+            for name, t in host.items()}
+
+
 class FlaBackend:
     name = "fla"
 
     def __init__(self, options: KDAOptions):
         self.options = options
         self.fla = load_fla()
-        self._varlens: dict = {}
 
     def _varlen(self, span: Span, device) -> dict:
-        """FLA's packed-sequence arguments for ``span`` (none for a single segment), built once per span
-        of this call on the host and moved from pinned memory without a device sync (a copy from
-        pageable memory makes the host wait for the whole queue, and the GPU then idles)."""
+        """FLA's packed-sequence arguments for ``span`` (none for a single segment): see :func:`_fla_varlen`."""
         if span.num_segments == 1:
             return dict(cu_seqlens=None, chunk_indices=None)
-        if span not in self._varlens:
-            cu, BT = span.cu_seqlens, self.options.chunk_size
-            # FLA's chunk_indices: (sequence, chunk within it) for every chunk, in order
-            indices = [(n, i) for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])) for i in range(-(-(eos - bos) // BT))]
-            host = {name: torch.tensor(value, dtype=torch.int64) for name, value in (("cu_seqlens", cu),
-                                                                                     ("chunk_indices", indices))}
-            # pinned only for a device copy (the interpreter's CPU tensors have no pinned memory)
-            self._varlens[span] = {name: t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-                                   for name, t in host.items()}
-        return self._varlens[span]
+        return _fla_varlen(span.cu_seqlens, self.options.chunk_size, device)
 
     def _gate_cumsum(self, g, A_log, dt_bias, varlen: dict) -> torch.Tensor:
         """``gc [1, T, HV, K]`` float32: chunk-local cumulative gate in log2 units."""

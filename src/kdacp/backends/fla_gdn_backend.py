@@ -12,7 +12,8 @@ gate and L2-norm backward. Saved for backward as FLA's ``chunk_gated_delta_rule`
 
 The summaries ``S_ext``, ``M`` and ``G`` are defined on KDA's per-channel intermediates
 (:mod:`kdacp.reference.summary`): ``qg = q exp2(gc)``, ``kg = k exp2(gc_last - gc)`` per value head. The
-summary kernels form them from the raw ``q, k`` at their ``H`` heads (``raw_keys=True``), so nothing
+summary kernels read the raw ``q, k`` at their ``H`` heads and the scalar ``gc [1, T, HV]`` (``raw_keys=True``
+with the scalar-gate variant, the faster of the two gate forms there: benchmarks/RESULTS.md), so nothing
 is materialised at ``HV`` heads.
 """
 from __future__ import annotations
@@ -24,15 +25,8 @@ import torch
 from .base import KDAInputs, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend, FlaBackwardStates
 from ..kernels import state_gradient_summary, state_summary
-from ..reference.gdn import scalar_gate_as_kda
 
 __all__ = ["FlaGDNBackend"]
-
-
-def _summary_gate(gc: torch.Tensor, K: int) -> torch.Tensor:
-    """The scalar gate as the summary kernels take it: the broadcast ``[1, T, HV, K]`` view (stride 0
-    on ``K``; on an H200 7-10% faster than the scalar-gate variant, benchmarks/RESULTS.md)."""
-    return scalar_gate_as_kda(gc, K)[0]
 
 
 @dataclass
@@ -114,8 +108,8 @@ class FlaGDNBackend(FlaBackend):
 
     def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool):
         cut, x = slice(span.start, span.end), chunks.saved
-        gate = _summary_gate(x.gc[:, cut], x.k.shape[-1])
-        return state_summary(x.k[:, cut], chunks.w[:, cut], chunks.u[:, cut], gate, chunk_size=self.options.chunk_size,
+        return state_summary(x.k[:, cut], chunks.w[:, cut], chunks.u[:, cut], x.gc[:, cut],
+                             chunk_size=self.options.chunk_size,
                              output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host(),
                              raw_keys=True)
 
@@ -154,7 +148,7 @@ class FlaGDNBackend(FlaBackend):
 
     def state_gradient_summary(self, local: GDNBackward) -> torch.Tensor:
         x = local.saved
-        return state_gradient_summary(x.q, x.k, local.w, _summary_gate(x.gc, x.k.shape[-1]), local.do, local.dv,
+        return state_gradient_summary(x.q, x.k, local.w, x.gc, local.do, local.dv,
                                       self.options.scale, chunk_size=self.options.chunk_size,
                                       cu_seqlens=local.span.cu_seqlens_host(), raw_keys=True)
 

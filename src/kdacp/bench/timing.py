@@ -57,8 +57,9 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
     """``(device seconds, host seconds)`` per call of ``fn`` on the current CUDA device, as it costs
     when the host runs ahead of a busy device: the calls are queued behind a sleep kernel, so the
     events around them time only the device's execution (and the gaps between its kernels), and the
-    host's enqueue time is taken apart. Raises ``RuntimeError`` if the sleep ended before the host had
-    queued every call (the figure would then include host time)."""
+    host's enqueue time is taken apart. Keep ``iters`` times the kernels per call under the device's
+    launch queue (about 1,000 kernels): past it the host waits for the queue. Raises ``RuntimeError`` if
+    the sleep ended before the host had queued every call (the figure would then include host time)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -4,19 +4,21 @@ A summary acts on a state as ``S_out = M S_in + S_ext`` (forward; backward the s
 and ``G``: ``dS_in = M^T dS_out + G``), and ``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``.
 
 Precision rule (every caller: the reference, the kernels' users, the exchange strategies): float32
-operands on a GPU go through one Triton kernel in float32 (3xTF32 products, as the summary kernels';
-:mod:`kdacp.kernels.affine_product`); anything else (a float64 operand, or the CPU) is formed in float64
-with autocast off. The result has the inputs' promoted dtype, at least float32. No TF32 setting or
+operands on a GPU, outside autograd, go through one Triton kernel in float32 (3xTF32 products, as the
+summary kernels'; :mod:`.product`); anything else (a float64 operand, the CPU) is formed in float64 with
+autocast off. The result has the inputs' promoted dtype, at least float32. No TF32 setting or
 autocast can round a chain of them. Why not float64 on the GPU: these products sit on the exchange's
-serial path, once per hop or scan round, and there float64 PyTorch took 86 us (apply) and 139 us
-(compose) on an H200 at 32 heads of 128, against tens of us of link latency; float32 products left
-the virtual-ranks errors unchanged at P = 2..64 (benchmarks/RESULTS.md).
+serial path, once per hop or scan round; on an H200 at 32 heads of 128 an apply takes 25.8 us of device
+time in float64 PyTorch and 8.2 us in the kernel, against about 20 us of link latency, and float32
+products left the virtual-ranks errors unchanged at P = 2..64 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+from .product import affine_product
 
 __all__ = ["StateSummary", "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]
 
@@ -51,40 +53,39 @@ def _out_dtype(*xs: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _kernel_path(*xs: torch.Tensor) -> bool:
+def _kernel_path(*xs: torch.Tensor | None) -> bool:
     """Float32 GPU operands outside autograd (the kernel has no backward) take the Triton kernel."""
+    xs = [x for x in xs if x is not None]
     return (xs[0].is_cuda and all(x.dtype == torch.float32 for x in xs)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
 
 
-def _affine(A: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``A x + b`` (``b`` may be ``None``: zero) by the precision rule."""
-    operands = (A, x) if b is None else (A, x, b)
-    if _kernel_path(*operands):
-        # imported here: kdacp.kernels imports this module for StateSummary
-        from .kernels.affine_product import affine_product
-        lead = torch.broadcast_shapes(A.shape[:-2], x.shape[:-2], *(() if b is None else (b.shape[:-2],)))
-        return affine_product(A.expand(*lead, *A.shape[-2:]), x.expand(*lead, *x.shape[-2:]),
-                              None if b is None else b.expand(*lead, *b.shape[-2:]))
+def _products(A: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None, x2: torch.Tensor | None = None):
+    """``(A x + b, A x2)`` (``b``: ``None`` is zero; ``x2`` optional) by the precision rule."""
+    if _kernel_path(A, x, b, x2):
+        lead = torch.broadcast_shapes(*(t.shape[:-2] for t in (A, x, b, x2) if t is not None))
+        return affine_product(*(None if t is None else t.expand(*lead, *t.shape[-2:]) for t in (A, x, b, x2)))
     with torch.autocast(device_type=A.device.type, enabled=False):
-        out = A.double() @ x.double()
+        A64 = A.double()
+        out = A64 @ x.double()
         if b is not None:
             out = out + b.double()
-        return out.to(_out_dtype(*operands))
+        first = out.to(_out_dtype(*(t for t in (A, x, b) if t is not None)))
+        return first, None if x2 is None else (A64 @ x2.double()).to(_out_dtype(A, x2))
 
 
 def apply_state_summary(S_ext: torch.Tensor, M: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:
     """``M S_in + S_ext``: ``M [..., K, K]``, ``S_in, S_ext [..., K, V]``."""
     _check_pair("M", M, "S_in", S_in, None)
     _check_pair("M", M, "S_ext", S_ext, S_in.shape[-1])
-    return _affine(M, S_in, S_ext)
+    return _products(M, S_in, S_ext)[0]
 
 
 def apply_state_gradient_summary(G: torch.Tensor, M: torch.Tensor, dS_out: torch.Tensor) -> torch.Tensor:
     """``M^T dS_out + G``: ``M [..., K, K]``, ``dS_out, G [..., K, V]``."""
     _check_pair("M", M, "dS_out", dS_out, None)
     _check_pair("M", M, "G", G, dS_out.shape[-1])
-    return _affine(M.transpose(-1, -2), dS_out, G)
+    return _products(M.transpose(-1, -2), dS_out, G)[0]
 
 
 def compose_state_summaries(first, second) -> StateSummary:
@@ -93,4 +94,4 @@ def compose_state_summaries(first, second) -> StateSummary:
     _check_pair("second M", M2, "first M", M1, M2.shape[-1])
     _check_pair("second M", M2, "first S_ext", S1, None)
     _check_pair("second M", M2, "second S_ext", S2, S1.shape[-1])
-    return StateSummary(_affine(M2, S1, S2), _affine(M2, M1, None))
+    return StateSummary(*_products(M2, S1, S2, M1))

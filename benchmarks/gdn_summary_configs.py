@@ -1,0 +1,47 @@
+"""Tilings of the GDN summary kernels with raw keys and the scalar gate (what the ``fla`` GDN backend
+runs), one H200, Qwen3-Next shapes (16 q/k heads, 32 value heads, K=V=128, bf16, 16K tokens): median
+time (``triton.testing.do_bench``, warm) and error against float64 of the same inputs, per config.
+
+    python benchmarks/gdn_summary_configs.py [--seq-len 16384]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kdacp import kernels as kn
+from kdacp.bench.kernels import _bench, make_gdn_inputs, rel_err
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=16384)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gdn_summary_configs.py: needs a CUDA GPU")
+    x, r = make_gdn_inputs(args.seq_len)
+    runs = {
+        "S_ext+M": (lambda c: kn.state_summary(x["k"], x["w"], x["u"], x["gc"], raw_keys=True, config=c),
+                    lambda out: max(rel_err(out.state, r["S"]), rel_err(out.transition, r["M"]))),
+        "G": (lambda c: kn.state_gradient_summary(x["q"], x["k"], x["w"], x["gc"], x["do"], x["dv"], x["scale"],
+                                                  raw_keys=True, config=c),
+              lambda out: rel_err(out, r["G"])),
+    }
+    print(f"{'kernel':8} {'block_v':>7} {'warps':>5} {'stages':>6} {'v_first':>7} {'ms':>7} {'err':>9}")
+    for (name, (fn, err)), bv, nw, ns, vf in itertools.product(runs.items(), (32, 64), (4, 8), (2, 3), (False, True)):
+        cfg = kn.SummaryConfig(block_v=bv, num_warps=nw, num_stages=ns, v_first=vf)
+        try:
+            e = err(fn(cfg))
+            ms = _bench(lambda: fn(cfg))
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
+            print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7}  failed: {type(exc).__name__}: {str(exc)[:60]}")
+            continue
+        print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7} {ms:>7.3f} {e:>9.2e}")
+    print("defaults:", "S_ext+M", f"{_bench(lambda: runs['S_ext+M'][0](None)):.3f} ms,",
+          "G", f"{_bench(lambda: runs['G'][0](None)):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
