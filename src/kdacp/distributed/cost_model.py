@@ -387,9 +387,10 @@ def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK,
     return Prediction(strategy, P, paths[0], paths[1], sum(one))
 
 
-# The exchange's own compute where nothing was measured: float64 batched products on a GPU, a
-# launch overhead plus the flops at a modest float64 rate (an order of magnitude, used by auto).
-_LAUNCH_S, _FLOPS = 10e-6, 2e13
+# The exchange's own compute where nothing was measured: kdacp.affine's float32 product kernel on a
+# GPU, a small fixed cost plus the flops at its rate (one H200, 32 heads of 128: 8.5 us per apply,
+# 16.8 us per composition, device time; benchmarks/RESULTS.md). An order of magnitude, used by auto.
+_LAUNCH_S, _FLOPS = 2e-6, 2e13
 
 
 def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -> StageTimes:
