@@ -95,3 +95,6 @@ def test_varlen_arguments_equal_fla_s_own():
     ref_cu = torch.tensor(cu, device="cuda")
     assert torch.equal(got["cu_seqlens"], ref_cu)
     assert torch.equal(got["chunk_indices"], fla.prepare_chunk_indices(ref_cu, 64))
+    # kept across calls and backends: the same tensors again, so FLA's caches keyed by them hit
+    again = FlaBackend(KDAOptions(scale=1.0))._varlen(Span(0, 1000, cu), torch.device("cuda"))
+    assert all(again[n] is got[n] for n in got)
