@@ -16,12 +16,13 @@ from .kda import chunk_kda
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
-__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule", "gdn_as_kda_arguments"]
 
 
-def _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
-    """KDA's ``g``/``A_log``/``dt_bias`` arguments for GDN's (and GDN's own gate, for the ``fla``
-    backend), after checking GDN's shapes."""
+def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
+    """KDA's ``g``/``A_log``/``dt_bias`` keyword arguments for GDN's ``g [B, T, HV]`` (natural-log decay,
+    or logits with ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``), GDN's own gate included for the
+    ``fla`` backend, after checking GDN's shapes: pass them to ``chunk_kda`` / ``cp.chunk_kda``."""
     for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
         check_tensor(name, x, nd)
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
@@ -56,7 +57,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
     """
-    kda = _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    kda = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
     return chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, **kda)
@@ -68,7 +69,7 @@ def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, 
     """Chunk GDN over tokens split across ranks: :func:`chunk_gated_delta_rule`'s arguments for this
     rank's tokens and a plan, as :func:`kdacp.cp_chunk_kda` (same contract for states, gradients and
     errors). Call it on every rank."""
-    kda = _as_kda(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    kda = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
     return cp_chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                         backend=backend, cp=cp, **kda)

@@ -1,0 +1,49 @@
+"""``kdacp.parallelize`` and ``kdacp.models.torch_fallbacks`` over every supported transformers model,
+dispatched on ``model.config.model_type``."""
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+
+from ..layers.context_parallel import KDAContextParallel
+from . import kimi_linear, qwen3_next
+
+__all__ = ["SUPPORTED_MODELS", "parallelize", "torch_fallbacks"]
+
+# config.model_type -> the model's name in messages
+SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+_ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
+
+
+def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+    """Apply context parallelism to a Hugging Face model in place, from outside its code: transformers'
+    ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
+    (:func:`kdacp.models.qwen3_next.parallelize`), or their base models. The model's own parameters are
+    used in place (``model.state_dict()`` unchanged). Call it on every rank; feed each rank
+    ``kdacp.shard_batch(...).model_kwargs()``.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a model of another type (``config.model_type``), or what the model's adapter refuses.
+        ImportError: transformers missing or without the model (the ``models`` extra).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODELS:
+        names = ", ".join(SUPPORTED_MODELS.values())
+        raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
+                         f"{type(model).__name__} with config.model_type={model_type!r}")
+    return _ADAPTERS[model_type].parallelize(model, cp)
+
+
+@contextlib.contextmanager
+def torch_fallbacks():
+    """Inside the block, transformers' unmodified supported models (Kimi Linear, Qwen3-Next) run their own
+    PyTorch code instead of the kernel packages transformers bound at import (FLA's Triton kernels, which fail
+    on tensors without a GPU); restored on exit. That code ignores packed-sequence boundaries."""
+    with contextlib.ExitStack() as stack:
+        for adapter in _ADAPTERS.values():
+            stack.enter_context(adapter.torch_fallbacks())
+        yield

@@ -1,0 +1,168 @@
+"""What the ``kdacp.parallelize`` tests of the Hugging Face models share: a packed batch whose documents cross
+rank edges, the one-process reference (one document at a time), one parallel step, the errors against it,
+and the checks of the contract (state dict, shared config, exchanges that matter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.helpers import rel_err
+from tests.multiprocess import run_ranks
+
+TOL = 2e-5
+# Documents of 60, 7, 77 and 48 tokens: on 2 ranks the third crosses the edge at 96; on 4 ranks the
+# first crosses 48, the third crosses 96, and the fourth starts exactly at 144.
+CU_SEQLENS = [0, 60, 67, 144, 192]
+VOCAB = 96
+
+
+def tokens():
+    return torch.randint(3, VOCAB, (1, CU_SEQLENS[-1]), generator=torch.Generator().manual_seed(1))
+
+
+def one_document_at_a_time(model, context) -> dict:
+    """The unmodified ``model`` inside ``context``, one document at a time: logits, the global token-mean
+    loss and the parameter gradients."""
+    ids = tokens()
+    total = sum(e - s - 1 for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]))
+    loss, logits = 0.0, []
+    with context:
+        for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]):
+            doc = model(input_ids=ids[:, s:e]).logits[0]
+            logits.append(doc.detach())
+            loss = loss + F.cross_entropy(doc[:-1], ids[0, s + 1:e], reduction="sum")
+    loss = loss / total
+    loss.backward()
+    return dict(logits=torch.cat(logits), loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
+
+
+def step(model, world_size):
+    """One parallel step on this rank's shard: its logits, the global loss and the all-reduced gradients."""
+    import kdacp
+    from kdacp.models import global_token_mean_loss
+    batch = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
+    assert batch.input_ids.shape == (1, CU_SEQLENS[-1] // world_size)
+    logits = model(**batch.model_kwargs()).logits
+    loss = global_token_mean_loss(logits, batch.labels)
+    model.zero_grad()
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad)  # each rank holds its share: they add up
+        grads[name] = grad
+    return logits.detach()[0], loss.detach(), grads
+
+
+def errors(model, ref, rank, world_size) -> dict:
+    """Relative errors of one parallel step's logits (this rank's), loss and gradients against ``ref``."""
+    logits, loss, grads = step(model, world_size)
+    T = CU_SEQLENS[-1] // world_size
+    return {"logits": rel_err(logits, ref["logits"][rank * T:(rank + 1) * T]), "loss": rel_err(loss, ref["loss"]),
+            **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
+
+
+def check_matches(model, ref, rank, world_size, what: str, worst: dict) -> None:
+    """One parallel step within ``TOL`` of ``ref``; records the worst error under ``what``."""
+    name, err = max(errors(model, ref, rank, world_size).items(), key=lambda kv: kv[1])
+    assert err < TOL, f"{what} on {world_size} ranks: {name} off by {err:.2e} (rank {rank})"
+    worst[what] = (name, err)
+
+
+def check_each_matters(model, ref, rank, world_size, broken: dict, worst: dict) -> None:
+    """``broken``: what -> ``(owner, attribute, fake)``; with each faked in turn, the step leaves the tolerance."""
+    for what, (owner, attr, fake) in broken.items():
+        real = getattr(owner, attr)
+        setattr(owner, attr, fake)
+        try:
+            errs = errors(model, ref, rank, world_size)
+        finally:
+            setattr(owner, attr, real)
+        assert max(errs.values()) > 100 * TOL, f"removing the {what} went unnoticed on {world_size} ranks"
+        worst[f"without {what}"] = max(errs.items(), key=lambda kv: kv[1])
+
+
+def check_in_place(model, cp) -> None:
+    """``kdacp.parallelize`` keeps the state dict's keys and tensors and the parameters, and refuses a second time."""
+    import kdacp
+    before = dict(model.state_dict())
+    params = dict(model.named_parameters())
+    assert kdacp.parallelize(model, cp) is model
+    after = model.state_dict()
+    assert list(after) == list(before), "parallelize changed the state dict's keys"
+    assert all(after[k].data_ptr() == v.data_ptr() and after[k].shape == v.shape for k, v in before.items())
+    assert all(p is params[n] for n, p in model.named_parameters()), "parallelize replaced a parameter"
+    with pytest.raises(ValueError, match="already parallelised"):
+        kdacp.parallelize(model, cp)
+
+
+def check_shared_config(model_type, config, cp) -> None:
+    """A model sharing ``config`` (attention ``sdpa``) with a parallelised one keeps its own attention."""
+    import kdacp
+    twin = model_type(config)
+    parallel = kdacp.parallelize(model_type(config), cp)
+    assert config._attn_implementation == "sdpa" and twin.config is config
+    assert parallel.config is not config and parallel.config._attn_implementation == "kdacp_ulysses"
+    with kdacp.models.torch_fallbacks():  # the unmodified model on CPU
+        twin(input_ids=tokens()[:, :16], use_cache=False)  # not routed to the Ulysses function
+
+
+def check_parallelize_contract(model_type, make_model):
+    """:func:`check_in_place` and :func:`check_shared_config` on fresh ``make_model()`` models under a
+    ``state``-mode context; returns that context for the caller's further checks."""
+    import kdacp
+    cp = kdacp.KDAContextParallel("state")
+    check_in_place(make_model(), cp)
+    check_shared_config(model_type, make_model().config, cp)
+    return cp
+
+
+def local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+    """``KDAContextParallel.chunk_kda`` without the state exchange: each rank's pieces start from zero."""
+    from kdacp.kda import chunk_kda
+    return chunk_kda(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
+                     backend=backend, **kwargs)
+
+
+def exchanges() -> dict:
+    """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
+    all-to-all, each faked away."""
+    from kdacp.layers import context_parallel
+    from kdacp.models import common
+    return {
+        "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
+        "state exchange": (context_parallel.KDAContextParallel, "chunk_kda", local_chunk_kda),
+        "attention all-to-all": (common, "all_to_all", lambda x, group: x),
+    }
+
+
+def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict, broken_on=(2, 4)) -> None:
+    """For each ``(mode, ulysses_size, attention)`` of ``modes``: ``make_model(attn_implementation=attention)``
+    parallelised in place matches ``ref``; in ``state`` mode on ``broken_on`` ranks, each of ``broken``
+    matters (:func:`check_each_matters`). Rank 0 reports the worst errors in ``results``."""
+    import kdacp
+    worst = {}
+    for mode, ulysses_size, attention in modes:
+        cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
+        model = make_model(attn_implementation=attention)
+        check_in_place(model, cp)  # the model's own parameters, in place: same keys, same tensors
+        check_matches(model, ref, rank, world_size, f"{mode}/{attention}", worst)
+        if mode == "state" and world_size in broken_on:
+            check_each_matters(model, ref, rank, world_size, broken, worst)
+    if rank == 0:
+        results.update(worst)
+
+
+def reference_fixture(build):
+    """The module-scoped pytest fixture ``reference``: ``build()``, once per test module."""
+    return pytest.fixture(scope="module", name="reference")(lambda: build())
+
+
+def run_and_report(worker, world_size, reference, modes) -> None:
+    """Run ``worker(rank, world_size, reference, results)`` on ``world_size`` ranks; every mode reported."""
+    results = torch.multiprocessing.Manager().dict()
+    run_ranks(worker, world_size, reference, results)
+    assert {f"{mode}/{attention}" for mode, _, attention in modes} <= set(results)
+    print({mode: f"{name}: {err:.1e}" for mode, (name, err) in results.items()})
