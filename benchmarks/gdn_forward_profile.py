@@ -326,9 +326,10 @@ def time_queued(torch, fns: dict, rounds: int, queue: int) -> dict:
     ``queue`` (median of ``rounds``; how ``kdacp bench --suite gdn`` times, there with 3 rounds of 5).
     Once the host runs ahead of the GPU this is the GPU's time per call; when the host is slower (or a
     call syncs) it is the host's. Note: FLA memoises ``prepare_chunk_offsets`` on the identity of
-    ``cu_seqlens`` in a 4-entry cache (``FLA_TENSOR_CACHE_SIZE``); kdacp hands FLA a fresh ``cu_seqlens``
-    tensor every call, so 4 or more kdacp calls in a row evict FLA's entry and FLA's next call recomputes
-    it (a few tiny kernels). The alternating timings above never run more than 2 kdacp calls in a row."""
+    ``cu_seqlens`` in a 4-entry cache (``FLA_TENSOR_CACHE_SIZE``). Before 0859fa2 kdacp handed FLA a fresh
+    ``cu_seqlens`` tensor every call, so 4 or more kdacp calls in a row evicted FLA's entry and FLA's next
+    call recomputed it (a few tiny kernels); kdacp now passes the same tensor per batch, which shares
+    FLA's entry."""
     names = list(fns)
     ms = defaultdict(list)
     for r in range(rounds):
