@@ -86,6 +86,11 @@ def _print_demo_table(rows: list[dict], tol: float) -> bool:
     first, later = max(r["first_s"] for r in rows), max(r["later_ms"] for r in rows)
     print(f"step time (slowest rank): first step {first:.2f} s, "
           + (f"later steps {later:.1f} ms on average" if len(rows[0]["losses"]) > 1 else "no later steps"))
+    slowest = max(rows, key=lambda r: r["first_s"])
+    if slowest["precompiled"]:
+        print(f"the first step includes {slowest['precompile_s']:.2f} s of compiling its {slowest['precompiled']} "
+              f"new Triton kernels in parallel ahead of it (kdacp.precompile; --no-precompile leaves them to "
+              f"compile one at a time as they first launch)")
     print("loss per step: " + ", ".join(f"{x:.4f}" for x in rows[0]["losses"]))
     worst = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in rows)
     ok = worst <= tol
@@ -116,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, head_dim=args.head_dim,
                       seq_lens=args.seq_lens, strategy=args.strategy, backend=args.backend, device=device,
                       dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"), steps=args.steps,
-                      seed=args.seed)
+                      seed=args.seed, precompile=args.precompile)
     try:
         cfg.validate()
     except ValueError as e:
@@ -295,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "bfloat16 on CUDA)")
     demo.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    demo.add_argument("--no-precompile", dest="precompile", action="store_false",
+                      help="on a GPU, let the first step compile each Triton kernel as it first launches instead "
+                           "of compiling them all in parallel ahead of it (kdacp.precompile)")
     demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
     demo.add_argument("--timeout", type=_seconds, default=None,
                       help="seconds before the run is stopped (default: 300 on CPU; 1800 on CUDA, where FLA "

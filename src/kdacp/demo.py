@@ -27,6 +27,7 @@ from .distributed import new_cp_group
 from .layers import KDAContextParallel
 from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
+from .precompile import precompile
 from .workers import RankContext
 
 __all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model",
@@ -72,6 +73,7 @@ class DemoConfig:
     vocab_size: int = 256
     lr: float = 0.05
     seed: int = 0
+    precompile: bool = True
 
     @property
     def tolerance(self) -> float:
@@ -255,10 +257,16 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     shard = slice(ctx.rank * T_local, (ctx.rank + 1) * T_local)
     errors = dict(output_err=0.0, loss_err=0.0, grad_err=0.0)
     times, losses = [], []
+    precompile_s, compiled = 0.0, 0
     for step in range(cfg.steps):
         ids, cu = demo_batch(cfg, step, ctx.device)
         _sync(ctx.device)
         t0 = time.perf_counter()
+        if step == 0 and cfg.precompile:  # part of the first step's time
+            compiled = precompile(lambda: demo_step(model, ids, cu, cp.group), device=ctx.device)
+            model.zero_grad(set_to_none=True)  # the dry run's garbage
+            _sync(ctx.device)
+            precompile_s = time.perf_counter() - t0
         logits, loss = demo_step(model, ids, cu, cp.group)
         _sync(ctx.device)
         times.append(time.perf_counter() - t0)
@@ -287,7 +295,8 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     cu_list = [0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()]
     pieces = sum(1 for a, b in zip(cu_list[:-1], cu_list[1:]) if a < shard.stop and b > shard.start)
     later = times[1:]
-    row = dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0],
+    row = dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompile_s=precompile_s,
+               precompiled=compiled,
                later_ms=1e3 * sum(later) / len(later) if later else float("nan"), **errors, losses=losses,
                device=str(ctx.device))
     rows: list = [None] * ctx.world_size
