@@ -23,9 +23,9 @@ def tokens():
 
 
 def one_document_at_a_time(model, context) -> dict:
-    """The unmodified ``model`` inside ``context``, one document at a time: logits, the global token-mean
-    loss and the parameter gradients."""
-    ids = tokens()
+    """The unmodified ``model`` inside ``context``, one document at a time (on the model's device): logits,
+    the global token-mean loss and the parameter gradients."""
+    ids = tokens().to(next(model.parameters()).device)
     total = sum(e - s - 1 for s, e in zip(CU_SEQLENS, CU_SEQLENS[1:]))
     loss, logits = 0.0, []
     with context:
@@ -42,7 +42,8 @@ def step(model, world_size):
     """One parallel step on this rank's shard: its logits, the global loss and the all-reduced gradients."""
     import kdacp
     from kdacp.models import global_token_mean_loss
-    batch = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
+    device = next(model.parameters()).device
+    batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device))
     assert batch.input_ids.shape == (1, CU_SEQLENS[-1] // world_size)
     logits = model(**batch.model_kwargs()).logits
     loss = global_token_mean_loss(logits, batch.labels)
