@@ -34,20 +34,24 @@ from kdacp.layers import KDAContextParallel
 from kdacp.models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch
 from kdacp.workers import RankContext, launch
 
-# A few hundred million parameters: Kimi Linear's 3:1 KDA:MLA pattern over 12 layers, 8 heads of 128 (P = 2, 4, 8 divide them).
-GPU_SIZE = dict(hidden=1280, layers=12, heads=8, head_dim=128, vocab=32000, intermediate=3584)
-CPU_SIZE = dict(hidden=64, layers=4, heads=4, head_dim=16, vocab=256, intermediate=128)
+# A few hundred million parameters: Kimi Linear's 3:1 KDA:MLA pattern over 12 layers; KDA with Kimi Linear's
+# 32 heads of 128 (the shapes kdacp's shipped H200 kernel configurations were tuned at, so FLA does not
+# autotune for minutes), MLA with 8 (P = 2, 4, 8 divide them; 64K-token softmax attention dominates otherwise).
+GPU_SIZE = dict(hidden=1024, layers=12, heads=32, attention_heads=8, head_dim=128, vocab=32000, intermediate=2816)
+CPU_SIZE = dict(hidden=64, layers=4, heads=4, attention_heads=2, head_dim=16, vocab=256, intermediate=128)
 SUCCESSORS = 4  # each token's possible next tokens in the bigram source: the loss can fall to log(4)
 
 
 def build_model(size: dict, seed: int, device, dtype: torch.dtype):
-    """transformers' ``KimiLinearForCausalLM`` of ``size`` (layers: KDA, KDA, KDA, MLA, repeated; dense MLPs)."""
+    """transformers' ``KimiLinearForCausalLM`` of ``size`` (layers: KDA, KDA, KDA, MLA, repeated; dense MLPs;
+    ``heads`` KDA heads and ``attention_heads`` MLA heads, all of ``head_dim``)."""
     kl = load_kimi_linear()
     d, H, K, L = size["hidden"], size["heads"], size["head_dim"], size["layers"]
+    HA = size["attention_heads"]
     types = [("full_attention" if i % 4 == 3 else "linear_attention") for i in range(L)]
     config = kl.KimiLinearConfig(
         vocab_size=size["vocab"], hidden_size=d, intermediate_size=size["intermediate"], num_hidden_layers=L,
-        layer_types=types, mlp_layer_types=["dense"] * L, num_attention_heads=H, num_key_value_heads=H,
+        layer_types=types, mlp_layer_types=["dense"] * L, num_attention_heads=HA, num_key_value_heads=HA,
         kv_lora_rank=512 if d >= 512 else K, q_lora_rank=None, qk_nope_head_dim=K, qk_rope_head_dim=K // 2,
         v_head_dim=K, linear_num_heads=H, linear_head_dim=K, linear_conv_kernel_dim=4, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, attn_implementation="sdpa")
