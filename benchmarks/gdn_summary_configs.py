@@ -2,7 +2,7 @@
 runs), one H200, Qwen3-Next shapes (16 q/k heads, 32 value heads, K=V=128, bf16, 16K tokens): median
 time (``triton.testing.do_bench``, warm) and error against float64 of the same inputs, per config.
 
-    python benchmarks/gdn_summary_configs.py [--seq-len 16384]
+    python benchmarks/gdn_summary_configs.py [--seq-len 16384] [--kernels G] [--block-v 16 32] [--warps 2 4]
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from kdacp.bench.kernels import _bench, make_gdn_inputs, rel_err
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=16384)
+    ap.add_argument("--kernels", nargs="+", default=["S_ext+M", "G"], choices=["S_ext+M", "G"])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[32, 64], choices=[16, 32, 64])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], choices=[1, 2, 4, 8, 16])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdn_summary_configs.py: needs a CUDA GPU")
@@ -30,7 +34,9 @@ def main():
               lambda out: rel_err(out, r["G"])),
     }
     print(f"{'kernel':8} {'block_v':>7} {'warps':>5} {'stages':>6} {'v_first':>7} {'ms':>7} {'err':>9}")
-    for (name, (fn, err)), bv, nw, ns, vf in itertools.product(runs.items(), (32, 64), (4, 8), (2, 3), (False, True)):
+    runs = {name: runs[name] for name in args.kernels}
+    for (name, (fn, err)), bv, nw, ns, vf in itertools.product(runs.items(), args.block_v, args.warps, args.stages,
+                                                                (False, True)):
         cfg = kn.SummaryConfig(block_v=bv, num_warps=nw, num_stages=ns, v_first=vf)
         try:
             e = err(fn(cfg))
@@ -39,8 +45,7 @@ def main():
             print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7}  failed: {type(exc).__name__}: {str(exc)[:60]}")
             continue
         print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7} {ms:>7.3f} {e:>9.2e}")
-    print("defaults:", "S_ext+M", f"{_bench(lambda: runs['S_ext+M'][0](None)):.3f} ms,",
-          "G", f"{_bench(lambda: runs['G'][0](None)):.3f} ms")
+    print("defaults:", ", ".join(f"{name} {_bench(lambda: fn(None)):.3f} ms" for name, (fn, _) in runs.items()))
 
 
 if __name__ == "__main__":
