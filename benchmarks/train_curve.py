@@ -1,14 +1,16 @@
 """Training curves (issue 17): a Kimi Linear model of a few hundred million parameters under
 ``kdacp.parallelize`` on P GPUs against the same model on one GPU, from the same seed.
 
-    python benchmarks/train_curve.py OUT_DIR [--world-sizes 1 2] [--steps 50] [--seq-lens 65536]
+    python benchmarks/train_curve.py OUT_DIR [--world-sizes 1 2] [--steps 50] [--seq-lens 65536] [--plain]
 
-Runs, one after another: ``plain`` (transformers' unmodified model on one GPU, FLA's kernels, one
-document at a time), then kdacp at each world size (``kdacp.parallelize``, state mode, p2p; the
-global batch cut by ``kdacp.shard_batch``, the global token-mean loss, gradients all-reduced). Every
-run: bf16 weights, AdamW, the same initial weights and the same batches (a fixed random bigram source,
-so the loss has something to learn). ``plain`` against kdacp on one GPU is the bf16 noise between two
-implementations of the same math: the reference band for kdacp on P GPUs against kdacp on one.
+Runs, one after another: ``kdacp_1_nudged`` (kdacp on one GPU from the initial weights moved by one bf16
+ulp in a random two thirds of their entries: the spread that bf16 rounding alone gives a training curve,
+the band to judge the others by), then kdacp at each world size (``kdacp.parallelize``, state mode, p2p;
+the global batch cut by ``kdacp.shard_batch``, the global token-mean loss, gradients all-reduced), and
+with ``--plain`` first transformers' unmodified model on one GPU (FLA's kernels, one document at a time;
+it runs out of memory on an H200 at 64K tokens). Every run: bf16 weights, AdamW, gradients clipped at 1,
+the same initial weights and the same batches (a fixed random bigram source, so the loss has something to
+learn).
 
 Writes ``train_curve.json`` (rows: run, ranks, step, loss, step_s), ``train_curve.png`` (the losses, and
 their differences to kdacp on one GPU) and prints a table: parameters, median step time and tokens/s
@@ -76,6 +78,16 @@ def make_batch(step: int, seq_lens: list[int], vocab: int, seed: int) -> tuple[t
     return torch.from_numpy(ids)[None], cu
 
 
+def nudge_by_one_ulp(model, seed: int) -> None:
+    """Move each bf16 weight to a neighbouring bf16 value (up, down or not at all, uniformly at random)."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            x = p.float()
+            ulp = torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)  # bf16: 7 mantissa bits
+            p.copy_(x + ulp * torch.randint(-1, 2, x.shape, generator=gen, device=x.device))
+
+
 def _kdacp_step(model, ids, cu, group):
     batch = shard_batch(ids, cu_seqlens=cu, group=group)
     loss = global_token_mean_loss(model(**batch.model_kwargs()).logits, batch.labels, group=group)
@@ -98,6 +110,8 @@ def train_worker(ctx: RankContext, run: str, args: dict) -> list[dict]:
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     model = build_model(size, args["seed"], ctx.device, dtype)
     params = sum(p.numel() for p in model.parameters())
+    if run.endswith("_nudged"):
+        nudge_by_one_ulp(model, args["seed"] + 1)
     group = None
     if run != "plain":
         cp = KDAContextParallel("state", new_cp_group(), strategy="p2p")
@@ -179,12 +193,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the step times")
-    parser.add_argument("--no-plain", action="store_true", help="skip the unmodified model's run")
+    parser.add_argument("--plain", action="store_true", help="also run the unmodified model on one GPU")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     args = dict(steps=a.steps, seq_lens=a.seq_lens, lr=a.lr, seed=a.seed)
-    runs = ([] if a.no_plain else [("plain", 1)]) + [(f"kdacp_{p}", p) for p in a.world_sizes]
+    runs = ([("plain", 1)] if a.plain else []) + [("kdacp_1_nudged", 1)] + [(f"kdacp_{p}", p) for p in a.world_sizes]
     rows = []
     for name, p in runs:
         if a.device == "cuda" and p > torch.cuda.device_count():
@@ -199,10 +213,10 @@ def main() -> None:
     tokens = sum(a.seq_lens)
     plot(rows, os.path.join(a.out, "train_curve.png"),
          f"Kimi Linear {summary[0]['params'] / 1e6:.0f}M, {tokens} tokens/step in {len(a.seq_lens)} document(s)")
-    print(f"{'run':>8} {'ranks':>5} {'params':>8} {'first s':>8} {'step s':>7} {'tokens/s':>9} {'final loss':>10} "
+    print(f"{'run':>14} {'ranks':>5} {'params':>8} {'first s':>8} {'step s':>7} {'tokens/s':>9} {'final loss':>10} "
           f"{'max |d|':>8} {'mean |d|':>8}")
     for s in summary:
-        print(f"{s['run']:>8} {s['ranks']:>5} {s['params'] / 1e6:>7.0f}M {s['first_step_s']:>8.2f} {s['step_s']:>7.3f} "
+        print(f"{s['run']:>14} {s['ranks']:>5} {s['params'] / 1e6:>7.0f}M {s['first_step_s']:>8.2f} {s['step_s']:>7.3f} "
               f"{s['tokens_per_s']:>9.0f} {s['final_loss']:>10.4f} {s['max_abs_diff']:>8.4f} {s['mean_abs_diff']:>8.4f}")
 
 

@@ -1,11 +1,15 @@
 """``kdacp.parallelize`` on one GPU (one NCCL rank): the tiny Kimi Linear and Qwen3-Next configs of the CPU
-tests, float32, on the packed batch of tests/models/cp_common.py, against the unmodified model run by
-transformers' PyTorch code on the same GPU, one document at a time.
+tests with the models' own linear-attention head shapes (Kimi Linear: 32 heads of 128; Qwen3-Next: 16 key
+and 32 value heads of 128) and dense MLPs, in bf16 on the packed batch of tests/models/cp_common.py, against
+a float32 copy of the unmodified model run by transformers' PyTorch code on the same GPU, one document at a
+time.
 
 On one rank there is nothing to exchange; what this checks is the GPU path: kdacp's Triton kernels and
 FLA's (the ``auto`` backend) inside the models' token mixers, the fused short convolution, the packed
-documents. Float32 products run in TF32 on the GPU (10 mantissa bits), hence ``GPU_TOL``; dropping the
-document boundaries that reach the linear-attention layers must break it."""
+documents. The head shapes are those of the FLA configurations kdacp ships for the H200 (FLA keys its
+tuning by heads and head sizes): at the CPU tests' tiny heads FLA autotunes for many minutes. Tolerance:
+the demo's for bf16 against float32 (kdacp/demo.py); dropping the document boundaries that reach the
+linear-attention layers must break it."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +19,10 @@ from tests.models.cp_common import errors, one_document_at_a_time
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# The demo's CUDA float32 tolerance (kdacp/demo.py): TF32 products in the kernels and in the reference.
-GPU_TOL = 1e-2
+GPU_TOL = 1e-1  # kdacp.demo.TOLERANCE["cuda", "bfloat16"]
+HEAD_SHAPES = {"kimi_linear": dict(linear_num_heads=32, linear_head_dim=128, mlp_layer_types=["dense"] * 3),
+               "qwen3_next": dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                  linear_value_head_dim=128, mlp_only_layers=[0, 1, 2])}
 
 
 def _family(name: str):
@@ -32,8 +38,9 @@ def _family(name: str):
 def _worker(ctx, name: str) -> dict:
     import kdacp
     make_model, context, adapter = _family(name)
-    ref = one_document_at_a_time(make_model().to(ctx.device), context())
-    model = kdacp.parallelize(make_model().to(ctx.device), kdacp.KDAContextParallel("state"))
+    ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(ctx.device), context())
+    model = make_model(**HEAD_SHAPES[name]).to(ctx.device, torch.bfloat16)
+    model = kdacp.parallelize(model, kdacp.KDAContextParallel("state"))
     errs = errors(model, ref, 0, 1)
     real = adapter.global_cu_seqlens
     adapter.global_cu_seqlens = lambda kwargs: None  # the linear-attention layers lose the documents
@@ -51,4 +58,4 @@ def test_parallelize_on_one_gpu_matches_the_unmodified_model(name):
     (what, err), broken = result["worst"], result["broken"]
     print(f"{name}: worst {what} {err:.2e}; without the documents {broken:.2e}")
     assert err < GPU_TOL, f"{name} on one GPU: {what} off by {err:.2e}"
-    assert broken > 10 * GPU_TOL, f"{name}: dropping the documents went unnoticed ({broken:.2e})"
+    assert broken > 2 * GPU_TOL, f"{name}: dropping the documents went unnoticed ({broken:.2e})"
