@@ -270,7 +270,11 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
     main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
           "--out", str(tmp_path)])
-    assert calls[-1] == ("cp", dict(t_locals=(1024,), trace_dir=str(tmp_path / "t")))
+    assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
+    main(["bench", "--suite", "cp", "--family", "gdn", "--seq-lens", "1024", "--world-size", "2", "--out", str(tmp_path)])
+    assert calls[-1] == ("cp", dict(t_locals=(1024,), family="gdn"))
+    assert main(["bench", "--suite", "layer", "--family", "gdn", "--out", str(tmp_path)]) == 2
+    assert "--family is for --suite kernels or cp, not --suite layer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "cp", "--batches", "nope"])
     assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err

@@ -166,7 +166,7 @@ _CPU_T_LOCAL = 256
 _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer", "gdn"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling"), "hidden": ("layer",), "heads": ("layer", "scaling"),
-                  "head_dim": ("layer", "scaling")}
+                  "head_dim": ("layer", "scaling"), "family": ("kernels", "cp")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -211,7 +211,7 @@ def _bench(args: argparse.Namespace) -> int:
                                 else 2)
     seq_lens = args.seq_lens
     if args.suite == "kernels":
-        cases = [{"T": T, "family": args.family} for T in (seq_lens or [16384])]
+        cases = [{"T": T, "family": args.family or "kda"} for T in (seq_lens or [16384])]
     elif args.suite in ("virtual", "soak"):
         cases = [{}]
     elif args.suite == "scaling":
@@ -219,7 +219,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.suite == "gdn":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
-        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768)), "family": args.family or "kda"}]
         if args.trace:
             cases[0]["trace_dir"] = args.trace
     else:
@@ -319,9 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-    bench.add_argument("--family", default="kda", choices=("kda", "gdn"),
-                       help="kernels suite: KDA's per-channel gate, or GDN's scalar gate at Qwen3-Next shapes "
-                            "(default: %(default)s)")
+    bench.add_argument("--family", default=None, choices=("kda", "gdn"),
+                       help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
+                            "(the scalar gate at Qwen3-Next shapes) (default: kda)")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None,

@@ -16,7 +16,7 @@ from .kda import chunk_kda
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
-__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule", "gdn_as_kda_arguments"]
+__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule", "gdn_as_kda_arguments", "scalar_gate_arguments"]
 
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
@@ -36,10 +36,18 @@ def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
             check_tensor("dt_bias", dt_bias)
             if tuple(dt_bias.shape) != (HV,):
                 raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
-    scalar = (g, dt_bias if use_gate_in_kernel else None)
-    g, dt_bias = scalar_gate_as_kda(g, q.shape[-1], scalar[1])
-    return dict(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
-                dt_bias=dt_bias, _scalar_gate=scalar)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    return dict(use_gate_in_kernel=use_gate_in_kernel, **scalar_gate_arguments(g, q.shape[-1], A_log, dt_bias))
+
+
+def scalar_gate_arguments(g, K: int, A_log=None, dt_bias=None) -> dict:
+    """KDA's ``g``/``A_log``/``dt_bias`` keyword arguments for GDN's scalar gate ``g [B, T, HV]`` over
+    ``K`` key channels (logits with ``A_log, dt_bias [HV]``, natural-log decay with ``A_log=None``),
+    and the scalar gate itself for the ``fla`` backend; shapes unchecked (see
+    :func:`gdn_as_kda_arguments`)."""
+    g_kda, dt_bias_kda = scalar_gate_as_kda(g, K, dt_bias)
+    return dict(g=g_kda, A_log=A_log, dt_bias=dt_bias_kda, _scalar_gate=(g, dt_bias))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

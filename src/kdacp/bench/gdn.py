@@ -35,7 +35,7 @@ from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import scalar_gate_as_kda
 
 from .batches import cu_seqlens_of, document_lengths
-from .cp import _max_rel_diff, _step, log
+from .steps import forward_step, log, max_rel_diff, train_step
 from .harness import PlotSpec
 from .timing import timed_columns
 
@@ -65,13 +65,6 @@ def _broadcast(varlen: dict, **x):
     """The former path: KDA with the GDN gate (and ``dt_bias``) broadcast over ``K``."""
     g, dt_bias = scalar_gate_as_kda(x.pop("g"), x["q"].shape[-1], x.pop("dt_bias"))
     return chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen, backend="fla")
-
-
-def _forward(fn, x: dict):
-    """One forward call without gradients: ``(o, [final_state])``, shaped like :func:`_step`'s result."""
-    with torch.no_grad():
-        o, final = fn(**x)
-    return o, [] if final is None else [final]
 
 
 def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int = 16, v_heads: int = 32,
@@ -105,17 +98,17 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                 "kdacp_broadcast": lambda **a: _broadcast(varlen, **a),
             }
             if backward:
-                fns = {name: (lambda fn=runs[name]: _step(fn, x, do)) for name in contenders}
+                fns = {name: (lambda fn=runs[name]: train_step(fn, x, do)) for name in contenders}
             else:
                 x_in = {n: t.detach() for n, t in x.items()}
-                fns = {name: (lambda fn=runs[name]: _forward(fn, x_in)) for name in contenders}
+                fns = {name: (lambda fn=runs[name]: forward_step(fn, x_in)) for name in contenders}
             log(f"gdn T={T} {batch} ({len(lengths)} documents)")
             row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}",
                        **{"pass": "forward+backward" if backward else "forward"})
             row.update(timed_columns(fns, CONTENDERS, "fla", warmup, rounds, iters, group, torch.device("cuda"),
                                      lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
             if "kdacp" in fns and "fla" in fns:
-                row["max_rel_diff_vs_fla"] = _max_rel_diff(fns["kdacp"](), fns["fla"](), group)
+                row["max_rel_diff_vs_fla"] = max_rel_diff(fns["kdacp"](), fns["fla"](), group)
             rows.append(row)
             if report is not None:
                 report(row)

@@ -90,6 +90,12 @@ class _SingleDevice:
         """``(index, count)`` of this rank's head shard."""
         return 0, 1
 
+    def head_slice(self, num_heads: int) -> slice:
+        """This rank's share of ``num_heads`` heads (all of them outside Ulysses); ``num_heads`` must
+        split evenly over the head shards."""
+        u, U = self.head_shard()
+        return slice(u * num_heads // U, (u + 1) * num_heads // U)
+
     def to_heads(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return xs
 

@@ -16,7 +16,7 @@ from .context_parallel import SINGLE_DEVICE, KDAContextParallel
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution
 
-__all__ = ["DeltaRuleLayer", "initial_dt_bias"]
+__all__ = ["DeltaRuleLayer", "beta_from_logits", "initial_dt_bias"]
 
 
 def initial_dt_bias(n: int, device=None) -> torch.Tensor:
@@ -25,6 +25,12 @@ def initial_dt_bias(n: int, device=None) -> torch.Tensor:
     dt = torch.exp(torch.rand(n, device=device, dtype=torch.float32) * (math.log(0.1) - math.log(0.001))
                    + math.log(0.001)).clamp(min=1e-4)
     return dt + torch.log(-torch.expm1(-dt))
+
+
+def beta_from_logits(b: torch.Tensor) -> torch.Tensor:
+    """The delta rule's write strength ``sigmoid(b)``, in float32 (or wider), as FLA's layers compute it
+    inside their kernels; ``b [B, T, HV]`` logits in any float dtype."""
+    return b.to(torch.promote_types(b.dtype, torch.float32)).sigmoid()
 
 
 class DeltaRuleLayer(nn.Module):
@@ -122,11 +128,8 @@ class DeltaRuleLayer(nn.Module):
         # sequences of its head shard and needs no halo inside the Ulysses group.
         q, k, v, gate, beta = cp.to_heads([self.q_proj(x), self.k_proj(x), self.v_proj(x), self._gate_logits(x),
                                            self.b_proj(x)])
-        # beta in float32 (or wider), as FLA's layers compute it inside their kernels
-        beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()
-        u, U = cp.head_shard()
-        heads = slice(u * self.num_heads // U, (u + 1) * self.num_heads // U)
-        v_heads = slice(u * self.num_v_heads // U, (u + 1) * self.num_v_heads // U)
+        beta = beta_from_logits(beta)
+        heads, v_heads = cp.head_slice(self.num_heads), cp.head_slice(self.num_v_heads)
 
         conv = cp.conv_context(q.shape[1], cu_seqlens)
         halos = conv.left_halos([q, k, v], W - 1)

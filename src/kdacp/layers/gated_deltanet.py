@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..reference.gdn import scalar_gate_as_kda
+from ..gdn import scalar_gate_arguments
 from .context_parallel import KDAContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
@@ -48,6 +48,5 @@ class GatedDeltaNet(DeltaRuleLayer):
         return self.a_proj(x)
 
     def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        g, dt_bias = scalar_gate_as_kda(gate, self.head_k_dim, self.dt_bias[v_heads])
         # the scalar gate itself too: the fla backend runs FLA's GDN kernels on it (kdacp.gdn)
-        return dict(g=g, A_log=self.A_log[v_heads], dt_bias=dt_bias, _scalar_gate=(gate, self.dt_bias[v_heads]))
+        return scalar_gate_arguments(gate, self.head_k_dim, self.A_log[v_heads], self.dt_bias[v_heads])

@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..backends import resolve_backend
 from ..layers.context_parallel import KDAContextParallel
+from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
 from .common import (ATTENTION_NAME, check_attention, check_training_call, document_causal_mask, fused_short_conv,
                      gated_norm, global_cu_seqlens, install, kernel_fallbacks, load_model_module, token_mixers)
@@ -99,9 +100,8 @@ def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated
     # Ulysses moves the convolution's inputs, so it then sees whole sequences of its head shard.
     q, k, v, gate, beta = cp.to_heads([module.q_proj(x), module.k_proj(x), module.v_proj(x),
                                        gate_module.f_b_proj(gate_module.f_a_proj(x)), module.b_proj(x)])
-    beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()
-    u, U = cp.head_shard()
-    heads = slice(u * H // U, (u + 1) * H // U)
+    beta = beta_from_logits(beta)
+    heads = cp.head_slice(H)
 
     conv = cp.conv_context(q.shape[1], cu_seqlens)
     # One depthwise Conv1d over q|k|v in the model: part i's channels start at i * H * K.

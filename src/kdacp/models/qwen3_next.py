@@ -35,6 +35,7 @@ import torch.nn as nn
 from ..backends import resolve_backend
 from ..gdn import gdn_as_kda_arguments
 from ..layers.context_parallel import KDAContextParallel
+from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
 from .common import (check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
                      install, kernel_fallbacks, load_model_module, token_mixers)
@@ -79,10 +80,8 @@ def _gdn_forward(module: nn.Module, cp: KDAContextParallel, norm: RMSNormGated, 
     q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
     # Ulysses moves the convolution's inputs, so it then sees whole sequences of its head shard; z stays here.
     q, k, v, a, beta = cp.to_heads([q.flatten(-2), k.flatten(-2), v.flatten(-2), a.contiguous(), b])
-    beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()
-    u, U = cp.head_shard()
-    heads = slice(u * H // U, (u + 1) * H // U)
-    v_heads = slice(u * HV // U, (u + 1) * HV // U)
+    beta = beta_from_logits(beta)
+    heads, v_heads = cp.head_slice(H), cp.head_slice(HV)
 
     conv = cp.conv_context(q.shape[1], cu_seqlens)
     # One depthwise Conv1d over q|k|v in the model: channels [0, key_dim) q, [key_dim, 2 key_dim) k, then v.
