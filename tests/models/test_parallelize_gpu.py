@@ -26,11 +26,18 @@ HEAD_SHAPES = {"kimi_linear": dict(linear_num_heads=32, linear_head_dim=128, mlp
 
 
 def _family(name: str):
-    """The model builder, the reference's context and the adapter module of a model family."""
-    from kdacp.models import kimi_linear, qwen3_next, torch_fallbacks
+    """The model builder, the reference's context and the adapter module of a model family.
+
+    The model's transformers module is loaded through kdacp first: it imports FLA, which reads its
+    configuration settings once, at import; loaded by transformers directly, FLA would ignore kdacp's
+    shipped tuning and autotune every kernel: the likely cause of this test's time-outs on the H200
+    (2026-12-01), where it autotuned ``l2norm_bwd_kernel`` for a key the shipped file holds."""
+    from kdacp.models import kimi_linear, load_kimi_linear, load_qwen3_next, qwen3_next, torch_fallbacks
     if name == "kimi_linear":
+        load_kimi_linear()
         from tests.models.test_kimi_linear_cp import _model
         return _model, torch_fallbacks, kimi_linear
+    load_qwen3_next()
     from tests.models.test_qwen3_next_cp import _model, _transformers_recurrent_gdn
     return _model, _transformers_recurrent_gdn, qwen3_next
 
