@@ -1,7 +1,14 @@
 """Shipped FLA kernel configurations: the export from a Triton autotune cache, the files shipped, and
 when kdacp points FLA at them."""
 import hashlib
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
 
 from kdacp.backends.fla_configs import SHIPPED_CONFIGS, export_fla_configs, fla_key_hash, gpu_dir_name, use_shipped_configs
 
@@ -120,3 +127,33 @@ def test_seeded_plain_autotuner_runs_the_shipped_config_without_tuning(tmp_path)
     kernel[lambda meta: (triton.cdiv(20, meta["BT"]),)](x, w, y, 20, D=16)
     assert autotuner.best_config is seeded
     torch.testing.assert_close(y, 2 * x * w)
+
+
+_IMPORTED_FIRST = """
+import os, torch
+from unittest import mock
+import fla.ops.utils.cache as cache  # FLA imported before kdacp, as transformers' model modules do
+assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.DISABLED
+if {no_reread}:
+    import kdacp.backends.fla_adapter as adapter
+    adapter._reread_cache_mode = lambda: None
+with mock.patch.object(torch.cuda, "is_available", lambda: True), \\
+        mock.patch.object(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200"):
+    from kdacp.backends.fla_adapter import fla_available
+    assert fla_available()
+print(cache.FLA_CACHE_MODE.value, os.path.basename(os.environ["FLA_CONFIG_DIR"]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core importable")
+@pytest.mark.parametrize("no_reread", [False, True], ids=["kdacp", "without the re-read"])
+def test_shipped_configs_apply_when_fla_was_imported_first(no_reread):
+    env = {k: v for k, v in os.environ.items() if k not in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR")}
+    env["HOME"] = tempfile.mkdtemp()  # no user configurations from `kdacp tune`
+    env.pop("XDG_CACHE_HOME", None)
+    out = subprocess.run([sys.executable, "-c", _IMPORTED_FIRST.format(no_reread=no_reread)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mode, folder = out.stdout.split()
+    assert folder == "NVIDIA_H200"
+    assert mode == ("disabled" if no_reread else "strict")  # without the re-read FLA ignores the shipped files

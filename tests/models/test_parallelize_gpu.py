@@ -28,10 +28,11 @@ HEAD_SHAPES = {"kimi_linear": dict(linear_num_heads=32, linear_head_dim=128, mlp
 def _family(name: str):
     """The model builder, the reference's context and the adapter module of a model family.
 
-    The model's transformers module is loaded through kdacp first: it imports FLA, which reads its
-    configuration settings once, at import; loaded by transformers directly, FLA would ignore kdacp's
-    shipped tuning and autotune every kernel: the likely cause of this test's time-outs on the H200
-    (2026-12-01), where it autotuned ``l2norm_bwd_kernel`` for a key the shipped file holds."""
+    The model's transformers module is loaded through kdacp first, as the README advises: it imports FLA,
+    which reads its configuration mode once, at import. Imported by transformers directly, FLA ignored
+    kdacp's shipped tuning and autotuned: the likely cause of this test's time-outs on the H200
+    (2026-12-01), where it autotuned ``l2norm_bwd_kernel`` for a key the shipped file holds. (kdacp now
+    also hands FLA the mode when FLA came first: tests/test_tuning.py.)"""
     from kdacp.models import kimi_linear, load_kimi_linear, load_qwen3_next, qwen3_next, torch_fallbacks
     if name == "kimi_linear":
         load_kimi_linear()

@@ -60,11 +60,13 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
     import torch
 
     from .fla_configs import use_shipped_configs
-    use_shipped_configs(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    shipped = use_shipped_configs(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     try:
         import fla
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
         return None, f"fla-core is not importable ({type(e).__name__}: {e}); install fla-core=={REQUIRED_FLA_VERSION}"
+    if shipped is not None:
+        _reread_cache_mode()
     version = getattr(fla, "__version__", "unknown")
     if version != REQUIRED_FLA_VERSION:
         return None, (f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), "
@@ -79,6 +81,14 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
         return None, "fla-core " + version + " lacks: " + "; ".join(missing)
     _seed_plain_autotuners()
     return SimpleNamespace(**found), None
+
+
+def _reread_cache_mode() -> None:
+    """Give FLA the ``FLA_CACHE_MODE`` kdacp just set. FLA reads it once, when first imported, and other
+    code may have imported FLA before kdacp (transformers' model modules do): FLA would then ignore the
+    shipped configurations and autotune. Its configuration directory it reads at each lookup."""
+    from fla.ops.utils import cache
+    cache.FLA_CACHE_MODE = cache.FlaCacheMode.from_env()
 
 
 # FLA modules whose kernels use Triton's plain autotuner, not FLA's configuration-reading one

@@ -38,7 +38,8 @@ def use_shipped_configs(device_name: str | None, environ=os.environ, user_dir: P
     """Set ``FLA_CONFIG_DIR`` to the configurations for ``device_name`` (the user's own from ``kdacp tune``
     in ``user_dir``, default :data:`USER_CONFIGS`, else kdacp's shipped ones) and ``FLA_CACHE_MODE`` to
     ``strict`` (exact key matches; anything else autotunes), unless the user set either variable or none
-    exist for that GPU. Returns the directory used, or None. Call it before FLA is imported."""
+    exist for that GPU. Returns the directory used, or None. FLA reads ``FLA_CACHE_MODE`` when first
+    imported: call it before, or hand an imported FLA the mode afterwards (as kdacp's adapter does)."""
     if device_name is None or "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ:
         return None
     name = gpu_dir_name(device_name)
