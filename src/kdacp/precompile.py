@@ -1,8 +1,9 @@
 """Compile a step's Triton kernels in parallel before it first runs.
 
 A fresh machine spends the first training step compiling Triton kernels one at a time (kdacp's and
-FLA's: about 50 for a Kimi Linear layer's forward and backward, 15-25 s on an H200 host). Triton compiles a kernel
-the first time it is launched, so the step's host thread waits on each compilation in turn.
+FLA's: 20 distinct kernels for ``kdacp demo``'s Kimi Linear model, 24 s on an H200 host; 5.8 s with
+this, benchmarks/RESULTS.md). Triton compiles a kernel the first time it is launched, so the step's host
+thread waits on each compilation in turn.
 :func:`precompile` runs the step once as a *dry run*: each launch of a kernel not yet compiled is
 skipped and its compilation (with its C launcher) is handed to a pool of threads; Triton's compiler
 releases the GIL for most of its work, and ``ptxas`` and the launcher's C compiler are processes of
