@@ -36,7 +36,7 @@ from kdacp.gdn import cp_chunk_gated_delta_rule
 from . import gdn
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
-from .steps import forward_step, log, max_rel_diff, train_step
+from .steps import log, max_rel_diff, step_functions
 from .timing import peak_gb, timed_columns
 
 MULTI_RANK = True
@@ -109,11 +109,7 @@ def run(t_locals=(16384, 32768), batches=BATCHES, family: str = "kda", warmup: i
                 "kdacp_scan": lambda **a: kdacp_op(**a, **options, backend="fla", cp=plans["scan"]),
                 "fla_cp": lambda **a: fla_op(**a, **options, cp_context=context),
             }
-            if backward:
-                fns = {name: (lambda fn=runs[name]: train_step(fn, x, do)) for name in contenders}
-            else:
-                x_in = {n: t.detach() for n, t in x.items()}
-                fns = {name: (lambda fn=runs[name]: forward_step(fn, x_in)) for name in contenders}
+            fns = step_functions(runs, contenders, x, do, backward)
             log(f"cp {family} T_local={T} {batch} ({len(lengths)} documents)")
             row = dict(batch=batch, docs=len(lengths), T_local=T, world_size=world_size, label=f"{batch} {T}",
                        family=family, **{"pass": "forward+backward" if backward else "forward"})

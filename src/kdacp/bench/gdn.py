@@ -35,7 +35,7 @@ from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import scalar_gate_as_kda
 
 from .batches import cu_seqlens_of, document_lengths
-from .steps import forward_step, log, max_rel_diff, train_step
+from .steps import log, max_rel_diff, step_functions
 from .harness import PlotSpec
 from .timing import timed_columns
 
@@ -97,11 +97,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                 "kdacp_cp1": lambda **a: cp_chunk_gated_delta_rule(**a, **OPTIONS, backend="fla", cp=plan),
                 "kdacp_broadcast": lambda **a: _broadcast(varlen, **a),
             }
-            if backward:
-                fns = {name: (lambda fn=runs[name]: train_step(fn, x, do)) for name in contenders}
-            else:
-                x_in = {n: t.detach() for n, t in x.items()}
-                fns = {name: (lambda fn=runs[name]: forward_step(fn, x_in)) for name in contenders}
+            fns = step_functions(runs, contenders, x, do, backward)
             log(f"gdn T={T} {batch} ({len(lengths)} documents)")
             row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}",
                        **{"pass": "forward+backward" if backward else "forward"})

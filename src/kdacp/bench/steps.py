@@ -1,5 +1,5 @@
-"""What the op suites (``cp``, ``gdn``) share: one timed step forward and backward or forward only, the
-relative difference of two contenders across ranks, and progress lines."""
+"""What the op suites (``cp``, ``gdn``) share: each contender's timed step (forward and backward, or
+forward only), the relative difference of two contenders across ranks, and progress lines."""
 from __future__ import annotations
 
 import sys
@@ -8,20 +8,30 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["forward_step", "log", "max_rel_diff", "train_step"]
+__all__ = ["log", "max_rel_diff", "step_functions"]
 
 
-def train_step(fn, x: dict, do: torch.Tensor):
+def _train_step(fn, x: dict, do: torch.Tensor):
     """One forward + backward of ``fn(**x) -> (o, final_state)``: ``(o, gradients of x)``, not accumulated."""
     o, _ = fn(**x)
     return o, torch.autograd.grad(o, list(x.values()), do)
 
 
-def forward_step(fn, x: dict):
-    """One forward call without gradients: ``(o, [final_state])``, shaped like :func:`train_step`'s result."""
+def _forward_step(fn, x: dict):
+    """One forward call without gradients: ``(o, [final_state])``, shaped like :func:`_train_step`'s result."""
     with torch.no_grad():
         o, final = fn(**x)
     return o, [] if final is None else [final]
+
+
+def step_functions(runs: dict, names, x: dict, do: torch.Tensor, backward: bool) -> dict:
+    """For each of ``names``, a no-argument callable running ``runs[name](**x)`` once: forward and backward
+    against ``do`` (returning ``(o, gradients)``), or with ``backward=False`` forward only on detached
+    inputs (returning ``(o, [final_state])``)."""
+    if backward:
+        return {name: (lambda fn=runs[name]: _train_step(fn, x, do)) for name in names}
+    x_in = {n: t.detach() for n, t in x.items()}
+    return {name: (lambda fn=runs[name]: _forward_step(fn, x_in)) for name in names}
 
 
 def max_rel_diff(a_step, b_step, group) -> float:
