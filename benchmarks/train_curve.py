@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from kdacp import precompile
-from kdacp.demo import LAYER_TYPES, _collective_over_grads
+from kdacp.demo import demo_step
 from kdacp.distributed import new_cp_group
 from kdacp.layers import KDAContextParallel
-from kdacp.models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch
+from kdacp.models import load_kimi_linear, parallelize
 from kdacp.workers import RankContext, launch
 
 # A few hundred million parameters: Kimi Linear's 3:1 KDA:MLA pattern over 12 layers; KDA with Kimi Linear's
@@ -88,14 +88,6 @@ def nudge_by_one_ulp(model, seed: int) -> None:
             p.copy_(x + ulp * torch.randint(-1, 2, x.shape, generator=gen, device=x.device))
 
 
-def _kdacp_step(model, ids, cu, group):
-    batch = shard_batch(ids, cu_seqlens=cu, group=group)
-    loss = global_token_mean_loss(model(**batch.model_kwargs()).logits, batch.labels, group=group)
-    loss.backward()
-    _collective_over_grads(model, torch.distributed.all_reduce, group=group)
-    return loss.detach()
-
-
 def _plain_step(model, ids, cu):
     cu = cu.tolist()
     total = sum(F.cross_entropy(model(input_ids=ids[:, s:e], use_cache=False).logits[0, :-1].float(),
@@ -129,9 +121,9 @@ def train_worker(ctx: RankContext, run: str, args: dict) -> list[dict]:
             loss = _plain_step(model, ids, cu)
         else:
             if step == 0:
-                precompile(lambda: _kdacp_step(model, ids, cu, group), device=ctx.device)
+                precompile(lambda: demo_step(model, ids, cu, group), device=ctx.device)
                 model.zero_grad(set_to_none=True)
-            loss = _kdacp_step(model, ids, cu, group)
+            loss = demo_step(model, ids, cu, group)[1]  # the logits dropped at once (64K x vocab)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
