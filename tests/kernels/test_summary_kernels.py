@@ -618,3 +618,28 @@ def test_gpu_raw_keys_float32_accurate_qwen3_next_shapes_bf16():
             # the pre-gated inputs carry bf16 rounding of the gated values (~1e-3); raw keys none
             assert rel_err(got, truth) < min(1e-4, 0.1 * rel_err(pre_got, truth)), (rel_err(got, truth),
                                                                                     rel_err(pre_got, truth))
+
+
+GDN_GPU_PACKED_CU = (0, 1000, 2500, 4096)  # partial last chunks in every sequence
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,tol", [(None, 1e-4), (kn.SummaryConfig(bf16_pieces=3), 1e-6),
+                                        (kn.SummaryConfig(chunks_per_program=4), 1e-4),
+                                        (kn.SummaryConfig(num_warps=8, num_stages=2), 1e-4)])
+@pytest.mark.parametrize("w_head_first", [False, True])
+def test_gpu_raw_keys_gradient_packed_bf16(config, tol, w_head_first):
+    """The raw-key ``G`` kernel on the GPU's bf16 path, where its update is one product of stacked
+    ``q, w`` columns with both bf16 pieces side by side: packed sequences with partial chunks, grouped
+    value heads, a head range starting inside a key head's group, sub-segments, three pieces."""
+    cu = torch.tensor(GDN_GPU_PACKED_CU, dtype=torch.int64)
+    low, _ = make_gdn(1, GDN_GPU_PACKED_CU[-1], 4, 8, 128, 128, torch.bfloat16, GDN_GPU_PACKED_CU)
+    x = gated_from_raw(low, cu)
+    w = low["w"].transpose(1, 2).contiguous() if w_head_first else low["w"]
+    hs, nh = 1, 6
+    G = kn.state_gradient_summary(low["q"], low["k"], w, low["gc"], low["do"], low["dv"], SCALE, cu_seqlens=cu,
+                                  head_start=hs, num_heads=nh, w_head_first=w_head_first, raw_keys=True,
+                                  config=config)
+    G_ref = ref_grad({n: t[:, :, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}, cu)
+    assert G.shape == (3, nh, 128, 128)
+    assert rel_err(G, G_ref) < tol

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["F32_DOT", "INTERPRET", "split_bf16", "chunk_decay", "dot_state", "dot_state_left", "dot_inputs"]
+__all__ = ["F32_DOT", "INTERPRET", "split_bf16", "chunk_decay", "dot_state", "dot_state_paired", "dot_state_left",
+           "dot_inputs", "stack_rows"]
 
 # tl.dot precision for float32 x float32 products (the interpreter ignores it and uses numpy float32).
 F32_DOT: tl.constexpr = tl.constexpr("tf32x3")
@@ -74,6 +75,30 @@ def dot_state(a, b, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
     else:
         acc = tl.dot(a.to(tl.float32), b, input_precision=F32_DOT)
     return acc
+
+
+@triton.jit
+def dot_state_paired(a, b, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr):
+    """:func:`dot_state` with both bf16 pieces side by side in one product, ``a @ [b1 | b2]`` (columns
+    interleaved, ``[.., 2N]``), whose column pairs are then added in float32: one tensor-core product
+    where :func:`dot_state` issues two. Three pieces (and non-bf16 inputs) go through :func:`dot_state`
+    (Triton 3.6 faulted on an H200 with a third product added to the paired one)."""
+    if SPLIT_BF16 and NSPLIT == 2:
+        b1 = b.to(tl.bfloat16)
+        b2 = (b - b1.to(tl.float32)).to(tl.bfloat16)
+        pairs = tl.dot(a, tl.reshape(tl.join(b1, b2), [b.shape[0], 2 * b.shape[1]]))
+        hi, lo = tl.split(tl.reshape(pairs, [pairs.shape[0], b.shape[1], 2]))
+        acc = lo + hi
+    else:
+        acc = dot_state(a, b, SPLIT_BF16, NSPLIT)
+    return acc
+
+
+@triton.jit
+def stack_rows(top, bottom):
+    """``[R, N]`` and ``[R, N]`` -> ``[2R, N]``: the rows of ``top``, then those of ``bottom``."""
+    both = tl.permute(tl.join(top, bottom), (2, 0, 1))
+    return tl.reshape(both, [2 * top.shape[0], top.shape[1]])
 
 
 @triton.jit

@@ -8,6 +8,13 @@ The recurrence acts column by column on ``dS [K, V]``: the grid runs over heads 
 tiles. A long sequence may be cut into sub-segments run in parallel; each then also walks ``K`` extra
 columns from the identity with ``do = dv = 0``, which yields its ``M^T`` (no ``dM`` is formed), and the
 fold computes ``G = G_1 + M_1^T (G_2 + M_2^T (...))`` in float32. ``dv`` is only read.
+
+With raw keys (GDN) the ``[K, BV]`` tile's update is one product, ``[q^T | w^T] [scale do_g ; -dv']``,
+with both bf16 pieces side by side, and so is ``k dS``: two tensor-core products per chunk instead of
+six. Measured on one H200 (bf16, Qwen3-Next shapes, 16K tokens): 0.58 -> 0.47 ms; with float32 inputs
+(3xTF32 products) the stacked form is slower, 2.40 -> 2.78 ms; the per-channel (KDA) path keeps its
+separate products, where pairing the pieces gained nothing, but loading ``do`` with ``k`` and ``dv``, ahead
+of the first product, took it from 0.445 to 0.408 ms (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -18,9 +25,9 @@ import triton.language as tl
 from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
-from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left
+from .precision import chunk_decay, dot_inputs, dot_state, dot_state_left, dot_state_paired, stack_rows
 from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates,
-                    locate_program, store_tile)
+                    load_stacked_columns, locate_program, store_tile)
 
 __all__ = ["state_gradient_summary"]
 
@@ -72,21 +79,22 @@ def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk,
             m_tv = m_t[:, None] & m_v[None, :]
             b_k = tl.load(p_k + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_dv = tl.load(p_dv + rows[:, None] * s_vt + o_c[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            # dv' = kg dS + dv, from the state before this chunk's update
-            b_kds = dot_state(b_k, st, SPLIT_BF16, NSPLIT)
-            if RAW_KEYS:  # kg dS = Diag(e) (k dS)
-                b_kds = b_kds * key_gate_rows(g_last, g_rows, SCALAR_GATE)[:, None]
-            b_dvp = b_dv + b_kds
-            b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
             b_do = tl.load(p_do + rows[:, None] * s_ot + o_c[None, :], mask=m_tv, other=0.0)
-            if RAW_KEYS:  # qg^T do = q^T (Diag(exp2(gc)) do)
-                b_dog = b_do.to(tl.float32) * tl.exp2(g_rows)[:, None]
-                b_dsq = dot_state(b_qt, b_dog, SPLIT_BF16, NSPLIT)
+            # dv' = kg dS + dv, from the state before this chunk's update
+            if RAW_KEYS:  # kg dS = Diag(e) (k dS)
+                b_dvp = b_dv + dot_state_paired(b_k, st, SPLIT_BF16, NSPLIT) * key_gate_rows(
+                    g_last, g_rows, SCALAR_GATE)[:, None]
+                # both updates in one product: scale qg^T do - w^T dv' = [q^T | w^T] [scale Diag(exp2(gc)) do ; -dv']
+                b_dog = b_do.to(tl.float32) * (scale * tl.exp2(g_rows))[:, None]
+                b_qwt = load_stacked_columns(p_q, p_w, s_qt, s_wt, t0, end, o_k, BT)
+                st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state_paired(
+                    b_qwt, stack_rows(b_dog, -b_dvp), SPLIT_BF16, NSPLIT)
             else:
-                b_dsq = dot_inputs(b_qt, b_do, SPLIT_BF16)
-            acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * b_dsq
-            b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
-            st = acc - dot_state(b_wt, b_dvp, SPLIT_BF16, NSPLIT)
+                b_dvp = b_dv + dot_state(b_k, st, SPLIT_BF16, NSPLIT)
+                b_qt = tl.load(p_q + rows[None, :] * s_qt + o_k[:, None], mask=m_t[None, :], other=0.0)
+                acc = decay_tile(st, b_decay, SCALAR_GATE, VF) + scale * dot_inputs(b_qt, b_do, SPLIT_BF16)
+                b_wt = tl.load(p_w + rows[None, :] * s_wt + o_k[:, None], mask=m_t[None, :], other=0.0)
+                st = acc - dot_state(b_wt, b_dvp, SPLIT_BF16, NSPLIT)
     return st
 
 

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile", "load_row_gates",
-           "key_gate_rows"]
+           "key_gate_rows", "load_stacked_columns"]
 
 
 @triton.jit
@@ -90,3 +90,14 @@ def key_gate_rows(g_last, g_rows, SCALAR_GATE: tl.constexpr):
     else:
         gl = tl.max(g_last.to(tl.float32), axis=0)
     return tl.exp2(gl - g_rows)
+
+
+@triton.jit
+def load_stacked_columns(p_a, p_b, s_at, s_bt, t0, end, o_k, BT: tl.constexpr):
+    """``[K, 2 BT]`` input-dtype tile: column ``j < BT`` is row ``t0 + j`` of ``a``, column ``BT + j`` row
+    ``t0 + j`` of ``b`` (rows from ``end`` on load as zero); ``s_at, s_bt`` the row strides."""
+    o_2t = tl.arange(0, 2 * BT)
+    from_a = o_2t < BT
+    rows = t0 + tl.where(from_a, o_2t, o_2t - BT)
+    ptr = tl.where(from_a[None, :], p_a + rows[None, :] * s_at, p_b + rows[None, :] * s_bt) + o_k[:, None]
+    return tl.load(ptr, mask=(rows < end)[None, :], other=0.0)
