@@ -424,8 +424,8 @@ def test_raw_keys_are_gated_in_the_kernel(B, T, H, HV, K, V, dtype, L, cu, varia
 
 @pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
 def test_raw_keys_v_first_head_range_and_segment(variant):
-    """Raw keys with the transposed tile order, a head range that starts inside a key head's group, a
-    head-first ``w`` and one segment of a packed batch."""
+    """Raw keys with either tile order, a head range that starts inside a key head's group, a head-first
+    ``w`` and one segment of a packed batch."""
     low, x = make_gdn(1, GDN_CU[-1], 2, 4, 64, 64, torch.float32, GDN_CU)
     gc = gate_variant(low["gc"], variant, 64)
     hs, nh, (s, e) = 1, 2, GDN_CU[1:3]
@@ -439,6 +439,11 @@ def test_raw_keys_v_first_head_range_and_segment(variant):
     G = kn.state_gradient_summary(low["q"], low["k"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
                                   num_heads=nh, w_head_first=True, segment=(s, e), raw_keys=True,
                                   config=kn.SummaryConfig(v_first=True, block_v=16))
+    assert rel_err(G, ref_grad(seg)) < TOL
+    # the same with the [K, BV] tile, whose update reads q and the head-first w as one stacked tile
+    G = kn.state_gradient_summary(low["q"], low["k"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
+                                  num_heads=nh, w_head_first=True, segment=(s, e), raw_keys=True,
+                                  config=kn.SummaryConfig(chunks_per_program=1))
     assert rel_err(G, ref_grad(seg)) < TOL
 
 
