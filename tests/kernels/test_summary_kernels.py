@@ -447,6 +447,18 @@ def test_raw_keys_v_first_head_range_and_segment(variant):
     assert rel_err(G, ref_grad(seg)) < TOL
 
 
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
+def test_raw_keys_gradient_other_chunk_sizes(chunk_size):
+    """The raw-key ``G`` kernel's stacked ``[K, 2 BT]`` tile at every supported chunk size but the
+    default, on packed sequences (any inputs: the reference takes the same ``chunk_size``)."""
+    low, _ = make_gdn(1, GDN_CU[-1], 1, 2, 64, 64, torch.float32, GDN_CU)
+    cu = torch.tensor(GDN_CU, dtype=torch.int64)
+    x = gated_from_raw(low, cu, chunk_size)
+    G = kn.state_gradient_summary(low["q"], low["k"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  chunk_size=chunk_size, cu_seqlens=cu, raw_keys=True)
+    assert rel_err(G, ref_grad(x, cu, chunk_size)) < TOL
+
+
 def test_raw_keys_checks_name_the_problem():
     low, _ = make_gdn(1, 150, 1, 2, 64, 64, torch.float32)
     k, w, u, gc = low["k"], low["w"], low["u"], low["gc"]
