@@ -90,6 +90,22 @@ class FlaChunks:
     kg: torch.Tensor
 
 
+@dataclass(frozen=True)
+class FlaPrepared:
+    """The first part of an FLA backend's ``prepare``: the ``inputs`` made contiguous, FLA's packed-sequence
+    arguments ``varlen`` for the span, ``q, k`` after the optional L2 norm (``q_rstd, k_rstd`` its
+    reciprocal norms, else ``None``) and the gate's log2 chunk cumsum ``gc`` (float32; the backend's
+    ``_gate_cumsum`` gives its shape)."""
+
+    inputs: KDAInputs
+    varlen: dict
+    q: torch.Tensor
+    k: torch.Tensor
+    q_rstd: torch.Tensor | None
+    k_rstd: torch.Tensor | None
+    gc: torch.Tensor
+
+
 @functools.lru_cache(maxsize=16)
 def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> dict:
     """FLA's ``cu_seqlens`` and ``chunk_indices`` (sequence, chunk within it) on ``device`` for the
@@ -129,7 +145,8 @@ class FlaBackend:
                                              chunk_size=o.chunk_size, lower_bound=o.lower_bound, **varlen)
         return fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=o.chunk_size, **varlen)
 
-    def prepare(self, inputs: KDAInputs, span: Span) -> FlaChunks:
+    def _normalized_inputs(self, inputs: KDAInputs, span: Span) -> "FlaPrepared":
+        """What both FLA backends' ``prepare`` forms first: see :class:`FlaPrepared`."""
         o, fla = self.options, self.fla
         # FLA's stage kernels index dense tensors: strided views (a slice of a parameter, a permuted
         # activation) are copied here, once, as FLA's own entry points do.
@@ -140,13 +157,18 @@ class FlaBackend:
             q, q_rstd = fla.l2norm_fwd(q)
             k, k_rstd = fla.l2norm_fwd(k)
         gc = self._gate_cumsum(inputs.g, inputs.A_log, inputs.dt_bias, varlen)
-        w, u, _, kg, Aqk, Akk = fla.chunk_kda_fwd_intra(q=q, k=k, v=inputs.v, gk=gc, beta=inputs.beta, scale=o.scale,
-                                                        chunk_size=o.chunk_size, safe_gate=o.safe_gate,
-                                                        disable_recompute=False, **varlen)
+        return FlaPrepared(inputs, varlen, q, k, q_rstd, k_rstd, gc)
+
+    def prepare(self, inputs: KDAInputs, span: Span) -> FlaChunks:
+        o, p = self.options, self._normalized_inputs(inputs, span)
+        x = p.inputs
+        w, u, _, kg, Aqk, Akk = self.fla.chunk_kda_fwd_intra(q=p.q, k=p.k, v=x.v, gk=p.gc, beta=x.beta, scale=o.scale,
+                                                             chunk_size=o.chunk_size, safe_gate=o.safe_gate,
+                                                             disable_recompute=False, **p.varlen)
         # With the gate in kernel FLA recomputes gc in backward instead of keeping it (memory).
-        saved = FlaSaved(q, k, inputs.v, inputs.beta, inputs.g if o.use_gate_in_kernel else None,
-                         None if o.use_gate_in_kernel else gc, Aqk, Akk, q_rstd, k_rstd, inputs.A_log, inputs.dt_bias)
-        return FlaChunks(saved, gc, w, u, kg)
+        saved = FlaSaved(p.q, p.k, x.v, x.beta, x.g if o.use_gate_in_kernel else None,
+                         None if o.use_gate_in_kernel else p.gc, Aqk, Akk, p.q_rstd, p.k_rstd, x.A_log, x.dt_bias)
+        return FlaChunks(saved, p.gc, w, u, kg)
 
     def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool):
         cut = slice(span.start, span.end)

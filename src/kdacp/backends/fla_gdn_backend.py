@@ -92,18 +92,12 @@ class FlaGDNBackend(FlaBackend):
         return fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=o.chunk_size, **varlen)
 
     def prepare(self, inputs: KDAInputs, span: Span) -> GDNChunks:
-        o, fla = self.options, self.fla
-        inputs = KDAInputs(*(None if t is None else t.contiguous() for t in vars(inputs).values()))
-        varlen = self._varlen(span, inputs.q.device)
-        q, k, q_rstd, k_rstd = inputs.q, inputs.k, None, None
-        if o.use_qk_l2norm_in_kernel:
-            q, q_rstd = fla.l2norm_fwd(q)
-            k, k_rstd = fla.l2norm_fwd(k)
-        gc = self._gate_cumsum(inputs.g, inputs.A_log, inputs.dt_bias, varlen)
-        w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=inputs.v, g=gc, beta=inputs.beta,
-                                                       chunk_size=o.chunk_size, **varlen)
-        saved = GDNSaved(q, k, inputs.v, inputs.beta, inputs.g if o.use_gate_in_kernel else None, gc, A,
-                         q_rstd, k_rstd, inputs.A_log, inputs.dt_bias)
+        o, p = self.options, self._normalized_inputs(inputs, span)
+        x = p.inputs
+        w, u, A = self.fla.chunk_gated_delta_rule_fwd_intra(k=p.k, v=x.v, g=p.gc, beta=x.beta, chunk_size=o.chunk_size,
+                                                            **p.varlen)
+        saved = GDNSaved(p.q, p.k, x.v, x.beta, x.g if o.use_gate_in_kernel else None, p.gc, A, p.q_rstd, p.k_rstd,
+                         x.A_log, x.dt_bias)
         return GDNChunks(saved, w, u)
 
     def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool):
