@@ -145,7 +145,7 @@ class FlaBackend:
                                              chunk_size=o.chunk_size, lower_bound=o.lower_bound, **varlen)
         return fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=o.chunk_size, **varlen)
 
-    def _normalized_inputs(self, inputs: KDAInputs, span: Span) -> "FlaPrepared":
+    def _normalized_inputs(self, inputs: KDAInputs, span: Span) -> FlaPrepared:
         """What both FLA backends' ``prepare`` forms first: see :class:`FlaPrepared`."""
         o, fla = self.options, self.fla
         # FLA's stage kernels index dense tensors: strided views (a slice of a parameter, a permuted
