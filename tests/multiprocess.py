@@ -3,6 +3,7 @@ port, and a hard deadline, so a failing rank fails the test fast instead of hang
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -25,6 +26,12 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # A rank that is done skips interpreter finalization: gloo's worker threads may still hold tensors
+    # then, and releasing them while Python shuts down aborts the process (SIGABRT, "terminate called
+    # without an active exception"; seen once in CI at 4 ranks). A rank that raised exits as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 240.0) -> None:
