@@ -62,16 +62,15 @@ def make_inputs(T: int, H: int, D: int, seed: int) -> dict:
 
 
 def _family(fla, family: str, T: int, seed: int):
-    """``(inputs, do, FLA's op, kdacp's CP op, options, backward)`` of one rank for ``family``."""
+    """``(inputs, do, FLA's op, kdacp's CP op, options, backward)`` of one rank for ``family`` (``"kda"``
+    or ``"gdn"``, checked by :func:`run`)."""
     if family == "kda":
         x = make_inputs(T, 32, 128, seed)
         return x, torch.randn(1, T, 32, 128, device="cuda").bfloat16(), fla.chunk_kda, cp_chunk_kda, OPTIONS, True
-    if family == "gdn":  # Qwen3-Next's shapes
-        x = gdn.make_inputs(T, 16, 32, 128, seed)
-        do = torch.randn(1, T, 32, 128, device="cuda").bfloat16()
-        return x, do, fla.chunk_gated_delta_rule, cp_chunk_gated_delta_rule, gdn.OPTIONS, \
-            fla_gated_gdn_backward_supported()
-    raise ValueError(f"family must be 'kda' or 'gdn', got {family!r}")
+    # Qwen3-Next's shapes
+    x = gdn.make_inputs(T, 16, 32, 128, seed)
+    do = torch.randn(1, T, 32, 128, device="cuda").bfloat16()
+    return x, do, fla.chunk_gated_delta_rule, cp_chunk_gated_delta_rule, gdn.OPTIONS, fla_gated_gdn_backward_supported()
 
 
 def run(t_locals=(16384, 32768), batches=BATCHES, family: str = "kda", warmup: int = 2, rounds: int = 3,

@@ -27,11 +27,13 @@ from ..layers.context_parallel import ConvContext, KDAContextParallel
 from ..layers.norm import RMSNormGated
 from ..layers.short_conv import causal_conv1d, sequence_positions
 
-__all__ = ["ATTENTION_NAME", "INNER_ATTENTIONS", "check_attention", "check_training_call", "document_causal_mask",
-           "fused_short_conv", "gated_norm", "global_cu_seqlens", "install", "install_ulysses", "kernel_fallbacks",
-           "load_model_module", "token_mixers"]
+__all__ = ["ATTENTION_NAME", "INNER_ATTENTIONS", "SILU_NAMES", "check_attention", "check_training_call",
+           "document_causal_mask", "fused_short_conv", "gated_norm", "global_cu_seqlens", "install", "install_ulysses",
+           "kernel_fallbacks", "load_model_module", "refuse_cache_and_mask", "token_mixers"]
 
 ATTENTION_NAME = "kdacp_ulysses"
+# the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
+SILU_NAMES = ("silu", "swish")
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
@@ -79,15 +81,20 @@ def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
     return cu
 
 
-def check_training_call(cache, attention_mask, kwargs: dict) -> None:
-    """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask.
-    Pops the earlier 5.x cache names (``cache_params``, ``past_key_values``) from ``kwargs``."""
-    # `cache` (transformers >= 5.24), `cache_params` / `past_key_values` (earlier 5.x)
-    if any(c is not None for c in (cache, kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None))) \
-            or kwargs.get("use_cache"):
+def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
+    """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask."""
+    if uses_cache:
         raise ValueError("kdacp.parallelize runs without a cache: pass use_cache=False (batch.model_kwargs() does)")
     if attention_mask is not None:
         raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
+
+
+def check_training_call(cache, attention_mask, kwargs: dict) -> None:
+    """:func:`refuse_cache_and_mask` for a token mixer's arguments. Pops the earlier 5.x cache names
+    (``cache_params``, ``past_key_values``) from ``kwargs``."""
+    # `cache` (transformers >= 5.24), `cache_params` / `past_key_values` (earlier 5.x)
+    caches = (cache, kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None))
+    refuse_cache_and_mask(any(c is not None for c in caches) or bool(kwargs.get("use_cache")), attention_mask)
 
 
 def fused_short_conv(conv: ConvContext, xs: list[torch.Tensor], conv1d: nn.Conv1d, channels: list[slice],
@@ -138,11 +145,7 @@ class _UlyssesAttention:
         self.group, self.inner_name, self.inner = group, inner_name, inner
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        if kwargs.get("use_cache"):
-            raise ValueError("kdacp.parallelize runs without a cache: pass use_cache=False "
-                             "(batch.model_kwargs() does)")
-        if attention_mask is not None:
-            raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
+        refuse_cache_and_mask(bool(kwargs.get("use_cache")), attention_mask)
         U = torch.distributed.get_world_size(self.group)
         B, H, T, _ = query.shape
         Dv = value.shape[-1]

@@ -49,8 +49,9 @@ from ..backends import resolve_backend
 from ..layers.context_parallel import KDAContextParallel
 from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
-from .common import (ATTENTION_NAME, check_attention, check_training_call, document_causal_mask, fused_short_conv,
-                     gated_norm, global_cu_seqlens, install, kernel_fallbacks, load_model_module, token_mixers)
+from .common import (ATTENTION_NAME, SILU_NAMES, check_attention, check_training_call, document_causal_mask,
+                     fused_short_conv, gated_norm, global_cu_seqlens, install, kernel_fallbacks, load_model_module,
+                     token_mixers)
 
 __all__ = ["ATTENTION_NAME", "document_causal_mask", "load_kimi_linear", "parallelize", "torch_fallbacks"]
 
@@ -148,7 +149,7 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
     kda, mla, P = token_mixers(model, cp, kl.KimiLinearDeltaAttention, kl.KimiLinearAttention, "Kimi Linear")
     for m in kda:
         cp.validate_heads(m.num_heads, m.num_heads)
-        if m.activation not in ("silu", "swish"):
+        if m.activation not in SILU_NAMES:
             raise ValueError(f"KDA layer {m.layer_idx}: kdacp's short convolution applies SiLU, "
                              f"the model's uses {m.activation!r}")
     if mla:

@@ -37,7 +37,7 @@ from ..gdn import gdn_as_kda_arguments
 from ..layers.context_parallel import KDAContextParallel
 from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
-from .common import (check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
+from .common import (SILU_NAMES, check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
                      install, kernel_fallbacks, load_model_module, token_mixers)
 
 __all__ = ["load_qwen3_next", "parallelize", "torch_fallbacks"]
@@ -45,7 +45,6 @@ __all__ = ["load_qwen3_next", "parallelize", "torch_fallbacks"]
 # transformers' functions that bind a kernel package (FLA; causal-conv1d) where it imports, at import time.
 _KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                      "causal_conv1d_update")
-_SILU = ("silu", "swish")
 
 
 def load_qwen3_next():
@@ -127,7 +126,7 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
         except ValueError as e:
             raise ValueError(f"GDN layer {m.layer_idx} (linear_num_key_heads={m.num_k_heads}, "
                              f"linear_num_value_heads={m.num_v_heads}): {e}") from None
-        if m.activation not in _SILU or m.norm.activation not in _SILU:
+        if m.activation not in SILU_NAMES or m.norm.activation not in SILU_NAMES:
             raise ValueError(f"GDN layer {m.layer_idx}: kdacp's short convolution and gated norm apply SiLU, "
                              f"the model's use {m.activation!r} and {m.norm.activation!r}")
     if attn:
