@@ -26,9 +26,11 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    # A rank that is done skips interpreter finalization: gloo's worker threads may still hold tensors
-    # then, and releasing them while Python shuts down aborts the process (SIGABRT, "terminate called
-    # without an active exception"; seen once in CI at 4 ranks). A rank that raised exits as usual.
+    # A rank that is done skips interpreter finalization: a rank that imported transformers' model code
+    # after init_process_group still holds the default group then (transformers keeps it), and destroying
+    # it while Python shuts down aborts the process now and then (SIGABRT, "terminate called without an
+    # active exception"; seen in CI at 4 ranks; kdacp.workers.launch's `prepare` is the fix where the
+    # imports can come first). A rank that raised exits as usual.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

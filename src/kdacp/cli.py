@@ -106,6 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .demo import demo_config, demo_worker
+    from .models import load_kimi_linear
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -145,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
               "printed at the end", file=sys.stderr)
     try:
         results = launch(demo_worker, world, (cfg,), device=device, port=args.port, timeout_s=timeout,
-                         on_report=on_report)
+                         on_report=on_report, prepare=load_kimi_linear)
     except WorkerError as e:
         bar.close()
         print(f"kdacp demo: {e}", file=sys.stderr)

@@ -84,10 +84,13 @@ def _init_group(rank: int, world_size: int, device: str, timeout_s: float) -> to
     return dev
 
 
-def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float, fn, args, messages) -> None:
+def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float, fn, args, messages,
+            prepare) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        if prepare is not None:
+            prepare()
         dev = _init_group(rank, world_size, device, timeout_s)
         result = fn(RankContext(rank, world_size, dev, lambda m: messages.put(("report", rank, m))), *args)
         messages.put(("result", rank, result))
@@ -119,12 +122,17 @@ def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str 
 
 
 def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", port: int = 0,
-           timeout_s: float = 600.0, on_report: Callable[[int, Any], None] | None = None) -> list[Any]:
+           timeout_s: float = 600.0, on_report: Callable[[int, Any], None] | None = None,
+           prepare: Callable[[], Any] | None = None) -> list[Any]:
     """Run ``fn(ctx: RankContext, *args)`` on ``world_size`` ranks and return their results by rank.
 
     Under torchrun, runs this process's rank only and returns ``[result]``. Otherwise spawns the
     ranks (``gloo`` on CPU, ``nccl`` with one GPU per rank); ``on_report(rank, message)`` sees
-    each ``ctx.report`` message as it arrives.
+    each ``ctx.report`` message as it arrives. ``prepare()`` (picklable) runs in each rank's process
+    before its process group exists: imports that must precede the group go there (transformers'
+    model modules imported after it keep the default group alive until interpreter shutdown, where
+    destroying it aborts the process now and then: SIGABRT, "terminate called without an active
+    exception", torch 2.13 with gloo).
 
     Raises:
         WorkerError: a worker raised, died (e.g. was killed) or the run passed ``timeout_s``;
@@ -134,6 +142,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
         raise WorkerError(f"--world-size must be >= 1, got {world_size}")
     if under_torchrun():
         rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if prepare is not None:
+            prepare()
         dev = _init_group(rank, ws, device, timeout_s)
         try:
             return [fn(RankContext(rank, ws, dev, lambda m: on_report and on_report(rank, m)), *args)]
@@ -146,7 +156,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
         port = free_port()
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, timeout_s, fn, args, messages), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, timeout_s, fn, args, messages, prepare),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
