@@ -1,9 +1,17 @@
-"""kdacp.workers.launch: ``prepare`` runs in every rank's process before its process group exists."""
+"""kdacp.workers.launch: ``prepare`` before the group, the world-size refusal, the deadline over start-up,
+a rank that dies after its result, and no process left behind after a signal or a killed launcher."""
+import atexit
 import os
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch.distributed as dist
 
-from kdacp.workers import launch
+from kdacp import workers
+from kdacp.workers import Stopped, WorkerError, launch
 
 _BEFORE_GROUP = []  # filled in each rank's own process by _prepare
 
@@ -16,6 +24,17 @@ def _rank(ctx):
     return ctx.rank, os.getpid(), list(_BEFORE_GROUP)
 
 
+def _sleep(ctx, seconds=120.0):
+    time.sleep(seconds)
+
+
+def _abort_at_exit(ctx):
+    """Returns its result, then the process aborts at exit (as gloo's teardown once did)."""
+    if ctx.rank == 1:
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return ctx.rank
+
+
 def test_prepare_runs_in_each_rank_before_its_group():
     results = launch(_rank, 2, prepare=_prepare, timeout_s=120)
     assert [r[0] for r in results] == [0, 1]
@@ -24,3 +43,139 @@ def test_prepare_runs_in_each_rank_before_its_group():
     assert _BEFORE_GROUP == []  # not in the launching process
     # without it nothing runs
     assert [r[2] for r in launch(_rank, 2, timeout_s=120)] == [[], []]
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fails a test that gets as far as creating a worker process."""
+    def get_context(*args):
+        raise AssertionError("a worker was about to start")
+    monkeypatch.setattr(workers.mp, "get_context", get_context)
+
+
+def test_world_size_beyond_the_cores_is_refused_before_any_worker(no_spawn, monkeypatch):
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+    monkeypatch.setattr(workers, "_available_mb", lambda: 1e9)
+    launch_ok = 2 * workers.RANKS_PER_CORE
+    with pytest.raises(WorkerError, match=rf"--world-size {launch_ok + 1} is more than this machine holds: 2 cores "
+                                          rf"hold at most {launch_ok} CPU ranks .* lower --world-size to {launch_ok}"):
+        launch(_rank, launch_ok + 1)
+    workers.check_world_size(launch_ok, "cpu")
+
+
+def test_world_size_beyond_the_memory_is_refused_before_any_worker(no_spawn, monkeypatch):
+    monkeypatch.setattr(workers, "_cores", lambda: 64)
+    monkeypatch.setattr(workers, "_available_mb", lambda: 3.5 * workers.RANK_MEMORY_MB)
+    with pytest.raises(WorkerError, match=rf"GB of available memory at most 3 \({workers.RANK_MEMORY_MB} MB per "
+                                          r"rank\); lower --world-size to 3 or less"):
+        launch(_rank, 4)
+
+
+def test_world_size_1024_is_refused_here(no_spawn):
+    """The machine at hand, measured: the issue's 1024 workers filled 23 GB on 2 cores."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="is more than this machine holds"):
+        launch(_rank, 1024)
+    assert time.monotonic() - start < 1
+
+
+def test_deadline_counts_the_start_up(monkeypatch):
+    real = workers._start
+
+    def slow_start(process):
+        time.sleep(0.7)
+        real(process)
+    monkeypatch.setattr(workers, "_start", slow_start)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"passed its 1 s limit while starting its workers \(2 of 3 started\)"):
+        launch(_sleep, 3, timeout_s=1.0)
+    assert time.monotonic() - start < 2.5
+
+
+def test_a_rank_that_dies_after_its_result_fails_the_run():
+    with pytest.raises(WorkerError, match=r"worker rank 1 died after returning its result \(signal SIGABRT\)"):
+        launch(_abort_at_exit, 2, timeout_s=120)
+
+
+# The launcher of the signal tests: `kdacp demo`'s own code path, its rank function a sleep (as a training
+# run that takes long) and no transformers import, so that each test takes seconds.
+_LAUNCHER = """
+import sys, kdacp.demo, kdacp.models, tests.test_workers as t
+kdacp.demo.demo_worker, kdacp.models.load_kimi_linear = t._sleep_ranks, t._no_prepare
+from kdacp.cli import main
+sys.exit(main(["demo", "--world-size", "2", "--seq-lens", "64,64", "--timeout", "120"]))
+"""
+
+
+def _no_prepare():
+    pass
+
+
+def _sleep_ranks(ctx, cfg):
+    open(os.path.join(os.environ["KDACP_TEST_DIR"], f"rank{ctx.rank}"), "w").close()
+    time.sleep(120)
+
+
+def _processes_of(pid: int) -> list[int]:
+    """``pid``'s children: its workers and multiprocessing's resource tracker."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _start_launcher(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    """The launcher in a session of its own (as a shell's foreground job), once both ranks are inside
+    their function; returns it and its child processes."""
+    env = dict(os.environ, KDACP_TEST_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    children = _processes_of(proc.pid)
+    assert len(children) == 3, children  # 2 workers and the resource tracker
+    return proc, children
+
+
+def _assert_gone(pids: list[int], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if _running(p)]
+    for p in alive:  # leave nothing behind, even when failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"left running {within_s:.0f} s later: {alive}"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_stops_every_process_with_one_line(tmp_path, signum):
+    proc, children = _start_launcher(tmp_path)
+    # SIGINT and SIGHUP as a terminal sends them, to the whole process group; SIGTERM as kill does
+    (os.killpg if signum != signal.SIGTERM else os.kill)(proc.pid, signum)
+    out, err = proc.communicate(timeout=30)
+    _assert_gone(children)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and "demo: 2 ranks" not in ln]  # not the progress bar
+    assert lines == [f"kdacp demo: stopped by {name}; every worker was stopped"], err[-3000:]
+
+
+def test_a_killed_launcher_leaves_no_worker(tmp_path):
+    proc, children = _start_launcher(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    _assert_gone(children)
+
+
+def test_stopped_names_the_signal():
+    assert str(Stopped(signal.SIGTERM)) == "stopped by SIGTERM; every worker was stopped"
+    assert isinstance(Stopped(signal.SIGINT), WorkerError)

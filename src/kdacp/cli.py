@@ -1,19 +1,45 @@
-"""Command line: ``kdacp demo`` (a checked context-parallel training run), ``kdacp bench`` (benchmark suites) and ``kdacp tune``."""
+"""Command line: kdacp demo (a checked context-parallel training run), kdacp bench (benchmark suites) and
+kdacp tune (FLA's kernel configurations for this GPU)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
 from .backends import BACKENDS
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
-from .demo import DTYPES
+from .demo import DTYPES, rank_count
 from .distributed.plan import STRATEGY_CHOICES
 from .layers.context_parallel import MODES
-from .workers import WorkerError, launch, under_torchrun
+from .workers import Stopped, WorkerError, launch, under_torchrun
+
+_IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start time in ``/proc``, so the interpreter's start-up
+    and every import count); elsewhere since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+def _failed(command: str, error: WorkerError) -> int:
+    """Print a run's end on one line (for a failed worker, with its traceback) and return the exit status:
+    128 + the signal for a run stopped by one, as a shell reports it, else 1."""
+    print(f"kdacp {command}: {error}", file=sys.stderr)
+    return 128 + error.signum if isinstance(error, Stopped) else 1
+
+
 
 
 def _number(parse, fits, expected: str):
@@ -55,6 +81,14 @@ def _lengths(text: str) -> tuple[int, ...]:
     return values
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated context-parallel modes of :data:`kdacp.layers.context_parallel.MODES`."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in MODES for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated modes from {', '.join(MODES)}, got {text!r}")
+    return names
+
+
 def _rank_counts(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated numbers of ranks, each at least 2."""
     values = _lengths(text)
@@ -76,21 +110,25 @@ def _scaling_case(args: argparse.Namespace) -> dict:
     return case
 
 
-def _print_demo_table(rows: list[dict], tol: float) -> bool:
-    """The per-rank table, the step times and the verdict; True when every error is within ``tol``."""
+def _print_demo_table(rows: list[dict], tol: float, strategy: str) -> bool:
+    """The per-rank table, the step times, the state exchange ``--strategy auto`` chose and the verdict;
+    True when every error is within ``tol``."""
     print(f"{'rank':>4} {'device':>8} {'tokens':>7} {'sequences':>9} {'first s':>8} {'later ms':>9} "
           f"{'output err':>11} {'loss err':>9} {'grad err':>9}")
     for r in rows:
         print(f"{r['rank']:>4} {r['device']:>8} {r['tokens']:>7} {r['sequences']:>9} {r['first_s']:>8.2f} "
               f"{r['later_ms']:>9.1f} {r['output_err']:>11.2e} {r['loss_err']:>9.2e} {r['grad_err']:>9.2e}")
-    first, later = max(r["first_s"] for r in rows), max(r["later_ms"] for r in rows)
-    print(f"step time (slowest rank): first step {first:.2f} s, "
-          + (f"later steps {later:.1f} ms on average" if len(rows[0]["losses"]) > 1 else "no later steps"))
     slowest = max(rows, key=lambda r: r["first_s"])
-    if slowest["precompiled"]:
-        print(f"the first step includes {slowest['precompile_s']:.2f} s of compiling its {slowest['precompiled']} "
-              f"new Triton kernels in parallel ahead of it (kdacp.precompile; --no-precompile leaves them to "
-              f"compile one at a time as they first launch)")
+    later = max(r["later_ms"] for r in rows)
+    first = (f"first step {slowest['first_s']:.2f} s (of it {slowest['precompile_s']:.2f} s compiling its "
+             f"{slowest['precompiled']} new Triton kernels in parallel ahead of it, kdacp.precompile, and "
+             f"{slowest['autotune_s']:.2f} s of autotuning)" if slowest["precompiled"] or slowest["autotune_s"]
+             else f"first step {slowest['first_s']:.2f} s")
+    print(f"step time (slowest rank): {first}, "
+          + (f"later steps {later:.1f} ms on average" if len(rows[0]["losses"]) > 1 else "no later steps"))
+    if strategy == "auto":
+        chosen = rows[0]["strategy"]
+        print("--strategy auto: " + ("no state is passed in this mode" if chosen == "none" else f"chose {chosen}"))
     print("loss per step: " + ", ".join(f"{x:.4f}" for x in rows[0]["losses"]))
     worst = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in rows)
     ok = worst <= tol
@@ -100,6 +138,21 @@ def _print_demo_table(rows: list[dict], tol: float) -> bool:
     else:
         print(f"FAIL: largest relative error {worst:.2e} exceeds the tolerance {tol:.0e}")
     return ok
+
+
+def _print_demo_time(row: dict, launch_s: float, world: int) -> None:
+    """Where the whole command's wall time went, from the process's start to the verdict: before the
+    launch, rank 0's phases (:data:`kdacp.demo.PHASES`) and the rest of the launch (the workers' start
+    and exit)."""
+    whole = process_age_s()
+    before = whole - launch_s
+    parts = [f"{before:.1f} s interpreter, imports and set-up",
+             f"{launch_s - row['worker_s']:.1f} s starting {rank_count(world)} (imports, process group) and "
+             f"their exit", f"{row['build_s']:.1f} s building the model",
+             f"{row['steps_s']:.1f} s context-parallel steps (compiling ahead {row['precompile_s']:.1f} s, "
+             f"autotuning {row['autotune_s']:.1f} s)", f"{row['reference_s']:.1f} s the one-process reference",
+             f"{row['checks_s']:.1f} s checks, exchanges and optimizer steps"]
+    print(f"time: {whole:.1f} s from command to verdict: " + ", ".join(parts) + " (rank 0)")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -131,7 +184,7 @@ def _demo(args: argparse.Namespace) -> int:
     show = not under_torchrun() or int(os.environ["RANK"]) == 0
     if show:
         print(f"demo: {cfg.describe()}", flush=True)
-    bar = tqdm(total=cfg.steps, desc=f"demo: {world} ranks, {cfg.mode}", disable=not show, file=sys.stderr)
+    bar = tqdm(total=cfg.steps, desc=f"demo: {rank_count(world)}, {cfg.mode}", disable=not show, file=sys.stderr)
 
     def on_report(rank, message):
         if rank == 0 and message[0] == "step":
@@ -142,19 +195,22 @@ def _demo(args: argparse.Namespace) -> int:
     if device == "cuda" and show:
         # Measured on 2 H200s before kdacp shipped FLA configurations: 127 s for the first step.
         print("kdacp demo: on a GPU the first step includes compiling the Triton kernels and FLA's autotuning "
-              "of any kernel shape without a tuned configuration (kdacp ships the H200's); its time is "
-              "printed at the end", file=sys.stderr)
+              "of any kernel shape without a tuned configuration (kdacp ships the H200's); the whole "
+              "command's time and what it went to are printed at the end", file=sys.stderr)
+    launched = time.monotonic()
     try:
         results = launch(demo_worker, world, (cfg,), device=device, port=args.port, timeout_s=timeout,
                          on_report=on_report, prepare=load_kimi_linear)
     except WorkerError as e:
         bar.close()
-        print(f"kdacp demo: {e}", file=sys.stderr)
-        return 1
+        return _failed("demo", e)
     bar.close()
     if not show:
         return 0
-    return 0 if _print_demo_table(results[0], cfg.tolerance) else 1
+    rows = results[0]
+    ok = _print_demo_table(rows, cfg.tolerance, cfg.strategy)
+    _print_demo_time(rows[0], time.monotonic() - launched, world)
+    return 0 if ok else 1
 
 
 # The layer suite's defaults are sized for GPUs (16K tokens per rank, 2048 wide, 32 heads) and
@@ -167,7 +223,8 @@ _CPU_T_LOCAL = 256
 _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer", "gdn"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling"), "hidden": ("layer",), "heads": ("layer", "scaling"),
-                  "head_dim": ("layer", "scaling"), "family": ("kernels", "cp")}
+                  "head_dim": ("layer", "scaling"), "family": ("kernels", "cp"), "modes": ("layer",),
+                  "steps": ("soak",)}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -176,6 +233,64 @@ def _unread_option(args: argparse.Namespace) -> str | None:
         if getattr(args, name) is not None and args.suite not in suites:
             flag = "--" + name.replace("_", "-")
             return f"{flag} is for --suite {' or '.join(suites)}, not --suite {args.suite}"
+    return None
+
+
+def _missing_gpu(suite: str, device: str) -> str | None:
+    """Why ``suite`` cannot run on ``device`` here (no CUDA GPU visible), or ``None``."""
+    if torch.cuda.is_available():
+        return None
+    if suite not in CPU_SUITES:
+        return (f"--suite {suite} needs a CUDA GPU and none is visible: it compares with FLA's CUDA kernels "
+                f"(--suite {', '.join(CPU_SUITES)} also run on CPU)")
+    if device == "cuda":
+        return f"--device cuda was asked for but no CUDA GPU is visible; --suite {suite} also runs with --device cpu"
+    return None
+
+
+def _smallest_divisor(n: int) -> int | None:
+    """The smallest divisor of ``n`` strictly between 1 and ``n`` (hybrid's Ulysses size), or None."""
+    return next((d for d in range(2, n) if n % d == 0), None)
+
+
+def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
+    """The suite's option dicts, one per run (several ``--seq-lens`` of kernels and layer run one by one)."""
+    seq_lens = args.seq_lens
+    if args.suite == "kernels":
+        cases = [{"T": T, "family": args.family or "kda"} for T in (seq_lens or [16384])]
+    elif args.suite == "virtual":
+        cases = [{}]
+    elif args.suite == "soak":
+        cases = [{} if args.steps is None else {"steps": args.steps}]
+    elif args.suite == "scaling":
+        cases = [_scaling_case(args)]
+    elif args.suite == "gdn":
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
+    elif args.suite == "cp":
+        cases = [{"t_locals": tuple(seq_lens or (16384, 32768)), "family": args.family or "kda"}]
+        if args.trace:
+            cases[0]["trace_dir"] = args.trace
+    else:
+        layer = {} if device == "cuda" else dict(_CPU_LAYER)
+        given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
+                     modes=args.modes)
+        layer.update({name: value for name, value in given.items() if value is not None})
+        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
+    if args.batches:
+        for case in cases:
+            case["batches"] = args.batches
+    return cases
+
+
+def _layer_modes_error(args: argparse.Namespace, world: int, device: str) -> str | None:
+    """Why the layer suite's ``--modes`` cannot run on ``world`` ranks, or ``None``."""
+    heads = args.heads or (32 if device == "cuda" else _CPU_LAYER["heads"])
+    for mode in args.modes or ():
+        if mode == "hybrid" and _smallest_divisor(world) is None:
+            return (f"--modes hybrid runs Ulysses in groups and state passing across them, so the world size needs "
+                    f"a divisor between 1 and itself; {world} has none (4 or 6 do)")
+        if mode != "state" and heads % (world if mode == "ulysses" else _smallest_divisor(world)):
+            return f"--modes {mode} splits the {heads} heads over the ranks of a Ulysses group; {heads} do not split"
     return None
 
 
@@ -190,11 +305,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: {unread}", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
-        print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
-              "FLA's CUDA kernels (only --suite layer --device cpu --backend torch, --suite virtual, --suite "
-              "soak and --suite scaling run without a GPU)",
-              file=sys.stderr)
+    missing = _missing_gpu(args.suite, device)
+    if missing:
+        print(f"kdacp bench: {missing}", file=sys.stderr)
         return 1
     if args.backend == "fla" and device != "cuda":
         print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
@@ -210,41 +323,37 @@ def _bench(args: argparse.Namespace) -> int:
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
-    seq_lens = args.seq_lens
-    if args.suite == "kernels":
-        cases = [{"T": T, "family": args.family or "kda"} for T in (seq_lens or [16384])]
-    elif args.suite in ("virtual", "soak"):
-        cases = [{}]
-    elif args.suite == "scaling":
-        cases = [_scaling_case(args)]
-    elif args.suite == "gdn":
-        cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
-    elif args.suite == "cp":
-        cases = [{"t_locals": tuple(seq_lens or (16384, 32768)), "family": args.family or "kda"}]
-        if args.trace:
-            cases[0]["trace_dir"] = args.trace
-    else:
-        layer = {} if device == "cuda" else dict(_CPU_LAYER)
-        given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
-        layer.update({name: value for name, value in given.items() if value is not None})
-        cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
-    if args.batches:
-        for case in cases:
-            case["batches"] = args.batches
-    rows: list[dict] = []
+    modes_error = _layer_modes_error(args, world, device)
+    if modes_error:
+        print(f"kdacp bench: {modes_error}", file=sys.stderr)
+        return 2
+    render = getattr(suite, "markdown", markdown_table)
+    plots = getattr(suite, "PLOTS", None)
+    measured: list[dict] = []  # every row as it is reported, kept when the run stops early
     bar = tqdm(desc=f"bench {args.suite}", unit="row", file=sys.stderr)
+
+    def on_row(row: dict) -> None:
+        measured.append(row)
+        write_results(args.suite, measured, args.out, markdown=render, complete=False)
+        bar.update()
+
+    rows: list[dict] = []
     try:
-        for case in cases:
-            got = run_suite(args.suite, case, device=device, world_size=world, port=args.port,
-                            timeout_s=args.timeout, on_row=lambda row: bar.update())
-            rows += got
+        for case in _bench_cases(args, device):
+            rows += run_suite(args.suite, case, device=device, world_size=world, port=args.port,
+                              timeout_s=args.timeout, on_row=on_row)
     except Exception as e:  # noqa: BLE001 - a failed suite ends the command with its reason
         bar.close()
+        if measured:
+            paths = write_results(args.suite, measured, args.out, plots, markdown=render, complete=False)
+            print(render(measured))
+            print(f"kept the {len(measured)} rows measured before the run stopped: " + ", ".join(map(str, paths)))
+        if isinstance(e, WorkerError):
+            return _failed("bench", e)
         print(f"kdacp bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     bar.close()
-    render = getattr(suite, "markdown", markdown_table)
-    paths = write_results(args.suite, rows, args.out, getattr(suite, "PLOTS", None), markdown=render)
+    paths = write_results(args.suite, rows, args.out, plots, markdown=render)
     print(render(rows))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -279,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="state: time shards, state passed between ranks; ulysses: all-to-all to head shards; "
                            "hybrid: Ulysses in groups, state across them (default: %(default)s)")
     demo.add_argument("--ulysses-size", type=_positive_int, default=None,
-                      help="--mode hybrid: ranks per Ulysses group, a divisor of the world size between 1 and it "
-                           "(default: the smallest such divisor)")
+                      help="--mode hybrid: ranks per Ulysses group, a divisor of the world size strictly between 1 "
+                           "and it (default: the smallest such divisor)")
     demo.add_argument("--heads", type=_positive_int, default=None,
                       help="heads of every KDA and MLA layer, a multiple of the world size (the MLA layers' "
                            "Ulysses attention splits them over all ranks) (default: 4 on CPU, 32 on CUDA, or the "
@@ -289,44 +398,61 @@ def build_parser() -> argparse.ArgumentParser:
                       help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, at which the "
                            "shipped H200 kernel configurations were tuned)")
     demo.add_argument("--strategy", default="p2p", choices=STRATEGY_CHOICES,
-                      help="how state passing exchanges states; auto: the cost model's pick for the plan "
-                           "(default: %(default)s)")
+                      help="how state passing exchanges states; auto: the cost model's pick for the plan, printed "
+                           "at the end (default: %(default)s)")
     demo.add_argument("--backend", default="auto", choices=BACKENDS,
-                      help="kdacp's KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch "
-                           "(default: %(default)s)")
-    demo.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
+                      help="kdacp's KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch, "
+                           "and the first line says which (default: %(default)s)")
+    demo.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                      help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
+                           "when available)")
     demo.add_argument("--dtype", default=None, choices=DTYPES,
                       help="of the context-parallel model; the reference runs in float32 (no float64: "
                            "transformers' Kimi Linear computes in float32 inside) (default: float32 on CPU, "
                            "bfloat16 on CUDA)")
     demo.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default: %(default)s)")
     demo.add_argument("--no-precompile", dest="precompile", action="store_false",
                       help="on a GPU, let the first step compile each Triton kernel as it first launches instead "
                            "of compiling them all in parallel ahead of it (kdacp.precompile)")
     demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
     demo.add_argument("--timeout", type=_seconds, default=None,
-                      help="seconds before the run is stopped (default: 300 on CPU; 1800 on CUDA, where FLA "
-                           "autotunes kernel shapes without a tuned configuration at first use)")
+                      help="seconds from starting the workers before the run is stopped (default: 300 on CPU; 1800 "
+                           "on CUDA, where FLA autotunes kernel shapes without a tuned configuration at first use)")
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots")
-    bench.add_argument("--suite", required=True, choices=SUITES)
+    bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots",
+                           description="Run one benchmark suite and write <suite>.json, <suite>.md and its PNG "
+                                       f"plots. Without a GPU: --suite {', '.join(CPU_SUITES)} (layer with "
+                                       "--backend torch); the others compare with FLA's CUDA kernels. Rows are "
+                                       "written as they are measured: a run stopped early (--timeout, a signal) "
+                                       "keeps them.")
+    bench.add_argument("--suite", required=True, choices=SUITES,
+                       help=f"what to run; on CPU: {', '.join(CPU_SUITES)}")
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 16K,32K; "
-                            f"layer on CPU: {_CPU_T_LOCAL})")
+                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling) (default: kernels 16384; "
+                            f"cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL})")
     bench.add_argument("--batches", type=_batches, default=None,
-                       help=f"cp/layer: comma-separated global batches from {', '.join(BATCHES)} (default: all)")
+                       help=f"cp/layer/gdn: comma-separated global batches from {', '.join(BATCHES)} (default: "
+                            "all; gdn: one_sequence,docs7)")
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--family", default=None, choices=("kda", "gdn"),
                        help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
                             "(the scalar gate at Qwen3-Next shapes) (default: kda)")
-    bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
-    bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    bench.add_argument("--out", default="results",
+                       help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
+    bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
     bench.add_argument("--world-size", type=_positive_int, default=None,
-                       help="ranks for cp, layer and soak (default: every GPU; 2 on CPU)")
+                       help="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)")
+    bench.add_argument("--modes", type=_modes, default=None,
+                       help="layer suite: comma-separated context-parallel modes to time, from "
+                            f"{', '.join(MODES)} (hybrid: Ulysses groups of the world size's smallest divisor) "
+                            "(default: state)")
+    bench.add_argument("--steps", type=_positive_int, default=None,
+                       help="soak suite: training steps, a row at the first, every twentieth of them and the last "
+                            "(default: 2000)")
     bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
                        help="layer and scaling suites: KDA backend (default: fla on CUDA, torch on CPU)")
     bench.add_argument("--hidden", type=_positive_int, default=None,
@@ -353,27 +479,37 @@ def build_parser() -> argparse.ArgumentParser:
                             "whose stages sleep (no compute, so no contention for cores)")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
-    bench.add_argument("--port", type=_port, default=0, help="rendezvous port (0: pick a free one)")
+    bench.add_argument("--port", type=_port, default=0,
+                       help="rendezvous port; 0 picks a free one (default: %(default)s)")
     bench.add_argument("--timeout", type=_seconds, default=1800.0,
-                       help="seconds before a multi-rank run is stopped")
+                       help="seconds from starting a multi-rank suite's workers before it is stopped; the rows "
+                            "measured by then are kept (default: %(default)s)")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
                                        "configurations (used instead of the shipped ones)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          description="Autotune FLA's kernels for kdacp's KimiDeltaAttention layer at the given "
+                                      "sizes on this GPU and save the configurations, which kdacp then uses "
+                                      "instead of the shipped ones. Needs a CUDA GPU and a fresh process.")
     tune.add_argument("--out", default=None, help="folder for the files (default: ~/.cache/kdacp/fla-configs/<GPU>)")
-    tune.add_argument("--seq-lens", type=_positive_int, nargs="+", default=[16384, 2048],
-                      help="tokens per call, one or several (some kernels tune per token count)")
-    tune.add_argument("--hidden", type=_positive_int, default=2048)
-    tune.add_argument("--heads", type=_positive_int, default=32)
-    tune.add_argument("--head-dim", type=_positive_int, default=128)
+    tune.add_argument("--seq-lens", type=_lengths, default=(16384, 2048),
+                      help="comma-separated tokens per call; some kernels tune per token count (default: 16384,2048)")
+    tune.add_argument("--hidden", type=_positive_int, default=2048,
+                      help="the layer's hidden size (default: %(default)s)")
+    tune.add_argument("--heads", type=_positive_int, default=32, help="the layer's heads (default: %(default)s)")
+    tune.add_argument("--head-dim", type=_positive_int, default=128,
+                      help="the size of each head, K = V (default: %(default)s)")
     tune.set_defaults(func=_tune)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # before or after a launch (during one, the launcher stops its workers)
+        print(f"kdacp {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,7 +8,13 @@ sums the parameter gradients over the ranks and takes an SGD step. Rank 0 also r
 unmodified model (a float32 copy of the same initial weights), one document at a time (transformers'
 CPU fallbacks ignore packed-sequence boundaries, so one document at a time is the model's meaning),
 and broadcasts its logits, loss and gradients; every rank compares its own logits and the summed
-gradients with them.
+gradients with them. The reference runs transformers' own PyTorch code on every device
+(:func:`kdacp.models.torch_fallbacks`): an implementation independent of the kernels under test, and on
+CUDA no Triton compiling or FLA autotuning of float32 shapes (which took most of a first run's 115 s on
+one H200).
+
+Every rank times what it spends on (:data:`PHASES`), so that the command can report where its wall time
+went.
 """
 from __future__ import annotations
 
@@ -23,15 +29,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .backends import resolve_backend
-from .distributed import new_cp_group
+from .distributed import build_cp_plan, new_cp_group
 from .layers import KDAContextParallel
 from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompile import precompile
 from .workers import RankContext
 
-__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "TOLERANCE", "demo_batch", "demo_config", "demo_model",
-           "demo_step", "demo_worker"]
+__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
+           "demo_model", "demo_step", "demo_worker", "rank_count"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.
@@ -51,6 +57,16 @@ DTYPES = ("float32", "bfloat16")
 # run could not be held to the float32 reference (measured: 9e-2 in the router's gradient); it works per
 # token and parallelize leaves it alone (tests/models checks it under parallelize).
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
+# What a rank's time goes to, in seconds (a row's ``<phase>_s``): building the model, its copy and the
+# parallelisation; the context-parallel steps (the first one's ``precompile`` and ``autotune`` included);
+# the one-process reference (rank 0; the other ranks wait for it in ``checks``); broadcasting the
+# reference and comparing with it, and the optimizer steps.
+PHASES = ("build", "steps", "reference", "checks")
+
+
+def rank_count(n: int) -> str:
+    """``"1 rank"``, ``"4 ranks"``."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 @dataclass(frozen=True)
@@ -129,8 +145,14 @@ class DemoConfig:
         how = {"state": f"strategy {self.strategy}", "ulysses": "all-to-all over heads, no state passing",
                "hybrid": f"ulysses_size {self.ulysses_size}, strategy {self.strategy}"}[self.mode]
         layers = ", ".join({"linear_attention": "KDA", "full_attention": "MLA"}[t] for t in LAYER_TYPES)
-        return (f"{self.world_size} ranks, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads "
-                f"of {self.head_dim}), {self.dtype}, backend {self.backend}, {self.steps} steps")
+        return (f"{rank_count(self.world_size)}, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads "
+                f"of {self.head_dim}), {self.dtype}, backend {self._backend_text()}, {self.steps} steps")
+
+    def _backend_text(self) -> str:
+        """The backend, and for ``auto`` what it resolves to on the device (:func:`resolve_backend`)."""
+        if self.backend != "auto":
+            return self.backend
+        return f"auto ({resolve_backend(self.backend, torch.device(self.device))})"
 
 
 # Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), the
@@ -223,8 +245,9 @@ def _collective_over_grads(model: nn.Module, collective, **kwargs) -> None:
 def _reference_step(model: nn.Module, ids: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The unmodified model's logits ``[1, T, vocab]`` (float32) and global token-mean loss, one
     document at a time; leaves the parameters' gradients."""
-    # On CPU transformers' PyTorch code: where FLA imports, transformers calls its GPU-only kernels on any device.
-    with torch_fallbacks() if ids.device.type == "cpu" else contextlib.nullcontext():
+    # transformers' PyTorch code: where FLA imports, transformers calls FLA's kernels on any device (on CPU
+    # they fail; on CUDA they compile and autotune float32 shapes for minutes on a fresh machine).
+    with torch_fallbacks():
         logits = [model(input_ids=ids[:, s:e], use_cache=False).logits.float() for s, e in zip(cu[:-1], cu[1:])]
     total = sum(F.cross_entropy(lg[0, :-1], ids[0, s + 1:e], reduction="sum") for lg, s, e in zip(logits, cu, cu[1:]))
     loss = total / (cu[-1] - len(cu) + 1)
@@ -241,23 +264,76 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _autotune_clock(spent: dict):
+    """Inside the block, ``spent["autotune"]`` gathers the wall seconds of Triton's autotuning: every
+    ``Autotuner._bench`` call (compiling and timing one candidate configuration; FLA's ``CachedAutotuner``
+    is one)."""
+    from triton.runtime.autotuner import Autotuner
+    real = Autotuner._bench
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            spent["autotune"] += time.perf_counter() - t0
+    Autotuner._bench = timed
+    try:
+        yield
+    finally:
+        Autotuner._bench = real
+
+
+def _strategy(cfg: DemoConfig, cp: KDAContextParallel) -> str:
+    """The state exchange of the run's plans: ``"none"`` without state passing, else the strategy and, for
+    ``auto``, the cost model's reason (the layers build the same plan per batch)."""
+    if cp.state_size == 1:
+        return "none"
+    cu = [0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()]
+    plan = build_cp_plan(cu, local_lengths=[cu[-1] // cp.state_size] * cp.state_size, group=cp.state_group,
+                         strategy=cfg.strategy)
+    return plan.strategy if plan.strategy_reason == "given" else f"{plan.strategy} ({plan.strategy_reason})"
+
+
 def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
-    """One rank of the demo; returns every rank's row (gathered), so rank 0 can print the table."""
+    """One rank of the demo; returns every rank's row (gathered), so rank 0 can print the table.
+
+    A row: ``rank, device, tokens, sequences``; ``first_s`` (the first step, its ``precompile_s`` and
+    ``autotune_s`` included), ``later_ms`` (mean); ``output_err, loss_err, grad_err``; ``losses``;
+    ``strategy`` (:func:`_strategy`); ``<phase>_s`` of :data:`PHASES` and ``worker_s`` (this function's
+    whole time), in seconds."""
+    start = time.perf_counter()
+    spent = dict.fromkeys(("build", "steps", "reference", "checks", "precompile", "autotune"), 0.0)
+    with _autotune_clock(spent):
+        row = _train_and_check(ctx, cfg, spent)
+    row.update({f"{name}_s": spent[name] for name in spent}, worker_s=time.perf_counter() - start)
+    rows: list = [None] * ctx.world_size
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
+    """:func:`demo_worker`'s run: this rank's row, less its times, which go into ``spent`` (seconds)."""
     from transformers.utils import logging
     logging.set_verbosity_error()  # the reference's notices that it runs transformers' PyTorch fallbacks
+    t0 = time.perf_counter()
     model = demo_model(cfg, ctx.device)
     reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))
     cp = KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
                             backend=cfg.backend)
     parallelize(model, cp)
+    strategy = _strategy(cfg, cp)
     optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (model, reference)]
+    _sync(ctx.device)
+    spent["build"] = time.perf_counter() - t0
     T = sum(cfg.seq_lens)
     T_local = T // ctx.world_size
     shard = slice(ctx.rank * T_local, (ctx.rank + 1) * T_local)
     errors = dict(output_err=0.0, loss_err=0.0, grad_err=0.0)
     times, losses = [], []
-    precompile_s, compiled = 0.0, 0
+    compiled = 0
     for step in range(cfg.steps):
         ids, cu = demo_batch(cfg, step, ctx.device)
         _sync(ctx.device)
@@ -266,15 +342,19 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
             compiled = precompile(lambda: demo_step(model, ids, cu, cp.group), device=ctx.device)
             model.zero_grad(set_to_none=True)  # the dry run's garbage
             _sync(ctx.device)
-            precompile_s = time.perf_counter() - t0
+            spent["precompile"] = time.perf_counter() - t0
         logits, loss = demo_step(model, ids, cu, cp.group)
         _sync(ctx.device)
         times.append(time.perf_counter() - t0)
 
+        t0 = time.perf_counter()
         ref_logits = torch.empty(1, T, cfg.vocab_size, device=ctx.device)
         ref_loss = torch.empty((), device=ctx.device)
         if ctx.rank == 0:
             ref_logits, ref_loss = _reference_step(reference, ids, cu.tolist())
+            _sync(ctx.device)
+            spent["reference"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
         else:
             for p in reference.parameters():
                 p.grad = torch.empty_like(p)
@@ -290,15 +370,14 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        _sync(ctx.device)
+        spent["checks"] += time.perf_counter() - t0
         ctx.report(("step", step + 1))
+    spent["steps"] = sum(times)
 
     cu_list = [0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()]
     pieces = sum(1 for a, b in zip(cu_list[:-1], cu_list[1:]) if a < shard.stop and b > shard.start)
     later = times[1:]
-    row = dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompile_s=precompile_s,
-               precompiled=compiled,
-               later_ms=1e3 * sum(later) / len(later) if later else float("nan"), **errors, losses=losses,
-               device=str(ctx.device))
-    rows: list = [None] * ctx.world_size
-    dist.all_gather_object(rows, row)
-    return rows
+    return dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompiled=compiled,
+                later_ms=1e3 * sum(later) / len(later) if later else float("nan"), **errors, losses=losses,
+                device=str(ctx.device), strategy=strategy)

@@ -1,16 +1,21 @@
 """Start, watch and stop the worker processes of a multi-rank run (``kdacp demo`` and friends).
 
 Under ``torchrun`` the current process is one rank and nothing is spawned. Otherwise
-:func:`launch` spawns ``world_size`` processes on this machine, forwards their progress and
-results, and if one fails or dies, stops the others within seconds and raises
-:class:`WorkerError` naming the rank and the cause. No process is left behind.
+:func:`launch` first checks that the machine can hold ``world_size`` workers (:func:`check_world_size`),
+then spawns them, forwards their progress and results, and if one fails or dies, the run passes its
+deadline (start-up included) or the launching process gets SIGINT, SIGTERM or SIGHUP, stops the others
+within seconds and raises :class:`WorkerError` (:class:`Stopped` for a signal) naming the cause.
+Workers watch their parent: a launcher that is killed outright leaves no worker behind.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,11 +26,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankContext", "WorkerError", "launch", "free_port", "under_torchrun", "pick_backend"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_world_size", "free_port", "under_torchrun",
+           "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
+
+# CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
+# and a run is better made smaller than left to crawl into its collectives' timeouts.
+RANKS_PER_CORE = 8
+# Resident memory of one CPU rank of the demo (the largest of kdacp's launched runs) at its peak, measured on
+# the CI machine (2026-12-02, 2 ranks, default sizes): rank 1 840 MB, rank 0 (which also runs the reference)
+# 1,020 MB; PSS 640 and 840 MB.
+RANK_MEMORY_MB = 1000
+# The signals that stop a run: Ctrl-C, kill, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class WorkerError(RuntimeError):
     """A worker failed, died or timed out; the message says which rank and what to do."""
+
+
+class Stopped(WorkerError):
+    """The launching process got ``signum`` (SIGINT, SIGTERM or SIGHUP); every worker was stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}; every worker was stopped")
 
 
 @dataclass(frozen=True)
@@ -64,12 +89,64 @@ def pick_backend(device: str, world_size: int) -> str:
         if n == 0:
             raise WorkerError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
         if not under_torchrun() and n < world_size:
-            raise WorkerError(f"--world-size {world_size} needs {world_size} GPUs for NCCL but {n} are visible; "
-                              f"lower --world-size or use --device cpu")
+            raise WorkerError(f"--world-size {world_size} needs {world_size} GPUs for NCCL (one rank per GPU) but "
+                              f"{n} are visible; lower --world-size or use --device cpu")
         return "nccl"
     if device != "cpu":
         raise WorkerError(f"--device must be 'cpu' or 'cuda', got {device!r}")
     return "gloo"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _available_mb() -> float:
+    """Memory available to new processes (``MemAvailable``), in MB; ``inf`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def check_world_size(world_size: int, device: str) -> None:
+    """Raise :class:`WorkerError` unless this machine can hold ``world_size`` workers on ``device``: on
+    CUDA one GPU per rank; on CPU at most :data:`RANKS_PER_CORE` per core of this process's affinity and
+    :data:`RANK_MEMORY_MB` each of the memory available now. The message names the limit."""
+    if world_size < 1:
+        raise WorkerError(f"--world-size must be >= 1, got {world_size}")
+    if pick_backend(device, world_size) != "gloo":
+        return
+    cores, memory = _cores(), _available_mb()
+    by_cores, by_memory = RANKS_PER_CORE * cores, int(memory // RANK_MEMORY_MB)
+    if world_size > min(by_cores, by_memory):
+        raise WorkerError(
+            f"--world-size {world_size} is more than this machine holds: {cores} cores hold at most {by_cores} "
+            f"CPU ranks ({RANKS_PER_CORE} per core) and {memory / 1024:.1f} GB of available memory at most "
+            f"{by_memory} ({RANK_MEMORY_MB} MB per rank); lower --world-size to {min(by_cores, by_memory)} or less")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this worker when the launching process ``parent_pid`` dies: at once through Linux's
+    ``PR_SET_PDEATHSIG`` (SIGKILL), and by a poll of the parent's pid every second (other systems)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    def poll():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+    if os.getppid() != parent_pid:  # died before the watch was set
+        os._exit(1)
+    threading.Thread(target=poll, name="kdacp-watch-parent", daemon=True).start()
 
 
 def _init_group(rank: int, world_size: int, device: str, timeout_s: float) -> torch.device:
@@ -85,7 +162,8 @@ def _init_group(rank: int, world_size: int, device: str, timeout_s: float) -> to
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float, fn, args, messages,
-            prepare) -> None:
+            prepare, parent_pid: int) -> None:
+    _watch_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -100,6 +178,37 @@ def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float
         raise SystemExit(1)
 
 
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Inside the block (main thread only), SIGINT, SIGTERM and SIGHUP raise :class:`Stopped`; the first
+    one received ignores the rest until the block has cleaned up; the former handlers are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+    former = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in former.items():
+            signal.signal(s, handler)
+
+
+def _start(process) -> None:
+    """Start ``process`` with SIGINT and SIGHUP blocked, a mask it inherits: Ctrl-C and a closed terminal
+    reach the whole process group, and it is the launcher that stops the workers, without tracebacks."""
+    blocked = {signal.SIGINT, signal.SIGHUP}
+    former = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, former)
+
+
 def _stop(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -112,13 +221,28 @@ def _stop(procs) -> None:
             p.join(1)
 
 
+def _cause(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str = "") -> None:
     for r, p in enumerate(procs):
         code = p.exitcode
         if code is None or code == 0 or r in results or (signals_only and code > 0):
             continue
-        cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        raise WorkerError(f"worker rank {r} died ({cause}){consequence}; the other workers were stopped")
+        raise WorkerError(f"worker rank {r} died ({_cause(code)}){consequence}; the other workers were stopped")
+
+
+def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
+    """After every result: wait (until ``deadline``) for the workers to exit, and raise if one did not exit
+    cleanly (a crash in its process group's teardown or at interpreter exit still fails the run)."""
+    for r, p in enumerate(procs):
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            raise WorkerError(f"worker rank {r} returned its result but had not exited when the run passed its "
+                              f"{timeout_s:.0f} s limit; all workers were stopped")
+        if p.exitcode != 0:
+            raise WorkerError(f"worker rank {r} died after returning its result ({_cause(p.exitcode)})")
 
 
 def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", port: int = 0,
@@ -126,17 +250,20 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
            prepare: Callable[[], Any] | None = None) -> list[Any]:
     """Run ``fn(ctx: RankContext, *args)`` on ``world_size`` ranks and return their results by rank.
 
-    Under torchrun, runs this process's rank only and returns ``[result]``. Otherwise spawns the
-    ranks (``gloo`` on CPU, ``nccl`` with one GPU per rank); ``on_report(rank, message)`` sees
-    each ``ctx.report`` message as it arrives. ``prepare()`` (picklable) runs in each rank's process
-    before its process group exists: imports that must precede the group go there (transformers'
-    model modules imported after it keep the default group alive until interpreter shutdown, where
-    destroying it aborts the process now and then: SIGABRT, "terminate called without an active
-    exception", torch 2.13 with gloo).
+    Under torchrun, runs this process's rank only and returns ``[result]``. Otherwise checks the world
+    size (:func:`check_world_size`) and spawns the ranks (``gloo`` on CPU, ``nccl`` with one GPU per
+    rank); ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
+    counts from the call: starting the workers, the run, and their exit. ``prepare()`` (picklable) runs in
+    each rank's process before its process group exists: imports that must precede the group go there
+    (transformers' model modules imported after it keep the default group alive until interpreter
+    shutdown, where destroying it aborts the process now and then: SIGABRT, "terminate called without an
+    active exception", torch 2.13 with gloo).
 
     Raises:
-        WorkerError: a worker raised, died (e.g. was killed) or the run passed ``timeout_s``;
-            all other workers are stopped first.
+        WorkerError: the machine cannot hold ``world_size`` workers (before any starts); a worker raised,
+            died (e.g. was killed, also after returning its result) or the run passed ``timeout_s``.
+        Stopped: the launching process got SIGINT, SIGTERM or SIGHUP.
+        In every case all workers are stopped first.
     """
     if world_size < 1:
         raise WorkerError(f"--world-size must be >= 1, got {world_size}")
@@ -149,41 +276,48 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
             return [fn(RankContext(rank, ws, dev, lambda m: on_report and on_report(rank, m)), *args)]
         finally:
             dist.destroy_process_group()
-    pick_backend(device, world_size)  # fail before spawning anything
+    deadline = time.monotonic() + timeout_s
+    check_world_size(world_size, device)  # fail before spawning anything
     if port:
         _check_port(port)
     else:
         port = free_port()
     ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, timeout_s, fn, args, messages, prepare),
-                         daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size:
-            try:
-                kind, rank, payload = messages.get(timeout=0.2)
-            except queue.Empty:
-                _raise_if_dead(procs, results)
+    started: list = []
+    late = WorkerError(f"the run passed its {timeout_s:.0f} s limit; all workers were stopped")
+    with _stop_on_signals():
+        try:
+            messages = ctx.Queue()
+            for r in range(world_size):
                 if time.monotonic() > deadline:
-                    raise WorkerError(f"the run passed its {timeout_s:.0f} s limit; all workers were stopped")
-                continue
-            if kind == "error":
-                # A peer killed mid-collective makes the others fail with connection errors:
-                # give the dead one a moment to show up, and name it as the cause.
-                for _ in range(10):
-                    _raise_if_dead(procs, results, signals_only=True, consequence=f" (rank {rank} then failed)")
-                    time.sleep(0.1)
-                raise WorkerError(f"worker rank {rank} failed: {payload}")
-            if kind == "report":
-                if on_report is not None:
-                    on_report(rank, payload)
-            else:
-                results[rank] = payload
-    finally:
-        _stop(procs)
+                    raise WorkerError(f"the run passed its {timeout_s:.0f} s limit while starting its workers "
+                                      f"({r} of {world_size} started); all were stopped")
+                started.append(ctx.Process(target=_worker, daemon=True, args=(
+                    r, world_size, port, device, timeout_s, fn, args, messages, prepare, os.getpid())))
+                _start(started[-1])
+            while len(results) < world_size:
+                try:
+                    kind, rank, payload = messages.get(timeout=0.2)
+                except queue.Empty:
+                    _raise_if_dead(started, results)
+                    if time.monotonic() > deadline:
+                        raise late from None
+                    continue
+                if kind == "error":
+                    # A peer killed mid-collective makes the others fail with connection errors:
+                    # give the dead one a moment to show up, and name it as the cause.
+                    for _ in range(10):
+                        _raise_if_dead(started, results, signals_only=True,
+                                       consequence=f" (rank {rank} then failed)")
+                        time.sleep(0.1)
+                    raise WorkerError(f"worker rank {rank} failed: {payload}")
+                if kind == "report":
+                    if on_report is not None:
+                        on_report(rank, payload)
+                else:
+                    results[rank] = payload
+            _raise_if_exit_failed(started, deadline, timeout_s)
+        finally:
+            _stop(started)
     return [results[r] for r in range(world_size)]

@@ -5,12 +5,15 @@ virtual ranks, one device), ``soak`` (a long training run, watching memory, thre
 caches) and ``scaling`` (each strategy's step at 2 to 1024 ranks, predicted from stage and link times
 measured here; with several ranks, also measured).
 
-Each suite module defines ``run(..., report=None) -> list[dict]`` and ``PLOTS`` (file stem ->
-:class:`~kdacp.bench.harness.PlotSpec`), and may define ``markdown(rows) -> str``; multi-rank suites set ``MULTI_RANK = True`` and their
-``run`` is called on every rank of an initialised process group.
+Each suite module defines ``run(..., report=None) -> list[dict]`` (``report(row)`` as each row is
+measured) and ``PLOTS`` (file stem -> :class:`~kdacp.bench.harness.PlotSpec`), and may define
+``markdown(rows) -> str``; multi-rank suites set ``MULTI_RANK = True`` and their ``run`` is called on
+every rank of an initialised process group, after the suite's optional ``prepare()`` (imports that must
+come before the group, as :func:`kdacp.workers.launch` explains).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import Callable
@@ -29,6 +32,13 @@ def load_suite(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def _prepare(name: str) -> None:
+    """In each rank's process before its group: import the suite and run its ``prepare()``, if any."""
+    prepare = getattr(load_suite(name), "prepare", None)
+    if prepare is not None:
+        prepare()
+
+
 def _rank_worker(ctx: RankContext, name: str, options: dict) -> list[dict]:
     suite = load_suite(name)
     report = ctx.report if ctx.rank == 0 else None
@@ -42,5 +52,5 @@ def run_suite(name: str, options: dict, *, device: str = "cuda", world_size: int
     if not getattr(suite, "MULTI_RANK", False):
         return suite.run(**options, device=device, report=on_row)
     results = launch(_rank_worker, world_size, (name, options), device=device, port=port, timeout_s=timeout_s,
-                     on_report=lambda rank, row: on_row and on_row(row))
+                     on_report=lambda rank, row: on_row and on_row(row), prepare=functools.partial(_prepare, name))
     return results[0]

@@ -143,18 +143,21 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
 
 
 def write_results(suite: str, rows: list[dict], out_dir: str | Path, plots: dict[str, PlotSpec] | None = None,
-                  context: dict | None = None, markdown=markdown_table) -> list[Path]:
+                  context: dict | None = None, markdown=markdown_table, complete: bool = True) -> list[Path]:
     """Write ``<suite>.json`` (context + rows), ``<suite>.md`` and one ``<stem>.png`` per entry of
     ``plots`` (when matplotlib is installed); return the paths written. ``context`` defaults to
     this run's (:func:`run_context`); pass a recorded run's to re-render its results. ``markdown``
-    renders the rows (a suite whose rows are of several kinds gives its own)."""
+    renders the rows (a suite whose rows are of several kinds gives its own). ``complete=False``: the
+    rows of a run still going or stopped early (the JSON's ``complete`` and the Markdown say so)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     context = run_context() if context is None else context
     paths = [out / f"{suite}.json", out / f"{suite}.md"]
-    paths[0].write_text(json.dumps({"suite": suite, "context": context, "rows": rows}, indent=2))
+    paths[0].write_text(json.dumps({"suite": suite, "context": context, "complete": complete, "rows": rows},
+                                   indent=2))
     head = ", ".join(f"{k} {v}" for k, v in context.items())
-    paths[1].write_text(f"# kdacp bench: {suite}\n\n{head}\n\n{markdown(rows)}\n")
+    partial = "" if complete else f"Partial: the {len(rows)} rows measured before the run ended or stopped.\n\n"
+    paths[1].write_text(f"# kdacp bench: {suite}\n\n{head}\n\n{partial}{markdown(rows)}\n")
     for stem, spec in (plots or {}).items():
         if rows and _plot(rows, spec, out / f"{stem}.png", context):
             paths.append(out / f"{stem}.png")

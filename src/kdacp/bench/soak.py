@@ -3,12 +3,14 @@
 Every step trains :func:`kdacp.demo.demo_model` (transformers' Kimi Linear under :func:`kdacp.parallelize`,
 ``state`` mode for its KDA layers, the given strategy) on a new packed batch (a new ``cu_seqlens`` tensor
 each step, so every per-batch cache is exercised) with :func:`kdacp.demo.demo_step` and plain SGD.
-Every ``every`` steps each rank records, and rows keep the largest over ranks: its resident memory
-(``rss_MB``) and, on CUDA, allocated memory (``cuda_MB``); its threads and open file descriptors; and
+At the first step, every ``every`` steps and the last, each rank records, and rows keep the largest over
+ranks: its resident memory (``rss_MB``) and, on CUDA, allocated memory (``cuda_MB``); its threads and open file descriptors; and
 the sizes of kdacp's caches (the layer contexts' per-batch and per-shape memos, the cross-rank
 verification memo). A leak shows as a column that keeps growing after warm-up.
 
-    kdacp bench --suite soak --device cpu --world-size 4
+    kdacp bench --suite soak --device cpu --world-size 4 [--steps 2000]
+
+Each row reaches ``report`` as it is measured, so a run stopped early (``kdacp bench --timeout``) keeps it.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ import torch.distributed as dist
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
 from kdacp.distributed import checks, new_cp_group
 from kdacp.layers import KDAContextParallel
-from kdacp.models import parallelize
+from kdacp.models import load_kimi_linear, parallelize
 
 from .harness import PlotSpec
 
 MULTI_RANK = True
+prepare = load_kimi_linear  # transformers' model module, before the process group (kdacp.workers.launch)
 PLOTS = {"soak_memory": PlotSpec(x="step", y=("rss_MB", "cuda_MB"), title="memory over a long run", ylabel="MB",
                                  logx=False)}
 
@@ -35,11 +38,15 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run(steps: int = 2000, every: int = 100, strategy: str = "p2p", group=None, device: str = "cpu",
+def run(steps: int = 2000, every: int | None = None, strategy: str = "p2p", group=None, device: str = "cpu",
         report=None, seq_lens: tuple[int, ...] | None = None) -> list[dict]:
     """Rows ``step, rss_MB, cuda_MB, threads, fds, batch_memo, shape_memo, verified_plans, loss`` (the global
     token-mean loss); call on every rank of an initialised process group. ``seq_lens``: the documents of
-    each step's packed batch (default: the demo's)."""
+    each step's packed batch (default: the demo's); ``every``: steps between rows (default a twentieth of
+    ``steps``, at least 1)."""
+    if steps < 1 or (every is not None and every < 1):
+        raise ValueError(f"steps and every must be >= 1, got steps={steps}, every={every}")
+    every = every or max(1, steps // 20)
     device = torch.device(device)
     group = group or new_cp_group()
     P = dist.get_world_size(group)
@@ -56,7 +63,7 @@ def run(steps: int = 2000, every: int = 100, strategy: str = "p2p", group=None, 
         _, loss = demo_step(model, ids, cu, group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % every == 0 or step == 1:
+        if step % every == 0 or step in (1, steps):
             values = torch.tensor([_rss_mb(), torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda"
                                    else 0.0, threading.active_count(), len(os.listdir("/proc/self/fd")),
                                    len(cp._batches), len(cp._row_plans), len(checks._VERIFIED)], dtype=torch.float64,
