@@ -12,7 +12,7 @@ import torch
 from .backends import BACKENDS
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
-from .demo import DTYPES, rank_count
+from .demo import DTYPES, hybrid_ulysses_size, rank_count
 from .distributed.plan import STRATEGY_CHOICES
 from .layers.context_parallel import MODES
 from .workers import Stopped, WorkerError, launch, under_torchrun
@@ -248,11 +248,6 @@ def _missing_gpu(suite: str, device: str) -> str | None:
     return None
 
 
-def _smallest_divisor(n: int) -> int | None:
-    """The smallest divisor of ``n`` strictly between 1 and ``n`` (hybrid's Ulysses size), or None."""
-    return next((d for d in range(2, n) if n % d == 0), None)
-
-
 def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     """The suite's option dicts, one per run (several ``--seq-lens`` of kernels and layer run one by one)."""
     seq_lens = args.seq_lens
@@ -286,10 +281,10 @@ def _layer_modes_error(args: argparse.Namespace, world: int, device: str) -> str
     """Why the layer suite's ``--modes`` cannot run on ``world`` ranks, or ``None``."""
     heads = args.heads or (32 if device == "cuda" else _CPU_LAYER["heads"])
     for mode in args.modes or ():
-        if mode == "hybrid" and _smallest_divisor(world) is None:
+        if mode == "hybrid" and hybrid_ulysses_size(world) is None:
             return (f"--modes hybrid runs Ulysses in groups and state passing across them, so the world size needs "
                     f"a divisor between 1 and itself; {world} has none (4 or 6 do)")
-        if mode != "state" and heads % (world if mode == "ulysses" else _smallest_divisor(world)):
+        if mode != "state" and heads % (world if mode == "ulysses" else hybrid_ulysses_size(world)):
             return f"--modes {mode} splits the {heads} heads over the ranks of a Ulysses group; {heads} do not split"
     return None
 

@@ -37,7 +37,7 @@ from .precompile import precompile
 from .workers import RankContext
 
 __all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
-           "demo_model", "demo_step", "demo_worker", "rank_count"]
+           "demo_model", "demo_step", "demo_worker", "hybrid_ulysses_size", "rank_count"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.
@@ -62,6 +62,12 @@ LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
 # the one-process reference (rank 0; the other ranks wait for it in ``checks``); broadcasting the
 # reference and comparing with it, and the optimizer steps.
 PHASES = ("build", "steps", "reference", "checks")
+
+
+def hybrid_ulysses_size(world_size: int) -> int | None:
+    """The default Ulysses group size of ``hybrid`` mode: the smallest divisor of ``world_size`` strictly
+    between 1 and it (None if there is none)."""
+    return next((d for d in range(2, world_size) if world_size % d == 0), None)
 
 
 def rank_count(n: int) -> str:
@@ -171,7 +177,7 @@ def demo_config(world_size: int, mode: str = "state", *, ulysses_size: int | Non
     ``world_size``'s smallest multiple from there where they do not split over the ranks.
     """
     if mode == "hybrid" and ulysses_size is None:
-        ulysses_size = next((d for d in range(2, world_size) if world_size % d == 0), None)
+        ulysses_size = hybrid_ulysses_size(world_size)
     heads, dim = HEADS.get(device, HEADS["cpu"])
     if num_heads is None:
         num_heads = -(-heads // world_size) * world_size

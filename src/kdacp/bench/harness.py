@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import subprocess
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,13 +79,21 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+# Line styles by series: lines that coincide (equal values) still show, the later ones dashed, thinner
+# and with smaller markers drawn over the earlier ones.
+_LINE_STYLES = (dict(linestyle="-", marker="o", markersize=9, linewidth=3.0),
+                dict(linestyle="--", marker="s", markersize=6, linewidth=2.0),
+                dict(linestyle=":", marker="^", markersize=4, linewidth=1.5),
+                dict(linestyle="-.", marker="x", markersize=5, linewidth=1.0))
+
+
+def _figure(rows: list[dict], spec: PlotSpec, context: dict):
+    """The matplotlib figure of ``rows`` by ``spec`` (None when the rows do not fit it): one panel per
+    ``spec.panel`` value, side by side for lines and one above the other for bars (their long labels
+    need the width), each titled by its panel value, under the spec's title and the run's context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     marks = []
     if spec.points:
         column, prefix = spec.points
@@ -92,23 +101,30 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
     if spec.where:
         rows = [r for r in rows if r.get(spec.where[0]) == spec.where[1]]
     if not rows or any(spec.x not in r for r in rows):
-        return False  # rows of another shape (an older or partial run): no plot, the table still stands
+        return None  # rows of another shape (an older or partial run): no plot, the table still stands
     if not spec.bars and len({r.get(spec.x) for r in rows}) < 2:
-        return False  # a line needs two x values (e.g. "vs ranks" from a run at one world size)
+        return None  # a line needs two x values (e.g. "vs ranks" from a run at one world size)
     panels = list(dict.fromkeys(r.get(spec.panel) for r in rows)) if spec.panel else [None]
-    size = (10, 1.5 + 0.4 * len(rows)) if spec.bars else (5.5 * len(panels), 4)
-    fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    if spec.bars:
+        fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 0.45 * len(rows) + 0.7 * len(panels)),
+                                 squeeze=False)
+        axes = axes[:, 0]
+    else:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.3), squeeze=False)
+        axes = axes[0]
+    for ax, panel in zip(axes, panels):
         sel = [r for r in rows if spec.panel is None or r.get(spec.panel) == panel]
+        if spec.panel:
+            ax.set_title(f"{spec.panel}: {panel}", fontsize=10)
         if spec.bars:
             names = [str(r[spec.x]) for r in sel]
             # kdacp's rows in one colour, everything else (FLA's) in another
             colors = ["tab:blue" if n.startswith("kdacp") else "tab:gray" for n in names]
             bars = ax.barh(names, [r[spec.y] for r in sel], color=colors)
             ax.bar_label(bars, fmt="%.3f", padding=3, fontsize=8)
+            ax.margins(x=0.15)  # room for the labels
             ax.invert_yaxis()
             ax.set_xlabel(spec.ylabel or str(spec.y))
-            ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)
             ax.grid(alpha=0.3, axis="x")
             continue
         if isinstance(spec.y, tuple):
@@ -116,10 +132,10 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
         else:
             lines = {name: [(r[spec.x], r.get(spec.y)) for r in sel if r[spec.series] == name]
                      for name in dict.fromkeys(r[spec.series] for r in sel)}
-        for name, pts in lines.items():
+        for i, (name, pts) in enumerate(lines.items()):
             pts = sorted(p for p in pts if p[1] is not None)
             if pts:
-                line, = ax.plot(*zip(*pts), marker="o", label=str(name))
+                line, = ax.plot(*zip(*pts), label=str(name), **_LINE_STYLES[i % len(_LINE_STYLES)])
                 if isinstance(spec.y, tuple):
                     got = sorted((r[spec.x], r[name]) for r in marks if r.get(name) is not None)
                     if got:
@@ -131,12 +147,25 @@ def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
             ax.set_yscale("log")
         ax.set_xlabel(spec.x)
         ax.set_ylabel(spec.ylabel or str(spec.y))
-        ax.set_title(f"{spec.title} {spec.panel}={panel}" if spec.panel else spec.title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     where = f"{context['gpus']}x {context['device']}" if context["gpus"] else "CPU"
-    fig.suptitle(f"{where}, commit {context['commit']}, {context['date']}", fontsize=8)
+    # wrapped to the figure's width (about 11 characters an inch at 10 points)
+    title = textwrap.wrap(spec.title, width=int(11 * fig.get_figwidth())) if spec.title else []
+    fig.suptitle("\n".join([*title, f"{where}, commit {context['commit']}, {context['date']}"]), fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _plot(rows: list[dict], spec: PlotSpec, path: Path, context: dict) -> bool:
+    """Write :func:`_figure` to ``path``; False when matplotlib is missing or the rows do not fit."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig = _figure(rows, spec, context)
+    if fig is None:
+        return False
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

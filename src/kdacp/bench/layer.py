@@ -4,15 +4,17 @@ Every rank holds ``t_local`` tokens of a global batch (one sequence, or packed d
 rank edges: :mod:`kdacp.bench.batches`). Contenders, timed round-robin in one run (blocks of warm
 iterations, CUDA events where there is CUDA, the slowest rank's time):
 
-- ``kdacp_one_gpu`` / ``fla_one_gpu``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
-  weights) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-GPU baseline
-  holding the same tokens;
-- ``kdacp_<mode>``: kdacp's layer with ``KDAContextParallel(mode)`` over the group, on the global batch.
+- ``kdacp_one_rank`` / ``fla_one_rank``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
+  weights, CUDA only) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-rank
+  (one-GPU) baseline holding the same tokens;
+- ``kdacp_<mode>``: kdacp's layer with ``KDAContextParallel(mode)`` over the group, on the global batch,
+  for each of ``modes`` (``state``, ``ulysses``, ``hybrid``: Ulysses groups of the world size's smallest
+  divisor, state passing across them).
 
-``ratio``: the row's time over ``fla_one_gpu``'s (over ``kdacp_one_gpu``'s where FLA's layer is not
-installed). Kimi Linear's settings: safe gate with ``lower_bound=-5``, ``conv_size=4``.
+``ratio``: the row's time over ``fla_one_rank``'s (over ``kdacp_one_rank``'s where FLA's layer is not
+installed or on CPU). Kimi Linear's settings: safe gate with ``lower_bound=-5``, ``conv_size=4``.
 
-    kdacp bench --suite layer
+    kdacp bench --suite layer [--modes state,ulysses]
     (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
 
 ``run(...)`` returns the rows; call it on every rank of an initialised process group.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kdacp.demo import hybrid_ulysses_size
 from kdacp.distributed import new_cp_group
 from kdacp.distributed.plan import local_cu_seqlens
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
@@ -32,7 +35,7 @@ from .timing import peak_gb, time_round_robin
 
 MULTI_RANK = True
 PLOTS = {"layer_step": PlotSpec(x="label", y="ms", panel="batch", bars=True,
-                                title="layer step (fwd+bwd) per GPU", ylabel="ms")}
+                                title="layer step (fwd+bwd) per rank", ylabel="ms")}
 
 
 def fla_layer_like(layer: KimiDeltaAttention):
@@ -62,7 +65,7 @@ def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tenso
 def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128, modes=("state",),
         batches=BATCHES, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device="cuda",
         dtype=torch.bfloat16, backend: str = "fla", seed: int = 0, report=None) -> list[dict]:
-    """Rows ``batch, docs, run, label, gpus, tokens_per_gpu, ms, ratio, peak_GB`` per batch and contender.
+    """Rows ``batch, docs, run, label, ranks, tokens_per_rank, ms, ratio, peak_GB`` per batch and contender.
 
     ``batches``: names from :data:`kdacp.bench.batches.BATCHES`; ``modes``: the context-parallel modes
     (none on one rank); ``report(row)``: called as each row completes. Call on every rank of ``group``
@@ -71,11 +74,14 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
     device = torch.device(device)
     group = group or new_cp_group()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if "hybrid" in modes and hybrid_ulysses_size(world_size) is None:
+        raise ValueError(f"hybrid needs a world size with a divisor between 1 and itself; {world_size} has none")
     torch.manual_seed(seed)  # replicated parameters
     ours = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
                               device=device, dtype=dtype)
     fla = fla_layer_like(ours) if device.type == "cuda" else None
-    cps = {mode: KDAContextParallel(mode, group) for mode in (modes if world_size > 1 else ())}
+    cps = {mode: KDAContextParallel(mode, group, ulysses_size=hybrid_ulysses_size(world_size) if mode == "hybrid"
+                                    else None) for mode in (modes if world_size > 1 else ())}
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     rows = []
     for batch in batches:
@@ -91,7 +97,7 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
         cu_own = local_cu_seqlens(cu, own.start, own.stop)
         cu_own = torch.tensor(cu_own, device=device) if len(cu_own) > 2 else None
 
-        def one_gpu(layer):
+        def one_rank(layer):
             return lambda: layer_step(layer, x_own, dy_own, cu_own)
 
         def context_parallel(cp):
@@ -103,16 +109,16 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
                     ours.cp = None
             return step
 
-        fns = {"kdacp_one_gpu": one_gpu(ours)}
+        fns = {"kdacp_one_rank": one_rank(ours)}
         if fla is not None:
-            fns["fla_one_gpu"] = one_gpu(fla)
+            fns["fla_one_rank"] = one_rank(fla)
         fns.update({f"kdacp_{mode}": context_parallel(cp) for mode, cp in cps.items()})
         ms = time_round_robin(fns, warmup, rounds, iters, group, device)
-        base = ms.get("fla_one_gpu", ms["kdacp_one_gpu"])
+        base = ms.get("fla_one_rank", ms["kdacp_one_rank"])
         for name, fn in fns.items():
-            gpus = world_size if name in {f"kdacp_{m}" for m in cps} else 1
-            row = dict(batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})", gpus=gpus,
-                       tokens_per_gpu=t_local, ms=ms[name], ratio=ms[name] / base,
+            ranks = world_size if name in {f"kdacp_{m}" for m in cps} else 1
+            row = dict(batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})", ranks=ranks,
+                       tokens_per_rank=t_local, ms=ms[name], ratio=ms[name] / base,
                        peak_GB=peak_gb(fn, group, device))
             rows.append(row)
             if report is not None:

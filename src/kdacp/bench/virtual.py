@@ -30,7 +30,8 @@ from kdacp.distributed.strategies import AffineMessage, simulate_scan
 from .harness import PlotSpec
 
 PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_err", "scan_state_err"),
-                                   title="incoming-state error vs ranks (virtual)", ylabel="relative error")}
+                                   title="incoming-state error vs ranks (virtual); where the strategies' errors "
+                                         "are equal their lines lie on one another", ylabel="relative error")}
 STRATEGY_ORDERS = ("p2p", "allgather", "scan")
 
 
