@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import resource_tracker
 
 __all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_world_size", "free_port", "under_torchrun",
            "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
@@ -198,15 +199,21 @@ def _stop_on_signals():
             signal.signal(s, handler)
 
 
-def _start(process) -> None:
-    """Start ``process`` with SIGINT and SIGHUP blocked, a mask it inherits: Ctrl-C and a closed terminal
-    reach the whole process group, and it is the launcher that stops the workers, without tracebacks."""
-    blocked = {signal.SIGINT, signal.SIGHUP}
-    former = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+@contextlib.contextmanager
+def _terminal_signals_blocked():
+    """Inside the block SIGINT and SIGHUP are blocked, a mask that processes started there inherit (and
+    keep): Ctrl-C and a closed terminal reach the whole process group, and it is the launcher that stops
+    its workers and multiprocessing's resource tracker, without tracebacks."""
+    former = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGHUP})
     try:
-        process.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, former)
+
+
+def _start(process) -> None:
+    with _terminal_signals_blocked():
+        process.start()
 
 
 def _stop(procs) -> None:
@@ -288,6 +295,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
     late = WorkerError(f"the run passed its {timeout_s:.0f} s limit; all workers were stopped")
     with _stop_on_signals():
         try:
+            with _terminal_signals_blocked():
+                resource_tracker.ensure_running()  # the queue's semaphores start it otherwise
             messages = ctx.Queue()
             for r in range(world_size):
                 if time.monotonic() > deadline:
