@@ -132,48 +132,59 @@ def _running(pid: int) -> bool:
 
 def _start_launcher(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     """The launcher in a session of its own (as a shell's foreground job), once both ranks are inside
-    their function; returns it and its child processes."""
+    their function; returns it and its child processes. Its output goes to files: workers left behind
+    would hold pipes open."""
     env = dict(os.environ, KDACP_TEST_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=out, stderr=err, text=True, env=env,
+                                start_new_session=True)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the ranks did not start"
+        assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the ranks did not start")
         time.sleep(0.2)
-    children = _processes_of(proc.pid)
-    assert len(children) == 3, children  # 2 workers and the resource tracker
-    return proc, children
+    return proc, _processes_of(proc.pid)
 
 
-def _assert_gone(pids: list[int], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = [p for p in pids if _running(p)]
-    for p in alive:  # leave nothing behind, even when failing
-        os.kill(p, signal.SIGKILL)
-    assert not alive, f"left running {within_s:.0f} s later: {alive}"
+def _stop_and_check(proc: subprocess.Popen, children: list[int], within_s: float = 5.0) -> None:
+    """Wait for the launcher, then assert that none of ``children`` runs ``within_s`` later; kills what is
+    left either way, so that a failing test leaves no process behind."""
+    try:
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + within_s
+        while any(_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in children if _running(p)]
+        assert not alive, f"left running {within_s:.0f} s later: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for p in children:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_stops_every_process_with_one_line(tmp_path, signum):
     proc, children = _start_launcher(tmp_path)
+    assert len(children) == 3, children  # 2 workers and the resource tracker
     # SIGINT and SIGHUP as a terminal sends them, to the whole process group; SIGTERM as kill does
     (os.killpg if signum != signal.SIGTERM else os.kill)(proc.pid, signum)
-    out, err = proc.communicate(timeout=30)
-    _assert_gone(children)
-    name = signal.Signals(signum).name
+    _stop_and_check(proc, children)
+    err = (tmp_path / "err").read_text()
     assert proc.returncode == 128 + signum, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.strip() and "demo: 2 ranks" not in ln]  # not the progress bar
-    assert lines == [f"kdacp demo: stopped by {name}; every worker was stopped"], err[-3000:]
+    assert lines == [f"kdacp demo: stopped by {signal.Signals(signum).name}; every worker was stopped"], err[-3000:]
 
 
 def test_a_killed_launcher_leaves_no_worker(tmp_path):
     proc, children = _start_launcher(tmp_path)
+    assert len(children) == 3, children
     proc.kill()
-    proc.communicate(timeout=30)
-    _assert_gone(children)
+    _stop_and_check(proc, children)
 
 
 def test_stopped_names_the_signal():
