@@ -176,7 +176,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the step times")
     parser.add_argument("--plain", action="store_true", help="also run the unmodified model on one GPU")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     args = dict(steps=a.steps, seq_lens=a.seq_lens, lr=a.lr, seed=a.seed)
     runs = ([("plain", 1)] if a.plain else []) + [("kdacp_1_nudged", 1)] + [(f"kdacp_{p}", p) for p in a.world_sizes]
@@ -196,8 +196,9 @@ def main() -> None:
         if a.device == "cuda" and p > torch.cuda.device_count():
             print(f"{name}: skipped, {p} GPUs asked for and {torch.cuda.device_count()} visible", flush=True)
             continue
+        # transformers' model module loaded in each rank before its process group (kdacp.workers.launch)
         result = launch(train_worker, p, (name, args), device=a.device, timeout_s=3600,
-                        on_report=lambda rank, m: print(m, flush=True))
+                        on_report=lambda rank, m: print(m, flush=True), prepare=load_kimi_linear)
         rows += result[0]
         with open(os.path.join(a.out, "train_curve.json"), "w") as f:
             json.dump(rows, f, indent=1)

@@ -149,8 +149,8 @@ def _print_demo_time(row: dict, launch_s: float, world: int) -> None:
     parts = [f"{before:.1f} s interpreter, imports and set-up",
              f"{launch_s - row['worker_s']:.1f} s starting {rank_count(world)} (imports, process group) and "
              f"their exit", f"{row['build_s']:.1f} s building the model",
-             f"{row['steps_s']:.1f} s context-parallel steps (compiling ahead {row['precompile_s']:.1f} s, "
-             f"autotuning {row['autotune_s']:.1f} s)", f"{row['reference_s']:.1f} s the one-process reference",
+             f"{row['steps_s']:.1f} s context-parallel steps (of it {row['precompile_s']:.1f} s compiling ahead, "
+             f"{row['autotune_s']:.1f} s autotuning)", f"{row['reference_s']:.1f} s the one-process reference",
              f"{row['checks_s']:.1f} s checks, exchanges and optimizer steps"]
     print(f"time: {whole:.1f} s from command to verdict: " + ", ".join(parts) + " (rank 0)")
 

@@ -321,9 +321,9 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
 
 def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
     """:func:`demo_worker`'s run: this rank's row, less its times, which go into ``spent`` (seconds)."""
+    t0 = time.perf_counter()
     from transformers.utils import logging
     logging.set_verbosity_error()  # the reference's notices that it runs transformers' PyTorch fallbacks
-    t0 = time.perf_counter()
     model = demo_model(cfg, ctx.device)
     reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))

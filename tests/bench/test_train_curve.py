@@ -20,7 +20,7 @@ def train_curve():
 def test_two_ranks_follow_one_and_the_nudge_moves_the_curve(train_curve):
     args = dict(steps=3, seq_lens=[200, 120], lr=1e-3, seed=0)  # the first document crosses the edge at 160
     curves = {run: [r["loss"] for r in launch(train_curve.train_worker, p, (run, args), device="cpu",
-                                              timeout_s=300)[0]]
+                                              timeout_s=300, prepare=train_curve.load_kimi_linear)[0]]
               for run, p in (("kdacp_1", 1), ("kdacp_2", 2), ("kdacp_1_nudged", 1))}
     one, two, nudged = curves["kdacp_1"], curves["kdacp_2"], curves["kdacp_1_nudged"]
     assert len(one) == len(two) == 3
@@ -36,3 +36,16 @@ def test_summary_measures_differences_to_one_rank(train_curve):
     assert summary["kdacp_2"]["max_abs_diff"] == pytest.approx(0.5)
     assert summary["kdacp_2"]["mean_abs_diff"] == pytest.approx(0.5 / 3)
     assert summary["kdacp_1"]["step_s"] == pytest.approx(2.0) and summary["kdacp_1"]["tokens_per_s"] == pytest.approx(50)
+
+
+def test_main_loads_the_model_module_before_each_ranks_group(train_curve, monkeypatch, tmp_path):
+    """transformers' model module imported after init_process_group aborted 1 in 20 runs at exit; the
+    script's launches load it first (``prepare``)."""
+    calls = []
+
+    def launch(fn, p, args, **kwargs):
+        calls.append(kwargs.get("prepare"))
+        return [[dict(run=args[0], ranks=p, step=s, loss=1.0, step_s=0.1, params=10, tokens=100) for s in range(2)]]
+    monkeypatch.setattr(train_curve, "launch", launch)
+    train_curve.main([str(tmp_path), "--world-sizes", "1", "2", "--steps", "2", "--skip", "0", "--device", "cpu"])
+    assert calls == [train_curve.load_kimi_linear] * 3  # kdacp_1_nudged, kdacp_1, kdacp_2

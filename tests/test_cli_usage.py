@@ -1,121 +1,7 @@
-"""`kdacp demo` end to end: passes with its defaults, and fails fast and clean when a worker dies."""
-import os
-import signal
-import subprocess
-import sys
-import time
-
+"""The command line in-process: usage errors (exit 2, one line, before any worker starts), messages,
+help texts and what the bench options hand to the suites."""
 import pytest
 import torch
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _is_worker(pid: int) -> bool:
-    try:
-        return b"multiprocessing" in open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:  # exited since ps listed it
-        return False
-
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
-def _demo(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kdacp.cli", "demo", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def test_demo_defaults_pass_within_two_minutes():
-    start = time.monotonic()
-    proc = _demo()
-    out, err = proc.communicate(timeout=170)
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, err[-3000:]
-    assert "PASS" in out
-    lines = [ln for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
-    assert len(lines) == 4  # one row per rank of the default world size
-    assert "step time (slowest rank): first step" in out and "later steps" in out
-    assert elapsed < 120, f"the default demo took {elapsed:.0f} s"
-
-
-def test_demo_on_one_rank_prints_the_first_step_time():
-    """The lead's GPU timing command is `kdacp demo --world-size 1 --device cuda`: one rank must work."""
-    proc = _demo("--world-size", "1", "--seq-lens", "100,28", "--steps", "2")
-    out, err = proc.communicate(timeout=170)
-    assert proc.returncode == 0, err[-3000:]
-    rows = [ln.split() for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
-    assert len(rows) == 1 and rows[0][2:4] == ["128", "2"]  # all tokens, both documents
-    first, later = float(rows[0][4]), float(rows[0][5])
-    assert first > 0 and later > 0 and "PASS" in out
-
-
-def test_demo_reports_a_killed_worker_and_leaves_no_process():
-    proc = _demo("--world-size", "2", "--steps", "50", "--mode", "ulysses", "--seq-lens", "100,156")
-    deadline = time.monotonic() + 90
-    workers: list[int] = []
-    while time.monotonic() < deadline:  # wait until both workers run
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        workers = _children(proc.pid)
-        workers = [w for w in workers if _is_worker(w)]
-        if len(workers) >= 2:
-            break
-        time.sleep(0.5)
-    assert len(workers) >= 2, "the demo did not start its workers"
-    time.sleep(8)  # let them get into the training loop
-    killed_at = time.monotonic()
-    os.kill(workers[-1], signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
-    assert time.monotonic() - killed_at < 30
-    assert "died (signal SIGKILL)" in err
-    time.sleep(1)
-    alive = [w for w in workers if _running(w)]
-    assert not alive, f"workers left running: {alive}"
-
-
-def test_demo_rejects_a_split_that_does_not_divide():
-    proc = _demo("--world-size", "3", "--seq-lens", "100,102")
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    assert "cannot split equally" in err
-
-
-@pytest.mark.parametrize("args,msg", [(("--device", "cuda"), "no CUDA GPU is visible")])
-def test_demo_explains_missing_gpu(args, msg):
-    import torch
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    proc = _demo(*args)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and msg in err
-
-
-def test_demo_explains_a_busy_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        proc = _demo("--world-size", "2", "--port", str(s.getsockname()[1]))
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "is in use" in err and "--port 0" in err
-
-
-def test_demo_under_torchrun_uses_its_ranks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kdacp.cli", "demo",
-           "--seq-lens", "100,156", "--steps", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [ln for ln in out.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
-    assert len(rows) == 2 and "PASS" in out.stdout
-
 
 @pytest.fixture
 def no_workers(monkeypatch):
@@ -178,6 +64,15 @@ USAGE_ERRORS = [
     (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer or scaling, not --suite kernels"),
     (("bench", "--suite", "virtual", "--world-size", "2"), "--world-size is for --suite cp or layer or soak"),
     (("bench", "--suite", "soak", "--trace", "t"), "--trace is for --suite cp, not --suite soak"),
+    (("bench", "--suite", "layer", "--modes", "ring"), "argument --modes: expected comma-separated modes from"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--modes", "state,hybrid", "--world-size", "2"),
+     "the world size needs a divisor between 1 and itself; 2 has none (4 or 6 do)"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--modes", "ulysses", "--world-size", "3"),
+     "--modes ulysses splits the 4 heads over the ranks of a Ulysses group; 4 do not split"),
+    (("bench", "--suite", "cp", "--steps", "5"), "--steps is for --suite soak, not --suite cp"),
+    (("bench", "--suite", "soak", "--modes", "state"), "--modes is for --suite layer, not --suite soak"),
+    (("bench", "--suite", "soak", "--steps", "0"), "argument --steps: expected a positive integer"),
+    (("tune", "--seq-lens", "16384 2048"), "argument --seq-lens: expected comma-separated positive integers"),
     (("bench",), "the following arguments are required: --suite"),
     ((), "the following arguments are required: command"),
 ]
@@ -195,14 +90,6 @@ def test_demo_fla_without_a_gpu_is_a_usage_error(no_workers, capsys):
     assert "--backend fla needs --device cuda" in _usage_error(capsys, "demo", "--backend", "fla")
 
 
-def test_demo_hybrid_runs_with_its_defaults():
-    """``--mode hybrid`` without ``--ulysses-size`` once failed inside the workers."""
-    proc = _demo("--mode", "hybrid", "--steps", "1")
-    out, err = proc.communicate(timeout=170)
-    assert proc.returncode == 0, err[-3000:]
-    assert "mode hybrid (ulysses_size 2, strategy p2p)" in out and "PASS" in out
-
-
 @pytest.mark.parametrize("world_size,mode,heads,ulysses_size", [
     (4, "state", 4, None), (4, "ulysses", 4, None), (4, "hybrid", 4, 2), (1, "state", 4, None),
     (1, "ulysses", 4, None), (3, "state", 6, None), (8, "ulysses", 8, None), (9, "hybrid", 9, 3)])
@@ -213,6 +100,72 @@ def test_demo_defaults_fit_every_mode(world_size, mode, heads, ulysses_size):
     assert (cfg.num_heads, cfg.head_dim, cfg.ulysses_size) == (heads, 16, ulysses_size)
     gpu = demo_config(world_size, mode, device="cuda", seq_lens=(100 * world_size,))
     assert (gpu.num_heads, gpu.head_dim) == ({3: 33, 9: 36}.get(world_size, 32), 128)
+
+
+def _help(capsys, *argv) -> str:
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+
+
+def test_help_texts(capsys):
+    top = _help(capsys)
+    assert "``" not in top and "kdacp demo (a checked context-parallel training run)" in top
+    tune = _help(capsys, "tune")
+    assert "(default: None)" not in tune and ") (default:" not in tune
+    for text in ("--seq-lens SEQ_LENS comma-separated tokens per call", "(default: 16384,2048)",
+                 "--hidden HIDDEN the layer's hidden size (default: 2048)", "--heads HEADS the layer's heads (default: 32)",
+                 "--head-dim HEAD_DIM the size of each head, K = V (default: 128)"):
+        assert text in tune, text
+    bench = _help(capsys, "bench")
+    assert "Without a GPU: --suite layer, virtual, soak, scaling" in bench
+    assert "folder for the JSON, Markdown and PNG files (default: results)" in bench
+    assert "strictly between 1 and it" in _help(capsys, "demo")
+
+
+def test_tune_takes_comma_separated_lengths():
+    from kdacp.cli import build_parser
+    assert build_parser().parse_args(["tune", "--seq-lens", "1024,2048"]).seq_lens == (1024, 2048)
+
+
+def test_bench_device_cuda_without_a_gpu_names_the_missing_gpu(no_workers, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from kdacp.cli import main
+    assert main(["bench", "--suite", "layer", "--device", "cuda"]) == 1
+    assert capsys.readouterr().err.strip() == ("kdacp bench: --device cuda was asked for but no CUDA GPU is visible; "
+                                               "--suite layer also runs with --device cpu")
+    assert main(["bench", "--suite", "kernels"]) == 1
+    assert "--suite kernels needs a CUDA GPU and none is visible" in capsys.readouterr().err
+
+
+def test_bench_keeps_the_rows_of_a_run_stopped_early(monkeypatch, tmp_path, capsys):
+    """A soak (or any suite) stopped by its --timeout keeps the rows measured until then, on disk as each
+    was measured."""
+    import json
+
+    import kdacp.bench
+    from kdacp.cli import main
+    from kdacp.workers import WorkerError
+    seen_on_disk = []
+
+    def run_suite(name, case, *, on_row, **kwargs):
+        assert case == {"steps": 40}
+        for step in (1, 2):
+            on_row(dict(step=step, rss_MB=100.0))
+            seen_on_disk.append(len(json.loads((tmp_path / "soak.json").read_text())["rows"]))
+        raise WorkerError("the run passed its 90 s limit; all workers were stopped")
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "soak", "--steps", "40", "--timeout", "90", "--out", str(tmp_path)]) == 1
+    assert seen_on_disk == [1, 2]
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert data["complete"] is False and [r["step"] for r in data["rows"]] == [1, 2]
+    assert "Partial: the 2 rows" in (tmp_path / "soak.md").read_text()
+    captured = capsys.readouterr()
+    assert "kept the 2 rows measured before the run stopped" in captured.out
+    assert captured.err.strip().splitlines()[-1] == "kdacp bench: the run passed its 90 s limit; all workers were stopped"
 
 
 def test_demo_help_shows_defaults(capsys):
@@ -232,6 +185,9 @@ def test_demo_names_mode_and_strategy():
     from kdacp.demo import demo_config
     assert demo_config(4, "state", strategy="allgather").describe().startswith(
         "4 ranks, mode state (strategy allgather), Kimi Linear (KDA, MLA, KDA; 4 heads of 16), float32")
+    assert demo_config(1).describe().startswith("1 rank, mode state")
+    assert "backend auto (torch)" in demo_config(2).describe()
+    assert "backend torch," in demo_config(2, backend="torch").describe()
     assert "mode hybrid (ulysses_size 2, strategy p2p)" in demo_config(4, "hybrid").describe()
 
 
