@@ -7,17 +7,24 @@ import pytest
 
 
 def test_layer_suite_on_cpu_writes_results(tmp_path):
+    """Its batches hold the documents they name at CPU sizes, its rows say ranks (not GPUs), and it times
+    the ulysses mode beside state."""
     out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "layer", "--device", "cpu",
                           "--backend", "torch", "--world-size", "2", "--hidden", "32", "--heads", "2",
-                          "--head-dim", "16", "--seq-lens", "64", "--out", str(tmp_path)],
+                          "--head-dim", "16", "--seq-lens", "64", "--modes", "state,ulysses", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "layer.json").read_text())
-    assert data["suite"] == "layer" and data["context"]["commit"]
-    from kdacp.bench.batches import BATCHES
-    runs = {(r["batch"], r["run"], r["gpus"], r["tokens_per_gpu"]) for r in data["rows"]}
-    assert runs == {(b, run, gpus, 64) for b in BATCHES for run, gpus in (("kdacp_one_gpu", 1), ("kdacp_state", 2))}
+    assert data["suite"] == "layer" and data["context"]["commit"] and data["complete"] is True
+    from kdacp.bench.batches import BATCHES, document_lengths
+    runs = {(r["batch"], r["run"], r["ranks"], r["tokens_per_rank"]) for r in data["rows"]}
+    assert runs == {(b, run, ranks, 64) for b in BATCHES
+                    for run, ranks in (("kdacp_one_rank", 1), ("kdacp_state", 2), ("kdacp_ulysses", 2))}
+    docs = {r["batch"]: r["docs"] for r in data["rows"]}
+    assert docs == {"one_sequence": 1, "docs7": 7, "lognormal": len(document_lengths("lognormal", 128))}
+    assert docs["lognormal"] > 1
     assert all(r["ms"] > 0 for r in data["rows"])
+    assert not [k for r in data["rows"] for k in (*r, r["run"]) if "gpu" in k]  # on CPU: ranks
     assert "| run |" in (tmp_path / "layer.md").read_text()
     pytest.importorskip("matplotlib")
     assert (tmp_path / "layer_step.png").read_bytes()[:4] == b"\x89PNG"

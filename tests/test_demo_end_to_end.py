@@ -40,7 +40,7 @@ def _time_line(out: str) -> tuple[float, dict]:
     """The whole command's time and its parts (name -> seconds) from the demo's ``time:`` line."""
     line = next(ln for ln in out.splitlines() if ln.startswith("time: "))
     whole = float(re.match(r"time: ([0-9.]+) s from command to verdict: ", line).group(1))
-    parts = {name.strip(): float(x) for x, name in re.findall(r"([0-9.]+) s ([^,(]+)", line.split(": ", 2)[2])}
+    parts = {name.strip(): float(x) for x, name in re.findall(r"([0-9.]+) s ([^,()]+)", line.split(": ", 2)[2])}
     return whole, parts
 
 

@@ -10,8 +10,8 @@ from tests.multiprocess import run_ranks
 
 
 def _soak(rank, world_size):
-    rows = soak.run(steps=16, every=8, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
-    assert [r["step"] for r in rows] == [1, 8, 16]
+    rows = soak.run(steps=18, every=8, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
+    assert [r["step"] for r in rows] == [1, 8, 16, 18]  # the first, every 8th and the last
     assert all(r["batch_memo"] <= CACHED_BATCHES for r in rows) and rows[-1]["batch_memo"] == CACHED_BATCHES
     # a plan's verification memo goes with the plan: at most the batches kept, plus one in flight
     assert all(r["verified_plans"] <= CACHED_BATCHES + 1 for r in rows)
@@ -20,3 +20,9 @@ def _soak(rank, world_size):
 
 def test_soak_short_run_keeps_caches_bounded():
     run_ranks(_soak, 2)
+
+
+def test_soak_rows_default_to_a_twentieth_of_the_steps():
+    import pytest
+    with pytest.raises(ValueError, match="steps and every must be >= 1"):
+        soak.run(steps=0)
