@@ -29,8 +29,8 @@ def test_batches_hold_their_documents_at_small_sizes(total):
     of its first), and lognormal one too (its median was 2048)."""
     docs7 = document_lengths("docs7", total)
     assert len(docs7) == 7 and sum(docs7) == total and min(docs7) >= 1
-    if total >= 512:  # the proportions of DOCS_7, to rounding
-        assert max(abs(n / total - d / sum(DOCS_7)) for n, d in zip(docs7, DOCS_7)) <= 1 / total
+    # the proportions of DOCS_7, to the rounding and the one token each keeps
+    assert max(abs(n / total - d / sum(DOCS_7)) for n, d in zip(docs7, DOCS_7)) <= 5 / total
     lognormal = document_lengths("lognormal", total)
     assert sum(lognormal) == total and (len(lognormal) >= 4 or total < 64)
     with pytest.raises(ValueError, match="7 documents need at least 7 tokens"):
