@@ -68,3 +68,22 @@ def test_git_commit_marks_uncommitted_changes(tmp_path):
     assert clean != "unknown" and not clean.endswith("+dirty")
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == clean + "+dirty"
+
+
+def test_multi_rank_suites_prepare_each_rank_before_its_group(monkeypatch):
+    """The soak suite builds transformers' Kimi Linear: its module is loaded before each rank's process group
+    (``prepare``), as the demo's is (imported after it, the group's teardown at exit aborted now and then)."""
+    import kdacp.bench
+    from kdacp.bench import _prepare, soak
+    got = {}
+
+    def launch(fn, world_size, args, **kwargs):
+        got.update(kwargs)
+        return [[]]
+    monkeypatch.setattr(kdacp.bench, "launch", launch)
+    kdacp.bench.run_suite("soak", {}, device="cpu", world_size=2)
+    prepared = []
+    monkeypatch.setattr(soak, "prepare", lambda: prepared.append(True))
+    got["prepare"]()
+    assert prepared == [True]
+    _prepare("layer")  # a suite without one: nothing to do

@@ -1,6 +1,7 @@
 """The demo's check can fail: with the convolution halo dropped, its errors leave the tolerance.
 
-(tests/test_cli.py runs the demo end to end, where it passes; tests/models checks ``parallelize`` itself.)
+(tests/test_demo_end_to_end.py runs the demo as a user does, where it passes; tests/models checks ``parallelize``
+itself.)
 """
 import os
 import subprocess
