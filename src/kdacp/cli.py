@@ -40,8 +40,6 @@ def _failed(command: str, error: WorkerError) -> int:
     return 128 + error.signum if isinstance(error, Stopped) else 1
 
 
-
-
 def _number(parse, fits, expected: str):
     """An argparse type: ``parse(text)`` when it ``fits``, else a usage error saying what was ``expected``."""
     def check(text: str):
@@ -140,18 +138,19 @@ def _print_demo_table(rows: list[dict], tol: float, strategy: str) -> bool:
     return ok
 
 
-def _print_demo_time(row: dict, launch_s: float, world: int) -> None:
+def _print_demo_time(row: dict, launched_at: float, world: int) -> None:
     """Where the whole command's wall time went, from the process's start to the verdict: before the
-    launch, rank 0's phases (:data:`kdacp.demo.PHASES`) and the rest of the launch (the workers' start
-    and exit)."""
-    whole = process_age_s()
-    before = whole - launch_s
-    parts = [f"{before:.1f} s interpreter, imports and set-up",
-             f"{launch_s - row['worker_s']:.1f} s starting {rank_count(world)} (imports, process group) and "
-             f"their exit", f"{row['build_s']:.1f} s building the model",
+    launch (``launched_at``, ``time.time()``), the workers' start until rank 0's function began, rank 0's
+    phases (:data:`kdacp.demo.PHASES`), then gathering the results and the workers' exit."""
+    now, whole = time.time(), process_age_s()
+    start = row["started_at"] - launched_at
+    parts = [f"{whole - (now - launched_at):.1f} s interpreter, imports and set-up",
+             f"{start:.1f} s starting {rank_count(world)} (processes, imports, process group)",
+             f"{row['build_s']:.1f} s building the model",
              f"{row['steps_s']:.1f} s context-parallel steps (of it {row['precompile_s']:.1f} s compiling ahead, "
              f"{row['autotune_s']:.1f} s autotuning)", f"{row['reference_s']:.1f} s the one-process reference",
-             f"{row['checks_s']:.1f} s checks, exchanges and optimizer steps"]
+             f"{row['checks_s']:.1f} s checks, exchanges and optimizer steps",
+             f"{now - launched_at - start - row['worker_s']:.1f} s results and the workers' exit"]
     print(f"time: {whole:.1f} s from command to verdict: " + ", ".join(parts) + " (rank 0)")
 
 
@@ -197,7 +196,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("kdacp demo: on a GPU the first step includes compiling the Triton kernels and FLA's autotuning "
               "of any kernel shape without a tuned configuration (kdacp ships the H200's); the whole "
               "command's time and what it went to are printed at the end", file=sys.stderr)
-    launched = time.monotonic()
+    launched_at = time.time()
     try:
         results = launch(demo_worker, world, (cfg,), device=device, port=args.port, timeout_s=timeout,
                          on_report=on_report, prepare=load_kimi_linear)
@@ -209,7 +208,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
     rows = results[0]
     ok = _print_demo_table(rows, cfg.tolerance, cfg.strategy)
-    _print_demo_time(rows[0], time.monotonic() - launched, world)
+    _print_demo_time(rows[0], launched_at, world)
     return 0 if ok else 1
 
 

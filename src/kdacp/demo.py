@@ -308,12 +308,14 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     A row: ``rank, device, tokens, sequences``; ``first_s`` (the first step, its ``precompile_s`` and
     ``autotune_s`` included), ``later_ms`` (mean); ``output_err, loss_err, grad_err``; ``losses``;
     ``strategy`` (:func:`_strategy`); ``<phase>_s`` of :data:`PHASES` and ``worker_s`` (this function's
-    whole time), in seconds."""
-    start = time.perf_counter()
+    whole time), in seconds; ``started_at``: when this function began (``time.time()``, comparable across
+    the processes of one machine)."""
+    started_at, start = time.time(), time.perf_counter()
     spent = dict.fromkeys(("build", "steps", "reference", "checks", "precompile", "autotune"), 0.0)
     with _autotune_clock(spent):
         row = _train_and_check(ctx, cfg, spent)
-    row.update({f"{name}_s": spent[name] for name in spent}, worker_s=time.perf_counter() - start)
+    row.update({f"{name}_s": spent[name] for name in spent}, worker_s=time.perf_counter() - start,
+               started_at=started_at)
     rows: list = [None] * ctx.world_size
     dist.all_gather_object(rows, row)
     return rows
