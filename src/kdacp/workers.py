@@ -217,6 +217,7 @@ def _start(process) -> None:
 
 
 def _stop(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a signal may have come before its start
     for p in procs:
         if p.is_alive():
             p.terminate()
