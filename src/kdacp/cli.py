@@ -200,6 +200,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
               "use --backend torch", file=sys.stderr)
         return 2
+    if args.family == "conv" and args.suite != "kernels":
+        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
+        return 2
     if args.suite == "scaling" and args.seq_lens and len(args.seq_lens) > 1:
         print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
               file=sys.stderr)
@@ -320,9 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-    bench.add_argument("--family", default=None, choices=("kda", "gdn"),
+    bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
                        help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
-                            "(the scalar gate at Qwen3-Next shapes) (default: kda)")
+                            "(the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
+                            "convolution against FLA's) (default: kda)")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None,

@@ -134,3 +134,58 @@ def test_bad_input_is_named(change, error, match):
     args.update({n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in change.items()})
     with pytest.raises(error, match=match):
         sc.causal_conv1d(**{n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in args.items()})
+
+
+# --- GPU, real sizes -------------------------------------------------------------------------------------
+
+# 16K tokens packed in 13 documents, the first continuing a halo; one of Kimi Linear's q, k, v (32 x 128)
+# and Qwen3-Next's fused q|k|v width (2048 x 3)
+REAL_CU = [0, 700, 1601, 1602, 2048, 3000, 5000, 5003, 8192, 9000, 12000, 15000, 16000, 16384]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, bias", [(4096, False), (6144, True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_real_sizes_match_reference(D, bias, packed):
+    inputs, dy = make(1, 16384, D, 4, bias=bias, halo=True, dtype=torch.bfloat16, seed=5)
+    cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
+    y = sc.causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu)
+    grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    check(inputs, dy, cu, "silu", y, grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_real_sizes_within_bf16_rounding_of_fla(packed):
+    from kdacp.backends.fla_adapter import fla_available, load_fla
+    if not fla_available():
+        pytest.skip("needs fla-core")
+    inputs, dy = make(1, 16384, 4096, 4, bias=True, halo=True, dtype=torch.bfloat16, seed=6)
+    cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
+    names = ["x", "weight", "bias", "halo"]
+    ours = {n: inputs[n].clone().requires_grad_() for n in names}
+    y = sc.causal_conv1d(ours["x"], ours["weight"], ours["bias"], halo=ours["halo"], cu_seqlens=cu)
+    g = dict(zip(names, torch.autograd.grad(y, list(ours.values()), dy)))
+    # FLA's cache holds the W tokens before each sequence ([N, D, W], newest last; it reads the last W-1)
+    theirs = {n: inputs[n].clone().requires_grad_() for n in names}
+    state = torch.nn.functional.pad(theirs["halo"].transpose(1, 2), (1, 0))
+    if packed:
+        state = torch.cat([state, state.new_zeros(len(REAL_CU) - 2, *state.shape[1:])])
+    y_fla = load_fla().causal_conv1d(x=theirs["x"], weight=theirs["weight"], bias=theirs["bias"],
+                                     initial_state=state, activation="silu", backend="triton", cu_seqlens=cu)[0]
+    g_fla = dict(zip(names, torch.autograd.grad(y_fla, list(theirs.values()), dy)))
+    # each is within one bf16 rounding (2^-8) of the float64 truth, so of each other within twice that
+    assert rel_err(y, y_fla) < 8e-3
+    for n in names:
+        assert rel_err(g[n], g_fla[n]) < 8e-3, n
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic():
+    inputs, dy = make(1, 16384, 4096, 4, bias=True, halo=True, dtype=torch.bfloat16, seed=7)
+    cu = torch.tensor(REAL_CU, device=DEVICE)
+    args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu, "silu")
+    first, second = sc.short_conv_bwd(*args, dy), sc.short_conv_bwd(*args, dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
