@@ -36,16 +36,21 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 @dataclass(frozen=True)
 class _Tiles:
-    """Launch shape: ``BT`` rows x ``BD`` channels per tile; the backward runs ``tiles`` tiles per program."""
+    """Launch shape: ``BT`` rows x ``BD`` channels per tile; the backward runs ``tiles`` tiles per program;
+    ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
     BT: int
     BD: int
     num_warps: int
     tiles: int = 1
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
 
 
-FWD_TILES = _Tiles(BT=64, BD=128, num_warps=4)
-BWD_TILES = _Tiles(BT=64, BD=64, num_warps=4, tiles=8)
+FWD_TILES = _Tiles(BT=32, BD=64, num_warps=4)
+BWD_TILES = _Tiles(BT=32, BD=64, num_warps=8, tiles=4)
 
 
 @triton.jit
@@ -81,16 +86,27 @@ def _load_rows(x, halo, rows, cols, mask, s_xt, s_xd, s_ht, s_hd, W: tl.constexp
 
 
 @triton.jit
-def _preact(x, halo, weight, bias, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, s_wd, s_ww,
-            W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The pre-activation ``[BT, BD]`` float32 of ``rows`` (rows ``>= T`` read nothing)."""
-    acc = tl.zeros((BT, BD), dtype=tl.float32)
-    for j in tl.static_range(W):
-        w_j = tl.load(weight + cols * s_wd + (W - 1 - j) * s_ww, mask=m_d, other=0.).to(tl.float32)
+def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``(w_0, w_1, w_2, w_3, b)``, each ``[BD]`` float32: ``w_j = weight[cols, W-1-j]`` (zero for ``j >= W``)
+    multiplies ``x[t-j]``; ``b`` the bias (zero without). Loaded once per program."""
+    zero = tl.zeros((BD,), dtype=tl.float32)
+    w_0 = tl.load(weight + cols * s_wd + (W - 1) * s_ww, mask=m_d, other=0.).to(tl.float32)
+    w_1 = tl.load(weight + cols * s_wd + (W - 2) * s_ww, mask=m_d, other=0.).to(tl.float32) if W > 1 else zero
+    w_2 = tl.load(weight + cols * s_wd + (W - 3) * s_ww, mask=m_d, other=0.).to(tl.float32) if W > 2 else zero
+    w_3 = tl.load(weight + cols * s_wd + (W - 4) * s_ww, mask=m_d, other=0.).to(tl.float32) if W > 3 else zero
+    b = tl.load(bias + cols, mask=m_d, other=0.).to(tl.float32) if HAS_BIAS else zero
+    return w_0, w_1, w_2, w_3, b
+
+
+@triton.jit
+def _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3, acc,
+            W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The pre-activation of ``rows`` (float32 ``[BT, BD]``): ``acc`` (``x_0 w_0 + b``, the current rows'
+    term and the bias) plus the earlier taps, each read where it stays inside its row's sequence."""
+    for j in tl.static_range(1, W):
         m = ((rows < T) & (rows - j >= start))[:, None] & m_d[None, :]
+        w_j = w_1 if j == 1 else (w_2 if j == 2 else w_3)
         acc += _load_rows(x, halo, rows - j, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO) * w_j[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=m_d, other=0.).to(tl.float32)[None, :]
     return acc
 
 
@@ -106,12 +122,14 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
     rows = i_t * BT + tl.arange(0, BT)
+    m = (rows < T)[:, None] & m_d[None, :]
+    w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
+    x_0 = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     start = _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
-    out = _preact(x, halo, weight, bias, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, s_wd, s_ww,
-                  W, BT, BD, HAS_HALO, HAS_BIAS)
+    out = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
+                  x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
     if SILU:
         out = out * tl.sigmoid(out)
-    m = (rows < T)[:, None] & m_d[None, :]
     tl.store(y + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, out.to(y.dtype.element_ty), mask=m)
 
 
@@ -125,7 +143,8 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched only for ``dhalo``) owns the
     halo rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows and, for each
     owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]`` and the ``dweight`` terms ``x[u] g[u+i]``, over the
-    pairs where tap ``i`` of row ``u+i`` reads row ``u``."""
+    pairs where tap ``i`` of row ``u+i`` reads row ``u``. The next tile's ``x`` and ``dy`` rows are loaded
+    before the current tile's arithmetic, so that their latency hides behind it."""
     S: tl.constexpr = BT - (W - 1)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -141,36 +160,43 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     first = tl.where(is_halo, 1 - W, i_p * S * tiles_per_program)
     n_tiles = tl.where(is_halo, 1, tiles_per_program)
     own_end = tl.where(is_halo, 0, T)
-    w_last = tl.load(weight + cols * s_wd + (W - 1) * s_ww, mask=m_d, other=0.).to(tl.float32)
+    w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
     dw_acc = tl.zeros((BW, BD), dtype=tl.float32)
     db_acc = tl.zeros((BD,), dtype=tl.float32)
+    rows = first + o_t
+    x_next = _load_rows(x, halo, rows, cols, (rows < T)[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
+    dy_next = tl.load(dy + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, mask=valid, other=0.)
     for k in range(n_tiles):
-        t0 = first + k * S
-        rows = t0 + o_t
+        rows = first + k * S + o_t
+        x_0, g = x_next, dy_next.to(tl.float32)
+        ahead = rows + S
+        m_ahead = (k + 1 < n_tiles) & (ahead < T)
+        x_next = _load_rows(x, halo, ahead, cols, m_ahead[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W,
+                            HAS_HALO)
+        dy_next = tl.load(dy + ahead.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd,
+                          mask=(m_ahead & (ahead >= 0))[:, None] & m_d[None, :], other=0.)
         own = (o_t < S) & (rows < own_end)
         start = _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
-        pre = _preact(x, halo, weight, bias, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, s_wd, s_ww,
-                      W, BT, BD, HAS_HALO, HAS_BIAS)
         valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
-        g = tl.load(dy + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, mask=valid, other=0.).to(tl.float32)
         if SILU:
+            pre = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
+                          x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
             sig = tl.sigmoid(pre)
             g = g * sig * (1 + pre * (1 - sig))
         g = tl.where(valid, g, 0.)
-        x_own = _load_rows(x, halo, rows, cols, (own & (rows < T))[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd,
-                           W, HAS_HALO)
         term = tl.where(own[:, None], g, 0.)
         db_acc += tl.sum(term, 0)
-        acc = term * w_last[None, :]
-        dw_acc += tl.where(o_w[:, None] == W - 1, tl.sum(term * x_own, 0)[None, :], 0.)
+        acc = term * w_0[None, :]
+        dw_acc += tl.where(o_w[:, None] == W - 1, tl.sum(term * x_0, 0)[None, :], 0.)
         for i in tl.static_range(1, W):
             shifted = tl.gather(g, tl.broadcast_to(tl.minimum(o_t + i, BT - 1)[:, None], (BT, BD)), 0)
             reads = own & (rows + i < T) & (rows >= _seq_start(rows + i, cu_seqlens, n_seqs, search_steps, T, W,
                                                                  HAS_HALO, IS_VARLEN))
             term = tl.where(reads[:, None], shifted, 0.)
-            w_i = tl.load(weight + cols * s_wd + (W - 1 - i) * s_ww, mask=m_d, other=0.).to(tl.float32)
+            w_i = w_1 if i == 1 else (w_2 if i == 2 else w_3)
             acc += term * w_i[None, :]
-            dw_acc += tl.where(o_w[:, None] == W - 1 - i, tl.sum(term * x_own, 0)[None, :], 0.)
+            dw_acc += tl.where(o_w[:, None] == W - 1 - i, tl.sum(term * x_0, 0)[None, :], 0.)
         m_own = own[:, None] & m_d[None, :]
         r = rows.to(tl.int64)[:, None]
         tl.store(dx + r * s_gt + cols[None, :] * s_gd, acc.to(dx.dtype.element_ty), mask=m_own & (r >= 0))
@@ -202,8 +228,10 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
 
 
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, activation: str | None, tiles: _Tiles = FWD_TILES) -> torch.Tensor:
-    """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`)."""
+                   cu_seqlens: torch.Tensor | None, activation: str | None, tiles: _Tiles | None = None) -> torch.Tensor:
+    """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
+    ``tiles`` default :data:`FWD_TILES`."""
+    tiles = tiles or FWD_TILES
     B, T, D = x.shape
     W = weight.shape[1]
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -213,15 +241,16 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, num_warps=tiles.num_warps)
+                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
     return y
 
 
 def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
-                   tiles: _Tiles = BWD_TILES) -> ShortConvGrads:
+                   tiles: _Tiles | None = None) -> ShortConvGrads:
     """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
-    ``want_dhalo=False`` skips ``dhalo``."""
+    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :data:`BWD_TILES`."""
+    tiles = tiles or BWD_TILES
     B, T, D = x.shape
     W = weight.shape[1]
     S = tiles.BT - (W - 1)
@@ -242,7 +271,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BW=triton.next_power_of_2(W), BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      num_warps=tiles.num_warps)
+                      **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo)
