@@ -56,10 +56,11 @@ BWD_TILES = _Tiles(BT=64, BD=32, num_warps=4, tiles=1, maxnreg=128)
 
 
 @triton.jit
-def _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_HALO: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
-    """The first row each row's taps may read: its sequence's first token, or ``-(W-1)`` (the halo) in
-    the first sequence when there is a halo. ``rows`` outside ``[0, T)`` count as the nearest row in it."""
+def _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_HALO: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """``(start, end)`` of each row's sequence: ``start`` the first row its taps may read (the sequence's
+    first token, or ``-(W-1)``, the halo, in the first sequence when there is a halo), ``end`` the next
+    sequence's first token. ``rows`` outside ``[0, T)`` count as the nearest row in it."""
     if IS_VARLEN:
         r = tl.minimum(tl.maximum(rows, 0), T - 1)
         lo = tl.zeros_like(rows)
@@ -70,11 +71,13 @@ def _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_H
             lo = tl.where(below, mid, lo)
             hi = tl.where(below, hi, mid - 1)
         start = tl.load(cu_seqlens + lo).to(tl.int32)
+        end = tl.load(cu_seqlens + lo + 1).to(tl.int32)
         if HAS_HALO:
             start = tl.where(lo == 0, 1 - W, start)
     else:
         start = tl.zeros_like(rows) + (1 - W if HAS_HALO else 0)
-    return start
+        end = tl.zeros_like(rows) + T
+    return start, end
 
 
 @triton.jit
@@ -127,7 +130,7 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     m = (rows < T)[:, None] & m_d[None, :]
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
     x_0 = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    start = _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
+    start, _ = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
     out = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
                   x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
     if SILU:
@@ -179,7 +182,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         dy_next = tl.load(dy + ahead.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd,
                           mask=(m_ahead & (ahead >= 0))[:, None] & m_d[None, :], other=0.)
         own = (o_t < S) & (rows < own_end)
-        start = _seq_start(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
+        start, end = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
         valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
         if SILU:
             pre = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
@@ -193,8 +196,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         dw_acc += tl.where(o_w[:, None] == W - 1, tl.sum(term * x_0, 0)[None, :], 0.)
         for i in tl.static_range(1, W):
             shifted = tl.gather(g, tl.broadcast_to(tl.minimum(o_t + i, BT - 1)[:, None], (BT, BD)), 0)
-            reads = own & (rows + i < T) & (rows >= _seq_start(rows + i, cu_seqlens, n_seqs, search_steps, T, W,
-                                                                 HAS_HALO, IS_VARLEN))
+            reads = own & (rows + i < end)  # row u + i is in row u's sequence
             term = tl.where(reads[:, None], shifted, 0.)
             w_i = w_1 if i == 1 else (w_2 if i == 2 else w_3)
             acc += term * w_i[None, :]
