@@ -99,11 +99,15 @@ def test_strided_input_and_gradient_need_no_copy():
 
 
 def test_halo_gradient_only_when_asked():
+    # a halo that needs no gradient still feeds dweight (its rows' terms)
     inputs, dy = make(1, 20, 16, 4, halo=True, seed=3)
-    x = inputs["x"].clone().requires_grad_()
-    y = sc.causal_conv1d(x, inputs["weight"], inputs["bias"], halo=inputs["halo"])
-    (dx,) = torch.autograd.grad(y, [x], dy)
-    assert rel_err(dx, truth(inputs, dy, None, "silu")[1]["x"]) < TOL[torch.float32]
+    x, weight = inputs["x"].clone().requires_grad_(), inputs["weight"].clone().requires_grad_()
+    y = sc.causal_conv1d(x, weight, inputs["bias"], halo=inputs["halo"])
+    dx, dweight = torch.autograd.grad(y, [x, weight], dy)
+    g_ref = truth(inputs, dy, None, "silu")[1]
+    assert rel_err(dx, g_ref["x"]) < TOL[torch.float32] and rel_err(dweight, g_ref["weight"]) < TOL[torch.float32]
+    assert sc.short_conv_bwd(*[inputs[n] for n in ("x", "weight", "bias", "halo")], None, "silu", dy,
+                             want_dhalo=False).dhalo is None
 
 
 def test_nan_stays_in_its_document():

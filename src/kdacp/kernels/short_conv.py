@@ -145,8 +145,8 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
                 W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``S = BT-(W-1)`` owned rows each from
-    row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched only for ``dhalo``) owns the
-    halo rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows and, for each
+    row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched with a halo) owns the halo
+    rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows and, for each
     owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]`` and the ``dweight`` terms ``x[u] g[u+i]``, over the
     pairs where tap ``i`` of row ``u+i`` reads row ``u``. The next tile's ``x`` and ``dy`` rows are loaded
     before the current tile's arithmetic, so that their latency hides behind it."""
@@ -259,10 +259,10 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     W = weight.shape[1]
     S = tiles.BT - (W - 1)
     n_blocks = triton.cdiv(T, S * tiles.tiles)
-    want_dhalo = want_dhalo and halo is not None
-    n_programs = n_blocks + int(want_dhalo)
+    # the halo's program runs whenever there is a halo: it also owns the dweight terms of the halo's rows
+    n_programs = n_blocks + int(halo is not None)
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if want_dhalo else None
+    dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if halo is not None else None
     # every program writes its slice of the partial sums: no zero fill needed
     dw_part = torch.empty(B, n_programs, W, D, dtype=torch.float32, device=x.device)
     db_part = torch.empty(B, n_programs, D, dtype=torch.float32, device=x.device) if bias is not None else None
@@ -278,7 +278,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
-    return ShortConvGrads(dx, dweight, dbias, dhalo)
+    return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
 
 
 class _ShortConvFunction(torch.autograd.Function):
