@@ -17,9 +17,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32: the kernels' float32 sums against float64 (measured <= 2e-7); bf16: one rounding of the output,
 # at most 2^-8 relative on the GPU (round to nearest), 2^-7 under the interpreter (it truncates float32 -> bf16)
 TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3 if DEVICE == "cuda" else 8e-3}
-# a small launch shape (the interpreter's cost is per program): 8 rows a program in two loop steps, several
-# programs, programs cut by sequence starts
-SMALL = sc._Tiles(rows=8, BD=32, num_warps=1, unroll=4)
+# small tiles (the interpreter's cost is per program): two tiles per program, several programs, tiles cut by
+# sequence starts
+SMALL = sc._Tiles(BT=8, BD=32, num_warps=1, tiles=2)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):
@@ -76,9 +76,9 @@ def test_launchers_match_reference(B, T, D, W, cu, halo, tiles=SMALL):
 @pytest.mark.parametrize("dtype, bias, activation", [(torch.float32, True, "silu"), (torch.float32, False, None),
                                                      (torch.bfloat16, True, None), (torch.bfloat16, False, "silu")])
 def test_autograd_dtypes_bias_activation(dtype, bias, activation):
-    # the default launch shape: a 40-token shard after a halo, packed documents
-    inputs, dy = make(1, 40, 24, 4, bias=bias, halo=True, dtype=dtype, seed=1)
-    cu = torch.tensor([0, 2, 30, 40], device=DEVICE)
+    # the default tiles: a 130-token shard after a halo, packed documents
+    inputs, dy = make(1, 130, 48, 4, bias=bias, halo=True, dtype=dtype, seed=1)
+    cu = torch.tensor([0, 2, 70, 130], device=DEVICE)
     leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
     y = sc.causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu,
                          cu_seqlens_cpu=cu.cpu(), activation=activation)

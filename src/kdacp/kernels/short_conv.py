@@ -36,50 +36,57 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 @dataclass(frozen=True)
 class _Tiles:
-    """Launch shape: a program runs ``rows`` consecutive rows (a multiple of ``unroll``) of ``BD`` channels,
-    one row at a time, ``unroll`` rows per loop step (their loads issued together); ``maxnreg`` caps the
-    registers per thread (None: the compiler's choice)."""
+    """Launch shape: ``BT`` rows x ``BD`` channels per tile; the backward runs ``tiles`` tiles per program;
+    ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
-    rows: int
+    BT: int
     BD: int
     num_warps: int
-    unroll: int = 8
+    tiles: int = 1
     maxnreg: int | None = None
-
-    def __post_init__(self):
-        if self.rows % self.unroll:
-            raise ValueError(f"rows must be a multiple of unroll, got rows={self.rows}, unroll={self.unroll}")
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
 
 
-# Not measured on a GPU yet: four channels a thread (8-byte bf16 loads), 128 rows a program.
-FWD_TILES = _Tiles(rows=128, BD=512, num_warps=4)
-BWD_TILES = _Tiles(rows=128, BD=512, num_warps=4)
+# The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
+# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02.
+FWD_TILES = _Tiles(BT=32, BD=128, num_warps=4)
+BWD_TILES = _Tiles(BT=64, BD=32, num_warps=4, tiles=1, maxnreg=128)
 
 
 @triton.jit
-def _seq_of(r, cu_seqlens, n_seqs, search_steps):
-    """``(n, cu_seqlens[n], cu_seqlens[n+1])``: the sequence holding row ``r`` (a scalar in ``[0, T)``)."""
-    lo = r * 0
-    hi = lo + n_seqs - 1
-    for _ in range(search_steps):  # largest n with cu_seqlens[n] <= r
-        mid = (lo + hi + 1) // 2
-        below = tl.load(cu_seqlens + mid) <= r
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid - 1)
-    return lo, tl.load(cu_seqlens + lo).to(tl.int32), tl.load(cu_seqlens + lo + 1).to(tl.int32)
+def _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_HALO: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """``(start, end)`` of each row's sequence: ``start`` the first row its taps may read (the sequence's
+    first token, or ``-(W-1)``, the halo, in the first sequence when there is a halo), ``end`` the next
+    sequence's first token. ``rows`` outside ``[0, T)`` count as the nearest row in it."""
+    if IS_VARLEN:
+        r = tl.minimum(tl.maximum(rows, 0), T - 1)
+        lo = tl.zeros_like(rows)
+        hi = lo + n_seqs - 1
+        for _ in range(search_steps):  # largest n with cu_seqlens[n] <= r
+            mid = (lo + hi + 1) // 2
+            below = tl.load(cu_seqlens + mid) <= r
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid - 1)
+        start = tl.load(cu_seqlens + lo).to(tl.int32)
+        end = tl.load(cu_seqlens + lo + 1).to(tl.int32)
+        if HAS_HALO:
+            start = tl.where(lo == 0, 1 - W, start)
+    else:
+        start = tl.zeros_like(rows) + (1 - W if HAS_HALO else 0)
+        end = tl.zeros_like(rows) + T
+    return start, end
 
 
 @triton.jit
-def _row(x, halo, t, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
-    """``x[t, cols]`` as float32 ``[BD]``: zero for ``t >= T``; rows ``t < 0`` read ``halo[W-1+t]`` (zero
-    without a halo)."""
-    val = tl.load(x + t.to(tl.int64) * s_xt + cols * s_xd, mask=m_d & (t >= 0) & (t < T), other=0.).to(tl.float32)
+def _load_rows(x, halo, rows, cols, mask, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """``x[rows, cols]`` as float32 where ``mask`` (zero elsewhere); rows ``< 0`` read ``halo[W-1+rows]``."""
+    r = rows.to(tl.int64)[:, None]
+    val = tl.load(x + r * s_xt + cols[None, :] * s_xd, mask=mask & (r >= 0), other=0.).to(tl.float32)
     if HAS_HALO:
-        val += tl.load(halo + (t + W - 1).to(tl.int64) * s_ht + cols * s_hd, mask=m_d & (t < 0) & (t > -W),
-                       other=0.).to(tl.float32)
+        val += tl.load(halo + (r + W - 1) * s_ht + cols[None, :] * s_hd, mask=mask & (r < 0), other=0.).to(tl.float32)
     return val
 
 
@@ -97,115 +104,54 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _fwd_row(x, halo, y, t, t0, cols, m_d, T, x_1, x_2, x_3, n, nxt, cu_seqlens, n_seqs, w_0, w_1, w_2, w_3, b,
-             s_xt, s_xd, s_ht, s_hd, s_yt, s_yd,
-             W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """One row ``t`` of the forward: ``x_1, x_2, x_3`` hold ``x[t-1], x[t-2], x[t-3]`` of ``t``'s sequence
-    (a sequence starting at ``t``, the one after ``n``, empties them first); ``y[t]`` is stored for
-    ``t0 <= t < T``. Returns the window and the sequence state for row ``t + 1``."""
-    x_0 = _row(x, halo, t, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    if IS_VARLEN:
-        new = t == nxt
-        x_1 = tl.where(new, 0., x_1)
-        x_2 = tl.where(new, 0., x_2)
-        x_3 = tl.where(new, 0., x_3)
-        n += new.to(tl.int32)
-        nxt = tl.where(new, tl.load(cu_seqlens + n + 1, mask=new & (n < n_seqs), other=2 ** 30).to(tl.int32), nxt)
-    out = x_0 * w_0 + x_1 * w_1 + x_2 * w_2 + x_3 * w_3 + b
-    if SILU:
-        out = out * tl.sigmoid(out)
-    tl.store(y + t.to(tl.int64) * s_yt + cols * s_yd, out.to(y.dtype.element_ty), mask=m_d & (t >= t0) & (t < T))
-    return x_0, x_1, x_2, n, nxt
+def _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3, acc,
+            W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The pre-activation of ``rows`` (float32 ``[BT, BD]``): ``acc`` (``x_0 w_0 + b``, the current rows'
+    term and the bias) plus the earlier taps, each read where it stays inside its row's sequence."""
+    for j in tl.static_range(1, W):
+        m = ((rows < T) & (rows - j >= start))[:, None] & m_d[None, :]
+        w_j = w_1 if j == 1 else (w_2 if j == 2 else w_3)
+        acc += _load_rows(x, halo, rows - j, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO) * w_j[None, :]
+    return acc
 
 
 @triton.jit
-def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows,
+def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
-                W: tl.constexpr, BD: tl.constexpr, UNROLL: tl.constexpr, SILU: tl.constexpr,
+                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Program ``(i_d, i_t, i_b)``: rows ``[i_t * rows, (i_t + 1) * rows)``, in order, after ``W-1`` rows that
-    fill the window."""
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
     y += i_b.to(tl.int64) * s_yb
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
+    rows = i_t * BT + tl.arange(0, BT)
+    m = (rows < T)[:, None] & m_d[None, :]
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    t0 = i_t * rows
-    x_1 = tl.zeros((BD,), dtype=tl.float32)
-    x_2 = x_1
-    x_3 = x_1
-    n = t0 * 0
-    nxt = n + 2 ** 30
-    if IS_VARLEN:
-        n, _, nxt = _seq_of(tl.maximum(t0 - (W - 1), 0), cu_seqlens, n_seqs, search_steps)
-    for k in tl.static_range(W - 1):
-        x_1, x_2, x_3, n, nxt = _fwd_row(x, halo, y, t0 - (W - 1) + k, t0, cols, m_d, T, x_1, x_2, x_3, n, nxt,
-                                         cu_seqlens, n_seqs, w_0, w_1, w_2, w_3, b, s_xt, s_xd, s_ht, s_hd, s_yt,
-                                         s_yd, W, SILU, HAS_HALO, IS_VARLEN)
-    for c in range(tl.cdiv(tl.minimum(rows, T - t0), UNROLL)):  # the last program stops at T
-        for k in tl.static_range(UNROLL):
-            x_1, x_2, x_3, n, nxt = _fwd_row(x, halo, y, t0 + c * UNROLL + k, t0, cols, m_d, T, x_1, x_2, x_3, n,
-                                             nxt, cu_seqlens, n_seqs, w_0, w_1, w_2, w_3, b, s_xt, s_xd, s_ht, s_hd,
-                                             s_yt, s_yd, W, SILU, HAS_HALO, IS_VARLEN)
-
-
-@triton.jit
-def _bwd_row(x, halo, dy, dx, dhalo, t, t0, t1, cols, m_d, T, x_0, x_1, x_2, g_1, g_2, g_3, n, start,
-             dw_0, dw_1, dw_2, dw_3, db, cu_seqlens, w_0, w_1, w_2, w_3, b,
-             s_xt, s_xd, s_ht, s_hd, s_yt, s_yd, s_gt, s_gd, s_qt, s_qd,
-             W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """One row ``t`` of the backward, rows in descending order: ``x_0, x_1, x_2`` hold ``x[t], x[t-1],
-    x[t-2]``; ``g_1, g_2, g_3`` the gradients at the pre-activation of ``t+1, t+2, t+3`` in ``t``'s sequence
-    (emptied when ``t`` falls below the start of the sequence ``n``). Owned rows ``t0 <= t < t1`` store
-    ``dx[t]`` and add their ``dweight``, ``dbias`` terms; rows ``t < 0`` store ``dhalo``. Returns the state
-    for row ``t - 1``."""
-    x_3 = _row(x, halo, t - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    if IS_VARLEN:
-        below = t < start
-        g_1 = tl.where(below, 0., g_1)
-        g_2 = tl.where(below, 0., g_2)
-        g_3 = tl.where(below, 0., g_3)
-        n -= below.to(tl.int32)
-        start = tl.where(below, tl.load(cu_seqlens + n).to(tl.int32), start)
-        if HAS_HALO:
-            start = tl.where(below & (n == 0), 1 - W, start)
-        t_1 = tl.where(t - 1 >= start, x_1, 0.)
-        t_2 = tl.where(t - 2 >= start, x_2, 0.)
-        t_3 = tl.where(t - 3 >= start, x_3, 0.)
-    else:
-        t_1, t_2, t_3 = x_1, x_2, x_3
-    g = tl.load(dy + t.to(tl.int64) * s_yt + cols * s_yd, mask=m_d & (t >= 0) & (t < T), other=0.).to(tl.float32)
+    x_0 = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    start, _ = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
+    out = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
+                  x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
     if SILU:
-        pre = x_0 * w_0 + t_1 * w_1 + t_2 * w_2 + t_3 * w_3 + b
-        sig = tl.sigmoid(pre)
-        g = g * sig * (1 + pre * (1 - sig))
-    out = g * w_0 + g_1 * w_1 + g_2 * w_2 + g_3 * w_3
-    own = (t >= t0) & (t < t1)
-    tl.store(dx + t.to(tl.int64) * s_gt + cols * s_gd, out.to(dx.dtype.element_ty), mask=m_d & own)
-    if HAS_HALO:
-        tl.store(dhalo + (t + W - 1).to(tl.int64) * s_qt + cols * s_qd, out.to(dhalo.dtype.element_ty),
-                 mask=m_d & (t < 0))
-    g_own = tl.where(own, g, 0.)
-    dw_0 += g_own * x_0
-    dw_1 += g_own * t_1
-    dw_2 += g_own * t_2
-    dw_3 += g_own * t_3
-    db += g_own
-    return x_1, x_2, x_3, g, g_1, g_2, n, start, dw_0, dw_1, dw_2, dw_3, db
+        out = out * tl.sigmoid(out)
+    tl.store(y + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, out.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
-                rows, s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd,
-                s_qb, s_qt, s_qd,
-                W: tl.constexpr, BD: tl.constexpr, UNROLL: tl.constexpr, SILU: tl.constexpr,
+                n_blocks, tiles_per_program,
+                s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
+                W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Program ``(i_d, i_t, i_b)`` owns rows ``[i_t * rows, (i_t + 1) * rows)`` (up to ``T``, rounded up to
-    ``UNROLL``) and walks them downwards after ``W-1`` rows above them (the gradient of the owned rows' later taps); program 0 then walks the
-    halo's rows (``dhalo``). ``dweight``/``dbias`` partial sums go to ``dw_part [B, programs, W, D]``."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``S = BT-(W-1)`` owned rows each from
+    row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched with a halo) owns the halo
+    rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows and, for each
+    owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]`` and the ``dweight`` terms ``x[u] g[u+i]``, over the
+    pairs where tap ``i`` of row ``u+i`` reads row ``u``. The next tile's ``x`` and ``dy`` rows are loaded
+    before the current tile's arithmetic, so that their latency hides behind it."""
+    S: tl.constexpr = BT - (W - 1)
+    i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
     dy += i_b.to(tl.int64) * s_yb
@@ -213,50 +159,58 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     dhalo += i_b.to(tl.int64) * s_qb
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
+    o_t = tl.arange(0, BT)
+    o_w = tl.arange(0, BW)
+    is_halo = i_p == n_blocks
+    first = tl.where(is_halo, 1 - W, i_p * S * tiles_per_program)
+    n_tiles = tl.where(is_halo, 1, tiles_per_program)
+    own_end = tl.where(is_halo, 0, T)
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    t0 = i_t * rows
-    t1 = tl.minimum(t0 + rows, T)
-    span = tl.cdiv(t1 - t0, UNROLL) * UNROLL  # the last program starts at T, not at t0 + rows
-    top = t0 + span + W - 2
-    x_0 = _row(x, halo, top, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    x_1 = _row(x, halo, top - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    x_2 = _row(x, halo, top - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    zero = tl.zeros((BD,), dtype=tl.float32)
-    g_1, g_2, g_3 = zero, zero, zero
-    dw_0, dw_1, dw_2, dw_3, db = zero, zero, zero, zero, zero
-    n = t0 * 0
-    start = n + (1 - W if HAS_HALO else 0)
-    if IS_VARLEN:
-        n, start, _ = _seq_of(tl.minimum(top, T - 1), cu_seqlens, n_seqs, search_steps)
+    dw_acc = tl.zeros((BW, BD), dtype=tl.float32)
+    db_acc = tl.zeros((BD,), dtype=tl.float32)
+    rows = first + o_t
+    x_next = _load_rows(x, halo, rows, cols, (rows < T)[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
+    dy_next = tl.load(dy + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, mask=valid, other=0.)
+    for k in range(n_tiles):
+        rows = first + k * S + o_t
+        x_0, g = x_next, dy_next.to(tl.float32)
+        ahead = rows + S
+        m_ahead = (k + 1 < n_tiles) & (ahead < T)
+        x_next = _load_rows(x, halo, ahead, cols, m_ahead[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W,
+                            HAS_HALO)
+        dy_next = tl.load(dy + ahead.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd,
+                          mask=(m_ahead & (ahead >= 0))[:, None] & m_d[None, :], other=0.)
+        own = (o_t < S) & (rows < own_end)
+        start, end = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
+        valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
+        if SILU:
+            pre = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
+                          x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
+            sig = tl.sigmoid(pre)
+            g = g * sig * (1 + pre * (1 - sig))
+        g = tl.where(valid, g, 0.)
+        term = tl.where(own[:, None], g, 0.)
+        db_acc += tl.sum(term, 0)
+        acc = term * w_0[None, :]
+        dw_acc += tl.where(o_w[:, None] == W - 1, tl.sum(term * x_0, 0)[None, :], 0.)
+        for i in tl.static_range(1, W):
+            shifted = tl.gather(g, tl.broadcast_to(tl.minimum(o_t + i, BT - 1)[:, None], (BT, BD)), 0)
+            reads = own & (rows + i < end)  # row u + i is in row u's sequence
+            term = tl.where(reads[:, None], shifted, 0.)
+            w_i = w_1 if i == 1 else (w_2 if i == 2 else w_3)
+            acc += term * w_i[None, :]
+            dw_acc += tl.where(o_w[:, None] == W - 1 - i, tl.sum(term * x_0, 0)[None, :], 0.)
+        m_own = own[:, None] & m_d[None, :]
+        r = rows.to(tl.int64)[:, None]
+        tl.store(dx + r * s_gt + cols[None, :] * s_gd, acc.to(dx.dtype.element_ty), mask=m_own & (r >= 0))
         if HAS_HALO:
-            start = tl.where(n == 0, 1 - W, start)
-    for k in tl.static_range(W - 1):
-        x_0, x_1, x_2, g_1, g_2, g_3, n, start, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-            x, halo, dy, dx, dhalo, top - k, t0, t1, cols, m_d, T, x_0, x_1, x_2, g_1, g_2, g_3, n, start,
-            dw_0, dw_1, dw_2, dw_3, db, cu_seqlens, w_0, w_1, w_2, w_3, b, s_xt, s_xd, s_ht, s_hd, s_yt, s_yd,
-            s_gt, s_gd, s_qt, s_qd, W, SILU, HAS_HALO, IS_VARLEN)
-    for c in range(span // UNROLL):
-        for k in tl.static_range(UNROLL):
-            x_0, x_1, x_2, g_1, g_2, g_3, n, start, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-                x, halo, dy, dx, dhalo, t0 + span - 1 - c * UNROLL - k, t0, t1, cols, m_d, T, x_0, x_1, x_2, g_1,
-                g_2, g_3, n, start, dw_0, dw_1, dw_2, dw_3, db, cu_seqlens, w_0, w_1, w_2, w_3, b, s_xt, s_xd,
-                s_ht, s_hd, s_yt, s_yd, s_gt, s_gd, s_qt, s_qd, W, SILU, HAS_HALO, IS_VARLEN)
-    if HAS_HALO:
-        if i_t == 0:
-            for k in tl.static_range(W - 1):
-                x_0, x_1, x_2, g_1, g_2, g_3, n, start, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-                    x, halo, dy, dx, dhalo, t0 - 1 - k, t0, t1, cols, m_d, T, x_0, x_1, x_2, g_1, g_2, g_3, n, start,
-                    dw_0, dw_1, dw_2, dw_3, db, cu_seqlens, w_0, w_1, w_2, w_3, b, s_xt, s_xd, s_ht, s_hd, s_yt,
-                    s_yd, s_gt, s_gd, s_qt, s_qd, W, SILU, HAS_HALO, IS_VARLEN)
-    part = dw_part + (i_b * tl.num_programs(1) + i_t).to(tl.int64) * W * D + cols
-    tl.store(part + (W - 1) * D, dw_0, mask=m_d)
-    tl.store(part + (W - 2) * D, dw_1, mask=m_d)
-    if W > 2:
-        tl.store(part + (W - 3) * D, dw_2, mask=m_d)
-    if W > 3:
-        tl.store(part + (W - 4) * D, dw_3, mask=m_d)
+            tl.store(dhalo + (r + W - 1) * s_qt + cols[None, :] * s_qd, acc.to(dhalo.dtype.element_ty),
+                     mask=m_own & (r < 0))
+    part = (i_b * tl.num_programs(1) + i_p).to(tl.int64)
+    tl.store(dw_part + part * W * D + o_w[:, None] * D + cols[None, :], dw_acc, mask=(o_w < W)[:, None] & m_d[None, :])
     if HAS_BIAS:
-        tl.store(db_part + (i_b * tl.num_programs(1) + i_t).to(tl.int64) * D + cols, db, mask=m_d)
+        tl.store(db_part + part * D + cols, db_acc, mask=m_d)
 
 
 class ShortConvGrads(NamedTuple):
@@ -287,10 +241,10 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
     h = x if halo is None else halo
-    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.rows), B)
-    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
+    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.BT), B)
+    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
-                      W=W, BD=tiles.BD, UNROLL=tiles.unroll, SILU=activation == "silu", HAS_HALO=halo is not None,
+                      W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu", HAS_HALO=halo is not None,
                       HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
     return y
 
@@ -303,7 +257,10 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     tiles = tiles or BWD_TILES
     B, T, D = x.shape
     W = weight.shape[1]
-    n_programs = triton.cdiv(T, tiles.rows)
+    S = tiles.BT - (W - 1)
+    n_blocks = triton.cdiv(T, S * tiles.tiles)
+    # the halo's program runs whenever there is a halo: it also owns the dweight terms of the halo's rows
+    n_programs = n_blocks + int(halo is not None)
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if halo is not None else None
     # every program writes its slice of the partial sums: no zero fill needed
@@ -314,10 +271,11 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     q = dx if dhalo is None else dhalo
     grid = (triton.cdiv(D, tiles.BD), n_programs, B)
     _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, dw_part,
-                      dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, tiles.rows,
+                      dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, n_blocks, tiles.tiles,
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
-                      W=W, BD=tiles.BD, UNROLL=tiles.unroll, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
+                      W=W, BW=triton.next_power_of_2(W), BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu",
+                      HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
+                      **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
