@@ -189,6 +189,9 @@ def _bench(args: argparse.Namespace) -> int:
     if unread:
         print(f"kdacp bench: {unread}", file=sys.stderr)
         return 2
+    if args.family == "conv" and args.suite != "kernels":
+        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
@@ -199,9 +202,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.backend == "fla" and device != "cuda":
         print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
               "use --backend torch", file=sys.stderr)
-        return 2
-    if args.family == "conv" and args.suite != "kernels":
-        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
         return 2
     if args.suite == "scaling" and args.seq_lens and len(args.seq_lens) > 1:
         print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",

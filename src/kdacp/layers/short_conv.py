@@ -1,10 +1,10 @@
-"""Depthwise causal short convolution with SiLU, aware of packed sequences and of a left halo.
+"""Depthwise causal short convolution (then SiLU, or none), aware of packed sequences and of a left halo.
 
 Parameter layout matches FLA's ``ShortConvolution`` (an ``nn.Conv1d`` with ``groups=D``):
 ``weight [D, 1, W]``, optional ``bias [D]``; tap ``W-1`` multiplies the current token.
 
 Two implementations of one contract (:func:`causal_conv1d`): kdacp's Triton kernels on CUDA
-(``fused=True``, :mod:`kdacp.kernels.short_conv`: forward and backward at the memory-bandwidth floor) and
+(``fused=True``, :mod:`kdacp.kernels.short_conv`: forward and backward each read ``x`` (and ``dy``) once) and
 a plain PyTorch one, which is the CPU path and the reference the kernels are tested against.
 """
 from __future__ import annotations
