@@ -233,7 +233,8 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
 
 
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, activation: str | None, tiles: _Tiles | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None, activation: str | None,
+                   tiles: _Tiles | None = None) -> torch.Tensor:
     """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
     ``tiles`` default :data:`FWD_TILES`."""
     tiles = tiles or FWD_TILES
