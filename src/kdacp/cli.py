@@ -298,6 +298,9 @@ def _bench(args: argparse.Namespace) -> int:
     if unread:
         print(f"kdacp bench: {unread}", file=sys.stderr)
         return 2
+    if args.family == "conv" and args.suite != "kernels":
+        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     missing = _missing_gpu(args.suite, device)
     if missing:
@@ -432,9 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-    bench.add_argument("--family", default=None, choices=("kda", "gdn"),
+    bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
                        help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
-                            "(the scalar gate at Qwen3-Next shapes) (default: kda)")
+                            "(the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
+                            "convolution against FLA's) (default: kda)")
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")

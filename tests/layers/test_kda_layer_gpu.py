@@ -1,4 +1,4 @@
-"""The layer's fused CUDA path (FLA's short convolution and gated norm) against its PyTorch path, and
+"""The layer's fused CUDA path (kdacp's short-convolution kernels, FLA's gated norm) against its PyTorch path, and
 kdacp's layer against FLA's own ``fla.layers.KimiDeltaAttention`` with the same weights (one GPU)."""
 from __future__ import annotations
 

@@ -15,7 +15,15 @@ kernels, and so do ours with ``raw_keys=True`` (what kdacp's GDN backend runs); 
 against float64 summaries of those shared inputs; times are CUDA-event means per call, warm, the
 contenders taking turns (round robin) so that clock and thermal drift hit all alike.
 
-    kdacp bench --suite kernels [--seq-lens 16384] [--family gdn]
+Short convolution (``family="conv"``): kdacp's Triton kernels (:mod:`kdacp.kernels.short_conv`) against
+FLA's ``causal_conv1d`` (Triton backend), SiLU, width 4, no bias, bf16, ``T`` tokens at 4096 channels (one
+of q, k, v of Kimi Linear's 32 heads of 128) and 6144 (Qwen3-Next's fused q|k|v: 2048 x 3), one sequence
+and 13 packed documents. Forward and backward (through autograd: FLA's backward recomputes its forward)
+are timed round robin with the host queued ahead of the device (device time); ``GB/s`` counts the bytes
+each pass must move (forward: read ``x``, write ``y``; backward: read ``x`` and ``dy``, write ``dx``).
+Errors are against the float64 reference on the same bf16 inputs.
+
+    kdacp bench --suite kernels [--seq-lens 16384] [--family gdn|conv]
 
 ``run(...)`` returns the table as a list of dicts; ``sweep(...)`` times tilings (to choose defaults).
 """
@@ -29,6 +37,8 @@ import torch
 from kdacp import kernels as kn
 from kdacp import reference as ref
 from kdacp.backends.fla_adapter import load_fla
+from kdacp.kernels import short_conv
+from kdacp.layers.short_conv import causal_conv1d as conv_reference
 
 from .harness import PlotSpec
 from .timing import time_round_robin
@@ -350,12 +360,14 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
         do_sweep=None, device="cuda", report=None):
     """Time every kernel on one set of inputs; returns rows (dicts) with ``kernel, ms, TFLOP/s, GB/s,
     GFLOP, MB, roofline_ms, err_*`` (relative errors against the float64 reference) and speed-ups.
-    ``family="gdn"``: the GDN rows of :func:`run_gdn` at Qwen3-Next shapes (``B``, ``HV``, ``K``, ``V``
-    and the sweep are KDA's)."""
+    ``family="gdn"``: the GDN rows of :func:`run_gdn` at Qwen3-Next shapes; ``family="conv"``: the
+    short-convolution rows of :func:`run_conv` (``B``, ``HV``, ``K``, ``V`` and the sweep are KDA's)."""
     if family == "gdn":
         return run_gdn(T, chunk_size=chunk_size, dtype=dtype, with_fla=with_fla, device=device, report=report)
+    if family == "conv":
+        return run_conv(T, dtype=dtype, with_fla=with_fla, device=device, report=report)
     if family != "kda":
-        raise ValueError(f"family must be 'kda' or 'gdn', got {family!r}")
+        raise ValueError(f"family must be 'kda', 'gdn' or 'conv', got {family!r}")
     x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
     r = reference_summaries(x)
     costs = _costs(B, T, HV, K, V, chunk_size, x["kg"].element_size())
@@ -404,3 +416,140 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
             if row["kernel"].startswith("kdacp state_gradient_summary") and "FLA chunk_cp_bwd_dh" in base:
                 row["speedup_vs_fla"] = base["FLA chunk_cp_bwd_dh"] / row["ms"]
     return rows
+
+
+# --- short convolution ---------------------------------------------------------------------------------
+
+CONV_WIDTHS = (4096, 6144)  # one of Kimi Linear's q, k, v (32 x 128); Qwen3-Next's fused q|k|v (2048 x 3)
+CONV_DOCS = 13
+
+
+def make_conv_inputs(T=16384, D=4096, W=4, *, packed=False, dtype=torch.bfloat16, device="cuda", seed=0):
+    """``x``, ``dy [1, T, D]``, ``weight [D, W]`` in ``dtype`` and ``cu_seqlens`` (``packed``: 13 documents
+    cut at random, on the device and the host; else None)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+    x = {"x": rnd(1, T, D), "dy": rnd(1, T, D), "weight": rnd(D, W, scale=W ** -0.5), "cu": None, "cu_cpu": None}
+    if packed:
+        cuts = torch.randperm(T - 1, generator=gen)[:CONV_DOCS - 1].sort().values + 1
+        x["cu_cpu"] = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])])
+        x["cu"] = x["cu_cpu"].to(device)
+    return x
+
+
+def _conv_truth(x):
+    """Float64 ``y`` and ``(dx, dweight)`` of the shared inputs."""
+    xd, wd = x["x"].double().requires_grad_(), x["weight"].double().requires_grad_()
+    y = conv_reference(xd, wd, cu_seqlens=x["cu_cpu"])
+    dx, dw = torch.autograd.grad(y, [xd, wd], x["dy"].double())
+    return y.detach(), dx, dw
+
+
+def _conv_contenders(x, with_fla) -> dict:
+    """name -> (forward fn, backward fn, which both return ``y`` / ``(dx, dweight)``)."""
+    kw = dict(cu_seqlens=x["cu"])
+    leaves = {"x": x["x"].detach().requires_grad_(), "w": x["weight"].detach().requires_grad_()}
+
+    def ours():
+        return short_conv.causal_conv1d(x["x"], x["weight"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+
+    y_ours = short_conv.causal_conv1d(leaves["x"], leaves["w"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+    found = {"kdacp": (ours, lambda: torch.autograd.grad(y_ours, [leaves["x"], leaves["w"]], x["dy"],
+                                                         retain_graph=True))}
+    if not with_fla:
+        return found
+    try:
+        fla = load_fla()
+    except ImportError as e:  # FLA is optional
+        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
+        return found
+    fkw = dict(activation="silu", backend="triton", cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+
+    def theirs():
+        return fla.causal_conv1d(x=x["x"], weight=x["weight"], **fkw)[0]
+
+    y_fla = fla.causal_conv1d(x=leaves["x"], weight=leaves["w"], **fkw)[0]
+    found["FLA"] = (theirs, lambda: torch.autograd.grad(y_fla, [leaves["x"], leaves["w"]], x["dy"],
+                                                        retain_graph=True))
+    return found
+
+
+def run_conv(T=16384, widths=CONV_WIDTHS, W=4, *, dtype=torch.bfloat16, with_fla=True, device="cuda", report=None,
+             timing: dict | None = None):
+    """The short-convolution rows (see the module docstring): ``kernel, D, layout, ms, GB/s, MB,
+    pct_of_peak, err_*`` and ``speedup_vs_fla``. ``timing``: ``warmup``, ``rounds``, ``iters`` of
+    :func:`~kdacp.bench.timing.time_round_robin` (default 3, 10, 10)."""
+    timing = dict(warmup=3, rounds=10, iters=10) | (timing or {})
+    rows = []
+    for D in widths:
+        for packed in (False, True):
+            x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)
+            y_ref, dx_ref, dw_ref = _conv_truth(x)
+            contenders = _conv_contenders(x, with_fla)
+            fns = {f"{name} {p}": fns[i] for name, fns in contenders.items() for i, p in enumerate(("fwd", "bwd"))}
+            ms = time_round_robin(fns, group=None, device=torch.device(device), queue_ahead_ms=3.0 * timing["iters"],
+                                  **timing)
+            nbytes = {"fwd": 2 * T * D * x["x"].element_size(), "bwd": 3 * T * D * x["x"].element_size()}
+            layout = f"{CONV_DOCS} documents" if packed else "one sequence"
+            for name, fn in fns.items():
+                out = fn()
+                p = name.split()[-1]
+                errs = ({"y": rel_err(out, y_ref)} if p == "fwd"
+                        else {"dx": rel_err(out[0], dx_ref), "dw": rel_err(out[1], dw_ref)})
+                row = {"T": T, "kernel": f"{name} (D={D}, {layout})", "D": D, "layout": layout, "ms": ms[name],
+                       "GB/s": nbytes[p] / ms[name] / 1e6, "MB": nbytes[p] / 1e6,
+                       "pct_of_peak": 100 * nbytes[p] / ms[name] * 1e3 / PEAK_BYTES}
+                row.update({f"err_{k}": v for k, v in errs.items()})
+                if not name.startswith("FLA") and f"FLA {p}" in ms:
+                    row["speedup_vs_fla"] = ms[f"FLA {p}"] / ms[name]
+                rows.append(row)
+                if report is not None:
+                    report(row)
+            del x, y_ref, dx_ref, dw_ref, contenders, fns
+    return rows
+
+
+def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda"):
+    """Time tilings of the forward and backward kernels on one sequence and on 13 documents after a halo
+    (to choose ``FWD_TILES`` / ``BWD_TILES``; compiled in parallel first). Prints and returns
+    ``(pass, tiles, ms one sequence, ms documents, GB/s)`` rows and the fastest tiling of each pass (least
+    summed time)."""
+    import itertools
+
+    from kdacp.precompile import precompile
+    T_ = short_conv._Tiles
+    cases = [("fwd", T_(BT=bt, BD=bd, num_warps=nw)) for bt, bd, nw in
+             ((64, 32, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8), (32, 128, 4), (32, 128, 8), (64, 128, 8),
+              (128, 64, 8), (16, 128, 4), (128, 32, 4), (32, 256, 8), (64, 256, 8))]
+    cases += [("bwd", T_(BT=bt, BD=bd, num_warps=nw, tiles=n, maxnreg=r)) for bt, bd, nw, n, r in
+              itertools.product((32, 64), (32, 64), (4, 8), (1, 4, 16), (None, 128))]
+    inputs = []
+    for packed in (False, True):
+        x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)
+        halo = x["x"][:, :W - 1].clone() if packed else None
+        inputs.append(((x["x"], x["weight"], None, halo, x["cu"], "silu"), x["dy"]))
+
+    def call(p, tiles, args, dy):
+        return (short_conv.short_conv_fwd(*args, tiles=tiles) if p == "fwd"
+                else short_conv.short_conv_bwd(*args, dy, tiles=tiles))
+
+    import triton.testing
+    precompile(lambda: [call(p, tiles, *i) for p, tiles in cases for i in inputs], device=device)
+    rows, best = [], {}
+    for p, tiles in cases:
+        try:
+            ms = [triton.testing.do_bench(lambda: call(p, tiles, *i), warmup=5, rep=25, return_mode="median")
+                  for i in inputs]
+        except Exception as e:  # a tiling may not fit
+            print(f"sweep conv {p} {tiles}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        gbs = (2 if p == "fwd" else 3) * T * D * inputs[0][0][0].element_size() / ms[0] / 1e6
+        rows.append({"pass": p, "tiles": str(tiles), "ms": ms[0], "ms_docs": ms[1], "GB/s": gbs})
+        print(f"sweep conv {p} {tiles}: {ms[0]:.4f} ms, {ms[1]:.4f} ms (13 documents, halo), {gbs:.0f} GB/s",
+              flush=True)
+        if p not in best or sum(ms) < best[p][1]:
+            best[p] = (tiles, sum(ms))
+    return rows, {p: tiles for p, (tiles, _) in best.items()}

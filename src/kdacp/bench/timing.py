@@ -16,13 +16,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device) -> dict:
+def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device,
+                     queue_ahead_ms: float = 0.0) -> dict:
     """Milliseconds per call of each of ``fns`` (name -> callable), the slowest rank's of ``group``
     (``None``: this process alone, no collective).
 
     After ``warmup`` calls of each, ``rounds`` times: each contender in turn runs ``iters`` calls
     back to back (a warm queue), timed by CUDA events (wall clock on CPU) after a barrier, so a
-    context-parallel contender never waits for a peer still busy with the previous contender."""
+    context-parallel contender never waits for a peer still busy with the previous contender.
+    ``queue_ahead_ms`` > 0 (CUDA): the device first sleeps that long, so the host queues the calls ahead
+    of it and the events time the device alone (for calls shorter than their host-side launch cost)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -34,6 +37,8 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
                 dist.barrier(group)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if queue_ahead_ms > 0:
+                    torch.cuda._sleep(int(queue_ahead_ms * 2e6))  # ~2 GHz
                 start.record()
                 for _ in range(iters):
                     fn()

@@ -8,7 +8,8 @@ version every kernel is tested against, are in :mod:`kdacp.reference.summary`.
 Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers), ``launch`` (their
 shared host side), ``planning`` (sub-segments), ``stages`` (pipeline stages that fit), ``compose`` (the
 fold kernel), ``tiles`` and ``precision`` (shared Triton helpers), ``checks`` (input checks),
-``config`` (:class:`SummaryConfig`).
+``config`` (:class:`SummaryConfig`); ``short_conv`` (the layers' depthwise short convolution, forward and
+backward, with its own launchers: :func:`kdacp.kernels.short_conv.causal_conv1d`).
 """
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition

@@ -1,17 +1,19 @@
-"""Depthwise causal short convolution with SiLU, aware of packed sequences and of a left halo.
+"""Depthwise causal short convolution (then SiLU, or none), aware of packed sequences and of a left halo.
 
 Parameter layout matches FLA's ``ShortConvolution`` (an ``nn.Conv1d`` with ``groups=D``):
 ``weight [D, 1, W]``, optional ``bias [D]``; tap ``W-1`` multiplies the current token.
 
-Two implementations of one contract (:func:`causal_conv1d`): FLA's fused Triton kernel on CUDA
-(``fused=True``, through the adapter) and a plain PyTorch one, which is the CPU path and the
-reference the fused path is tested against.
+Two implementations of one contract (:func:`causal_conv1d`): kdacp's Triton kernels on CUDA
+(``fused=True``, :mod:`kdacp.kernels.short_conv`: forward and backward each read ``x`` (and ``dy``) once) and
+a plain PyTorch one, which is the CPU path and the reference the kernels are tested against.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..kernels import short_conv
 
 __all__ = ["ShortConvolution", "causal_conv1d", "sequence_positions"]
 
@@ -33,7 +35,7 @@ def sequence_positions(cu_seqlens: torch.Tensor, start: int, length: int) -> tor
 
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-           cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+           cu_seqlens: torch.Tensor | None, activation: str | None) -> torch.Tensor:
     B, T, D = x.shape
     W = weight.shape[-1]
     xe = torch.cat([x.new_zeros(B, W - 1, D) if halo is None else halo, x], dim=1)
@@ -52,31 +54,14 @@ def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, hal
         y = y + tap * weight[:, W - 1 - i]
     if bias is not None:
         y = y + bias
-    return F.silu(y)
-
-
-def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-           cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
-    from ..backends.fla_adapter import load_fla
-    B, T, D = x.shape
-    W = weight.shape[-1]
-    initial_state = None
-    if halo is not None:
-        # FLA's cache holds the W tokens before a sequence ([N, D, W], the newest last); the kernel reads
-        # only the last W-1. Only the first sequence continues the halo's.
-        initial_state = F.pad(halo.transpose(1, 2), (1, 0))
-        if cu_seqlens is not None and cu_seqlens.numel() > 2:
-            initial_state = torch.cat([initial_state, initial_state.new_zeros(cu_seqlens.numel() - 2, D, W)])
-        initial_state = initial_state.contiguous()
-    y, _ = load_fla().causal_conv1d(x=x, weight=weight, bias=bias, initial_state=initial_state, activation="silu",
-                                    backend="triton", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    return y
+    return F.silu(y) if activation == "silu" else y
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   halo: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                  cu_seqlens_cpu: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
-    """``silu(sum_i weight[:, W-1-i] * x[t-i] + bias)`` over each sequence.
+                  cu_seqlens_cpu: torch.Tensor | None = None, fused: bool = False,
+                  activation: str | None = "silu") -> torch.Tensor:
+    """``act(sum_i weight[:, W-1-i] * x[t-i] + bias)`` over each sequence, ``act`` SiLU or the identity.
 
     Args:
         x: ``[B, T, D]``.
@@ -86,14 +71,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences inside ``x`` (``B == 1``); a tap
             reaching before a sequence's start reads zero, except that the first sequence reads the halo.
         cu_seqlens_cpu: the same on the host, if at hand (spares the fused path a device sync).
-        fused: run FLA's Triton kernel (CUDA, ``fla-core`` installed) instead of the PyTorch code.
+        fused: run kdacp's Triton kernels (:mod:`kdacp.kernels.short_conv`; CUDA, ``2 <= W <= 4``; other
+            widths run the PyTorch code) instead of the PyTorch code.
+        activation: ``"silu"`` or None.
 
     Returns:
         ``[B, T, D]`` in ``x``'s dtype.
     """
-    if fused:
-        return _fused(x, weight, bias, halo, cu_seqlens, cu_seqlens_cpu)
-    return _eager(x, weight, bias, halo, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)
+    if fused and short_conv.MIN_WIDTH <= weight.shape[-1] <= short_conv.MAX_WIDTH:
+        return short_conv.causal_conv1d(x, weight, bias, halo=halo, cu_seqlens=cu_seqlens,
+                                        cu_seqlens_cpu=cu_seqlens_cpu, activation=activation)
+    return _eager(x, weight, bias, halo, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, activation)
 
 
 class ShortConvolution(nn.Conv1d):
