@@ -137,12 +137,32 @@ def local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
 def exchanges() -> dict:
     """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
     all-to-all, each faked away."""
+    import kdacp
     from kdacp.layers import comm, context_parallel
     return {
         "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
         "state exchange": (context_parallel.KDAContextParallel, "chunk_kda", local_chunk_kda),
         "attention all-to-all": (comm, "all_to_all", lambda x, group: x),
+        "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),
     }
+
+
+def shifted_in_shard(shard_batch):
+    """``shard_batch`` whose labels are shifted inside each rank's shard (what the model's own loss did before
+    ``parallelize`` set its loss): a rank's last token gets no label."""
+    import dataclasses
+
+    def fake(input_ids, *args, **kwargs):
+        batch = shard_batch(input_ids, *args, **kwargs)
+        labels = torch.full_like(batch.labels, -100)
+        labels[:, :-1] = batch.input_ids[:, 1:]
+        cu = batch.cu_seqlens
+        if cu is not None:
+            T, rank = batch.input_ids.shape[1], dist.get_rank()
+            ends = [int(e) - 1 - rank * T for e in cu[1:-1] if rank * T < e <= (rank + 1) * T]
+            labels[:, ends] = -100
+        return dataclasses.replace(batch, labels=labels)
+    return fake
 
 
 def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict, broken_on=(2, 4)) -> None:
@@ -152,7 +172,13 @@ def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict,
     import kdacp
     worst = {}
     for mode, ulysses_size, attention in modes:
-        cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
+        if mode == "hybrid":  # the DeviceMesh form: (state, ulysses), Ulysses over consecutive ranks
+            mesh = kdacp.init_device_mesh("cpu", (world_size // ulysses_size, ulysses_size),
+                                          mesh_dim_names=("state", "ulysses"))
+            cp = kdacp.KDAContextParallel.from_mesh(mesh)
+            assert (cp.mode, cp.ulysses_size) == ("hybrid", ulysses_size)
+        else:
+            cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
         model = make_model(attn_implementation=attention)
         check_in_place(model, cp)  # the model's own parameters, in place: same keys, same tensors
         check_matches(model, ref, rank, world_size, f"{mode}/{attention}", worst)

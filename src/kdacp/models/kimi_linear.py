@@ -6,24 +6,21 @@ not forked. Every rank holds the whole model and one equal time shard of the glo
 (:func:`kdacp.shard_batch`); everything but the two token mixers works per token and needs nothing else.
 
 * KDA layers (``KimiLinearDeltaAttention``): their ``forward`` is replaced, on the instance, by
-  :func:`_kda_forward`, which runs kdacp's context-parallel composition (the one of
-  :class:`kdacp.layers.DeltaRuleLayer`) on the module's parameters: the projections, the fused q|k|v
-  short convolution sliced per part with the left halo from the previous rank
-  (:meth:`ConvContext.left_halos`), the gate inside the KDA kernel (``A_log``, ``dt_bias`` of
-  ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both, as ``cp`` says), the gated
-  RMSNorm and the output projection. ``del module.forward`` restores the model's own.
-* MLA layers (``KimiLinearAttention``): Ulysses sequence parallelism through transformers' attention
-  registry (the function shared with Qwen3-Next, :mod:`kdacp.models.common`). The module's own forward
-  still computes q, k, v on the local tokens; the registered function ``"kdacp_ulysses"`` all-to-alls them from time shards to head shards (every rank then holds
-  the whole global sequence of ``H/P`` heads), calls the model's previous attention implementation
-  (``eager``, ``sdpa`` or ``flash_attention_*``) on it with a per-document causal mask, and
-  all-to-alls the output back. Why Ulysses rather than gathering K/V: it keeps the model's forward and
-  its attention kernel unchanged (the registry is the extension point transformers offers; gathering
-  MLA's compressed latent would need a forked forward), it balances the causal work over ranks (with
-  gathered K/V the last rank does most of it), and the mask is the plain global one. Its condition:
-  ``num_attention_heads % P == 0`` (checked, ``ValueError``). Gathering the latent would move less data
-  (``kv_lora_rank + qk_rope_head_dim`` per token instead of q, k, v and the output of ``H/P`` heads);
-  worth it if the all-to-all shows up in profiles.
+  :func:`_kda_forward`, which runs the token mixer kdacp's own layers run
+  (:func:`kdacp.layers.delta_rule.mix_tokens`) on the module's parts (:class:`_KimiDeltaParts`, which looks
+  each parameter up on the module at each call, so FSDP2 may replace them): the projections, the fused
+  q|k|v short convolution sliced per part with the left halo from the previous rank, the gate inside the
+  KDA kernel (``A_log``, ``dt_bias`` of ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both,
+  as ``cp`` says), the gated RMSNorm and the output projection. ``del module.forward`` restores the model's own.
+* MLA layers (``KimiLinearAttention``): kdacp's attention through transformers' attention registry (the
+  function shared with Qwen3-Next, :mod:`kdacp.models.attention`). The module's own forward still computes
+  q, k, v on the local tokens; the registered function ``"kdacp_ulysses"`` runs Ulysses where
+  ``num_attention_heads % P == 0`` (all-to-all to head shards, the model's previous attention implementation,
+  ``eager``, ``sdpa`` or ``flash_attention_*``, on the whole global sequence of ``H/P`` heads with a
+  per-document causal mask, all-to-all back) and otherwise gathers K/V along the sequence (``eager`` and
+  ``sdpa``). Why not gather MLA's compressed latent: it would move less data (``kv_lora_rank +
+  qk_rope_head_dim`` per token) but needs a forked forward; the registry is the extension point transformers
+  offers.
 
 Positions and documents. Kimi Linear's MLA uses no rotary embedding (NoPE; the ``k_rot`` part is not
 rotated), so ``position_ids`` only tell transformers' mask code where documents restart. Under
@@ -37,8 +34,9 @@ function, after the all-to-all, holds exactly the global sequence they describe:
 block-diagonal causal mask (``eager``/``sdpa``) or hands them to flash attention's varlen path, with
 global positions derived from them. Without ``cu_seq_lens_q`` the batch is ``B`` unpacked sequences.
 
-Not supported under ``parallelize``: caches (``use_cache`` must be False: training and scoring, not
-generation), padding masks, returned attention weights, ``flex_attention``.
+Not supported under ``parallelize``: caches (the parallelised model's ``use_cache`` defaults to False; an
+explicit request raises ``ValueError``: training and scoring, not generation), padding masks, returned
+attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 

@@ -5,27 +5,30 @@ As for Kimi Linear (:mod:`kdacp.models.kimi_linear`): the model's own parameters
 the whole model and one equal time shard of the global batch (:func:`kdacp.shard_batch`).
 
 * Gated DeltaNet layers (``Qwen3NextGatedDeltaNet``): their ``forward`` is replaced, on the instance, by
-  :func:`_gdn_forward`: the model's projections ``in_proj_qkvz`` / ``in_proj_ba`` (split per key-head group
-  by the module's own ``fix_query_key_value_ordering``), the fused q|k|v depthwise convolution sliced per
-  part with the left halo from the previous rank, the gate ``-exp(A_log) * softplus(a + dt_bias)`` and
-  ``beta = sigmoid(b)`` into kdacp's GDN recurrence through ``cp.chunk_kda`` (the scalar gate broadcast
-  over ``K``, as :func:`kdacp.cp_chunk_gated_delta_rule`; state exchange, Ulysses or both, as ``cp``
-  says; grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward``
-  restores the model's own.
-* Gated softmax attention layers (``Qwen3NextAttention``): Ulysses through transformers' attention
-  registry, the function shared with Kimi Linear (:mod:`kdacp.models.common`). The module's own forward
+  :func:`_gdn_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's parts
+  (:class:`_GatedDeltaNetParts`, parameters looked up at each call): the projections ``in_proj_qkvz`` /
+  ``in_proj_ba`` (split per key-head group by the module's own ``fix_query_key_value_ordering``), the fused
+  q|k|v depthwise convolution sliced per part with the left halo from the previous rank, the gate
+  ``-exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` into kdacp's GDN recurrence through
+  ``cp.chunk_kda`` (the scalar gate broadcast over ``K``; state exchange, Ulysses or both, as ``cp`` says;
+  grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward`` restores the
+  model's own.
+* Gated softmax attention layers (``Qwen3NextAttention``): kdacp's attention through transformers' attention
+  registry, the function shared with Kimi Linear (:mod:`kdacp.models.attention`). The module's own forward
   computes q (with its output gate), k, v, the q/k norms and the partial rotary embedding on the local
   tokens from the global positions of :func:`kdacp.shard_batch`'s ``position_ids`` slice, so the rotary
-  embedding stays the one-process one; grouped-query attention shards query and key/value heads alike.
-  Needs ``num_attention_heads % P == 0`` and ``num_key_value_heads % P == 0`` (checked, ``ValueError``).
+  embedding stays the one-process one. Any ``P``: Ulysses where the key/value heads split too, else Ulysses
+  with each key/value head sent to every rank whose query heads use it or a K/V all-gather, whichever moves
+  fewer bytes (Qwen3-Next's 2 key/value heads: the gather at ``P = 4`` and ``8``); flash attention needs
+  ``num_attention_heads % P == 0`` (checked, ``ValueError``).
 
 Documents: transformers' ``Qwen3NextDecoderLayer`` forwards its keyword arguments (``cu_seq_lens_q`` ...,
 from the model's ``forward``) to the linear-attention module as well as to the attention module, so
 ``batch.model_kwargs()``'s global boundaries reach both without a hook (checked by the tests on the
 installed version: a packed batch would fail its tolerance otherwise).
 
-Not supported under ``parallelize``: caches (``use_cache`` must be False), padding masks, returned
-attention weights, ``flex_attention``.
+Not supported under ``parallelize``: caches (``use_cache`` defaults to False; an explicit request raises
+``ValueError``), padding masks, returned attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
