@@ -192,13 +192,16 @@ class KDAContextParallel(_SingleDevice):
         (``mesh._flatten()``). ``strategy``, ``backend``: as the constructor's.
 
         Raises:
-            ValueError: a mesh of another dimensionality, or one whose flattened ranks are not in
-                ``(state, ulysses)`` order.
+            ValueError: a mesh of another dimensionality, a 2-D one without ``mesh_dim_names``, or one whose
+                flattened ranks are not in ``(state, ulysses)`` order.
         """
         if mesh.ndim == 1:
             return cls("state", mesh.get_group(), strategy=strategy, backend=backend)
         if mesh.ndim != 2:
             raise ValueError(f"a context-parallel mesh has 1 dim (state) or 2 (state, ulysses), got {mesh.ndim}")
+        if not mesh.mesh_dim_names:
+            raise ValueError("a 2-D context-parallel mesh needs mesh_dim_names (e.g. ('state', 'ulysses')) to be "
+                             "flattened into the whole group")
         S, U = mesh.shape
         group = mesh._flatten().get_group()
         if dist.get_rank(group) != mesh.get_local_rank(0) * U + mesh.get_local_rank(1):
