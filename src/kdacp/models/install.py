@@ -7,17 +7,33 @@ import functools
 
 import torch.nn as nn
 
+import torch
+
 from ..distributed.comm import process_group
 from ..layers.context_parallel import KDAContextParallel
+from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
+from .checks import check_training_call, global_cu_seqlens
 
-__all__ = ["install"]
+__all__ = ["install", "mixer_forward"]
 
 
-def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], forward, attention: list[nn.Module],
-            eager, loss_group=None) -> nn.Module:
-    """Replace each linear-attention module's ``forward`` (on the instance) by ``forward(module, cp, ...)``, route
+def mixer_forward(parts: type, module: nn.Module, cp: KDAContextParallel, hidden_states: torch.Tensor, cache=None,
+                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """A transformers linear-attention module's ``forward`` under ``parallelize``: :func:`mix_tokens` on
+    ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's time shard
+    ``hidden_states [B, T/P, hidden]``; ``kwargs['cu_seq_lens_q']`` holds the global ``[N+1]`` boundaries of a
+    packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
+    check_training_call(cache, attention_mask, kwargs)
+    y, _ = mix_tokens(parts(module), cp, hidden_states, cu_seqlens=global_cu_seqlens(kwargs), backend="auto")
+    return y
+
+
+def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], parts: type,
+            attention: list[nn.Module], eager, loss_group=None) -> nn.Module:
+    """Replace each linear-attention module's ``forward`` (on the instance) by :func:`mixer_forward` over
+    ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route
     the ``attention`` modules through kdacp's attention over ``cp.group`` (``eager``: the model's own eager
     function), give the model its own config with ``use_cache=False`` and set its ``loss_function`` to
     :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``).
@@ -25,7 +41,7 @@ def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], f
     Nothing made here holds a module's parameter: the forwards look them up on the module at each call, so
     wrappers applied afterwards (FSDP2's ``fully_shard``, DDP) that replace parameters keep working."""
     for m in linear:
-        m.forward = functools.partial(forward, m, cp)
+        m.forward = functools.partial(mixer_forward, parts, m, cp)
     config = model.config
     # The config object may be shared with other models (built from the same config, or a reference copy's):
     # this model's modules get their own copy, so that only they look up the registered attention and default

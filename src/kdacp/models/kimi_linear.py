@@ -6,8 +6,8 @@ not forked. Every rank holds the whole model and one equal time shard of the glo
 (:func:`kdacp.shard_batch`); everything but the two token mixers works per token and needs nothing else.
 
 * KDA layers (``KimiLinearDeltaAttention``): their ``forward`` is replaced, on the instance, by
-  :func:`_kda_forward`, which runs the token mixer kdacp's own layers run
-  (:func:`kdacp.layers.delta_rule.mix_tokens`) on the module's parts (:class:`_KimiDeltaParts`, which looks
+  :func:`kdacp.models.install.mixer_forward`, which runs the token mixer kdacp's own layers run
+  (:func:`kdacp.layers.delta_rule.mix_tokens`) on the module's parts (:class:`KimiDeltaParts`, which looks
   each parameter up on the module at each call, so FSDP2 may replace them): the projections, the fused
   q|k|v short convolution sliced per part with the left halo from the previous rank, the gate inside the
   KDA kernel (``A_log``, ``dt_bias`` of ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both,
@@ -44,13 +44,14 @@ import torch
 import torch.nn as nn
 
 from ..layers.context_parallel import KDAContextParallel
-from ..layers.delta_rule import Projected, mix_tokens
+from ..layers.delta_rule import Projected
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
-from .checks import SILU_NAMES, check_training_call, global_cu_seqlens, token_mixers
+from .checks import SILU_NAMES, token_mixers
 from .install import install
 from .loading import kernel_fallbacks, load_model_module
 
-__all__ = ["ATTENTION_NAME", "document_causal_mask", "load_kimi_linear", "parallelize", "torch_fallbacks"]
+__all__ = ["ATTENTION_NAME", "KimiDeltaParts", "document_causal_mask", "load_kimi_linear", "parallelize",
+           "torch_fallbacks"]
 
 
 def load_kimi_linear():
@@ -83,7 +84,7 @@ def torch_fallbacks():
     return kernel_fallbacks(load_kimi_linear(), _KERNEL_FUNCTIONS)
 
 
-class _KimiDeltaParts:
+class KimiDeltaParts:
     """The :class:`kdacp.layers.delta_rule.MixerParts` of a transformers ``KimiLinearDeltaAttention``: its own
     modules, looked up at each call (``H == HV``, ``K == V``; one depthwise Conv1d over q|k|v)."""
 
@@ -115,17 +116,6 @@ class _KimiDeltaParts:
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.module.o_proj(o)
-
-
-def _kda_forward(module: nn.Module, cp: KDAContextParallel, hidden_states: torch.Tensor, cache=None,
-                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    """``KimiLinearDeltaAttention.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``
-    (:func:`kdacp.layers.delta_rule.mix_tokens` on the module's own parts); ``kwargs['cu_seq_lens_q']`` holds
-    the global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
-    check_training_call(cache, attention_mask, kwargs)
-    y, _ = mix_tokens(_KimiDeltaParts(module), cp, hidden_states, cu_seqlens=global_cu_seqlens(kwargs),
-                      backend="auto")
-    return y
 
 
 def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
@@ -168,4 +158,4 @@ def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn
     if mla:
         check_attention(model.config, torch.distributed.get_world_size(cp.group),
                         {"num_attention_heads": {m.num_heads for m in mla}}, "MLA layers")
-    return install(model, cp, kda, _kda_forward, mla, kl.eager_attention_forward, loss_group)
+    return install(model, cp, kda, KimiDeltaParts, mla, kl.eager_attention_forward, loss_group)

@@ -5,8 +5,8 @@ As for Kimi Linear (:mod:`kdacp.models.kimi_linear`): the model's own parameters
 the whole model and one equal time shard of the global batch (:func:`kdacp.shard_batch`).
 
 * Gated DeltaNet layers (``Qwen3NextGatedDeltaNet``): their ``forward`` is replaced, on the instance, by
-  :func:`_gdn_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's parts
-  (:class:`_GatedDeltaNetParts`, parameters looked up at each call): the projections ``in_proj_qkvz`` /
+  :func:`kdacp.models.install.mixer_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's
+  parts (:class:`GatedDeltaNetParts`, parameters looked up at each call): the projections ``in_proj_qkvz`` /
   ``in_proj_ba`` (split per key-head group by the module's own ``fix_query_key_value_ordering``), the fused
   q|k|v depthwise convolution sliced per part with the left halo from the previous rank, the gate
   ``-exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` into kdacp's GDN recurrence through
@@ -37,13 +37,13 @@ import torch.nn as nn
 
 from ..gdn import scalar_gate_arguments
 from ..layers.context_parallel import KDAContextParallel
-from ..layers.delta_rule import Projected, mix_tokens
+from ..layers.delta_rule import Projected
 from .attention import check_attention
-from .checks import SILU_NAMES, check_training_call, global_cu_seqlens, token_mixers
+from .checks import SILU_NAMES, token_mixers
 from .install import install
 from .loading import kernel_fallbacks, load_model_module
 
-__all__ = ["load_qwen3_next", "parallelize", "torch_fallbacks"]
+__all__ = ["GatedDeltaNetParts", "load_qwen3_next", "parallelize", "torch_fallbacks"]
 
 # transformers' functions that bind a kernel package (FLA; causal-conv1d) where it imports, at import time.
 _KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -67,7 +67,7 @@ def torch_fallbacks():
     return kernel_fallbacks(load_qwen3_next(), _KERNEL_FUNCTIONS)
 
 
-class _GatedDeltaNetParts:
+class GatedDeltaNetParts:
     """The :class:`kdacp.layers.delta_rule.MixerParts` of a transformers ``Qwen3NextGatedDeltaNet``: its own
     modules, looked up at each call (value head ``j`` uses key head ``j // (HV/H)``; one depthwise Conv1d over
     q|k|v: channels ``[0, key_dim)`` q, ``[key_dim, 2 key_dim)`` k, then v)."""
@@ -100,17 +100,6 @@ class _GatedDeltaNetParts:
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.module.out_proj(o)
-
-
-def _gdn_forward(module: nn.Module, cp: KDAContextParallel, hidden_states: torch.Tensor, cache=None,
-                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    """``Qwen3NextGatedDeltaNet.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``
-    (:func:`kdacp.layers.delta_rule.mix_tokens` on the module's own parts); ``kwargs['cu_seq_lens_q']`` holds
-    the global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
-    check_training_call(cache, attention_mask, kwargs)
-    y, _ = mix_tokens(_GatedDeltaNetParts(module), cp, hidden_states, cu_seqlens=global_cu_seqlens(kwargs),
-                      backend="auto")
-    return y
 
 
 def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
@@ -147,4 +136,4 @@ def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn
     if attn:
         check_attention(model.config, torch.distributed.get_world_size(cp.group),
                         {"num_attention_heads": {model.config.num_attention_heads}})
-    return install(model, cp, gdn, _gdn_forward, attn, qn.eager_attention_forward, loss_group)
+    return install(model, cp, gdn, GatedDeltaNetParts, attn, qn.eager_attention_forward, loss_group)
