@@ -127,6 +127,9 @@ def _worker(rank, world_size, name, ref, results, checkpoint_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    import kdacp
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):  # a 2-D mesh is not one group
+        kdacp.shard_batch(_tokens(0, 0), group=kdacp.init_device_mesh("cpu", (DP, CP), mesh_dim_names=("a", "b")))
     worst = {}
     for wrapper in WRAPPERS:
         model, wrapped, optimizer, mesh = _setup(name, wrapper)
@@ -134,6 +137,8 @@ def _worker(rank, world_size, name, ref, results, checkpoint_dir):
             loss = _step(wrapped, optimizer, mesh, step)
             assert rel_err(loss, torch.tensor(ref["losses"][step])) < TOL, f"{wrapper}: loss of step {step}"
             if step == 0:
+                missing = [n for n, p in model.named_parameters() if p.grad is None]
+                assert not missing, f"{wrapper}: no gradient for {missing}"
                 errs = {n: rel_err(_full(p.grad), ref["grads"][n]) for n, p in model.named_parameters()}
                 worst_grad = max(errs.items(), key=lambda kv: kv[1])
                 assert worst_grad[1] < TOL, f"{wrapper}: gradient of {worst_grad[0]} off by {worst_grad[1]:.2e}"
