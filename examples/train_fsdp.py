@@ -29,7 +29,8 @@ def tiny_kimi_linear(vocab_size: int):
         qk_nope_head_dim=16, v_head_dim=16, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse"], attn_implementation="sdpa")
+        mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="sdpa")
     return kl.KimiLinearForCausalLM(config)
 
 
