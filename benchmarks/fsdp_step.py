@@ -80,7 +80,7 @@ def main() -> None:
     median = {name: statistics.median(ts) for name, ts in times.items()}
     ratio = median["parallelize+fsdp2"] / median["parallelize"]
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"{gpu}, Kimi Linear {params / 1e6:.0f}M parameters, {tokens} tokens, {dtype}, AdamW, "
+    print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {tokens} tokens, {dtype}, AdamW, "
           f"median of {args.steps} steps after {args.warmup}:")
     for name, m in median.items():
         print(f"  {name:18s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f})")
