@@ -142,7 +142,8 @@ class KDAContextParallel(_SingleDevice):
             on full sequences, all-to-all back; needs ``H % P == 0`` and ``HV % P == 0``) or
             ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, state across them).
         group: the context-parallel process group (default: the world); best one from
-            :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
+            :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue). From a ``DeviceMesh``:
+            :meth:`from_mesh`.
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
         strategy: state-exchange strategy for ``cp_chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
