@@ -8,7 +8,7 @@ Hugging Face models: :func:`parallelize` (Kimi Linear, Qwen3-Next) with :func:`s
 :func:`precompile` compiles a step's Triton kernels in parallel before its first run.
 """
 from . import reference
-from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
+from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, init_device_mesh, new_cp_group
 from .affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .kernels import state_gradient_summary, state_summary, transition
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
@@ -22,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CPPlan", "GatedDeltaNet", "StateSummary", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
     "apply_state_summary", "build_cp_plan", "chunk_gated_delta_rule", "chunk_kda", "compose_state_summaries",
-    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "new_cp_group", "parallelize", "precompile", "reference", "shard_batch",
+    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "init_device_mesh", "new_cp_group", "parallelize", "precompile", "reference", "shard_batch",
     "state_gradient_summary", "state_summary", "transition",
 ]

@@ -226,7 +226,9 @@ def demo_step(model: nn.Module, ids: torch.Tensor, cu_seqlens: torch.Tensor,
     (the gradient of the global token mean). Returns this rank's logits ``[1, T/P, vocab]`` and the
     global token-mean loss, detached."""
     batch = shard_batch(ids, cu_seqlens=cu_seqlens, group=group)
-    logits = model(**batch.model_kwargs()).logits
+    kwargs = batch.model_kwargs()
+    del kwargs["labels"]  # the loss below sums the gradients (global_token_mean_loss), not the model's own
+    logits = model(**kwargs).logits
     loss = global_token_mean_loss(logits, batch.labels, group=group)
     loss.backward()
     _collective_over_grads(model, dist.all_reduce, group=group)

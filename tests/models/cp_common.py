@@ -39,22 +39,24 @@ def one_document_at_a_time(model, context) -> dict:
 
 
 def step(model, world_size):
-    """One parallel step on this rank's shard: its logits, the global loss and the all-reduced gradients."""
+    """One parallel step on this rank's shard: its logits, the model's own loss and the gradients averaged
+    over the ranks (the loss-scaling contract of ``kdacp.models.batch``: what DDP or FSDP2 would do)."""
     import kdacp
     from kdacp.models import global_token_mean_loss
     device = next(model.parameters()).device
     batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device))
     assert batch.input_ids.shape == (1, CU_SEQLENS[-1] // world_size)
-    logits = model(**batch.model_kwargs()).logits
-    loss = global_token_mean_loss(logits, batch.labels)
+    out = model(**batch.model_kwargs())  # the config's use_cache (True) left as is: no cache is built
+    assert out.cache is None
+    assert rel_err(out.loss.detach(), global_token_mean_loss(out.logits.detach(), batch.labels)) < 1e-6
     model.zero_grad()
-    loss.backward()
+    out.loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad)  # each rank holds its share: they add up
-        grads[name] = grad
-    return logits.detach()[0], loss.detach(), grads
+        dist.all_reduce(grad)
+        grads[name] = grad / world_size
+    return out.logits.detach()[0], out.loss.detach(), grads
 
 
 def errors(model, ref, rank, world_size) -> dict:
@@ -115,8 +117,13 @@ def check_parallelize_contract(model_type, make_model):
     ``state``-mode context; returns that context for the caller's further checks."""
     import kdacp
     cp = kdacp.KDAContextParallel("state")
-    check_in_place(make_model(), cp)
+    model = make_model()
+    check_in_place(model, cp)
     check_shared_config(model_type, make_model().config, cp)
+    # An explicit cache request is refused before any exchange (the default builds none: see step()).
+    batch = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
+    with pytest.raises(ValueError, match="runs without a cache"):
+        model(**batch.model_kwargs(), use_cache=True)
     return cp
 
 
@@ -130,13 +137,32 @@ def local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
 def exchanges() -> dict:
     """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
     all-to-all, each faked away."""
-    from kdacp.layers import context_parallel
-    from kdacp.models import common
+    import kdacp
+    from kdacp.layers import comm, context_parallel
     return {
         "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
         "state exchange": (context_parallel.KDAContextParallel, "chunk_kda", local_chunk_kda),
-        "attention all-to-all": (common, "all_to_all", lambda x, group: x),
+        "attention all-to-all": (comm, "all_to_all", lambda x, group: x),
+        "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),
     }
+
+
+def shifted_in_shard(shard_batch):
+    """``shard_batch`` whose labels are shifted inside each rank's shard (what the model's own loss did before
+    ``parallelize`` set its loss): a rank's last token gets no label."""
+    import dataclasses
+
+    def fake(input_ids, *args, **kwargs):
+        batch = shard_batch(input_ids, *args, **kwargs)
+        labels = torch.full_like(batch.labels, -100)
+        labels[:, :-1] = batch.input_ids[:, 1:]
+        cu = batch.cu_seqlens
+        if cu is not None:
+            T, rank = batch.input_ids.shape[1], dist.get_rank()
+            ends = [int(e) - 1 - rank * T for e in cu[1:-1] if rank * T < e <= (rank + 1) * T]
+            labels[:, ends] = -100
+        return dataclasses.replace(batch, labels=labels)
+    return fake
 
 
 def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict, broken_on=(2, 4)) -> None:
@@ -146,7 +172,13 @@ def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict,
     import kdacp
     worst = {}
     for mode, ulysses_size, attention in modes:
-        cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
+        if mode == "hybrid":  # the DeviceMesh form: (state, ulysses), Ulysses over consecutive ranks
+            mesh = kdacp.init_device_mesh("cpu", (world_size // ulysses_size, ulysses_size),
+                                          mesh_dim_names=("state", "ulysses"))
+            cp = kdacp.KDAContextParallel.from_mesh(mesh)
+            assert (cp.mode, cp.ulysses_size) == ("hybrid", ulysses_size)
+        else:
+            cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
         model = make_model(attn_implementation=attention)
         check_in_place(model, cp)  # the model's own parameters, in place: same keys, same tensors
         check_matches(model, ref, rank, world_size, f"{mode}/{attention}", worst)

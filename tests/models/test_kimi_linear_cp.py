@@ -18,8 +18,10 @@ from tests.models.cp_common import (CU_SEQLENS, VOCAB, check_modes, check_parall
                                     one_document_at_a_time, reference_fixture, run_and_report, tokens)
 
 # (KDA mode, Ulysses size, the model's attention implementation, which becomes the Ulysses one's inner)
+# MLA's 4 heads: Ulysses on 2 and 4 ranks, the K/V all-gather on 8 (fewer heads than ranks).
 MODES = {2: [("state", None, "sdpa"), ("ulysses", None, "eager")],
-         4: [("state", None, "sdpa"), ("hybrid", 2, "eager")]}
+         4: [("state", None, "sdpa"), ("hybrid", 2, "eager")],
+         8: [("state", None, "eager")]}
 
 
 def _config(**overrides):
@@ -30,7 +32,7 @@ def _config(**overrides):
               n_group=1, topk_group=1, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
               layer_types=["linear_attention", "full_attention", "linear_attention"],
               mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              use_cache=False, attn_implementation="sdpa")
+              attn_implementation="sdpa")  # use_cache: the config's default (True)
     kw.update(overrides)
     return KimiLinearConfig(**kw)
 
@@ -54,16 +56,18 @@ def _reference() -> dict:
 
 
 def _worker(rank, world_size, ref, results):
-    from kdacp.models import common
+    from kdacp.models import attention
 
     if world_size == 2:
         _check_contract(rank, world_size)
-    # Each exchange matters: without it the result leaves the tolerance.
-    check_modes(rank, world_size, ref, results, MODES[world_size], _model, {
-        **exchanges(),
-        "MLA documents": (common, "document_causal_mask",
-                          lambda cu, T, device, real=common.document_causal_mask: real(None, T, device)),
-    })
+    # Each exchange matters: without it the result leaves the tolerance (the MLA all-gather on 8 ranks).
+    broken = {**exchanges(), "MLA documents": (attention, "document_causal_mask",
+                                               lambda cu, T, device, queries=None, real=attention.document_causal_mask:
+                                               real(None, T, device, queries))}
+    if world_size == 8:
+        broken = {"MLA K/V all-gather": (attention, "all_gather_along",
+                                         lambda x, dim, group: torch.cat([x] * world_size, dim))}
+    check_modes(rank, world_size, ref, results, MODES[world_size], _model, broken, broken_on=(2, 4, 8))
 
 
 def _check_contract(rank, world_size):
@@ -71,8 +75,10 @@ def _check_contract(rank, world_size):
     import kdacp
     from transformers import KimiLinearForCausalLM
     cp = check_parallelize_contract(KimiLinearForCausalLM, _model)
+    flash = _model(num_attention_heads=3, num_key_value_heads=3)
+    flash.config._attn_implementation = "flash_attention_2"  # Ulysses only: its heads must split
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
-        kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=3), cp)
+        kdacp.parallelize(flash, cp)
     with pytest.raises(ValueError, match="num_heads % 2 == 0"):
         kdacp.parallelize(_model(linear_num_heads=3), kdacp.KDAContextParallel("ulysses"))
     paged = _model()
@@ -98,6 +104,6 @@ def _check_contract(rank, world_size):
 reference = reference_fixture(_reference)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_parallelize_matches_one_process(world_size, reference):
     run_and_report(_worker, world_size, reference, MODES[world_size])

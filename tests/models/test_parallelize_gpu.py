@@ -26,36 +26,37 @@ HEAD_SHAPES = {"kimi_linear": dict(linear_num_heads=32, linear_head_dim=128, mlp
 
 
 def _family(name: str):
-    """The model builder, the reference's context and the adapter module of a model family.
+    """The model builder and the reference's context of a model family.
 
     The model's transformers module is loaded through kdacp first, as the README advises: it imports FLA,
     which reads its configuration mode once, at import. Imported by transformers directly, FLA ignored
     kdacp's shipped tuning and autotuned: the likely cause of this test's time-outs on the H200
     (2026-12-01), where it autotuned ``l2norm_bwd_kernel`` for a key the shipped file holds. (kdacp now
     also hands FLA the mode when FLA came first: tests/test_tuning.py.)"""
-    from kdacp.models import kimi_linear, load_kimi_linear, load_qwen3_next, qwen3_next, torch_fallbacks
+    from kdacp.models import load_kimi_linear, load_qwen3_next, torch_fallbacks
     if name == "kimi_linear":
         load_kimi_linear()
         from tests.models.test_kimi_linear_cp import _model
-        return _model, torch_fallbacks, kimi_linear
+        return _model, torch_fallbacks
     load_qwen3_next()
     from tests.models.test_qwen3_next_cp import _model, _transformers_recurrent_gdn
-    return _model, _transformers_recurrent_gdn, qwen3_next
+    return _model, _transformers_recurrent_gdn
 
 
 def _worker(ctx, name: str) -> dict:
     import kdacp
-    make_model, context, adapter = _family(name)
+    from kdacp.models import install  # the linear-attention layers' forward reads the documents there
+    make_model, context = _family(name)
     ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(ctx.device), context())
     model = make_model(**HEAD_SHAPES[name]).to(ctx.device, torch.bfloat16)
     model = kdacp.parallelize(model, kdacp.KDAContextParallel("state"))
     errs = errors(model, ref, 0, 1)
-    real = adapter.global_cu_seqlens
-    adapter.global_cu_seqlens = lambda kwargs: None  # the linear-attention layers lose the documents
+    real = install.global_cu_seqlens
+    install.global_cu_seqlens = lambda kwargs: None  # the linear-attention layers lose the documents
     try:
         broken = errors(model, ref, 0, 1)
     finally:
-        adapter.global_cu_seqlens = real
+        install.global_cu_seqlens = real
     return dict(worst=max(errs.items(), key=lambda kv: kv[1]), broken=max(broken.values()))
 
 

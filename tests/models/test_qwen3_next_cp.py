@@ -30,20 +30,23 @@ from tests.models.cp_common import (VOCAB, check_modes, check_parallelize_contra
                                     one_document_at_a_time, reference_fixture, run_and_report)
 
 # (GDN mode, Ulysses size, the model's attention implementation, which becomes the Ulysses one's inner)
+# The attention's 8 query and 2 key/value heads: Ulysses on 2 ranks, the K/V all-gather on 4 (fewer bytes than
+# replicating), Ulysses with each key/value head sent 4 times on 8 (as many bytes as the gather).
 MODES = {2: [("state", None, "sdpa"), ("ulysses", None, "eager")],
-         4: [("state", None, "eager"), ("hybrid", 2, "sdpa")]}
+         4: [("state", None, "eager"), ("hybrid", 2, "sdpa")],
+         8: [("state", None, "sdpa")]}
 
 
 def _config(**overrides):
     from transformers import Qwen3NextConfig
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               layer_types=["linear_attention", "full_attention", "linear_attention"],
-              num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=16,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
               shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0],
-              pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, attn_implementation="sdpa")
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")  # use_cache: default
     kw.update(overrides)
     return Qwen3NextConfig(**kw)
 
@@ -76,14 +79,20 @@ def _reference() -> dict:
 
 
 def _worker(rank, world_size, ref, results):
-    from kdacp.models import qwen3_next
+    from kdacp.models import attention, install
 
     if world_size == 2:
         _check_contract()
     # Each exchange matters, and so do the documents reaching the GDN layers: without one the result
-    # leaves the tolerance (checked on 2 ranks, to keep the test short).
-    check_modes(rank, world_size, ref, results, MODES[world_size], _model, {
-        **exchanges(), "GDN documents": (qwen3_next, "global_cu_seqlens", lambda kwargs: None)}, broken_on=(2,))
+    # leaves the tolerance (checked on 2 ranks, to keep the test short); on 8 ranks, the order of the
+    # replicated key/value heads (each query head's group) and on 4 the K/V all-gather.
+    broken = {**exchanges(), "GDN documents": (install, "global_cu_seqlens", lambda kwargs: None)}
+    if world_size == 4:
+        broken = {"K/V all-gather": (attention, "all_gather_along",
+                                     lambda x, dim, group: torch.cat([x] * world_size, dim))}
+    if world_size == 8:
+        broken = {"K/V replication order": (attention, "replicate_kv_heads", lambda x, r: x.repeat(1, r, 1, 1))}
+    check_modes(rank, world_size, ref, results, MODES[world_size], _model, broken, broken_on=(2, 4, 8))
 
 
 def _check_contract():
@@ -91,10 +100,10 @@ def _check_contract():
     import kdacp
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
     cp = check_parallelize_contract(Qwen3NextForCausalLM, _model)
+    flash = _model(num_attention_heads=3, num_key_value_heads=1)
+    flash.config._attn_implementation = "flash_attention_2"  # Ulysses only: its query heads must split
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
-        kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=1), cp)
-    with pytest.raises(ValueError, match="num_key_value_heads % 2 == 0"):
-        kdacp.parallelize(_model(num_key_value_heads=1), cp)
+        kdacp.parallelize(flash, cp)
     with pytest.raises(ValueError, match="linear_num_key_heads=1.*num_heads % 2 == 0"):
         kdacp.parallelize(_model(linear_num_key_heads=1), kdacp.KDAContextParallel("ulysses"))
     flex = _model()
@@ -110,6 +119,6 @@ def _check_contract():
 reference = reference_fixture(_reference)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_parallelize_matches_one_process(world_size, reference):
     run_and_report(_worker, world_size, reference, MODES[world_size])

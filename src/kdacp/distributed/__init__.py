@@ -6,8 +6,9 @@ at start-up): its NCCL streams have high priority, which keeps the state exchang
 kernels' queue, and it keeps kdacp's messages out of the queue of other collectives (gradient
 all-reduces) on the default group.
 """
+from .comm import init_device_mesh, process_group
 from .comm import new_group as new_cp_group
 from .cp_kda import cp_chunk_kda
 from .plan import STRATEGIES, CPPlan, LocalSegment, RankLayout, build_cp_plan
 
-__all__ = ["CPPlan", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "cp_chunk_kda", "new_cp_group"]
+__all__ = ["CPPlan", "init_device_mesh", "process_group", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "cp_chunk_kda", "new_cp_group"]

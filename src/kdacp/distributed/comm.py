@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_group", "group_timeout", "post_recv", "send", "wait", "all_gather", "post_all_gather",
+__all__ = ["init_device_mesh", "new_group", "group_timeout", "process_group", "post_recv", "send", "wait", "all_gather", "post_all_gather",
            "all_reduce_sum", "all_gather_signatures"]
 
 
@@ -32,19 +32,61 @@ def new_group(ranks=None, timeout=None):
     one-GPU time; ``benchmarks/RESULTS.md``). Collective: every rank of the default group calls
     it, in the same order.
     """
+    timeout = _timeout(timeout)
+    backend = dist.get_backend()
+    return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=_options(backend, timeout))
+
+
+def _timeout(timeout) -> timedelta | None:
+    """``timeout`` as a ``timedelta`` (None: the default group's)."""
     if timeout is None:
-        timeout = group_timeout()
-    elif not isinstance(timeout, timedelta):
+        return group_timeout()
+    if not isinstance(timeout, timedelta):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a datetime.timedelta or a positive number of seconds, got {timeout!r}")
         timeout = timedelta(seconds=float(timeout))
+    return timeout
+
+
+def _options(backend: str, timeout: timedelta | None):
+    """The backend options of kdacp's groups: NCCL's high-priority streams (None on other backends)."""
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    if timeout is not None:
+        options._timeout = timeout  # else torch warns that the timeout argument overrides it
+    return options
+
+
+def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: tuple[str, ...] | None = None,
+                     timeout=None):
+    """``torch.distributed.device_mesh.init_device_mesh`` whose every dimension's groups are made as
+    :func:`new_group` makes them: high-priority NCCL streams (through ``init_device_mesh``'s
+    ``backend_override``) and the timeout (default: the default group's). Call it after
+    ``init_process_group``, on every rank. Meshes flattened from it (``mesh._flatten()``) get torch's default
+    options unless given ``backend_override``."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
     backend = dist.get_backend()
-    options = None
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        if timeout is not None:
-            options._timeout = timeout  # else torch warns that the timeout argument overrides it
-    return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=options)
+    options = _options(backend, _timeout(timeout))
+    override = None if options is None else {dim: (backend, options) for dim in range(len(mesh_shape))}
+    return torch_init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=mesh_dim_names,
+                                  backend_override=override)
+
+
+def process_group(group, what: str = "group"):
+    """The process group of ``group``: a ``ProcessGroup`` as is, a 1-D ``DeviceMesh``'s group, None: the world.
+
+    Raises:
+        ValueError: a mesh of more than one dim (flatten it first: ``mesh._flatten()``).
+    """
+    if group is None:
+        return dist.group.WORLD
+    if hasattr(group, "get_group") and hasattr(group, "ndim"):
+        if group.ndim != 1:
+            raise ValueError(f"{what} must be a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh "
+                             "(flatten it: mesh._flatten())")
+        return group.get_group()
+    return group
 
 
 def group_timeout(group=None) -> timedelta | None:

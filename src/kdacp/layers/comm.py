@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "all_to_all_gather", "shift_right"]
+__all__ = ["all_gather_along", "all_to_all", "all_to_all_gather", "heads_to_time", "shift_right", "time_to_heads"]
 
 
 def _p2p(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None, group) -> None:
@@ -108,3 +108,65 @@ def all_to_all_gather(x: torch.Tensor, state: torch.Tensor, dim: int, group):
     """``(all_to_all(x), states of all ranks concatenated along dim)``; the gathered state's
     gradients from all ranks add up (the convention of ``cp_chunk_kda``'s final state)."""
     return _AllToAllGather.apply(x, state, dim, group)
+
+
+def time_to_heads(xs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Ulysses, there: time shards ``x_i [B, T, H_i, D_i]`` -> head shards ``[B, U*T, H_i/U, D_i]``
+    (``U`` ranks in ``group``, ``H_i % U == 0``), every part in one all-to-all. Rank ``u`` receives heads
+    ``u*H_i/U ... (u+1)*H_i/U - 1`` of every rank's tokens, in rank order: the whole global sequence."""
+    U = dist.get_world_size(group)
+    B, T = xs[0].shape[:2]
+    # [U(dst), B, T, H_i/U * D_i] per part, one message per destination
+    send = torch.cat([x.unflatten(2, (U, -1)).movedim(2, 0).reshape(U, B, T, -1) for x in xs], dim=-1)
+    recv = all_to_all(send, group)                                          # [U(src), B, T, sum_i H_i/U * D_i]
+    widths = [x.shape[2] // U * x.shape[3] for x in xs]
+    # Contiguous parts: the gates and beta go straight to kernels.
+    return [part.reshape(U, B, T, x.shape[2] // U, x.shape[3]).movedim(0, 1).reshape(
+        B, U * T, x.shape[2] // U, x.shape[3]).contiguous() for x, part in zip(xs, recv.split(widths, dim=-1))]
+
+
+def heads_to_time(o: torch.Tensor, group, state: torch.Tensor | None = None):
+    """Ulysses, back: head shard ``o [B, U*T, Hs, D]`` -> time shard ``[B, T, U*Hs, D]`` (the inverse of
+    :func:`time_to_heads`), in one all-to-all. ``state [N, Hs, ...]``, if given, is gathered along dim 1
+    in the same autograd node (:func:`all_to_all_gather`) and returned second (None otherwise)."""
+    U = dist.get_world_size(group)
+    B, TU, Hs, D = o.shape
+    send = o.reshape(B, U, TU // U, Hs, D).movedim(1, 0)                       # [U(dst), B, T, Hs, D]
+    if state is None:
+        recv = all_to_all(send, group)
+    else:
+        recv, state = all_to_all_gather(send, state, 1, group)
+    # recv: [U(head shard), B, T, Hs, D]
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, TU // U, U * Hs, D), state
+
+
+class _AllGatherAlong(torch.autograd.Function):
+    """Every rank's ``x`` concatenated along ``dim``, in rank order; backward sums the gradients of all
+    ranks and keeps this rank's block (a reduce-scatter: NCCL's, or an all-reduce where the backend
+    has none, as gloo)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, dim = ctx.group, ctx.dim
+        size = dist.get_world_size(group)
+        if dist.get_backend(group) == "nccl":
+            blocks = grad.movedim(dim, 0).unflatten(0, (size, -1)).contiguous()   # [P, T, ...]
+            own = torch.empty_like(blocks[0])
+            dist.reduce_scatter_tensor(own, blocks.flatten(0, 1), group=group)
+            return own.movedim(0, dim), None, None
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(size, dim)[dist.get_rank(group)], None, None
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along ``dim`` (rank order); differentiable."""
+    return _AllGatherAlong.apply(x, dim, group)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
 from ..distributed.plan import local_cu_seqlens
 from ..kda import chunk_kda as local_chunk_kda
-from .comm import all_to_all, all_to_all_gather, shift_right
+from .comm import heads_to_time, shift_right, time_to_heads
 
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
 
@@ -142,7 +142,8 @@ class KDAContextParallel(_SingleDevice):
             on full sequences, all-to-all back; needs ``H % P == 0`` and ``HV % P == 0``) or
             ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, state across them).
         group: the context-parallel process group (default: the world); best one from
-            :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
+            :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue). From a ``DeviceMesh``:
+            :meth:`from_mesh`.
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
         strategy: state-exchange strategy for ``cp_chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
@@ -158,11 +159,8 @@ class KDAContextParallel(_SingleDevice):
                  backend: str | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        super().__init__()
-        self.mode, self.strategy, self.backend = mode, strategy, backend
-        self._row_plans: dict = {}
-        self.group = dist.group.WORLD if group is None else group
-        ranks = dist.get_process_group_ranks(self.group)
+        group = dist.group.WORLD if group is None else group
+        ranks = dist.get_process_group_ranks(group)
         P = len(ranks)
         if mode == "hybrid":
             if ulysses_size is None or not 1 < ulysses_size < P or P % ulysses_size:
@@ -171,21 +169,61 @@ class KDAContextParallel(_SingleDevice):
         elif ulysses_size is not None and ulysses_size != (P if mode == "ulysses" else 1):
             raise ValueError(f"ulysses_size is only set for mode='hybrid' (mode={mode!r}, got {ulysses_size})")
         U = {"state": 1, "ulysses": P, "hybrid": ulysses_size}[mode]
-        self.ulysses_size, self.state_size = U, P // U
         rank = ranks.index(dist.get_rank())
-        self.ulysses_rank, self.state_rank = rank % U, rank // U
-        self.ulysses_group = self.group if U == P else None
-        self.state_group = self.group if U == 1 else None
+        ulysses_group = group if U == P else None
+        state_group = group if U == 1 else None
         if mode == "hybrid":
             # Collective over the world: every rank creates every subgroup, in one order.
             for g in range(P // U):
                 sub = new_cp_group(ranks[g * U:(g + 1) * U])
-                if g == self.state_rank:
-                    self.ulysses_group = sub
+                if g == rank // U:
+                    ulysses_group = sub
             for u in range(U):
                 sub = new_cp_group(ranks[u::U])
-                if u == self.ulysses_rank:
-                    self.state_group = sub
+                if u == rank % U:
+                    state_group = sub
+        self._setup(mode, group, U, ulysses_group, state_group, strategy, backend)
+
+    @classmethod
+    def from_mesh(cls, mesh, *, strategy: str = "p2p", backend: str | None = None) -> KDAContextParallel:
+        """The context over a ``DeviceMesh`` (best one from :func:`kdacp.init_device_mesh`: high-priority NCCL
+        streams): a 1-D mesh runs ``"state"`` mode over its group; a 2-D one ``(state, ulysses)`` runs Ulysses
+        inside each group of its last dim (consecutive ranks) and the state exchange across them (``"hybrid"``;
+        ``"ulysses"`` or ``"state"`` where a dim has size 1), the two flattened into the whole group
+        (``mesh._flatten()``). ``strategy``, ``backend``: as the constructor's.
+
+        Raises:
+            ValueError: a mesh of another dimensionality, a 2-D one without ``mesh_dim_names``, or one whose
+                flattened ranks are not in ``(state, ulysses)`` order.
+        """
+        if mesh.ndim == 1:
+            return cls("state", mesh.get_group(), strategy=strategy, backend=backend)
+        if mesh.ndim != 2:
+            raise ValueError(f"a context-parallel mesh has 1 dim (state) or 2 (state, ulysses), got {mesh.ndim}")
+        if not mesh.mesh_dim_names:
+            raise ValueError("a 2-D context-parallel mesh needs mesh_dim_names (e.g. ('state', 'ulysses')) to be "
+                             "flattened into the whole group")
+        S, U = mesh.shape
+        group = mesh._flatten().get_group()
+        if dist.get_rank(group) != mesh.get_local_rank(0) * U + mesh.get_local_rank(1):
+            raise ValueError("the flattened mesh's ranks are not in (state, ulysses) order")
+        mode = "ulysses" if S == 1 else "state" if U == 1 else "hybrid"
+        self = cls.__new__(cls)
+        self._setup(mode, group, U, mesh.get_group(1), mesh.get_group(0), strategy, backend)
+        return self
+
+    def _setup(self, mode: str, group, U: int, ulysses_group, state_group, strategy: str, backend) -> None:
+        """Hold the groups: ``group`` of ``P`` ranks, Ulysses groups of ``U`` consecutive ranks of it, state
+        groups of the ranks with one index in their Ulysses group."""
+        _SingleDevice.__init__(self)
+        self.mode, self.strategy, self.backend = mode, strategy, backend
+        self._row_plans: dict = {}
+        self.group = group
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ulysses_size, self.state_size = U, P // U
+        self.ulysses_rank, self.state_rank = rank % U, rank // U
+        self.ulysses_group = group if U == P else ulysses_group if U > 1 else None
+        self.state_group = group if U == 1 else state_group if U < P else None
 
     def __repr__(self) -> str:
         return (f"KDAContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
@@ -209,28 +247,15 @@ class KDAContextParallel(_SingleDevice):
         U = self.ulysses_size
         if U == 1:
             return xs
-        B, T = xs[0].shape[:2]
-        widths = [x.shape[-1] // U for x in xs]
-        packed = torch.cat([x.reshape(B, T, U, w) for x, w in zip(xs, widths)], dim=-1)   # [B, T, U, Cs]
-        recv = all_to_all(packed.permute(2, 0, 1, 3), self.ulysses_group)               # [U(src), B, T, Cs]
-        out = recv.permute(1, 0, 2, 3).reshape(B, U * T, -1)
-        # Contiguous parts: the gate and beta go straight to the KDA kernels.
-        return [part.contiguous() for part in out.split(widths, dim=-1)]
+        parts = time_to_heads([x.unflatten(-1, (U, -1)) for x in xs], self.ulysses_group)
+        return [part.flatten(-2) for part in parts]
 
     def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
         """Head shard ``o [B, U*T, HV/U, V]`` -> sequence shard ``[B, T, HV, V]``, and the head-sharded
         ``final_state [N, HV/U, K, V]`` -> ``[N, HV, K, V]`` on every rank."""
-        U = self.ulysses_size
-        if U == 1:
+        if self.ulysses_size == 1:
             return o, final_state
-        B, TU, HVs, V = o.shape
-        send = o.reshape(B, U, TU // U, HVs, V).transpose(0, 1)                         # [U(dst), B, T, HVs, V]
-        if final_state is None:
-            recv = all_to_all(send, self.ulysses_group)
-        else:
-            recv, final_state = all_to_all_gather(send, final_state, 1, self.ulysses_group)
-        # recv: [U(head shard), B, T, HVs, V]
-        return recv.permute(1, 2, 0, 3, 4).reshape(B, TU // U, U * HVs, V), final_state
+        return heads_to_time(o, self.ulysses_group, final_state)
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
         """``T``: tokens of this state rank (after ``to_heads``); they start at ``state_rank * T``."""

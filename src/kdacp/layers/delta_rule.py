@@ -1,22 +1,24 @@
-"""What the gated delta-rule layers (KDA, GDN) share: projections, short convolutions with the
+"""The gated delta-rule token mixer (KDA, GDN), written once: projections, short convolutions with the
 context-parallel halo, the recurrence through the context-parallel hooks, gated RMSNorm, output.
 
-A subclass adds its gate's parameters and says how its gate reaches the recurrence
-(:meth:`DeltaRuleLayer._gate_logits`, :meth:`DeltaRuleLayer._gate_arguments`).
+:func:`mix_tokens` runs that sequence on any modules that supply its parts (:class:`MixerParts`): kdacp's own
+layers (:class:`DeltaRuleLayer`; a subclass adds its gate's parameters and says how its gate reaches the
+recurrence) and the Hugging Face adapters (:mod:`kdacp.models`), each on its own modules.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
 
 from ..backends import resolve_backend
 from .context_parallel import SINGLE_DEVICE, KDAContextParallel
-from .norm import RMSNormGated
-from .short_conv import ShortConvolution
+from .norm import RMSNormGated, rms_norm_gated
+from .short_conv import ShortConvolution, causal_conv1d
 
-__all__ = ["DeltaRuleLayer", "beta_from_logits", "initial_dt_bias"]
+__all__ = ["DeltaRuleLayer", "MixerParts", "Projected", "beta_from_logits", "initial_dt_bias", "mix_tokens"]
 
 
 def initial_dt_bias(n: int, device=None) -> torch.Tensor:
@@ -31,6 +33,99 @@ def beta_from_logits(b: torch.Tensor) -> torch.Tensor:
     """The delta rule's write strength ``sigmoid(b)``, in float32 (or wider), as FLA's layers compute it
     inside their kernels; ``b [B, T, HV]`` logits in any float dtype."""
     return b.to(torch.promote_types(b.dtype, torch.float32)).sigmoid()
+
+
+class Projected(NamedTuple):
+    """A token mixer's projections of its tokens ``x [B, T, hidden]``, every channel dim head-major.
+
+    ``q, k [B, T, H*K]``, ``v [B, T, HV*V]`` (before the short convolution); ``gate [B, T, HV*c]``: the
+    decay's logits; ``beta [B, T, HV]``: the write strength's logits; ``output_gate [B, T, HV*V]``: the
+    gated norm's gate.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gate: torch.Tensor
+    beta: torch.Tensor
+    output_gate: torch.Tensor
+
+
+class MixerParts(Protocol):
+    """What a token mixer's modules supply to :func:`mix_tokens`. Every method reads the modules' parameters
+    when called (never a tensor kept from earlier: FSDP2 and other wrappers replace parameters)."""
+
+    num_heads: int    # H
+    num_v_heads: int  # HV
+    head_k_dim: int   # K
+    head_v_dim: int   # V
+
+    def project(self, x: torch.Tensor) -> Projected:
+        """The projections of ``x [B, T, hidden]``."""
+
+    def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(weight [C, W], bias [C] or None)`` of the q, k and v short convolutions, for the channels of
+        key heads ``heads`` (q, k) and value heads ``v_heads`` (v)."""
+
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        """The recurrence's gate keywords (``g``, ``A_log``, ``dt_bias``, ...; the gate is applied in the
+        kernel) for ``gate``: the logits of value heads ``v_heads``."""
+
+    def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
+        """``(weight [V], eps, activation)`` of the gated RMSNorm (:func:`rms_norm_gated`)."""
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of ``o [B, T, HV*V]``."""
+
+
+def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, backend: str,
+               initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+    """Run a gated delta-rule token mixer on this rank's tokens::
+
+        q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   # depthwise causal, halo from the previous rank
+        o       = recurrence(l2norm(q), l2norm(k), v, gate, sigmoid(beta))
+        y       = output(rmsnorm_gated(o, output_gate))
+
+    Args:
+        parts: the modules' parts (:class:`MixerParts`).
+        cp: the context-parallel hooks (:class:`KDAContextParallel` or :data:`SINGLE_DEVICE`).
+        x: ``[B, T, hidden]``, this rank's equal time shard of the global batch under ``cp``.
+        cu_seqlens: ``[N+1]`` int64 global offsets of a packed batch (``B == 1``), or None. The same tensor
+            for every layer of a step (its host copy and plan are built once).
+        backend: the recurrence's backend when ``cp.backend`` is None (``"auto"``, ``"torch"``, ``"fla"``);
+            ``"fla"`` also runs the convolution and the norm as FLA's fused kernels.
+        initial_state: ``[N, HV, K, V]`` per (global) sequence, the same on every rank.
+        output_final_state: also return the final states.
+
+    Returns:
+        ``(y [B, T, hidden], final_state [N, HV, K, V] float32 or wider, on every rank, or None)``.
+    """
+    K, V = parts.head_k_dim, parts.head_v_dim
+    fused = resolve_backend(cp.backend or backend, x.device) == "fla"
+    p = parts.project(x)
+    # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole sequences of its
+    # head shard and needs no halo inside the Ulysses group.
+    q, k, v, gate, beta = cp.to_heads([p.q, p.k, p.v, p.gate, p.beta])
+    beta = beta_from_logits(beta)
+    heads, v_heads = cp.head_slice(parts.num_heads), cp.head_slice(parts.num_v_heads)
+
+    conv = cp.conv_context(q.shape[1], cu_seqlens)
+    weights = parts.conv_weights(heads, v_heads)
+    halos = conv.left_halos([q, k, v], weights[0][0].shape[-1] - 1)
+    q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=conv.cu_seqlens,
+                             cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
+               for y, (weight, bias), halo in zip((q, k, v), weights, halos))
+
+    o, final_state = cp.chunk_kda(
+        q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
+        cu_seqlens=cu_seqlens, backend=backend,
+        initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        **parts.gate_arguments(gate, v_heads))
+    o, final_state = cp.to_sequence(o, final_state)
+    weight, eps, activation = parts.norm_arguments()
+    o = rms_norm_gated(o, p.output_gate.unflatten(-1, (-1, V)), weight, eps, activation, fused)
+    return parts.output(o.flatten(-2)), final_state
 
 
 class DeltaRuleLayer(nn.Module):
@@ -98,14 +193,29 @@ class DeltaRuleLayer(nn.Module):
         """The gate's raw logits ``[B, T, C]``, head-major over value heads (``C = HV * c``)."""
         raise NotImplementedError
 
-    def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        """The recurrence's gate arguments (``g``, ``A_log``, ``dt_bias``, ``lower_bound``, ``safe_gate``)
-        for ``gate [B, T', C']``: the logits of value heads ``v_heads`` (after ``to_heads``)."""
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        """:meth:`MixerParts.gate_arguments`, by the subclass."""
         raise NotImplementedError
+
+    def project(self, x: torch.Tensor) -> Projected:
+        return Projected(self.q_proj(x), self.k_proj(x), self.v_proj(x), self._gate_logits(x), self.b_proj(x),
+                         self.g_proj(x))
+
+    def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        K, V = self.head_k_dim, self.head_v_dim
+        channels = (slice(heads.start * K, heads.stop * K),) * 2 + (slice(v_heads.start * V, v_heads.stop * V),)
+        return [(conv.weight[c, 0], None if conv.bias is None else conv.bias[c])
+                for conv, c in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), channels)]
+
+    def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
+        return self.o_norm.weight, self.o_norm.eps, self.o_norm.activation
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 initial_state: torch.Tensor | None = None, output_final_state: bool = False):
-        """Run the layer on this rank's tokens.
+        """Run the layer on this rank's tokens (:func:`mix_tokens` on its own modules).
 
         Args:
             hidden_states: ``[B, T, hidden_size]``; under ``cp``, this rank's time shard (equal
@@ -119,31 +229,5 @@ class DeltaRuleLayer(nn.Module):
             ``(y [B, T, hidden_size], final_state [N, HV, K, V] float32 or wider, or None)``; the
             final states are on every rank.
         """
-        cp = SINGLE_DEVICE if self.cp is None else self.cp
-        x = hidden_states
-        K, V, W = self.head_k_dim, self.head_v_dim, self.conv_size
-        # The recurrence's backend also picks the other parts: FLA's fused kernels with "fla".
-        fused = resolve_backend(cp.backend or self.backend, x.device) == "fla"
-        # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole
-        # sequences of its head shard and needs no halo inside the Ulysses group.
-        q, k, v, gate, beta = cp.to_heads([self.q_proj(x), self.k_proj(x), self.v_proj(x), self._gate_logits(x),
-                                           self.b_proj(x)])
-        beta = beta_from_logits(beta)
-        heads, v_heads = cp.head_slice(self.num_heads), cp.head_slice(self.num_v_heads)
-
-        conv = cp.conv_context(q.shape[1], cu_seqlens)
-        halos = conv.left_halos([q, k, v], W - 1)
-        where = dict(cu_seqlens=conv.cu_seqlens, cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
-        q = self.q_conv1d(q, halos[0], channels=slice(heads.start * K, heads.stop * K), **where)
-        k = self.k_conv1d(k, halos[1], channels=slice(heads.start * K, heads.stop * K), **where)
-        v = self.v_conv1d(v, halos[2], channels=slice(v_heads.start * V, v_heads.stop * V), **where)
-
-        o, final_state = cp.chunk_kda(
-            q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
-            cu_seqlens=cu_seqlens, backend=self.backend,
-            initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            **self._gate_arguments(gate, v_heads))
-        o, final_state = cp.to_sequence(o, final_state)
-        o = self.o_norm(o, self.g_proj(x).unflatten(-1, (-1, V)), fused=fused)
-        return self.o_proj(o.flatten(-2)), final_state
+        return mix_tokens(self, SINGLE_DEVICE if self.cp is None else self.cp, hidden_states, cu_seqlens=cu_seqlens,
+                          backend=self.backend, initial_state=initial_state, output_final_state=output_final_state)

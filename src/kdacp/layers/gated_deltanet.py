@@ -47,6 +47,6 @@ class GatedDeltaNet(DeltaRuleLayer):
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.a_proj(x)
 
-    def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         # the scalar gate itself too: the fla backend runs FLA's GDN kernels on it (kdacp.gdn)
         return scalar_gate_arguments(gate, self.head_k_dim, self.A_log[v_heads], self.dt_bias[v_heads])

@@ -72,7 +72,7 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.f_proj(x)
 
-    def _gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         K = self.head_k_dim
         return dict(g=gate.unflatten(-1, (-1, K)), A_log=self.A_log[v_heads],
                     dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K], lower_bound=self.gate_lower_bound,

@@ -4,8 +4,8 @@
 and :func:`load_qwen3_next` need the ``models`` extra (``transformers``), imported only when called;
 :func:`shard_batch` and :func:`global_token_mean_loss` need only ``torch.distributed``.
 """
+from .attention import document_causal_mask
 from .batch import ShardedBatch, global_token_mean_loss, shard_batch
-from .common import document_causal_mask
 from .dispatch import SUPPORTED_MODELS, parallelize, torch_fallbacks
 from .kimi_linear import load_kimi_linear
 from .qwen3_next import load_qwen3_next

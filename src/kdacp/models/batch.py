@@ -1,7 +1,15 @@
-"""A packed global batch cut into context-parallel shards, and the loss whose gradients add up over ranks.
+"""A packed global batch cut into context-parallel shards, and the loss and its scaling contract.
 
 Model-independent: works for any causal LM whose context-parallel forward takes equal time shards in
 rank order (what :func:`kdacp.parallelize` expects).
+
+The loss-scaling contract (:func:`global_token_mean_loss`, and the ``.loss`` of a parallelised model): the
+*loss group* is every rank holding part of the step's tokens (the context-parallel group, times the
+data-parallel replicas: the flattened dp x cp mesh); each rank's loss has the value of the mean token loss
+over the whole loss group, and the gradient ``W * sum(local token losses) / N``, with ``N`` the labelled
+tokens of the loss group and ``W`` the number of ranks over which gradients are then *averaged*. FSDP2's
+``fully_shard`` and DDP over the loss group average over its ``W`` ranks, so after ``backward()`` every
+gradient is the gradient of the global token mean, with no collective written by hand.
 """
 from __future__ import annotations
 
@@ -11,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..distributed.comm import process_group
 from ..layers.short_conv import sequence_positions
 
-__all__ = ["ShardedBatch", "global_token_mean_loss", "shard_batch"]
+__all__ = ["ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch"]
 
 IGNORE_INDEX = -100
 
@@ -39,10 +48,11 @@ class ShardedBatch:
     cu_seqlens: torch.Tensor | None
 
     def model_kwargs(self) -> dict:
-        """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions,
-        the global boundaries under flash-attention's names (``cu_seq_lens_q/k``, ``max_length_q/k``),
-        and ``use_cache=False``. No ``labels``: compute the loss with :func:`global_token_mean_loss`."""
-        kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False)
+        """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions, the
+        globally shifted ``labels`` (the model's ``.loss`` follows the contract of
+        :func:`global_token_mean_loss`), and the global boundaries under flash-attention's names
+        (``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, labels=self.labels)
         if self.cu_seqlens is not None:
             longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
             kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=longest,
@@ -73,7 +83,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
             from ``cu_seqlens`` (or ``arange(T)``). Without ``cu_seqlens``, a ``position_ids`` row with
             restarts (``B == 1``) defines the documents, as Hugging Face's flattening collator does.
         cu_seqlens: ``[N+1]`` global document boundaries (``0 ... T``), or None.
-        group: the context-parallel process group (default: the world).
+        group: the context-parallel process group or 1-D ``DeviceMesh`` (default: the world).
 
     Returns:
         A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.
@@ -101,6 +111,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     elif position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(position_ids.shape)}")
+    group = process_group(group, "group")
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     if T % P:
         raise ValueError(f"the global batch's T={T} tokens must split evenly over {P} ranks")
@@ -116,26 +127,43 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
 
 
 def global_token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group=None,
-                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Cross-entropy averaged over every labelled token of the global batch, from this rank's shard.
+                           ignore_index: int = IGNORE_INDEX, *, averaged: bool = False) -> torch.Tensor:
+    """Cross-entropy averaged over every labelled token of the loss group, from this rank's shard: the
+    loss-scaling contract of :mod:`kdacp.models.batch`.
 
     Args:
         logits: ``[B, T/P, vocab]`` this rank's logits.
         labels: ``[B, T/P]`` their targets, already shifted (:attr:`ShardedBatch.labels`).
-        group: the context-parallel group (default: the world).
+        group: the loss group: a process group or 1-D ``DeviceMesh`` of every rank holding part of the
+            step's tokens (default: the world).
         ignore_index: label of tokens without loss.
+        averaged: the gradients are then averaged over ``group`` (FSDP2 or DDP over it; ``W`` its size);
+            False: summed (an ``all_reduce(SUM)`` by hand; ``W = 1``).
 
     Returns:
-        A scalar whose value is the global token mean on every rank and whose gradient is this rank's
-        share ``sum_local CE / N_global``: summing (``all_reduce(SUM)``, not averaging) the parameter
-        gradients over the group gives the one-process gradient of the global mean.
+        A float32 (or wider) scalar whose value is the global token mean on every rank and whose gradient is
+        ``W * sum_local CE / N_global``: after the reduction that ``averaged`` names, every parameter's
+        gradient is the one-process gradient of the global mean.
     """
-    local = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
-                            reduction="sum")
-    count = (labels != ignore_index).sum().to(torch.float64)
+    group = process_group(group, "group")
+    local = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten().to(logits.device),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (labels != ignore_index).sum().to(device=local.device, dtype=torch.float64)
     dist.all_reduce(count, group=group)
-    share = local / count.clamp(min=1).to(local.dtype)
-    total = share.detach().clone()
+    mean_share = local / count.clamp(min=1).to(local.dtype)
+    total = mean_share.detach().clone()
     dist.all_reduce(total, group=group)
+    share = mean_share * dist.get_world_size(group) if averaged else mean_share
     # The value of the global mean with the gradient of this rank's share only.
     return share + (total - share.detach())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, shift_labels: torch.Tensor | None = None,
+                   *, group, **kwargs) -> torch.Tensor:
+    """A parallelised model's ``loss_function`` (transformers' ``ForCausalLMLoss`` arguments):
+    :func:`global_token_mean_loss` over the loss ``group`` with ``averaged=True``. ``labels`` are already
+    shifted over the global batch (:attr:`ShardedBatch.labels`; ``shift_labels`` wins when given);
+    ``num_items_in_batch`` is unused: the count is all-reduced over ``group``."""
+    targets = labels if shift_labels is None else shift_labels
+    return global_token_mean_loss(logits, targets, group, ignore_index, averaged=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..layers.context_parallel import KDAContextParallel
 from . import kimi_linear, qwen3_next
@@ -16,12 +17,20 @@ SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3
 _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face model in place, from outside its code: transformers'
     ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
     (:func:`kdacp.models.qwen3_next.parallelize`), or their base models. The model's own parameters are
-    used in place (``model.state_dict()`` unchanged). Call it on every rank; feed each rank
-    ``kdacp.shard_batch(...).model_kwargs()``.
+    used in place (``model.state_dict()`` unchanged). Call it on every rank, before FSDP2's ``fully_shard``,
+    DDP or activation checkpointing; feed each rank ``kdacp.shard_batch(...).model_kwargs()``.
+
+    Args:
+        model: the model.
+        cp: a :class:`kdacp.KDAContextParallel`, or a ``DeviceMesh`` (:meth:`KDAContextParallel.from_mesh`:
+            1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
+        loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
+            :mod:`kdacp.models.batch`): a process group or 1-D mesh, the flattened dp x cp mesh under
+            FSDP2/DDP; default: the context-parallel group.
 
     Returns:
         ``model``.
@@ -35,7 +44,9 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
         names = ", ".join(SUPPORTED_MODELS.values())
         raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
                          f"{type(model).__name__} with config.model_type={model_type!r}")
-    return _ADAPTERS[model_type].parallelize(model, cp)
+    if isinstance(cp, DeviceMesh):
+        cp = KDAContextParallel.from_mesh(cp)
+    return _ADAPTERS[model_type].parallelize(model, cp, loss_group)
 
 
 @contextlib.contextmanager

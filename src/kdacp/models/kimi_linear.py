@@ -6,24 +6,21 @@ not forked. Every rank holds the whole model and one equal time shard of the glo
 (:func:`kdacp.shard_batch`); everything but the two token mixers works per token and needs nothing else.
 
 * KDA layers (``KimiLinearDeltaAttention``): their ``forward`` is replaced, on the instance, by
-  :func:`_kda_forward`, which runs kdacp's context-parallel composition (the one of
-  :class:`kdacp.layers.DeltaRuleLayer`) on the module's parameters: the projections, the fused q|k|v
-  short convolution sliced per part with the left halo from the previous rank
-  (:meth:`ConvContext.left_halos`), the gate inside the KDA kernel (``A_log``, ``dt_bias`` of
-  ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both, as ``cp`` says), the gated
-  RMSNorm and the output projection. ``del module.forward`` restores the model's own.
-* MLA layers (``KimiLinearAttention``): Ulysses sequence parallelism through transformers' attention
-  registry (the function shared with Qwen3-Next, :mod:`kdacp.models.common`). The module's own forward
-  still computes q, k, v on the local tokens; the registered function ``"kdacp_ulysses"`` all-to-alls them from time shards to head shards (every rank then holds
-  the whole global sequence of ``H/P`` heads), calls the model's previous attention implementation
-  (``eager``, ``sdpa`` or ``flash_attention_*``) on it with a per-document causal mask, and
-  all-to-alls the output back. Why Ulysses rather than gathering K/V: it keeps the model's forward and
-  its attention kernel unchanged (the registry is the extension point transformers offers; gathering
-  MLA's compressed latent would need a forked forward), it balances the causal work over ranks (with
-  gathered K/V the last rank does most of it), and the mask is the plain global one. Its condition:
-  ``num_attention_heads % P == 0`` (checked, ``ValueError``). Gathering the latent would move less data
-  (``kv_lora_rank + qk_rope_head_dim`` per token instead of q, k, v and the output of ``H/P`` heads);
-  worth it if the all-to-all shows up in profiles.
+  :func:`kdacp.models.install.mixer_forward`, which runs the token mixer kdacp's own layers run
+  (:func:`kdacp.layers.delta_rule.mix_tokens`) on the module's parts (:class:`KimiDeltaParts`, which looks
+  each parameter up on the module at each call, so FSDP2 may replace them): the projections, the fused
+  q|k|v short convolution sliced per part with the left halo from the previous rank, the gate inside the
+  KDA kernel (``A_log``, ``dt_bias`` of ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both,
+  as ``cp`` says), the gated RMSNorm and the output projection. ``del module.forward`` restores the model's own.
+* MLA layers (``KimiLinearAttention``): kdacp's attention through transformers' attention registry (the
+  function shared with Qwen3-Next, :mod:`kdacp.models.attention`). The module's own forward still computes
+  q, k, v on the local tokens; the registered function ``"kdacp_ulysses"`` runs Ulysses where
+  ``num_attention_heads % P == 0`` (all-to-all to head shards, the model's previous attention implementation,
+  ``eager``, ``sdpa`` or ``flash_attention_*``, on the whole global sequence of ``H/P`` heads with a
+  per-document causal mask, all-to-all back) and otherwise gathers K/V along the sequence (``eager`` and
+  ``sdpa``). Why not gather MLA's compressed latent: it would move less data (``kv_lora_rank +
+  qk_rope_head_dim`` per token) but needs a forked forward; the registry is the extension point transformers
+  offers.
 
 Positions and documents. Kimi Linear's MLA uses no rotary embedding (NoPE; the ``k_rot`` part is not
 rotated), so ``position_ids`` only tell transformers' mask code where documents restart. Under
@@ -37,23 +34,24 @@ function, after the all-to-all, holds exactly the global sequence they describe:
 block-diagonal causal mask (``eager``/``sdpa``) or hands them to flash attention's varlen path, with
 global positions derived from them. Without ``cu_seq_lens_q`` the batch is ``B`` unpacked sequences.
 
-Not supported under ``parallelize``: caches (``use_cache`` must be False: training and scoring, not
-generation), padding masks, returned attention weights, ``flex_attention``.
+Not supported under ``parallelize``: caches (the parallelised model's ``use_cache`` defaults to False; an
+explicit request raises ``ValueError``: training and scoring, not generation), padding masks, returned
+attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..backends import resolve_backend
 from ..layers.context_parallel import KDAContextParallel
-from ..layers.delta_rule import beta_from_logits
-from ..layers.norm import RMSNormGated
-from .common import (ATTENTION_NAME, SILU_NAMES, check_attention, check_training_call, document_causal_mask,
-                     fused_short_conv, gated_norm, global_cu_seqlens, install, kernel_fallbacks, load_model_module,
-                     token_mixers)
+from ..layers.delta_rule import Projected
+from .attention import ATTENTION_NAME, check_attention, document_causal_mask
+from .checks import SILU_NAMES, token_mixers
+from .install import install
+from .loading import kernel_fallbacks, load_model_module
 
-__all__ = ["ATTENTION_NAME", "document_causal_mask", "load_kimi_linear", "parallelize", "torch_fallbacks"]
+__all__ = ["ATTENTION_NAME", "KimiDeltaParts", "document_causal_mask", "load_kimi_linear", "parallelize",
+           "torch_fallbacks"]
 
 
 def load_kimi_linear():
@@ -86,75 +84,78 @@ def torch_fallbacks():
     return kernel_fallbacks(load_kimi_linear(), _KERNEL_FUNCTIONS)
 
 
-def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated, hidden_states: torch.Tensor,
-                 cache=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    """``KimiLinearDeltaAttention.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``,
-    with kdacp's halo'd convolution and context-parallel recurrence; ``kwargs['cu_seq_lens_q']`` holds the
-    global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
-    check_training_call(cache, attention_mask, kwargs)
-    cu_seqlens = global_cu_seqlens(kwargs)
-    x = hidden_states
-    H, K = module.num_heads, module.head_dim  # Kimi Linear: HV == H, V == K
-    gate_module = module.forget_gate
-    backend = cp.backend or "auto"
-    fused = resolve_backend(backend, x.device) == "fla"
-    # Ulysses moves the convolution's inputs, so it then sees whole sequences of its head shard.
-    q, k, v, gate, beta = cp.to_heads([module.q_proj(x), module.k_proj(x), module.v_proj(x),
-                                       gate_module.f_b_proj(gate_module.f_a_proj(x)), module.b_proj(x)])
-    beta = beta_from_logits(beta)
-    heads = cp.head_slice(H)
+class KimiDeltaParts:
+    """The :class:`kdacp.layers.delta_rule.MixerParts` of a transformers ``KimiLinearDeltaAttention``: its own
+    modules, looked up at each call (``H == HV``, ``K == V``; one depthwise Conv1d over q|k|v)."""
 
-    conv = cp.conv_context(q.shape[1], cu_seqlens)
-    # One depthwise Conv1d over q|k|v in the model: part i's channels start at i * H * K.
-    channels = [slice(part * H * K + heads.start * K, part * H * K + heads.stop * K) for part in range(3)]
-    q, k, v = (y.unflatten(-1, (-1, K)) for y in fused_short_conv(conv, [q, k, v], module.conv1d, channels, fused))
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.num_heads = self.num_v_heads = module.num_heads
+        self.head_k_dim = self.head_v_dim = module.head_dim
 
-    # The model's gate, -exp(A_log) * softplus(f + dt_bias), computed inside the KDA kernel.
-    o, _ = cp.chunk_kda(q, k, v, beta=beta, cu_seqlens=cu_seqlens, backend=backend, use_qk_l2norm_in_kernel=True,
-                        use_gate_in_kernel=True, g=gate.unflatten(-1, (-1, K)), A_log=gate_module.A_log.view(-1)[heads],
-                        dt_bias=gate_module.dt_bias[heads.start * K:heads.stop * K], lower_bound=None,
-                        safe_gate=False)
-    o, _ = cp.to_sequence(o, None)
-    o = o_norm(o, module.g_b_proj(module.g_a_proj(x)).unflatten(-1, (-1, K)), fused=fused)
-    return module.o_proj(o.flatten(-2))
+    def project(self, x: torch.Tensor) -> Projected:
+        m, f = self.module, self.module.forget_gate
+        return Projected(m.q_proj(x), m.k_proj(x), m.v_proj(x), f.f_b_proj(f.f_a_proj(x)), m.b_proj(x),
+                         m.g_b_proj(m.g_a_proj(x)))
+
+    def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        conv, H, K = self.module.conv1d, self.num_heads, self.head_k_dim
+        weight, bias = conv.weight[:, 0], conv.bias
+        # part i's channels start at i * H * K
+        channels = [slice(part * H * K + heads.start * K, part * H * K + heads.stop * K) for part in range(3)]
+        return [(weight[c], None if bias is None else bias[c]) for c in channels]
+
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        # The model's gate, -exp(A_log) * softplus(f + dt_bias), computed inside the KDA kernel.
+        f, K = self.module.forget_gate, self.head_k_dim
+        return dict(g=gate.unflatten(-1, (-1, K)), A_log=f.A_log.view(-1)[v_heads],
+                    dt_bias=f.dt_bias[v_heads.start * K:v_heads.stop * K], lower_bound=None, safe_gate=False)
+
+    def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
+        return self.module.o_norm.weight, self.module.o_norm.variance_epsilon, "sigmoid"
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.module.o_proj(o)
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``KimiLinearForCausalLM`` (or ``KimiLinearModel``) in place.
 
-    KDA layers run kdacp's halo'd short convolution and ``cp.chunk_kda`` on the module's own parameters;
-    MLA layers run Ulysses sequence parallelism over ``cp.group`` around the model's attention
-    implementation (see the module docstring for the why). Parameters are used in place: no copies, and
-    ``model.state_dict()`` is unchanged. Call it on every rank, after moving the model to its device.
+    KDA layers run :func:`kdacp.layers.delta_rule.mix_tokens` (kdacp's halo'd short convolution and
+    ``cp.chunk_kda``) on the module's own parameters, looked up at each call; MLA layers run kdacp's attention
+    over ``cp.group`` around the model's attention implementation (Ulysses, or a K/V all-gather where the
+    heads do not split: :mod:`kdacp.models.attention`). Parameters are used in place: no copies, and
+    ``model.state_dict()`` is unchanged. Call it on every rank, after moving the model to its device; FSDP2,
+    DDP and activation checkpointing go on afterwards.
 
-    Feed each rank its shard from :func:`kdacp.shard_batch`: ``model(**batch.model_kwargs())``, then
-    :func:`kdacp.models.global_token_mean_loss` on the logits (not the model's ``labels`` loss, which would
-    shift labels within the shard).
+    Feed each rank its shard from :func:`kdacp.shard_batch`: ``model(**batch.model_kwargs()).loss`` follows
+    the loss-scaling contract of :mod:`kdacp.models.batch` over ``loss_group``.
 
     Args:
         model: a transformers Kimi Linear model; its attention implementation (``eager``, ``sdpa``,
-            ``flash_attention_2/3/4``) becomes the inner one of the Ulysses attention.
+            ``flash_attention_2/3/4``) becomes the inner one of kdacp's attention.
         cp: the :class:`kdacp.KDAContextParallel` of the KDA layers (``state``, ``ulysses`` or
             ``hybrid``); the MLA layers use its whole ``group``.
+        loss_group: the loss group of the model's ``.loss`` (a process group or 1-D mesh: the flattened
+            dp x cp mesh under FSDP2/DDP); default ``cp.group``.
 
     Returns:
         ``model``.
 
     Raises:
         ImportError: transformers without Kimi Linear.
-        ValueError: a model without Kimi Linear token mixers, one already parallelised, heads that do not
-            split over the ranks, an unsupported attention implementation or convolution activation.
+        ValueError: a model without Kimi Linear token mixers, one already parallelised, KDA heads that do not
+            split over the Ulysses ranks, flash attention with MLA heads that do not split over the ranks,
+            an unsupported attention implementation or convolution activation.
     """
     kl = load_kimi_linear()
-    kda, mla, P = token_mixers(model, cp, kl.KimiLinearDeltaAttention, kl.KimiLinearAttention, "Kimi Linear")
+    kda, mla = token_mixers(model, cp, kl.KimiLinearDeltaAttention, kl.KimiLinearAttention, "Kimi Linear")
     for m in kda:
         cp.validate_heads(m.num_heads, m.num_heads)
         if m.activation not in SILU_NAMES:
             raise ValueError(f"KDA layer {m.layer_idx}: kdacp's short convolution applies SiLU, "
                              f"the model's uses {m.activation!r}")
     if mla:
-        check_attention(model.config, P, {"num_attention_heads": {m.num_heads for m in mla}}, "MLA layers")
-
-    return install(model, cp, kda, _kda_forward,
-                   lambda m: gated_norm(m.o_norm.weight, m.o_norm.variance_epsilon, "sigmoid"),
-                   mla, kl.eager_attention_forward)
+        check_attention(model.config, torch.distributed.get_world_size(cp.group),
+                        {"num_attention_heads": {m.num_heads for m in mla}}, "MLA layers")
+    return install(model, cp, kda, KimiDeltaParts, mla, kl.eager_attention_forward, loss_group)

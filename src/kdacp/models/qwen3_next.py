@@ -5,42 +5,45 @@ As for Kimi Linear (:mod:`kdacp.models.kimi_linear`): the model's own parameters
 the whole model and one equal time shard of the global batch (:func:`kdacp.shard_batch`).
 
 * Gated DeltaNet layers (``Qwen3NextGatedDeltaNet``): their ``forward`` is replaced, on the instance, by
-  :func:`_gdn_forward`: the model's projections ``in_proj_qkvz`` / ``in_proj_ba`` (split per key-head group
-  by the module's own ``fix_query_key_value_ordering``), the fused q|k|v depthwise convolution sliced per
-  part with the left halo from the previous rank, the gate ``-exp(A_log) * softplus(a + dt_bias)`` and
-  ``beta = sigmoid(b)`` into kdacp's GDN recurrence through ``cp.chunk_kda`` (the scalar gate broadcast
-  over ``K``, as :func:`kdacp.cp_chunk_gated_delta_rule`; state exchange, Ulysses or both, as ``cp``
-  says; grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward``
-  restores the model's own.
-* Gated softmax attention layers (``Qwen3NextAttention``): Ulysses through transformers' attention
-  registry, the function shared with Kimi Linear (:mod:`kdacp.models.common`). The module's own forward
+  :func:`kdacp.models.install.mixer_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's
+  parts (:class:`GatedDeltaNetParts`, parameters looked up at each call): the projections ``in_proj_qkvz`` /
+  ``in_proj_ba`` (split per key-head group by the module's own ``fix_query_key_value_ordering``), the fused
+  q|k|v depthwise convolution sliced per part with the left halo from the previous rank, the gate
+  ``-exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` into kdacp's GDN recurrence through
+  ``cp.chunk_kda`` (the scalar gate broadcast over ``K``; state exchange, Ulysses or both, as ``cp`` says;
+  grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward`` restores the
+  model's own.
+* Gated softmax attention layers (``Qwen3NextAttention``): kdacp's attention through transformers' attention
+  registry, the function shared with Kimi Linear (:mod:`kdacp.models.attention`). The module's own forward
   computes q (with its output gate), k, v, the q/k norms and the partial rotary embedding on the local
   tokens from the global positions of :func:`kdacp.shard_batch`'s ``position_ids`` slice, so the rotary
-  embedding stays the one-process one; grouped-query attention shards query and key/value heads alike.
-  Needs ``num_attention_heads % P == 0`` and ``num_key_value_heads % P == 0`` (checked, ``ValueError``).
+  embedding stays the one-process one. Any ``P``: Ulysses where the key/value heads split too, else Ulysses
+  with each key/value head sent to every rank whose query heads use it or a K/V all-gather, whichever moves
+  fewer bytes (Qwen3-Next's 2 key/value heads: the gather at ``P = 4`` and ``8``); flash attention needs
+  ``num_attention_heads % P == 0`` (checked, ``ValueError``).
 
 Documents: transformers' ``Qwen3NextDecoderLayer`` forwards its keyword arguments (``cu_seq_lens_q`` ...,
 from the model's ``forward``) to the linear-attention module as well as to the attention module, so
 ``batch.model_kwargs()``'s global boundaries reach both without a hook (checked by the tests on the
 installed version: a packed batch would fail its tolerance otherwise).
 
-Not supported under ``parallelize``: caches (``use_cache`` must be False), padding masks, returned
-attention weights, ``flex_attention``.
+Not supported under ``parallelize``: caches (``use_cache`` defaults to False; an explicit request raises
+``ValueError``), padding masks, returned attention weights, ``flex_attention``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..backends import resolve_backend
-from ..gdn import gdn_as_kda_arguments
+from ..gdn import scalar_gate_arguments
 from ..layers.context_parallel import KDAContextParallel
-from ..layers.delta_rule import beta_from_logits
-from ..layers.norm import RMSNormGated
-from .common import (SILU_NAMES, check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
-                     install, kernel_fallbacks, load_model_module, token_mixers)
+from ..layers.delta_rule import Projected
+from .attention import check_attention
+from .checks import SILU_NAMES, token_mixers
+from .install import install
+from .loading import kernel_fallbacks, load_model_module
 
-__all__ = ["load_qwen3_next", "parallelize", "torch_fallbacks"]
+__all__ = ["GatedDeltaNetParts", "load_qwen3_next", "parallelize", "torch_fallbacks"]
 
 # transformers' functions that bind a kernel package (FLA; causal-conv1d) where it imports, at import time.
 _KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -64,58 +67,59 @@ def torch_fallbacks():
     return kernel_fallbacks(load_qwen3_next(), _KERNEL_FUNCTIONS)
 
 
-def _gdn_forward(module: nn.Module, cp: KDAContextParallel, norm: RMSNormGated, hidden_states: torch.Tensor,
-                 cache=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    """``Qwen3NextGatedDeltaNet.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``, with
-    kdacp's halo'd convolution and context-parallel GDN recurrence; ``kwargs['cu_seq_lens_q']`` holds the
-    global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
-    check_training_call(cache, attention_mask, kwargs)
-    cu_seqlens = global_cu_seqlens(kwargs)
-    x = hidden_states
-    H, HV, K, V = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    backend = cp.backend or "auto"
-    fused = resolve_backend(backend, x.device) == "fla"
-    # q, k [B, T, H, K]; v, z [B, T, HV, V]; b, a [B, T, HV] (value head j uses key head j // (HV/H))
-    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
-    # Ulysses moves the convolution's inputs, so it then sees whole sequences of its head shard; z stays here.
-    q, k, v, a, beta = cp.to_heads([q.flatten(-2), k.flatten(-2), v.flatten(-2), a.contiguous(), b])
-    beta = beta_from_logits(beta)
-    heads, v_heads = cp.head_slice(H), cp.head_slice(HV)
+class GatedDeltaNetParts:
+    """The :class:`kdacp.layers.delta_rule.MixerParts` of a transformers ``Qwen3NextGatedDeltaNet``: its own
+    modules, looked up at each call (value head ``j`` uses key head ``j // (HV/H)``; one depthwise Conv1d over
+    q|k|v: channels ``[0, key_dim)`` q, ``[key_dim, 2 key_dim)`` k, then v)."""
 
-    conv = cp.conv_context(q.shape[1], cu_seqlens)
-    # One depthwise Conv1d over q|k|v in the model: channels [0, key_dim) q, [key_dim, 2 key_dim) k, then v.
-    kd = module.key_dim
-    channels = [slice(heads.start * K, heads.stop * K), slice(kd + heads.start * K, kd + heads.stop * K),
-                slice(2 * kd + v_heads.start * V, 2 * kd + v_heads.stop * V)]
-    q, k, v = fused_short_conv(conv, [q, k, v], module.conv1d, channels, fused)
-    q, k, v = q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V))
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.num_heads, self.num_v_heads = module.num_k_heads, module.num_v_heads
+        self.head_k_dim, self.head_v_dim = module.head_k_dim, module.head_v_dim
 
-    # The model's gate, -exp(A_log) * softplus(a + dt_bias), computed inside the kernel (kdacp's GDN arguments).
-    gate = gdn_as_kda_arguments(q, v, a, True, module.A_log[v_heads], module.dt_bias[v_heads])
-    o, _ = cp.chunk_kda(q, k, v, beta=beta, cu_seqlens=cu_seqlens, backend=backend, use_qk_l2norm_in_kernel=True,
-                        **gate)
-    o, _ = cp.to_sequence(o, None)
-    o = norm(o, z, fused=fused)
-    return module.out_proj(o.flatten(-2))
+    def project(self, x: torch.Tensor) -> Projected:
+        m = self.module
+        # q, k [B, T, H, K]; v, z [B, T, HV, V]; b, a [B, T, HV]
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
+        return Projected(q.flatten(-2), k.flatten(-2), v.flatten(-2), a.contiguous(), b, z.flatten(-2))
+
+    def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        conv, kd, K, V = self.module.conv1d, self.module.key_dim, self.head_k_dim, self.head_v_dim
+        weight, bias = conv.weight[:, 0], conv.bias
+        channels = [slice(heads.start * K, heads.stop * K), slice(kd + heads.start * K, kd + heads.stop * K),
+                    slice(2 * kd + v_heads.start * V, 2 * kd + v_heads.stop * V)]
+        return [(weight[c], None if bias is None else bias[c]) for c in channels]
+
+    def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
+        # The model's gate, -exp(A_log) * softplus(a + dt_bias), computed inside the kernel (kdacp's GDN arguments).
+        m = self.module
+        return scalar_gate_arguments(gate, self.head_k_dim, m.A_log[v_heads], m.dt_bias[v_heads])
+
+    def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
+        return self.module.norm.weight, self.module.norm.variance_epsilon, "swish"
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.module.out_proj(o)
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``Qwen3NextForCausalLM`` (or ``Qwen3NextModel``) in place.
 
-    Gated DeltaNet layers run kdacp's halo'd short convolution and context-parallel GDN on the module's own
-    parameters; attention layers run Ulysses over ``cp.group`` around the model's attention implementation.
-    Same contract as :func:`kdacp.models.kimi_linear.parallelize` (call on every rank after moving the model
-    to its device; feed :func:`kdacp.shard_batch`'s ``batch.model_kwargs()``; loss by
-    :func:`kdacp.models.global_token_mean_loss`; all-reduce (SUM) the gradients).
+    Gated DeltaNet layers run :func:`kdacp.layers.delta_rule.mix_tokens` (halo'd short convolution and
+    context-parallel GDN) on the module's own parameters; attention layers run kdacp's attention over
+    ``cp.group`` around the model's attention implementation (:mod:`kdacp.models.attention`: Ulysses, with
+    key/value heads replicated where they do not split, or a K/V all-gather). Same contract as
+    :func:`kdacp.models.kimi_linear.parallelize` (call on every rank after moving the model to its device;
+    feed :func:`kdacp.shard_batch`'s ``batch.model_kwargs()``; ``.loss`` over ``loss_group``).
 
     Raises:
         ImportError: transformers without Qwen3-Next.
-        ValueError: a model without Qwen3-Next token mixers, one already parallelised, heads that do not
-            split over the ranks (naming the config field), an unsupported attention implementation or
-            convolution / norm activation.
+        ValueError: a model without Qwen3-Next token mixers, one already parallelised, GDN heads that do not
+            split over the Ulysses ranks (naming the config field), flash attention with query heads that do
+            not split over the ranks, an unsupported attention implementation or convolution / norm activation.
     """
     qn = load_qwen3_next()
-    gdn, attn, P = token_mixers(model, cp, qn.Qwen3NextGatedDeltaNet, qn.Qwen3NextAttention, "Qwen3-Next")
+    gdn, attn = token_mixers(model, cp, qn.Qwen3NextGatedDeltaNet, qn.Qwen3NextAttention, "Qwen3-Next")
     for m in gdn:
         for name in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "norm", "out_proj"):
             if not hasattr(m, name):
@@ -130,9 +134,6 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
             raise ValueError(f"GDN layer {m.layer_idx}: kdacp's short convolution and gated norm apply SiLU, "
                              f"the model's use {m.activation!r} and {m.norm.activation!r}")
     if attn:
-        config = model.config
-        check_attention(config, P, {"num_attention_heads": {config.num_attention_heads},
-                                    "num_key_value_heads": {config.num_key_value_heads}})
-
-    return install(model, cp, gdn, _gdn_forward, lambda m: gated_norm(m.norm.weight, m.norm.variance_epsilon, "swish"),
-                   attn, qn.eager_attention_forward)
+        check_attention(model.config, torch.distributed.get_world_size(cp.group),
+                        {"num_attention_heads": {model.config.num_attention_heads}})
+    return install(model, cp, gdn, GatedDeltaNetParts, attn, qn.eager_attention_forward, loss_group)

@@ -1,0 +1,92 @@
+"""The cost of FSDP2 around ``kdacp.parallelize`` on one GPU (issue 29): the 346M Kimi Linear of
+``benchmarks/train_curve.py`` (bf16 weights, AdamW) at 16K tokens, one training step (the model's own
+``.loss``, backward, optimizer step) under ``parallelize`` alone and under ``parallelize`` + ``fully_shard``
+on every decoder layer and the root over the same one-rank mesh.
+
+    python benchmarks/fsdp_step.py [--tokens 16384] [--steps 10] [--warmup 3]
+    python benchmarks/fsdp_step.py --device cpu      # a check of the script (tiny config, gloo), not a result
+
+Both models are built from the same seed and timed in alternation (one step of each, round robin, after the
+warm-up steps that compile and tune), each step ending in a device synchronisation. Prints the median step
+time of each, their ratio and whether it is within 1.02x (on 2026-12-02 the ``parallelize`` step took
+0.279 s on one H200; transformers' own model with FLA's kernels 0.370 s).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from train_curve import CPU_SIZE, GPU_SIZE, build_model, make_batch
+
+import kdacp
+from kdacp.workers import free_port
+
+TARGET = 1.02
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of each")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    size, dtype = (GPU_SIZE, torch.bfloat16) if cuda else (CPU_SIZE, torch.float32)
+    tokens = args.tokens if cuda else min(args.tokens, 256)
+
+    kdacp.models.load_kimi_linear()  # before the process group (README: the gloo abort at exit)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    device = torch.device("cuda" if cuda else "cpu")
+    mesh = kdacp.init_device_mesh(device.type, (1,), mesh_dim_names=("cp",))
+    from torch.distributed.fsdp import fully_shard
+
+    runs = {}
+    for name in ("parallelize", "parallelize+fsdp2"):
+        model = build_model(size, seed=0, device=device, dtype=dtype)
+        kdacp.parallelize(model, mesh)
+        if name.endswith("fsdp2"):
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        runs[name] = (model, optimizer)
+    params = sum(p.numel() for p in runs["parallelize"][0].parameters())
+
+    def step(name: str, i: int) -> float:
+        model, optimizer = runs[name]
+        ids, cu = make_batch(i, [tokens], size["vocab"], seed=0)
+        batch = kdacp.shard_batch(ids.to(device), cu_seqlens=cu.to(device), group=mesh)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(**batch.model_kwargs()).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times = {name: [] for name in runs}
+    for i in range(args.warmup + args.steps):
+        for name in runs:
+            t = step(name, i)
+            if i >= args.warmup:
+                times[name].append(t)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    ratio = median["parallelize+fsdp2"] / median["parallelize"]
+    gpu = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {tokens} tokens, {dtype}, AdamW, "
+          f"median of {args.steps} steps after {args.warmup}:")
+    for name, m in median.items():
+        print(f"  {name:18s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f})")
+    print(f"  ratio {ratio:.3f}x: {'within' if ratio <= TARGET else 'NOT within'} {TARGET}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

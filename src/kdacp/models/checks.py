@@ -1,0 +1,54 @@
+"""The argument checks of a parallelised model's token mixers: no cache, no padding mask, one set of global
+boundaries, and which modules ``parallelize`` takes."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..layers.context_parallel import KDAContextParallel
+
+__all__ = ["SILU_NAMES", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
+
+# the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
+SILU_NAMES = ("silu", "swish")
+
+
+def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
+    """The global ``[N+1]`` boundaries a token mixer received (``cu_seq_lens_q``), or None."""
+    cu = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu is not None and cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
+        raise ValueError("under kdacp.parallelize, cu_seq_lens_q and cu_seq_lens_k are the same global boundaries")
+    return cu
+
+
+def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
+    """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask."""
+    if uses_cache:
+        raise ValueError("kdacp.parallelize runs without a cache: leave use_cache unset (the parallelised model's "
+                         "default is False) or pass use_cache=False")
+    if attention_mask is not None:
+        raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
+
+
+def check_training_call(cache, attention_mask, kwargs: dict) -> None:
+    """:func:`refuse_cache_and_mask` for a token mixer's arguments. Pops the earlier 5.x cache names
+    (``cache_params``, ``past_key_values``) from ``kwargs``."""
+    # `cache` (transformers >= 5.24), `cache_params` / `past_key_values` (earlier 5.x)
+    caches = (cache, kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None))
+    refuse_cache_and_mask(any(c is not None for c in caches) or bool(kwargs.get("use_cache")), attention_mask)
+
+
+def token_mixers(model: nn.Module, cp: KDAContextParallel, linear_type: type, attention_type: type, what: str):
+    """``(linear, attention)``: the model's linear-attention and attention modules, after checking ``cp`` and
+    that the model holds some of them (``what``: the model's name) not yet parallelised."""
+    if not isinstance(cp, KDAContextParallel):
+        raise ValueError(f"cp must be a kdacp.KDAContextParallel or a DeviceMesh, got {type(cp).__name__}")
+    linear = [m for m in model.modules() if isinstance(m, linear_type)]
+    attention = [m for m in model.modules() if isinstance(m, attention_type)]
+    if not linear and not attention:
+        raise ValueError(f"{type(model).__name__} holds no {what} token mixers "
+                         f"({linear_type.__name__}, {attention_type.__name__})")
+    if any("forward" in vars(m) for m in linear) or any(hasattr(m, "_kdacp_ulysses") for m in attention):
+        raise ValueError("model is already parallelised by kdacp")
+    return linear, attention

@@ -1,0 +1,60 @@
+"""How ``parallelize`` changes a Hugging Face model in place: the linear-attention modules' forwards, the
+softmax attention's routing, its own config (no cache by default) and the model's loss function."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch.nn as nn
+
+import torch
+
+from ..distributed.comm import process_group
+from ..layers.context_parallel import KDAContextParallel
+from ..layers.delta_rule import mix_tokens
+from .attention import ATTENTION_NAME, install_attention
+from .batch import causal_lm_loss
+from .checks import check_training_call, global_cu_seqlens
+
+__all__ = ["install", "mixer_forward"]
+
+
+def mixer_forward(parts: type, module: nn.Module, cp: KDAContextParallel, hidden_states: torch.Tensor, cache=None,
+                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """A transformers linear-attention module's ``forward`` under ``parallelize``: :func:`mix_tokens` on
+    ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's time shard
+    ``hidden_states [B, T/P, hidden]``; ``kwargs['cu_seq_lens_q']`` holds the global ``[N+1]`` boundaries of a
+    packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
+    check_training_call(cache, attention_mask, kwargs)
+    y, _ = mix_tokens(parts(module), cp, hidden_states, cu_seqlens=global_cu_seqlens(kwargs), backend="auto")
+    return y
+
+
+def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], parts: type,
+            attention: list[nn.Module], eager, loss_group=None) -> nn.Module:
+    """Replace each linear-attention module's ``forward`` (on the instance) by :func:`mixer_forward` over
+    ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route
+    the ``attention`` modules through kdacp's attention over ``cp.group`` (``eager``: the model's own eager
+    function), give the model its own config with ``use_cache=False`` and set its ``loss_function`` to
+    :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``).
+
+    Nothing made here holds a module's parameter: the forwards look them up on the module at each call, so
+    wrappers applied afterwards (FSDP2's ``fully_shard``, DDP) that replace parameters keep working."""
+    for m in linear:
+        m.forward = functools.partial(mixer_forward, parts, m, cp)
+    config = model.config
+    # The config object may be shared with other models (built from the same config, or a reference copy's):
+    # this model's modules get their own copy, so that only they look up the registered attention and default
+    # to no cache (a training call that leaves use_cache unset builds none).
+    own = copy.deepcopy(config)
+    own.use_cache = False
+    if attention:
+        install_attention(attention, cp.group, config._attn_implementation, eager)
+        # The mask code builds no mask for a name it does not know, and the function builds its own.
+        own._attn_implementation = ATTENTION_NAME
+    for m in model.modules():
+        if getattr(m, "config", None) is config:
+            m.config = own
+    model.loss_function = functools.partial(causal_lm_loss, group=process_group(
+        cp.group if loss_group is None else loss_group, "loss_group"))
+    return model
