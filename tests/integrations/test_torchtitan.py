@@ -19,12 +19,12 @@ from tests.helpers import rel_err  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 
 TOL = 2e-5
-# Documents of 60, 7, 77 and 48 tokens: on 2 ranks the third crosses the edge at 96; on 4 ranks the
-# first crosses 48, the third crosses 96, and the fourth starts exactly at 144.
-DOCUMENTS = (60, 7, 77, 48)
+# Documents of 40, 7, 51 and 30 tokens: on 2 ranks the third crosses the edge at 64; on 4 ranks the first
+# crosses 32 and the third runs from rank 1 through rank 2 (all of whose tokens it holds) into rank 3.
+DOCUMENTS = (40, 7, 51, 30)
 # Shrunk from the debug model to keep CI fast (kdacp's torch backend is the slow part), its layers unchanged:
-# the first 4 of its 8 layers (3 GDN, 1 attention: its repeating unit) and 512 of its 248320 vocabulary entries.
-LAYERS, VOCAB = 4, 512
+# its layers 0 (GDN) and 3 (attention) of 8, and 512 of its 248320 vocabulary entries.
+LAYERS, VOCAB = (0, 3), 512
 
 
 def build_model():
@@ -35,7 +35,7 @@ def build_model():
     dist_utils.set_spmd_backend("partial_dtensor")
     config = kt.model_registry("debugmodel").model
     config.vocab_size = config.tok_embeddings.num_embeddings = config.lm_head.out_features = VOCAB
-    config.layers = config.layers[:LAYERS]
+    config.layers = [config.layers[i] for i in LAYERS]
     torch.manual_seed(0)
     model = config.build()
     model.init_states()

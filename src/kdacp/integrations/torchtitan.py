@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, and_masks, create_mask
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -136,15 +137,17 @@ class GatedDeltaContext:
         Args:
             q, k: ``[1, T, H, K]``; v ``[1, T, HV, V]`` (``HV % H == 0``, key head ``h`` serves value
                 heads ``h*HV/H ...``, as torchtitan's ``repeat_interleave``); g ``[1, T, HV]`` natural-log
-                decay; beta ``[1, T, HV]``; cu_seqlens, cu_seqlens_cpu: the global ``[N+1]`` offsets.
+                decay (any float dtype); beta ``[1, T, HV]``; cu_seqlens, cu_seqlens_cpu: the global ``[N+1]`` offsets.
 
         Returns:
             ``o [1, T, HV, V]`` in v's dtype.
         """
         # The one call of kdacp's GDN op (through the layers' context-parallel hook, which owns the plan).
+        # kdacp takes g in q's dtype: torchtitan's float32 gate is rounded to it under bf16 mixed precision
+        # (FLA's kernels would read it in float32).
         o, _ = self.cp.chunk_kda(q, k, v, beta=beta, cu_seqlens=self._offsets(cu_seqlens, cu_seqlens_cpu),
                                  backend=self.backend, use_qk_l2norm_in_kernel=True,
-                                 **scalar_gate_arguments(g, q.shape[-1]))
+                                 **scalar_gate_arguments(g.to(q.dtype), q.shape[-1]))
         return o
 
 
@@ -260,8 +263,9 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
     """torchtitan's ``parallelize_qwen3_5`` with context parallelism over the ``cp`` mesh axis.
 
     Same arguments as torchtitan's parallelize functions. Order: kdacp's GDN modules (and, on CPU,
-    :func:`apply_dense_attention`), torchtitan's FlexAttention CP on the attention layers (before any wrapping, as torchtitan requires), then
-    torchtitan's own parallelize (activation checkpointing, FSDP2).
+    :func:`apply_dense_attention`), torchtitan's FlexAttention CP on the attention layers (before any
+    wrapping, as torchtitan requires), then torchtitan's own parallelize (activation checkpointing, FSDP2;
+    on CPU with plain SUM gradient reductions, as gloo has no PREMUL_SUM).
 
     Raises:
         NotImplementedError: see :func:`_check_supported`.
@@ -279,9 +283,15 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
                              f"got {type(inner[0]).__name__}")
         if inner:
             apply_cp_to_forward(inner, cp_mesh)
-    return qwen3_5.parallelize_qwen3_5(
+    model = qwen3_5.parallelize_qwen3_5(
         model, parallel_dims=_ContextParallelApplied(parallel_dims), training=training, parallelism=parallelism,
         compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+    if device_type == "cpu":
+        # gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's divide factor of 1; a plain SUM is the same.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def local_document_mask(model: nn.Module, positions: torch.Tensor, rank: int, world_size: int) -> BlockMask:
