@@ -61,6 +61,92 @@ def loss_and_grads(model, inputs, labels, kwargs, total: int):
                            for n, p in model.named_parameters()}
 
 
+def _gated_deltanet():
+    """Layer 0's torchtitan ``GatedDeltaNet`` of the debug model (2 key heads, 4 value heads of 64), float64."""
+    from torchtitan.distributed import utils as dist_utils
+
+    import kdacp.integrations.torchtitan as kt
+    dist_utils.set_spmd_backend("partial_dtensor")
+    torch.manual_seed(0)
+    net = kt.model_registry("debugmodel").model.layers[0].delta_net.build()
+    net.init_states()
+    return net.double()
+
+
+def test_swapped_modules_match_torchtitan_per_document():
+    """One device: the swapped convolution equals torchtitan's own fixed-length convolution (plain PyTorch) run
+    on each document, and the swapped kernel equals the GDN oracle on each document with q, k expanded to the
+    value heads by ``repeat_interleave`` and L2-normalised as FLA does, as torchtitan's ``GatedDeltaKernel`` asks."""
+    from torchtitan.models.qwen3_5.model import GatedDeltaNet
+
+    import kdacp.integrations.torchtitan as kt
+    from kdacp.reference.gdn import recurrent_gated_delta_rule
+    net = _gated_deltanet()
+    kt.apply_kdacp_to_gated_deltanet(net, None)
+    cu = [0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()]
+    cu_cpu = torch.tensor(cu, dtype=torch.int32)
+    T, g = cu[-1], torch.Generator().manual_seed(2)
+    x = torch.randn(1, T, net.conv_q.weight.shape[0], generator=g, dtype=torch.float64)
+    conv = net._causal_conv(x, net.conv_q, cu_cpu.clone(), cu_cpu)
+    own = torch.cat([GatedDeltaNet._causal_conv(net, x[:, s:e], net.conv_q) for s, e in zip(cu, cu[1:])], dim=1)
+    assert rel_err(conv, own) < 1e-12
+
+    H, HV, K = 2, 4, 64
+    q, k = (torch.randn(1, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, HV, K, generator=g, dtype=torch.float64)
+    decay = -torch.rand(1, T, HV, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, T, HV, generator=g, dtype=torch.float64)
+    o = net.kernel(q, k, v, decay, beta, cu_seqlens=cu_cpu.clone(), cu_seqlens_cpu=cu_cpu)
+    # FLA's in-kernel L2 norm, which torchtitan asks for: x / sqrt(sum x^2 + 1e-6)
+    expand = [(lambda t: t * (t.square().sum(-1, keepdim=True) + 1e-6).rsqrt())(t.repeat_interleave(HV // H, dim=2))
+              for t in (q, k)]
+    oracle = torch.cat([recurrent_gated_delta_rule(expand[0][:, s:e], expand[1][:, s:e], v[:, s:e], decay[:, s:e],
+                                                   beta[:, s:e])[0] for s, e in zip(cu, cu[1:])], dim=1)
+    assert rel_err(o, oracle) < 1e-10
+
+
+def test_refusals_name_the_setting():
+    """What kdacp's spec does not run is refused before any collective, naming the setting."""
+    from types import SimpleNamespace
+
+    import kdacp.integrations.torchtitan as kt
+    dims = SimpleNamespace(tp=1, pp=1, ep=1, cp_enabled=True)
+    training = SimpleNamespace(disable_cuda_graphs=True)
+    parallelism = SimpleNamespace(spmd_backend="partial_dtensor")
+    no_compile = SimpleNamespace(enable=False, components=[])
+    kt._check_supported(dims, training, parallelism, no_compile)
+    cases = [(dict(dims=SimpleNamespace(tp=2, pp=1, ep=1, cp_enabled=True)), "tensor_parallel_degree=2"),
+             (dict(dims=SimpleNamespace(tp=1, pp=1, ep=4, cp_enabled=True)), "expert_parallel_degree=4"),
+             (dict(training=SimpleNamespace(disable_cuda_graphs=False)), "disable_cuda_graphs"),
+             (dict(parallelism=SimpleNamespace(spmd_backend="spmd_types")), "spmd_backend='spmd_types'"),
+             (dict(compile_config=SimpleNamespace(enable=True, components=["model"])), "compile.components")]
+    for change, message in cases:
+        args = {**dict(dims=dims, training=training, parallelism=parallelism, compile_config=no_compile), **change}
+        with pytest.raises(NotImplementedError, match=message):
+            kt._check_supported(args["dims"], args["training"], args["parallelism"], args["compile_config"])
+
+
+class _TwoRankMesh:
+    """The two calls :func:`shard_batch` makes on a ``cp`` mesh, for rank 0 of 2 (it refuses before any other)."""
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+def test_shard_batch_refuses_rows_vision_and_uneven_lengths():
+    import kdacp.integrations.torchtitan as kt
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="local_batch_size=1"):
+        kt.shard_batch(None, {"input": tokens}, tokens, _TwoRankMesh())
+    with pytest.raises(ValueError, match="vision inputs"):
+        kt.shard_batch(None, {"input": tokens[:1], "pixel_values": torch.zeros(1)}, tokens[:1], _TwoRankMesh())
+    with pytest.raises(ValueError, match="split evenly"):
+        kt.shard_batch(None, {"input": tokens[:1, :7]}, tokens[:1, :7], _TwoRankMesh())
+
+
 @pytest.fixture(scope="module")
 def reference():
     """The one-process model: kdacp's modules without context parallelism, the whole packed batch."""

@@ -27,7 +27,7 @@ Loss contract: torchtitan's loss is the rank's summed token loss over the global
 tokens, and FSDP2 sums gradients over ``dp_shard x cp`` (divide factor 1), so the sums are the
 gradients of the global mean; nothing here changes that.
 
-Refused with an error before any rank blocks: tensor, pipeline and expert parallelism, torch.compile
+Refused with an error before any rank blocks: CUDA graphs, tensor, pipeline and expert parallelism, torch.compile
 of the model (torchtitan compiles each block with ``fullgraph=True``; kdacp's op has collectives
 inside), the ``spmd_types`` / ``full_dtensor`` backends under context parallelism, vision inputs,
 ``local_batch_size > 1`` and attention other than FlexAttention under context parallelism.
@@ -240,8 +240,11 @@ class _ContextParallelApplied:
         return getattr(self._parallel_dims, name)
 
 
-def _check_supported(parallel_dims, parallelism, compile_config) -> None:
+def _check_supported(parallel_dims, training, parallelism, compile_config) -> None:
     """Raise before any rank blocks on what kdacp's spec does not run."""
+    if not training.disable_cuda_graphs:
+        raise NotImplementedError("training.disable_cuda_graphs=False: kdacp's Gated DeltaNet reads each batch's "
+                                  "document offsets on the host, which a CUDA graph cannot replay; set it to True")
     refused = {"tensor_parallel_degree": parallel_dims.tp, "pipeline_parallel_degree": parallel_dims.pp,
                "expert_parallel_degree": parallel_dims.ep}
     for name, degree in refused.items():
@@ -271,7 +274,7 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
         NotImplementedError: see :func:`_check_supported`.
         ValueError: attention other than FlexAttention under context parallelism.
     """
-    _check_supported(parallel_dims, parallelism, compile_config)
+    _check_supported(parallel_dims, training, parallelism, compile_config)
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
     apply_kdacp_to_gated_deltanet(model, cp_mesh)
     if device_type == "cpu":
@@ -385,7 +388,7 @@ def text_config(spec: ModelSpec, *, seq_len: int, steps: int, local_batch_size: 
                 trainer: type[Trainer] = Trainer) -> Trainer.Config:
     """A trainer config for ``spec`` on text, with the settings of torchtitan's Qwen3.5 configs (chunked
     cross-entropy, AdamW at 5e-3, linear warm-up, selective activation checkpointing, a checkpoint at
-    the last step): torchtitan's text loader (``c4_test``: a local ``{"text": ...}`` dataset at
+    the last step when enabled), without CUDA graphs (kdacp's spec refuses them), and torchtitan's text loader (``c4_test``: a local ``{"text": ...}`` dataset at
     ``dataloader.dataset_path``) and tokenizer (``tokenizer.json`` at ``hf_assets_path``). Written out
     here because torchtitan's Qwen3.5 config module needs torchvision for its image loader."""
     return trainer.Config(
@@ -398,7 +401,8 @@ def text_config(spec: ModelSpec, *, seq_len: int, steps: int, local_batch_size: 
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                   min_lr_factor=0.0),
         metrics=MetricsProcessor.Config(log_freq=1),
-        training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps),
+        training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps,
+                                disable_cuda_graphs=True),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor", context_parallel_load_balancer=None),
         checkpoint=CheckpointManager.Config(interval=steps, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
