@@ -115,7 +115,8 @@ def train(workdir: Path, config: str, *, nproc: int, cp: int, steps: int, seq_le
         command += ["--checkpoint.enable", "--checkpoint.interval", str(steps)]
     print(" ".join(command), flush=True)
     with open(log, "w") as f:
-        rc = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
     text = ANSI.sub("", log.read_text())
     if rc:
         raise RuntimeError(f"{config} at {seq_len} tokens failed (rc {rc}); log {log}:\n" + text[-3000:])
@@ -147,7 +148,7 @@ def gpu_compare(args) -> int:
                                              cpu=False, checkpoint=False,
                                              log=args.workdir / f"{config}-{seq_len}.log")
     summary = []
-    print(f"| tokens | torchtitan step (s) | kdacp step (s) | ratio | max loss difference | losses (titan / kdacp, last step) |")
+    print("| tokens | torchtitan step (s) | kdacp step (s) | ratio | max loss difference | last losses (titan/kdacp) |")
     print("|---|---|---|---|---|---|")
     for seq_len in args.seq_lens:
         titan, ours = results["qwen35_titan_0_8b", seq_len], results["qwen35_kdacp_0_8b", seq_len]

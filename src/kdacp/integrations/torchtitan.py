@@ -13,15 +13,20 @@ Qwen3.5 and parallelizes it with :func:`parallelize_qwen3_5_kdacp`:
    :func:`kdacp.layers.short_conv.causal_conv1d` with a left halo from the previous rank;
    parameters and state-dict keys do not change;
 2. the attention layers (one in four) run under torchtitan's own context parallelism for
-   FlexAttention (``apply_cp_to_forward``: keys and values all-gathered over ``cp``, the document
-   ``BlockMask`` cut along queries). kdacp's Ulysses attention would need ``n_kv_heads % cp == 0``,
-   and every dense Qwen3.5 has 2 key/value heads;
+   FlexAttention (``apply_cp_to_forward``: keys and values all-gathered over ``cp``; each rank's
+   document mask is built for its queries, :func:`local_document_mask`). kdacp's Ulysses attention
+   would need ``n_kv_heads % cp == 0``, and every dense Qwen3.5 has 2 key/value heads;
 3. then torchtitan's ``parallelize_qwen3_5`` for everything it does (activation checkpointing,
    FSDP2 over ``dp_shard x cp``), with context parallelism marked as done.
 
 :class:`KdacpTrainer` cuts each batch over the ``cp`` mesh axis into contiguous equal shards
 (:func:`shard_batch`, no load balancing: the recurrence needs rank ``r`` to hold tokens
 ``[r T / P, (r + 1) T / P)``) and keeps the global document boundaries for the GDN layers.
+
+Configs: :func:`qwen35_kdacp_debugmodel`, :func:`qwen35_kdacp_0_8b` and the baseline
+:func:`qwen35_titan_0_8b` (torchtitan's own spec), on text (:func:`text_config`). On CPU,
+:class:`DenseFlexAttention` stands in for FlexAttention (no backward on CPU) and kdacp's ``torch``
+backend for FLA's kernels.
 
 Loss contract: torchtitan's loss is the rank's summed token loss over the global count of valid
 tokens, and FSDP2 sums gradients over ``dp_shard x cp`` (divide factor 1), so the sums are the
@@ -70,15 +75,16 @@ from ..gdn import scalar_gate_arguments
 from ..layers.context_parallel import SINGLE_DEVICE, KDAContextParallel
 from ..layers.short_conv import causal_conv1d
 
-__all__ = ["GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet", "KdacpTrainer",
-           "apply_kdacp_to_gated_deltanet", "local_document_mask", "model_registry", "parallelize_qwen3_5_kdacp", "shard_batch",
-           "text_config", "DenseFlexAttention", "apply_dense_attention", "TEXT_ONLY_TOKENS", "qwen35_kdacp_debugmodel", "qwen35_kdacp_0_8b", "qwen35_titan_0_8b", "VISION_INPUTS"]
+__all__ = ["DenseFlexAttention", "GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet", "KdacpTrainer",
+           "TEXT_ONLY_TOKENS", "VISION_INPUTS", "apply_dense_attention", "apply_kdacp_to_gated_deltanet",
+           "local_document_mask", "model_registry", "parallelize_qwen3_5_kdacp", "qwen35_kdacp_0_8b",
+           "qwen35_kdacp_debugmodel", "qwen35_titan_0_8b", "shard_batch", "text_config"]
 
 SPEC_NAME = "qwen3_5_kdacp"
 CACHED_BATCHES = 8  # global cu_seqlens kept per model (a few batches are in flight with AC recompute)
-# Batch keys of torchtitan's multimodal loader: their tokens must be scattered before any cut.
 # Token ids no token has: Qwen3.5 reads them only to place vision embeddings.
 TEXT_ONLY_TOKENS = {"image_id": -1, "video_id": -1}
+# Batch keys of torchtitan's multimodal loader: their tokens must be scattered before any cut.
 VISION_INPUTS = ("pixel_values", "pixel_values_videos", "grid_thw", "grid_thw_videos", "mrope_positions")
 
 
@@ -388,9 +394,10 @@ def text_config(spec: ModelSpec, *, seq_len: int, steps: int, local_batch_size: 
                 trainer: type[Trainer] = Trainer) -> Trainer.Config:
     """A trainer config for ``spec`` on text, with the settings of torchtitan's Qwen3.5 configs (chunked
     cross-entropy, AdamW at 5e-3, linear warm-up, selective activation checkpointing, a checkpoint at
-    the last step when enabled), without CUDA graphs (kdacp's spec refuses them), and torchtitan's text loader (``c4_test``: a local ``{"text": ...}`` dataset at
-    ``dataloader.dataset_path``) and tokenizer (``tokenizer.json`` at ``hf_assets_path``). Written out
-    here because torchtitan's Qwen3.5 config module needs torchvision for its image loader."""
+    the last step when enabled), without CUDA graphs (kdacp's spec refuses them), and torchtitan's
+    text loader (``c4_test``: a local ``{"text": ...}`` dataset at ``dataloader.dataset_path``) and
+    tokenizer (``tokenizer.json`` at ``hf_assets_path``). Written out here because torchtitan's Qwen3.5
+    config module needs torchvision for its image loader."""
     return trainer.Config(
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
@@ -420,5 +427,6 @@ def qwen35_kdacp_0_8b() -> KdacpTrainer.Config:
 
 
 def qwen35_titan_0_8b() -> KdacpTrainer.Config:
-    """torchtitan's own Qwen3.5 ``0.8B`` spec with :func:`qwen35_kdacp_0_8b`'s settings (the baseline)."""
+    """torchtitan's own Qwen3.5 ``0.8B`` spec with :func:`qwen35_kdacp_0_8b`'s settings (the baseline; without
+    context parallelism :class:`KdacpTrainer` only adds :data:`TEXT_ONLY_TOKENS` to torchtitan's batches)."""
     return text_config(qwen3_5.model_registry("0.8B"), seq_len=16384, steps=20, trainer=KdacpTrainer)
