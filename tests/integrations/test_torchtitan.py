@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra: pip install -e '.[torchtitan]'")
+pytest.importorskip("fla", reason="torchtitan's Qwen3.5 imports FLA: pip install -e '.[torchtitan]'")
 
 from tests.helpers import rel_err  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
