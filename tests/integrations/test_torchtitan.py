@@ -219,6 +219,7 @@ def _cp_worker(rank, world_size, ref, check_removal, results):
             results.append((f"without {what}", name, worst))
 
 
+@pytest.mark.slow  # 2-3 minutes on 2 shared cores: kdacp's torch backend on CPU
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_debug_model_cp_matches_one_process(reference, world_size):
     results = torch.multiprocessing.get_context("spawn").Manager().list()
