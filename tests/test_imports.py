@@ -11,7 +11,7 @@ ROOT = Path(kdacp.__file__).parent
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
 # distributed, ops -> layers -> bench, demo -> cli.
 ORDER = ("affine", "validation", "reference", "kernels", "backends", "kda", "distributed", "gdn", "layers",
-         "models", "precompile", "workers", "demo", "bench", "tuning", "cli")
+         "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "cli")
 
 
 def _module_name(path: Path) -> str:
