@@ -8,14 +8,14 @@ Hugging Face models: :func:`parallelize` (Kimi Linear, Qwen3-Next) with :func:`s
 :func:`precompile` compiles a step's Triton kernels in parallel before its first run.
 """
 from . import reference
-from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, new_cp_group
+from .distributed import CPPlan, build_cp_plan, new_cp_group
 from .affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .kernels import state_gradient_summary, state_summary, transition
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
 from .models import parallelize, shard_batch
 from .precompile import precompile
-from .kda import chunk_kda
+from .kda import chunk_kda, cp_chunk_kda
 
 __version__ = "0.1.0"
 

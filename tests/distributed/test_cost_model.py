@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan
+from kdacp.kda import cp_chunk_kda
 from kdacp.distributed.cost_model import (Link, RoleStages, StageTimes, _simulate_dedicated, _simulate_shared,
                                           chain_route, choose_strategy, exchange_stage_times, fla_programs, predict,
                                           programs, simulate)

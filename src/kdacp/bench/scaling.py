@@ -48,7 +48,8 @@ import torch.distributed as dist
 from kdacp.affine import StateSummary, compose_state_summaries
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 from kdacp.backends.call import prepare_call
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan
+from kdacp.kda import cp_chunk_kda
 from kdacp.distributed.cost_model import (DEFAULT_LINK, MODEL_STRATEGIES, Link, RoleStages, StageTimes,
                                           predict)
 from kdacp.distributed.orchestration import cp_backward, cp_forward

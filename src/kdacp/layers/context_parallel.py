@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from ..distributed import build_cp_plan, new_cp_group
 from ..distributed.plan import local_cu_seqlens
-from ..kda import chunk_kda as local_chunk_kda
+from ..kda import chunk_kda as local_chunk_kda, cp_chunk_kda
 from .comm import all_to_all, all_to_all_gather, shift_right
 
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
