@@ -18,11 +18,16 @@ from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfi
 from . import comm
 from .plan import CPPlan
 
-__all__ = ["check_cp_call"]
+__all__ = ["check_cp_call", "verified_plans"]
 
 # The call signatures every rank has verified, per plan object (a new plan always checks again); an
 # entry goes with its plan.
 _VERIFIED: dict[int, set] = {}
+
+
+def verified_plans() -> int:
+    """The plans whose verified call signatures are kept now (each entry is freed with its plan)."""
+    return len(_VERIFIED)
 
 
 def _verified(plan: CPPlan) -> set:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..caches import CACHED_BATCHES, CACHED_SHAPES
 from ..distributed import build_cp_plan, new_cp_group
 from ..distributed.plan import local_cu_seqlens
 from ..kda import chunk_kda as local_chunk_kda, cp_chunk_kda
@@ -27,8 +28,6 @@ from .comm import all_to_all, all_to_all_gather, shift_right
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
 
 MODES = ("state", "ulysses", "hybrid")
-CACHED_BATCHES = 8   # packed batches whose host copy and plan a context keeps (a few are in flight at once)
-CACHED_SHAPES = 64   # shapes of batch rows whose plan a context keeps
 
 
 @dataclass(frozen=True)
@@ -260,6 +259,11 @@ class KDAContextParallel(_SingleDevice):
         first_start = max(c for c in cu if c <= start)
         return _Batch(torch.tensor(cu, dtype=torch.int64), plan,
                       ConvContext(group, local_device, local, halo_tokens=start - first_start))
+
+    def memo_sizes(self) -> dict:
+        """Entries now in this context's memos: ``batches`` (at most :data:`CACHED_BATCHES`) and ``row_plans``
+        (at most :data:`CACHED_SHAPES`)."""
+        return {"batches": len(self._batches), "row_plans": len(self._row_plans)}
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once per shape (the last
