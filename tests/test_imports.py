@@ -128,3 +128,13 @@ def test_no_private_name_is_read_across_modules():
     found = [use for path in scripts for use in _private_uses(path, modules)]
     assert not found, "private names used across modules: " + "; ".join(found)
 
+
+def test_strategy_auto_does_not_load_the_benchmark_model():
+    """``strategy="auto"`` needs the exchange's cost model only: importing kdacp and resolving a plan's
+    strategy leaves the scaling benchmark's simulator (shared cores, FLA's scheme) unloaded."""
+    import subprocess
+    import sys
+    code = ("import sys, kdacp; from kdacp.distributed.plan import rank_layouts, resolve_strategy; "
+            "print(resolve_strategy('auto', rank_layouts(None, 1, (64,) * 4))[0], 'kdacp.bench.scaling_model' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split()[1] == "False", out.stdout + out.stderr

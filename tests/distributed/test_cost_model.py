@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from kdacp.distributed import build_cp_plan
 from kdacp.kda import cp_chunk_kda
-from kdacp.distributed.cost_model import (Link, RoleStages, StageTimes, _simulate_dedicated, _simulate_shared,
-                                          chain_route, choose_strategy, exchange_stage_times, fla_programs, predict,
-                                          programs, simulate)
+from kdacp.bench.scaling_model import fla_programs, predict, simulate, simulate_shared
+from kdacp.distributed.cost_model import (Link, RoleStages, StageTimes, chain_route, choose_strategy,
+                                          exchange_stage_times, programs)
+from kdacp.distributed.cost_model import simulate as simulate_dedicated
 from kdacp.distributed.plan import AUTO_STATE_SHAPE, STRATEGIES, rank_layouts, resolve_strategy
 from tests.multiprocess import run_ranks
 
@@ -103,7 +104,7 @@ def test_simulators_agree_with_a_core_each(P):
         emits, affine = chain_route(P)
         stages = [RoleStages(rng.random(), rng.random(), rng.random()) for _ in range(P)]
         progs = programs(strategy, emits, affine, stages, times)
-        assert _simulate_shared(progs, link, cores=P) == pytest.approx(_simulate_dedicated(progs, link)), strategy
+        assert simulate_shared(progs, link, cores=P) == pytest.approx(simulate_dedicated(progs, link)), strategy
 
 
 def test_deadlock_and_bad_arguments():
