@@ -81,6 +81,16 @@ def _sequences(segments) -> slice:
     return slice(segments[0].sequence, segments[-1].sequence + 1) if segments else slice(0, 0)
 
 
+def _by_sequence(plan: CPPlan, segments, local: torch.Tensor, kept: slice) -> torch.Tensor:
+    """``[N, HV, K, V]``: the states ``local[kept]`` of ``segments[kept]`` at their sequences' rows, zeros
+    elsewhere; ``local`` itself on one rank, where every sequence lies, in order."""
+    if plan.world_size == 1:
+        return local
+    out = local.new_zeros(plan.num_sequences, *local.shape[1:])
+    out[_sequences(segments[kept])] = local[kept]
+    return out
+
+
 def _cat(parts: list, dim: int):
     parts = [p for p in parts if p is not None]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
@@ -130,12 +140,9 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     final_state = None
     if output_final_state:
         local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
-        if plan.world_size == 1:  # every sequence ends here, in order
-            final_state = local_final
-        else:
-            final_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=device)
-            ends = len(segments) - layout.num_send  # the segments that end here form a prefix
-            final_state[_sequences(segments[:ends])] = local_final[:ends]
+        # the segments that end here form a prefix
+        final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
+        if plan.world_size > 1:
             final_state = comm.all_reduce_sum(final_state, plan.group)
     local_initial = _cat([incoming, known_initial if len(known_initial) else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
@@ -207,10 +214,6 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     dinitial_state = None
     if has_initial_state:
         local = _cat([s and s.dinitial_state for s in (known_states, tail_states)], 0)
-        if plan.world_size == 1:  # every sequence starts here, in order
-            dinitial_state = local
-        else:
-            dinitial_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
-            starts = layout.num_receive  # the segments that start here form a suffix
-            dinitial_state[_sequences(segments[starts:])] = local[starts:]
+        # the segments that start here form a suffix
+        dinitial_state = _by_sequence(plan, segments, local, slice(layout.num_receive, None))
     return CPGrads(**token, dA_log=dA_log, ddt_bias=ddt_bias, dinitial_state=dinitial_state)
