@@ -138,3 +138,11 @@ def test_strategy_auto_does_not_load_the_benchmark_model():
             "print(resolve_strategy('auto', rank_layouts(None, 1, (64,) * 4))[0], 'kdacp.bench.scaling_model' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[1] == "False", out.stdout + out.stderr
+
+
+def test_the_top_level_exports_what_users_call():
+    """``kdacp`` exports the ops, plans, layers, model helpers, precompile and the reference; internals
+    (the summary algebra, the kernel launchers) stay in their modules."""
+    assert {"chunk_kda", "chunk_gated_delta_rule", "build_cp_plan", "global_token_mean_loss"} <= set(kdacp.__all__)
+    assert not {"StateSummary", "state_summary", "transition", "compose_state_summaries"} & set(kdacp.__all__)
+    assert all(hasattr(kdacp, name) for name in kdacp.__all__)
