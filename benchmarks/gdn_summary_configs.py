@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from kdacp import kernels as kn
-from kdacp.bench.kernels import _bench, make_gdn_inputs, rel_err
+from kdacp.bench.kernels import make_gdn_inputs, median_ms, rel_err
 
 
 def main():
@@ -40,12 +40,12 @@ def main():
         cfg = kn.SummaryConfig(block_v=bv, num_warps=nw, num_stages=ns, v_first=vf)
         try:
             e = err(fn(cfg))
-            ms = _bench(lambda: fn(cfg))
+            ms = median_ms(lambda: fn(cfg))
         except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
             print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7}  failed: {type(exc).__name__}: {str(exc)[:60]}")
             continue
         print(f"{name:8} {bv:>7} {nw:>5} {ns:>6} {vf!s:>7} {ms:>7.3f} {e:>9.2e}")
-    print("defaults:", ", ".join(f"{name} {_bench(lambda: fn(None)):.3f} ms" for name, (fn, _) in runs.items()))
+    print("defaults:", ", ".join(f"{name} {median_ms(lambda: fn(None)):.3f} ms" for name, (fn, _) in runs.items()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ ROOT = Path(kdacp.__file__).parent
 # Lowest first; a part may import only the parts before it (the package's own __init__ is the facade
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
 # distributed, ops -> layers -> bench, demo -> cli.
-ORDER = ("affine", "validation", "reference", "kernels", "backends", "kda", "distributed", "gdn", "layers",
+ORDER = ("caches", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
          "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "cli")
 
 
@@ -85,3 +85,64 @@ def test_no_module_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(path: Path, modules: set) -> list[str]:
+    """``path``'s uses of another kdacp module's private names: ``from kdacp.x import _y``, and ``x._y``
+    where ``x`` names a kdacp module it imported."""
+    own = _module_name(path) if path.is_relative_to(ROOT) else None
+    package = None if own is None else (own if path.name == "__init__.py" else own.rsplit(".", 1)[0])
+    tree = ast.parse(path.read_text())
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname for a in node.names if a.asname and a.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "kdacp" or module == own:
+                continue
+            for a in node.names:
+                if _private(a.name):
+                    found.append(f"{path.name}:{node.lineno} imports {module}.{a.name}")
+                elif f"{module}.{a.name}" in modules:
+                    bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound:
+            found.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_read_across_modules():
+    """Modules of kdacp, and the benchmark scripts, use each other's public names only."""
+    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+    scripts = sorted(ROOT.rglob("*.py")) + sorted((ROOT.parents[1] / "benchmarks").glob("*.py"))
+    found = [use for path in scripts for use in _private_uses(path, modules)]
+    assert not found, "private names used across modules: " + "; ".join(found)
+
+
+def test_strategy_auto_does_not_load_the_benchmark_model():
+    """``strategy="auto"`` needs the exchange's cost model only: importing kdacp and resolving a plan's
+    strategy leaves the scaling benchmark's simulator (shared cores, FLA's scheme) unloaded."""
+    import subprocess
+    import sys
+    code = ("import sys, kdacp; from kdacp.distributed.plan import rank_layouts, resolve_strategy; "
+            "print(resolve_strategy('auto', rank_layouts(None, 1, (64,) * 4))[0], 'kdacp.bench.scaling_model' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split()[1] == "False", out.stdout + out.stderr
+
+
+def test_the_top_level_exports_what_users_call():
+    """``kdacp`` exports the ops, plans, layers, model helpers, precompile and the reference; internals
+    (the summary algebra, the kernel launchers) stay in their modules."""
+    assert {"chunk_kda", "chunk_gated_delta_rule", "build_cp_plan", "global_token_mean_loss"} <= set(kdacp.__all__)
+    assert not {"StateSummary", "state_summary", "transition", "compose_state_summaries"} & set(kdacp.__all__)
+    assert all(hasattr(kdacp, name) for name in kdacp.__all__)

@@ -1,27 +1,27 @@
 """kdacp: context-parallel Kimi Delta Attention for PyTorch.
 
-Entry points: :func:`chunk_kda` (one device), :func:`cp_chunk_kda` with :func:`build_cp_plan` and
-:func:`new_cp_group` (context-parallel over ``torch.distributed``), :class:`KimiDeltaAttention` (the
-layer, with :class:`KDAContextParallel`), the same for Gated DeltaNet (:func:`chunk_gated_delta_rule`,
-:func:`cp_chunk_gated_delta_rule`, :class:`GatedDeltaNet`), the Triton state-summary launchers, and :mod:`kdacp.reference`.
-Hugging Face models: :func:`parallelize` (Kimi Linear, Qwen3-Next) with :func:`shard_batch` (see :mod:`kdacp.models`);
-:func:`precompile` compiles a step's Triton kernels in parallel before its first run.
+What users call: the op :func:`chunk_kda` (one device; with ``cp=`` a :class:`CPPlan` from
+:func:`build_cp_plan` over a group from :func:`new_cp_group`, context-parallel over
+``torch.distributed``) and Gated DeltaNet's :func:`chunk_gated_delta_rule` (the same ``cp=``); the
+layers :class:`KimiDeltaAttention` and :class:`GatedDeltaNet` with their context-parallel mode
+:class:`KDAContextParallel`; for Hugging Face models :func:`parallelize` (Kimi Linear, Qwen3-Next),
+:func:`shard_batch` and :func:`global_token_mean_loss` (see :mod:`kdacp.models`); :func:`precompile`,
+which compiles a step's Triton kernels in parallel before its first run; and :mod:`kdacp.reference`,
+the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Triton launchers
+(:mod:`kdacp.kernels`) stay in their modules.
 """
 from . import reference
-from .distributed import CPPlan, build_cp_plan, cp_chunk_kda, init_device_mesh, new_cp_group
-from .affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
-from .kernels import state_gradient_summary, state_summary, transition
+from .distributed import CPPlan, build_cp_plan, init_device_mesh, new_cp_group
 from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
 from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
-from .models import parallelize, shard_batch
+from .models import global_token_mean_loss, parallelize, shard_batch
 from .precompile import precompile
-from .kda import chunk_kda
+from .kda import chunk_kda, cp_chunk_kda
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPPlan", "GatedDeltaNet", "StateSummary", "KDAContextParallel", "KimiDeltaAttention", "apply_state_gradient_summary",
-    "apply_state_summary", "build_cp_plan", "chunk_gated_delta_rule", "chunk_kda", "compose_state_summaries",
-    "cp_chunk_gated_delta_rule", "cp_chunk_kda", "init_device_mesh", "new_cp_group", "parallelize", "precompile", "reference", "shard_batch",
-    "state_gradient_summary", "state_summary", "transition",
+    "CPPlan", "GatedDeltaNet", "KDAContextParallel", "KimiDeltaAttention", "build_cp_plan", "chunk_gated_delta_rule",
+    "chunk_kda", "cp_chunk_gated_delta_rule", "cp_chunk_kda", "global_token_mean_loss", "init_device_mesh",
+    "new_cp_group", "parallelize", "precompile", "reference", "shard_batch",
 ]

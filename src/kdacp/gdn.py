@@ -1,8 +1,9 @@
 """Gated DeltaNet (GDN; Qwen3-Next, Qwen3.5) with FLA's names, on one device and context-parallel.
 
 GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` instead of
-``[B, T, HV, K]``. Both entry points check the GDN shapes, broadcast the gate over ``K``
-(:func:`kdacp.reference.gdn.scalar_gate_as_kda`, a view) and run the KDA machinery, so plans,
+``[B, T, HV, K]``. The op checks the GDN shapes, broadcasts the gate over ``K``
+(:func:`kdacp.reference.gdn.scalar_gate_as_kda`, a view) and runs the KDA op's prepared call
+(:func:`kdacp.kda.run_prepared`) with GDN's own gate beside the broadcast one, so plans,
 strategies and summaries are shared. The ``torch`` backend runs the KDA reference on the broadcast
 gate; the ``fla`` backend runs FLA's GDN kernels on the scalar gate itself
 (:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`), except where FLA refuses its GDN backward and
@@ -11,8 +12,7 @@ FLA's KDA kernels run on the broadcast gate.
 """
 from __future__ import annotations
 
-from .distributed.cp_kda import cp_chunk_kda
-from .kda import chunk_kda
+from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
@@ -52,32 +52,31 @@ def scalar_gate_arguments(g, K: int, A_log=None, dt_bias=None) -> dict:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto"):
-    """Chunk GDN on one device, differentiable (FLA's ``chunk_gated_delta_rule`` arguments).
+                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None):
+    """Chunk GDN, differentiable (FLA's ``chunk_gated_delta_rule`` arguments): on one device, or with
+    ``cp`` over the tokens split across the ranks of ``cp.group`` (call it on every rank).
 
     Args:
         q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]`` (``HV % H == 0``); g ``[B, T, HV]``: natural-log
             decay, or raw logits with ``use_gate_in_kernel`` (``-exp(A_log) * softplus(g + dt_bias)``,
             ``A_log``, ``dt_bias`` ``[HV]``); beta ``[B, T, HV]``.
         scale, initial_state ``[N, HV, K, V]``, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, cu_seqlens_cpu, backend: as :func:`kdacp.chunk_kda`.
+            cu_seqlens, cu_seqlens_cpu, backend, cp: as :func:`kdacp.chunk_kda` (same contract for
+            states, gradients and errors under ``cp``).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
     """
-    kda = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
-    return chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, **kda)
+    gate = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    scalar_gate = gate.pop("_scalar_gate")
+    prepared, plan = check_and_prepare(
+        q, k, v, beta=beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        lower_bound=None, safe_gate=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
+        check_finite=False, output_final_state=output_final_state, cp=cp, scalar_gate=scalar_gate, **gate)
+    return run_prepared(prepared, plan, initial_state, output_final_state)
 
 
-def cp_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                              backend="auto", cp=None):
-    """Chunk GDN over tokens split across ranks: :func:`chunk_gated_delta_rule`'s arguments for this
-    rank's tokens and a plan, as :func:`kdacp.cp_chunk_kda` (same contract for states, gradients and
-    errors). Call it on every rank."""
-    kda = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
-    return cp_chunk_kda(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                        backend=backend, cp=cp, **kda)
+def cp_chunk_gated_delta_rule(*args, cp=None, **kwargs):
+    """:func:`chunk_gated_delta_rule` with ``cp``; its call sites become ``chunk_gated_delta_rule(..., cp=plan)``
+    in the rename commit."""
+    return chunk_gated_delta_rule(*args, cp=cp, **kwargs)

@@ -1,99 +1,159 @@
-"""``chunk_kda``: Kimi Delta Attention on one device with FLA's arguments, differentiable, on a
-selectable local backend. Its context-parallel twin is :mod:`kdacp.distributed.cp_kda`; both prepare
-the call with :mod:`kdacp.backends.call`."""
+"""``chunk_kda``: Kimi Delta Attention with FLA's arguments, differentiable, on a selectable local
+backend; on one device, or context-parallel over the ranks of a :class:`~kdacp.distributed.CPPlan`
+(``cp=``). One device is the case without a plan: the call runs the same schedule
+(:mod:`kdacp.distributed.orchestration`) on a one-rank plan of its own batch, which exchanges nothing.
+
+Three tiers: :func:`chunk_kda` checks the arguments (across ranks under ``cp``) and prepares the call
+(:func:`check_and_prepare`); :func:`run_prepared` runs a prepared call (the entry GDN's op takes with
+its own gate); :class:`ChunkKDAFunction` only saves and restores.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .backends import resolve_backend
-from .backends.base import KDAInputs, LocalBackend, Span, tensor_fields
-from .backends.call import input_dtypes, input_gradients, prepare_call
+from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
+from .backends.call import PreparedCall, input_dtypes, input_gradients, prepare_call
+from .distributed.checks import check_cp_call
+from .distributed.orchestration import cp_backward, cp_forward
+from .distributed.plan import CPPlan, one_rank_plan
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
 
-__all__ = ["chunk_kda"]
+__all__ = ["ChunkKDAFunction", "chunk_kda", "check_and_prepare", "cp_chunk_kda", "run_prepared"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What backward needs besides tensors."""
+
+    plan: CPPlan
+    backend: LocalBackend
+    output_final_state: bool
+    has_initial_state: bool
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Saves and restores; the stages are the backend's. Inputs are one packed row."""
+    """Saves and restores; the work is in :mod:`kdacp.distributed.orchestration`. Inputs are one packed row."""
 
     @staticmethod
-    def forward(ctx, backend: LocalBackend, span: Span, output_final_state: bool, q, k, v, g, beta, A_log,
-                dt_bias, initial_state):
-        chunks = backend.prepare(KDAInputs(q, k, v, g, beta, A_log, dt_bias), span)
-        state_dtype = compute_dtype(q)  # states are float32 (float64 for float64 inputs) whatever h0's dtype
-        if initial_state is None:
-            h0 = torch.zeros(span.num_segments, v.shape[2], q.shape[3], v.shape[3], dtype=state_dtype, device=q.device)
-        else:
-            h0 = initial_state.to(state_dtype).contiguous()
-        states = backend.state_pass(chunks, span, h0, output_final_state)
-        o = backend.output(chunks, span, h0, states)
-        saved = backend.to_saved(chunks)
-        ctx.backend, ctx.span, ctx.saved_type = backend, span, type(saved)
-        ctx.has_initial_state = initial_state is not None
-        ctx.input_dtypes = input_dtypes(KDAInputs(q, k, v, g, beta, A_log, dt_bias))
-        ctx.save_for_backward(h0, *tensor_fields(saved))
-        return o, states.final_state
+    def forward(ctx, call: _Call, q, k, v, g, beta, A_log, dt_bias, initial_state):
+        inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias)
+        # states are float32 (float64 for float64 inputs) whatever initial_state's dtype
+        result = cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(q))
+        ctx.call, ctx.saved_type = call, type(result.saved)
+        kept = result.head_states or LocalStates(None)
+        ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new, *tensor_fields(result.saved))
+        ctx.input_dtypes = input_dtypes(inputs)
+        return result.o, result.final_state
 
     @staticmethod
-    def backward(ctx, do, dht):
-        h0, *saved = ctx.saved_tensors
-        # Like FLA, the state pass is recomputed rather than kept (memory).
-        local = ctx.backend.backward_local(ctx.saved_type(*saved), ctx.span, do.contiguous(), h0)
-        states = ctx.backend.backward_states(local, dht)
-        grads = input_gradients(ctx.backend.backward_inputs(states), ctx.input_dtypes)
-        return (None, None, None, *grads, states.dinitial_state if ctx.has_initial_state else None)
+    def backward(ctx, do, dfinal):
+        local_initial, transition, h, v_new, *saved = ctx.saved_tensors
+        call: _Call = ctx.call
+        head_states = None if h is None else LocalStates(None, h, v_new)
+        # Like FLA, the state pass is recomputed rather than kept (memory), except the head's of a rank
+        # whose predecessor waits for its gradient.
+        grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition, head_states,
+                            do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
+        return (None, *input_gradients(grads, ctx.input_dtypes), grads.dinitial_state)
+
+
+def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                      A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
+                      output_final_state, cp, scalar_gate=None) -> tuple[PreparedCall, CPPlan]:
+    """Check :func:`chunk_kda`'s arguments (on every rank of ``cp.group`` alike under ``cp``) and return
+    the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``, or the one-rank
+    plan of the call's own batch). ``scalar_gate``: GDN's own gate, see
+    :func:`~kdacp.backends.call.prepare_call`. Raises as :func:`chunk_kda`."""
+    options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                   safe_gate=safe_gate)
+    if cp is None:
+        if cu_seqlens_cpu is not None:
+            cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
+        dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                                lower_bound=lower_bound)
+        if check_finite:
+            check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                                     A_log=A_log if use_gate_in_kernel else None,
+                                     dt_bias=dt_bias if use_gate_in_kernel else None))
+        name = resolve_backend(backend, q.device)
+        plan = one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
+    else:
+        name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                             backend=backend, resolve_backend=resolve_backend, check_finite=check_finite,
+                             cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu, **options)
+        plan = cp
+    return prepare_call(name, q, k, v, g, beta, scalar_gate=scalar_gate, **options), plan
+
+
+def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool):
+    """Run a call from :func:`check_and_prepare` on ``plan``; returns what :func:`chunk_kda` returns."""
+    call = _Call(plan, prepared.backend, bool(output_final_state), initial_state is not None)
+    o, final_state = ChunkKDAFunction.apply(call, *vars(prepared.inputs).values(), initial_state)
+    return prepared.unpack(o), final_state
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, *, _scalar_gate=None):
-    """Chunk KDA on one device, differentiable.
+              check_finite=False, cp=None, *, _scalar_gate=None):
+    """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
+    of ``cp.group`` (then call it on every rank, each with its own tokens).
 
     Args:
         q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (natural-log decay, or raw
-            logits with ``use_gate_in_kernel``); beta ``[B, T, HV]``.
+            logits with ``use_gate_in_kernel``); beta ``[B, T, HV]``. Under ``cp``: this rank's
+            ``T_local`` tokens, and ``B == 1`` when the plan packs sequences.
         scale: default ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]``; ``N = B``, or ``len(cu_seqlens) - 1``.
-        output_final_state: also return the final states ``[N, HV, K, V]``.
+        initial_state: ``[N, HV, K, V]``; ``N = B``, or the number of (global) sequences. Under ``cp``
+            each enters at the rank holding the sequence's first token (its gradient is returned
+            there; zero elsewhere).
+        output_final_state: also return the final states ``[N, HV, K, V]``; under ``cp`` on every
+            rank, their gradients from all ranks adding up at the rank that computed each.
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log [HV], dt_bias [HV*K], lower_bound,
-            safe_gate: as FLA's ``chunk_kda``.
-        cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences (``B == 1``).
+            safe_gate: as FLA's ``chunk_kda``. Under ``cp`` the ``A_log``/``dt_bias`` gradients are
+            this rank's share (sum them over the group, as for any parameter).
+        cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences (``B == 1``), one device only
+            (under ``cp`` the plan holds the global boundaries).
         cu_seqlens_cpu: the same boundaries on the host, as in FLA: with it, ``cu_seqlens`` is not
             read back from the device (no sync); it must hold the same values.
         backend: ``"auto"`` (FLA on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
         check_finite: raise ``ValueError`` naming the argument (q, k, v, g, beta, initial_state, and
             with ``use_gate_in_kernel`` A_log, dt_bias) that holds a NaN or Inf, before any kernel
             runs. Costs one reduction per input and one host sync per call, so it is off by default.
-            When off, non-finite values are not looked for: a NaN in one sequence of a packed batch
-            reaches that sequence's outputs and gradients (and the shared A_log/dt_bias gradients),
-            no other sequence's.
-        _scalar_gate: set by :func:`kdacp.chunk_gated_delta_rule` only: GDN's own ``(g, dt_bias)`` of
-            which ``g``/``dt_bias`` here are the broadcast (see :func:`kdacp.backends.call.prepare_call`).
+            Under ``cp`` every rank raises and the message names the rank(s); the flag rides in the
+            cross-rank check's all-gather, which then runs on every call; pass the same value on
+            every rank. When off, non-finite values are not looked for: a NaN in one sequence of a
+            packed batch reaches that sequence's outputs and gradients (and the shared
+            A_log/dt_bias gradients), no other sequence's.
+        cp: the :class:`~kdacp.distributed.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
+            ``None`` for one device.
+        _scalar_gate: carried here from the layers' GDN gate arguments
+            (:func:`kdacp.gdn.scalar_gate_arguments`) only; GDN's op passes its gate to
+            :func:`check_and_prepare` itself.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
 
     Raises:
         TypeError, ValueError: invalid inputs (with ``check_finite``, NaN or Inf) or an unknown backend;
+            under ``cp`` on every rank, also when the ranks disagree on the plan, shapes, dtypes or
+            options (the rank whose input is wrong raises its own error, naming the argument).
         ImportError: ``"fla"`` unusable.
     """
-    if cu_seqlens_cpu is not None:
-        cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
-    dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                            lower_bound=lower_bound)
-    if check_finite:
-        check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                                 A_log=A_log if use_gate_in_kernel else None,
-                                 dt_bias=dt_bias if use_gate_in_kernel else None))
-    call = prepare_call(resolve_backend(backend, q.device), q, k, v, g, beta, scale=scale,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=safe_gate,
-                        scalar_gate=_scalar_gate)
-    B, T = dims.B, dims.T
-    cu = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
-    o, final_state = ChunkKDAFunction.apply(call.backend, Span(0, B * T, tuple(cu)), bool(output_final_state),
-                                            *vars(call.inputs).values(), initial_state)
-    return call.unpack(o), final_state
+    prepared, plan = check_and_prepare(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        safe_gate=safe_gate, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
+        check_finite=check_finite, output_final_state=output_final_state, cp=cp, scalar_gate=_scalar_gate)
+    return run_prepared(prepared, plan, initial_state, output_final_state)
+
+
+def cp_chunk_kda(*args, cp=None, **kwargs):
+    """:func:`chunk_kda` with ``cp``; its call sites become ``chunk_kda(..., cp=plan)`` in the rename commit."""
+    return chunk_kda(*args, cp=cp, **kwargs)

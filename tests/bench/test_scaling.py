@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kdacp.bench.scaling import _read_measured, markdown
+from kdacp.bench.scaling import markdown, read_measured
 from kdacp.cli import main
 
 TINY = ["--device", "cpu", "--seq-lens", "64", "--heads", "1", "--head-dim", "8"]
@@ -51,7 +51,7 @@ def test_measured_points_from_a_cp_suite_json(tmp_path):
             dict(T_local=8192, world_size=2, kdacp_ratio=1.1),
             dict(T_local=16384, world_size=2, batch="docs7", kdacp_cp_ratio=1.2)]
     path.write_text(json.dumps({"rows": rows}))
-    got = _read_measured(str(path), 16384)
+    got = read_measured(str(path), 16384)
     assert got == [dict(source="measured (cp suite)", P=2, T_local=16384, p2p_ratio=1.06, allgather_ratio=1.7,
                         fla_ratio=1.4)]
     assert markdown(got).startswith("### measured (cp suite)")
@@ -72,3 +72,26 @@ def test_bad_values_are_argparse_errors(extra, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "scaling", *TINY, *extra, "--out", str(tmp_path)])
     assert e.value.code == 2
+
+
+def test_plot_title_fits_its_panel():
+    """The title of the scaling plot fits the width the harness gives a panel (5.5 in; issue 31: it was cut)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kdacp.bench.scaling import PLOTS
+    for spec in PLOTS.values():
+        fig, ax = plt.subplots(figsize=(5.5, 4))  # the harness's panel, with the same labels and scales
+        ax.plot([2, 1024], [1, 10])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(spec.x)
+        ax.set_ylabel(spec.ylabel)
+        title = ax.set_title(spec.title)
+        fig.suptitle("CPU, commit 0000000, 2026-12-02 05:46 UTC", fontsize=8)
+        fig.tight_layout()
+        fig.canvas.draw()
+        box, width = title.get_window_extent(), fig.bbox.width
+        assert 0.02 * width <= box.x0 and box.x1 <= 0.98 * width, spec.title  # inside, with a margin
+        plt.close(fig)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan
+from kdacp.kda import cp_chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp import reference
-from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from kdacp.distributed import build_cp_plan, new_cp_group
+from kdacp.kda import cp_chunk_kda
 from tests.multiprocess import run_ranks
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 
@@ -123,6 +124,9 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     broken = dict(args, beta=args["beta"][..., None] if rank == 0 else args["beta"])
     _expect_value_error(lambda: cp_chunk_kda(**broken, backend="torch", cp=plan), "beta|rejected")
     _expect_value_error(lambda: cp_chunk_kda(**args, backend="nope", cp=plan), "backend")
+    # The plan holds the boundaries: a rank that also passes cu_seqlens fails, and every rank with it.
+    local_cu = dict(cu_seqlens=torch.tensor([0, 20])) if rank == 0 else {}
+    _expect_value_error(lambda: cp_chunk_kda(**args, **local_cu, backend="torch", cp=plan), "cu_seqlens|rejected")
     _expect_value_error(lambda: build_cp_plan(strategy="ring"), "strategy")
     _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 5, 5, 12])), "strictly increasing")
     _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 7]), local_lengths=[1] * world_size), "add up")

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp import reference
-from kdacp.distributed import build_cp_plan, cp_chunk_kda
+from kdacp.distributed import build_cp_plan
+from kdacp.kda import cp_chunk_kda
 from tests.helpers import make_kda_inputs, rel_err
 
 pytestmark = pytest.mark.gpu

@@ -12,8 +12,9 @@ import pytest
 import torch.distributed as dist
 
 import kdacp
-from kdacp.distributed import STRATEGIES, build_cp_plan, cp_chunk_kda, new_cp_group
-from kdacp.distributed import comm, cp_kda
+from kdacp import kda
+from kdacp.distributed import STRATEGIES, build_cp_plan, comm, new_cp_group
+from kdacp.kda import cp_chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 
@@ -42,14 +43,14 @@ def _faults(rank: int, P: int) -> None:
             args = make_kda_inputs(1, 16, 1, 1, 16, 16, gate="default", initial_state=True, seed=rank)
             cp_chunk_kda(**args, backend="torch", cp=plan)[0].sum().backward()  # a good step first
             name = "cp_forward" if phase == "forward" else "cp_backward"
-            real = getattr(cp_kda, name)
+            real = getattr(kda, name)
             message = f"injected {phase} fault on rank {rank}"
 
             def boom(*a, **k):
                 raise RuntimeError(message)
 
             if rank == failing:
-                setattr(cp_kda, name, boom)
+                setattr(kda, name, boom)
             error, start = None, time.monotonic()
             try:
                 o, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
@@ -59,7 +60,7 @@ def _faults(rank: int, P: int) -> None:
             except Exception as e:  # noqa: BLE001 - any error counts, a hang does not
                 error = e
             elapsed = time.monotonic() - start
-            setattr(cp_kda, name, real)
+            setattr(kda, name, real)
             where = f"[{strategy}, {phase} fault on rank {failing}, rank {rank}]"
             if rank == failing:
                 assert error is not None and message in str(error), f"{where}: {error!r}"

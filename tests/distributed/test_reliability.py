@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp import chunk_kda, reference
-from kdacp.distributed import STRATEGIES, build_cp_plan, cp_chunk_kda
+from kdacp.distributed import STRATEGIES, build_cp_plan
+from kdacp.kda import cp_chunk_kda
 from kdacp.layers import KDAContextParallel, KimiDeltaAttention
 from kdacp.validation import FINITE_CHECKED
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err

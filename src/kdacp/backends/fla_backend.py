@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..caches import FLA_VARLEN_BATCHES
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
 from ..kernels import state_gradient_summary, state_summary
@@ -106,7 +107,7 @@ class FlaPrepared:
     gc: torch.Tensor
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=FLA_VARLEN_BATCHES)
 def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> dict:
     """FLA's ``cu_seqlens`` and ``chunk_indices`` (sequence, chunk within it) on ``device`` for the
     boundaries ``cu``, shared by every call on the same batch (callers must not modify them).

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
-from kdacp.distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from kdacp.distributed import build_cp_plan, new_cp_group
+from kdacp.kda import cp_chunk_kda
 from kdacp.distributed.plan import local_cu_seqlens
 from kdacp.gdn import cp_chunk_gated_delta_rule
 

@@ -89,7 +89,8 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _bench(fn):
+def median_ms(fn) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of runs)."""
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -133,7 +134,7 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
         fla.chunk_cp_fwd_h(k=x["kg"], w=x["w"], u=x["u"], hm=hm, gk=x["gc"], chunk_size=BT)
 
     fwd()
-    ms = _bench(fwd)
+    ms = median_ms(fwd)
     rows.append(_row("FLA chunk_cp_fwd_h (S_ext+M)", ms, costs["both"], S=rel_err(hm[None, :, :, :V], r["S"]),
                      M=rel_err(hm[None, :, :, V:], r["M"])))
     dhm = torch.zeros_like(hm)
@@ -143,7 +144,7 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
                             scale=x["scale"], chunk_size=BT)
 
     bwd()
-    ms = _bench(bwd)
+    ms = median_ms(bwd)
     # FLA also forms dM (= M^T); its cost is in the time, the FLOP count is ours (G only)
     rows.append(_row("FLA chunk_cp_bwd_dh (G+dM)", ms, costs["grad"], G=rel_err(dhm[None, :, :, :V], r["G"]),
                      M=rel_err(dhm[None, :, :, V:], r["M"].transpose(-1, -2))))
@@ -153,7 +154,7 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
                                                 chunk_size=BT)
 
     final = main_fwd()[2]
-    ms = _bench(main_fwd)
+    ms = median_ms(main_fwd)
     rows.append(_row("FLA chunk_gated_delta_rule_fwd_h (main fwd pass)", ms, costs["fwd_h"], S=rel_err(final, r["S"])))
     h0 = torch.zeros(B, HV, K, V, dtype=torch.float32, device=x["kg"].device)
 
@@ -162,7 +163,7 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
                                                   h0=h0, scale=x["scale"], chunk_size=BT)
 
     dh0 = main_bwd()[1]
-    ms = _bench(main_bwd)
+    ms = median_ms(main_bwd)
     rows.append(_row("FLA chunk_gated_delta_rule_bwd_dhu (main bwd pass)", ms, costs["grad"], G=rel_err(dh0, r["G"])))
     return rows
 
@@ -215,7 +216,7 @@ def sweep(x, r, costs, BT, which="fwd"):
                 S, M = fn()
                 torch.cuda.synchronize()
                 errs = {k: rel_err(v, r[k]) for k, v in (("S", S), ("M", M)) if v is not None}
-            ms = _bench(fn)
+            ms = median_ms(fn)
             rows.append(_row(f"sweep {tag}", ms, costs[output], **errs))
             print(f"sweep {tag}: {ms:.3f} ms {errs}", flush=True)
         except Exception as e:  # a tiling may not fit; a fault poisons the context, so stop there
@@ -383,7 +384,7 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
 
     for output, key in (("both", "both"), ("state", "state"), ("transition", "transition")):
         S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output)
-        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output))
+        ms = median_ms(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output=output))
         errs = {}
         if S is not None:
             errs["S"] = rel_err(S, r["S"])
@@ -393,17 +394,17 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
         add(_row(f"kdacp state_summary ({label})", ms, costs[key], **errs))
     gargs = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
     G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size)
-    ms = _bench(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size))
+    ms = median_ms(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size))
     add(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], G=rel_err(G, r["G"])))
     # the float32-faithful variants (three bf16 pieces per state product) and one layout alternative
     for name, cfg in (("S_ext+M, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),):
         S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg)
-        ms = _bench(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg))
+        ms = median_ms(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg))
         add(_row(f"kdacp state_summary ({name})", ms, costs["both"], S=rel_err(S, r["S"]), M=rel_err(M, r["M"])))
     for name, cfg in (("G, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),
                       ("G, v_first block_v=16", kn.SummaryConfig(v_first=True, block_v=16))):
         G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg)
-        ms = _bench(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg))
+        ms = median_ms(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg))
         add(_row(f"kdacp state_gradient_summary ({name})", ms, costs["grad"], G=rel_err(G, r["G"])))
     if with_fla:
         fla = _fla_rows(x, r, costs, B, T, HV, K, V, chunk_size)

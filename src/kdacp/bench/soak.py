@@ -64,9 +64,10 @@ def run(steps: int = 2000, every: int | None = None, strategy: str = "p2p", grou
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % every == 0 or step in (1, steps):
+            memo = cp.memo_sizes()
             values = torch.tensor([_rss_mb(), torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda"
                                    else 0.0, threading.active_count(), len(os.listdir("/proc/self/fd")),
-                                   len(cp._batches), len(cp._row_plans), len(checks._VERIFIED)], dtype=torch.float64,
+                                   memo["batches"], memo["row_plans"], checks.verified_plans()], dtype=torch.float64,
                                   device=device)
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
             names = ("rss_MB", "cuda_MB", "threads", "fds", "batch_memo", "shape_memo", "verified_plans")

@@ -1,14 +1,14 @@
 """Context parallelism for chunk KDA over ``torch.distributed``.
 
-Build a :class:`CPPlan` once per batch with :func:`build_cp_plan`, then call :func:`cp_chunk_kda`
-on every rank with that rank's tokens. Give both a group from :func:`new_cp_group` (created once,
-at start-up): its NCCL streams have high priority, which keeps the state exchange off the compute
-kernels' queue, and it keeps kdacp's messages out of the queue of other collectives (gradient
-all-reduces) on the default group.
+Build a :class:`CPPlan` once per batch with :func:`build_cp_plan`, then call :func:`kdacp.chunk_kda`
+with ``cp=plan`` on every rank with that rank's tokens. Give both a group from :func:`new_cp_group`
+(created once, at start-up): its NCCL streams have high priority, which keeps the state exchange off
+the compute kernels' queue, and it keeps kdacp's messages out of the queue of other collectives
+(gradient all-reduces) on the default group.
 """
 from .comm import init_device_mesh, process_group
 from .comm import new_group as new_cp_group
-from .cp_kda import cp_chunk_kda
 from .plan import STRATEGIES, CPPlan, LocalSegment, RankLayout, build_cp_plan
 
-__all__ = ["CPPlan", "init_device_mesh", "process_group", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "cp_chunk_kda", "new_cp_group"]
+__all__ = ["CPPlan", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "init_device_mesh", "new_cp_group",
+           "process_group"]

@@ -18,11 +18,16 @@ from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfi
 from . import comm
 from .plan import CPPlan
 
-__all__ = ["check_cp_call"]
+__all__ = ["check_cp_call", "verified_plans"]
 
 # The call signatures every rank has verified, per plan object (a new plan always checks again); an
 # entry goes with its plan.
 _VERIFIED: dict[int, set] = {}
+
+
+def verified_plans() -> int:
+    """The plans whose verified call signatures are kept now (each entry is freed with its plan)."""
+    return len(_VERIFIED)
 
 
 def _verified(plan: CPPlan) -> set:
@@ -74,7 +79,10 @@ _SHOW = {"q/k dtype": lambda c: _dtype_names(c, 2), "lower_bound": _bits_float, 
 
 
 def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                 lower_bound):
+                 lower_bound, cu_seqlens):
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens must be None with cp: the plan holds the global boundaries "
+                         "(build_cp_plan(cu_seqlens, ...))")
     # The dtypes are checked once the ranks agree on them (they are in the signature), so a mix
     # that one rank passes shows as a disagreement on every rank.
     dims = check_kda_inputs(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
@@ -97,10 +105,11 @@ def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kern
 
 def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                  backend: str, resolve_backend, check_finite: bool = False) -> str:
+                  backend: str, resolve_backend, check_finite: bool = False, cu_seqlens=None) -> str:
     """Validate one ``cp_chunk_kda`` call on every rank; return the resolved backend name.
 
     ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
+    ``cu_seqlens``: must be None (the plan holds the boundaries); a rank that passes it fails.
     ``check_finite``: also raise (on every rank) when any rank's q, k, v, g, beta, initial_state,
     A_log or dt_bias holds a NaN or Inf; the flag travels in the same all-gather, which then runs
     on every call.
@@ -114,7 +123,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
     error, dims, name = None, None, ""
     try:
-        dims = _check_local(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+        dims = _check_local(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                            cu_seqlens)
         name = resolve_backend(backend, q.device)
     except (TypeError, ValueError, ImportError) as e:
         error = e

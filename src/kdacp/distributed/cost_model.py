@@ -1,7 +1,9 @@
 """Cost model of the state exchange: each strategy's forward and backward critical path, composed
 event by event from stage times and link parameters (measured by :mod:`kdacp.bench.scaling`; not a
 curve fitted to step times). ``strategy="auto"`` (:func:`choose_strategy`) uses it with the
-exchange's costs alone.
+exchange's costs alone, a device per rank. What only the scaling benchmark needs (ranks sharing
+cores, FLA's scheme, whole-step predictions) is in :mod:`kdacp.bench.scaling_model`, off the import
+path of ``"auto"``.
 
 Positions ``i = 0 .. P-1`` follow the direction states flow (forward: rank ``i``; backward: rank
 ``P-1-i``). Each position runs one program, its ops in order:
@@ -60,12 +62,10 @@ from dataclasses import dataclass, field
 
 from .strategies import scan_schedule
 
-__all__ = ["Link", "RoleStages", "StageTimes", "Prediction", "MODEL_STRATEGIES", "DEFAULT_LINK", "simulate",
-           "chain_route", "programs", "fla_programs", "predict", "exchange_stage_times", "choose_strategy"]
+__all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "simulate", "deadlock_error", "chain_route", "programs",
+           "exchange_stage_times", "choose_strategy"]
 
-MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 ROLES = ("first", "through", "last")
-_EPS = 1e-12  # seconds: a compute op with less left than this is done
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ class Link:
 
     def all_gather(self, P: int, nbytes: int) -> float:
         return (P - 1) * (self.gather_latency_s + nbytes / self.gather_bandwidth)
-
 
 DEFAULT_LINK = Link()
 
@@ -140,44 +139,19 @@ class StageTimes:
     fla_fold_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """Critical paths (slowest position's finish) in seconds, and the step over one device's."""
-
-    strategy: str
-    P: int
-    forward_s: float
-    backward_s: float
-    one_device_s: float
-
-    @property
-    def step_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-    @property
-    def ratio(self) -> float:
-        return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
-
-
-def simulate(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:
-    """The finish time of every position's program (ops as in the module docstring); ``cores``:
-    ``None`` for a device per position, else the positions share that many cores.
-
-    Raises:
-        RuntimeError: a program waits for a message nobody sends (or an all-gather not all join).
-    """
-    if cores is None or cores >= len(programs):
-        return _simulate_dedicated(programs, link)
-    return _simulate_shared(programs, link, cores)
-
-
-def _deadlock(finish) -> RuntimeError:
+def deadlock_error(finish) -> RuntimeError:
+    """The error of programs that wait for what nobody sends (``finish``: None where stuck)."""
     stuck = [i for i, f in enumerate(finish) if f is None]
     return RuntimeError(f"positions {stuck} wait for messages nobody sends (a bug in the programs)")
 
 
-def _simulate_dedicated(programs: list[list[tuple]], link: Link) -> list[float]:
-    """A device per position: each runs on its own clock, woken when what it waits for is sent."""
+def simulate(programs: list[list[tuple]], link: Link) -> list[float]:
+    """The finish time of every position's program (ops as in the module docstring), a device per
+    position: each runs on its own clock, woken when what it waits for is sent.
+
+    Raises:
+        RuntimeError: a program waits for a message nobody sends (or an all-gather not all join).
+    """
     P = len(programs)
     clock, pc = [0.0] * P, [0] * P
     finish: list[float | None] = [None] * P
@@ -216,69 +190,8 @@ def _simulate_dedicated(programs: list[list[tuple]], link: Link) -> list[float]:
         if pc[i] == len(ops):
             finish[i] = clock[i]
     if any(f is None for f in finish):
-        raise _deadlock(finish)
+        raise deadlock_error(finish)
     return finish
-
-
-def _simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> list[float]:
-    """Positions share ``cores``: one global clock, every position computing at ``min(1, cores / computing)``."""
-    P = len(programs)
-    pc, left = [0] * P, [None] * P
-    finish: list[float | None] = [None] * P
-    arrivals: dict = defaultdict(deque)
-    joined: list[tuple[float, int]] = []
-    gather_end: float | None = None
-    t = 0.0
-    while True:
-        for i in range(P):  # run every position up to its next compute or blocking op
-            ops = programs[i]
-            while finish[i] is None:
-                if pc[i] == len(ops):
-                    finish[i] = t
-                    break
-                op = ops[pc[i]]
-                kind = op[0]
-                if kind == "compute":
-                    if left[i] is None:
-                        left[i] = op[1]
-                    if left[i] > _EPS:
-                        break
-                    left[i] = None
-                elif kind == "send":
-                    arrivals[(i, op[1])].append(t + link.p2p(op[2]))
-                elif kind == "recv":
-                    queue = arrivals[(op[1], i)]
-                    if not queue or queue[0] > t + _EPS:
-                        break
-                    queue.popleft()
-                elif kind == "gather":
-                    joined.append((t, op[1]))
-                    if len(joined) == P:
-                        gather_end = max(s for s, _ in joined) + link.all_gather(P, max(b for _, b in joined))
-                elif kind == "wait":
-                    if gather_end is None or gather_end > t + _EPS:
-                        break
-                else:
-                    raise ValueError(f"unknown op {op!r}")
-                pc[i] += 1
-        if all(f is not None for f in finish):
-            return finish
-        computing = [i for i in range(P) if finish[i] is None and left[i] is not None]
-        rate = min(1.0, cores / len(computing)) if computing else 1.0
-        events = [t + left[i] / rate for i in computing]
-        for i in range(P):
-            if finish[i] is None and left[i] is None:
-                op = programs[i][pc[i]]
-                if op[0] == "recv" and arrivals[(op[1], i)]:
-                    events.append(arrivals[(op[1], i)][0])
-                elif op[0] == "wait" and gather_end is not None:
-                    events.append(gather_end)
-        if not events:
-            raise _deadlock(finish)
-        t_next = min(events)
-        for i in computing:
-            left[i] -= (t_next - t) * rate
-        t = t_next
 
 
 def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -347,45 +260,10 @@ def programs(strategy: str, emits, affine, stages: list[RoleStages], times: Stag
                         prog.append(("compute", times.compose_s if is_open else times.apply_s))
                     held, held_open = True, held_open and is_open
         else:
-            raise ValueError(f"strategy must be one of {MODEL_STRATEGIES[:3]} here, got {strategy!r}")
+            raise ValueError(f"strategy must be one of ('p2p', 'allgather', 'scan') here, got {strategy!r}")
         prog.append(("compute", s.after))
         out.append(prog)
     return out
-
-
-def fla_programs(P: int, direction: str, times: StageTimes) -> list[list[tuple]]:
-    """FLA 0.6.0's all-gather scheme for one sequence over ``P`` ranks, positions in flow order."""
-    k = 0 if direction == "forward" else 1
-    nbytes = times.summary_bytes
-    return [([("compute", times.fla_summary[k])] if i < P - 1 else [])
-            + [("gather", nbytes), ("wait",), ("compute", i * times.fla_fold_s), ("compute", times.fla_one_device[k])]
-            for i in range(P)]
-
-
-def _role(rank: int, P: int) -> str:
-    return "first" if rank == 0 else "last" if rank == P - 1 else "through"
-
-
-def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
-            ) -> Prediction:
-    """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
-    forward and backward critical paths, and one device's step on the same tokens per rank."""
-    if strategy not in MODEL_STRATEGIES:
-        raise ValueError(f"strategy must be one of {MODEL_STRATEGIES}, got {strategy!r}")
-    if isinstance(P, bool) or not isinstance(P, int) or P < 2:
-        raise ValueError(f"P must be an int >= 2, got {P!r}")
-    emits, affine = chain_route(P)
-    paths = []
-    for direction, per_role in (("forward", times.forward), ("backward", times.backward)):
-        if strategy == "fla":
-            progs = fla_programs(P, direction, times)
-        else:
-            ranks = range(P) if direction == "forward" else reversed(range(P))
-            progs = programs(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times)
-        paths.append(max(simulate(progs, link, cores)))
-    one = times.fla_one_device if strategy == "fla" else times.one_device
-    return Prediction(strategy, P, paths[0], paths[1], sum(one))
-
 
 # The exchange's own compute where nothing was measured: kdacp.affine's float32 product kernel on a
 # GPU, a small fixed cost plus the flops at its rate (one H200, 32 heads of 128: 8.5 us per apply,
@@ -400,7 +278,6 @@ def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -
     compose_s = _LAUNCH_S + 2 * n * HV * K * K * (K + V) / _FLOPS
     return StageTimes(apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=1 / 1e12,
                       state_bytes=n * HV * K * V * wire_bytes, summary_bytes=n * HV * K * (K + V) * wire_bytes)
-
 
 Route = tuple[tuple[int, ...], tuple[bool, ...]]  # (emits, affine) by position
 

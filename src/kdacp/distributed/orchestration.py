@@ -76,6 +76,21 @@ def _routes(plan: CPPlan, layouts, state_shape, dtype, device) -> tuple[Route, R
     return forward, backward
 
 
+def _sequences(segments) -> slice:
+    """The global sequences of ``segments`` (consecutive in a :class:`RankLayout`) as a slice."""
+    return slice(segments[0].sequence, segments[-1].sequence + 1) if segments else slice(0, 0)
+
+
+def _by_sequence(plan: CPPlan, segments, local: torch.Tensor, kept: slice) -> torch.Tensor:
+    """``[N, HV, K, V]``: the states ``local[kept]`` of ``segments[kept]`` at their sequences' rows, zeros
+    elsewhere; ``local`` itself on one rank, where every sequence lies, in order."""
+    if plan.world_size == 1:
+        return local
+    out = local.new_zeros(plan.num_sequences, *local.shape[1:])
+    out[_sequences(segments[kept])] = local[kept]
+    return out
+
+
 def _cat(parts: list, dim: int):
     parts = [p for p in parts if p is not None]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
@@ -97,10 +112,11 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     head, rest = layout.head, layout.after_head
     segments = layout.segments
     chunks = backend.prepare(inputs, layout.whole)
-    known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=device)
-    if initial_state is not None:
-        for i, seg in enumerate(segments[layout.num_receive:]):
-            known_initial[i] = initial_state[seg.sequence]
+    starting = _sequences(segments[layout.num_receive:])  # the sequences that start on this rank
+    if initial_state is None:
+        known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=device)
+    else:
+        known_initial = initial_state[starting].to(state_dtype).contiguous()
 
     message, transition, rest_states = None, None, None
     through = route.affine[plan.rank]
@@ -124,11 +140,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     final_state = None
     if output_final_state:
         local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
-        final_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=device)
-        for i, seg in enumerate(segments):
-            if not seg.sends:
-                final_state[seg.sequence] = local_final[i]
-        final_state = comm.all_reduce_sum(final_state, plan.group)
+        # the segments that end here form a prefix
+        final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
+        if plan.world_size > 1:
+            final_state = comm.all_reduce_sum(final_state, plan.group)
     local_initial = _cat([incoming, known_initial if len(known_initial) else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
 
@@ -151,7 +166,9 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     layout = layouts[plan.rank]
     segments = layout.segments
     dht_all = None
-    if output_final_state:
+    if output_final_state and plan.world_size == 1:
+        dht_all = dfinal
+    elif output_final_state:
         # The final states were replicated to every rank; their gradients add up at the owners.
         dht_all = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
         if dfinal is not None:
@@ -174,7 +191,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
     elif not known.empty:
         known_local = local_work(known, local_initial[:n_known])
-        dht_known = None if dht_all is None else dht_all[[s.sequence for s in segments[:n_known]]]
+        dht_known = None if dht_all is None else dht_all[_sequences(segments[:n_known])]
         known_states = backend.backward_states(known_local, dht_known)
         if layout.num_receive:
             message = AffineMessage(known_states.dinitial_state[:layout.num_receive])
@@ -197,8 +214,6 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     dinitial_state = None
     if has_initial_state:
         local = _cat([s and s.dinitial_state for s in (known_states, tail_states)], 0)
-        dinitial_state = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
-        for i, seg in enumerate(segments):
-            if not seg.receives:
-                dinitial_state[seg.sequence] = local[i]
+        # the segments that start here form a suffix
+        dinitial_state = _by_sequence(plan, segments, local, slice(layout.num_receive, None))
     return CPGrads(**token, dA_log=dA_log, ddt_bias=ddt_bias, dinitial_state=dinitial_state)

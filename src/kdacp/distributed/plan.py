@@ -22,7 +22,7 @@ from ..backends.base import Span
 from ..validation import check_cu_seqlens
 from . import cost_model
 
-__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "local_cu_seqlens", "rank_layouts",
+__all__ = ["LocalSegment", "RankLayout", "CPPlan", "build_cp_plan", "one_rank_plan", "local_cu_seqlens", "rank_layouts",
            "through_ranks", "resolve_strategy", "STRATEGIES", "STRATEGY_CHOICES", "AUTO_STATE_SHAPE"]
 
 STRATEGIES = ("p2p", "allgather", "scan")
@@ -221,6 +221,17 @@ class CPPlan:
         if self.rank_layouts is not None:
             return self.rank_layouts
         return rank_layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
+
+
+def one_rank_plan(cu_seqlens: tuple[int, ...] | None, batch_size: int, length: int) -> CPPlan:
+    """The plan of a batch one process holds whole, with no process group: ``batch_size`` rows of
+    ``length`` tokens, or (``batch_size == 1``) the packed sequences ``cu_seqlens`` of ``length``
+    tokens, already validated. :func:`kdacp.chunk_kda` without ``cp`` runs the schedule on it, which
+    then exchanges nothing."""
+    lengths = (length,)
+    return CPPlan(rank=0, world_size=1, group=None, strategy="p2p", batch_size=batch_size, cu_seqlens=cu_seqlens,
+                  local_lengths=lengths, rank_layouts=rank_layouts(cu_seqlens, batch_size, lengths),
+                  strategy_reason="one rank")
 
 
 def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from ..affine import apply_state_summary, compose_state_summaries
+from ..caches import SCAN_SCHEDULES
 from . import comm
 
 __all__ = ["AffineMessage", "Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
@@ -259,7 +260,7 @@ class ScanSchedule:
         return [(d, src, o) for d, ts in enumerate(self.rounds) for src, dst, o in ts if dst == position]
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=SCAN_SCHEDULES)
 def scan_schedule(emits: tuple[int, ...], affine: tuple[bool, ...]) -> ScanSchedule:
     """The pruned recursive-doubling schedule for one route (see :class:`ScanExchange`); ``emits`` and
     ``affine`` as in :class:`Route`, but indexed by position in ``Route.order``.

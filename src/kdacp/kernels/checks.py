@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import check_cu_seqlens, check_tensor
+from ..sequences import sequence_bounds
+from ..validation import check_tensor
 
-__all__ = ["SummaryDims", "check_summary_inputs", "sequence_ranges"]
+__all__ = ["SummaryDims", "check_summary_inputs"]
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_K = (64, 128)
@@ -58,25 +59,17 @@ def _check_dtype(name: str, x: torch.Tensor, allowed, like: torch.Tensor | None 
         raise TypeError(f"{name} must have the dtype of {like_name} ({like.dtype}), got {x.dtype}")
 
 
-def sequence_ranges(B: int, T: int, cu_seqlens, segment) -> tuple:
-    """``(batch row, first token, end token)`` of every sequence to summarise."""
-    if cu_seqlens is not None and segment is not None:
-        raise ValueError("pass at most one of cu_seqlens and segment")
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, B, T)
-        cu = cu_seqlens.tolist()
-        return tuple((0, cu[n], cu[n + 1]) for n in range(len(cu) - 1))
-    if segment is not None:
-        if (not isinstance(segment, (tuple, list)) or len(segment) != 2
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in segment)):
-            raise TypeError(f"segment must be a pair of ints (start, end), got {segment!r}")
-        start, end = segment
-        if B != 1:
-            raise ValueError(f"segment needs a packed batch with B == 1, got B={B}")
-        if not 0 <= start < end <= T:
-            raise ValueError(f"segment must satisfy 0 <= start < end <= T={T}, got {tuple(segment)}")
-        return ((0, start, end),)
-    return tuple((b, 0, T) for b in range(B))
+def _segment_bounds(B: int, T: int, segment) -> tuple:
+    """The one sequence ``(0, start, end)`` of a ``segment`` launch."""
+    if (not isinstance(segment, (tuple, list)) or len(segment) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in segment)):
+        raise TypeError(f"segment must be a pair of ints (start, end), got {segment!r}")
+    start, end = segment
+    if B != 1:
+        raise ValueError(f"segment needs a packed batch with B == 1, got B={B}")
+    if not 0 <= start < end <= T:
+        raise ValueError(f"segment must satisfy 0 <= start < end <= T={T}, got {tuple(segment)}")
+    return ((0, start, end),)
 
 
 def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_size, head_start, num_heads,
@@ -169,6 +162,8 @@ def check_summary_inputs(keys: dict, values: dict, gc: torch.Tensor, *, chunk_si
     if isinstance(HV, bool) or not isinstance(HV, int) or HV < 1 or head_start + HV > HV_total:
         raise ValueError(f"num_heads must be an int >= 1 with head_start + num_heads <= HV={HV_total}, "
                          f"got head_start={head_start}, num_heads={num_heads!r}")
-    bounds = sequence_ranges(B, T, cu_seqlens, segment)
+    if cu_seqlens is not None and segment is not None:
+        raise ValueError("pass at most one of cu_seqlens and segment")
+    bounds = sequence_bounds(B, T, cu_seqlens) if segment is None else _segment_bounds(B, T, segment)
     return SummaryDims(B=B, T=T, HV_total=HV_total, head_start=head_start, HV=HV, K=K, V=V, bounds=bounds,
                        scalar_gate=scalar_gate, key_group=HV_total // H)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..caches import SUMMARY_PLANS
+
 __all__ = ["SummaryPlan", "plan_summary", "pick_chunks_per_program"]
 
 # Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
@@ -65,7 +67,7 @@ def plan_summary(bounds, chunk_size: int, chunks_per_program: int, reverse: bool
                         str(device))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=SUMMARY_PLANS)
 def _plan_cached(bounds, chunk_size, chunks_per_program, reverse, transition_everywhere, device):
     span = chunk_size * chunks_per_program
     work, seqs = [], []

@@ -19,16 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..distributed import build_cp_plan, cp_chunk_kda, new_cp_group
+from ..caches import CACHED_BATCHES, CACHED_SHAPES
+from ..distributed import build_cp_plan, new_cp_group
 from ..distributed.plan import local_cu_seqlens
-from ..kda import chunk_kda as local_chunk_kda
+from ..kda import chunk_kda as local_chunk_kda, cp_chunk_kda
 from .comm import heads_to_time, shift_right, time_to_heads
 
 __all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
 
 MODES = ("state", "ulysses", "hybrid")
-CACHED_BATCHES = 8   # packed batches whose host copy and plan a context keeps (a few are in flight at once)
-CACHED_SHAPES = 64   # shapes of batch rows whose plan a context keeps
 
 
 @dataclass(frozen=True)
@@ -285,6 +284,11 @@ class KDAContextParallel(_SingleDevice):
         first_start = max(c for c in cu if c <= start)
         return _Batch(torch.tensor(cu, dtype=torch.int64), plan,
                       ConvContext(group, local_device, local, halo_tokens=start - first_start))
+
+    def memo_sizes(self) -> dict:
+        """Entries now in this context's memos: ``batches`` (at most :data:`CACHED_BATCHES`) and ``row_plans``
+        (at most :data:`CACHED_SHAPES`)."""
+        return {"batches": len(self._batches), "row_plans": len(self._row_plans)}
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once per shape (the last

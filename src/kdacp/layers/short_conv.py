@@ -14,24 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels import short_conv
+from ..sequences import sequence_positions
 
 __all__ = ["ShortConvolution", "causal_conv1d", "sequence_positions"]
-
-
-def sequence_positions(cu_seqlens: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Position of each token ``start ... start+length-1`` of a packed batch inside its own sequence.
-
-    Args:
-        cu_seqlens: ``[N+1]`` int, global sequence offsets.
-        start, length: the global token range of interest.
-
-    Returns:
-        ``[length]`` int64 on ``cu_seqlens``' device.
-    """
-    cu = cu_seqlens.to(torch.int64)
-    t = torch.arange(start, start + length, device=cu.device)
-    seq = torch.searchsorted(cu, t, right=True) - 1
-    return t - cu[seq]
 
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..validation import check_kda_inputs
-from .gates import prepare_inputs, sequence_bounds
+from ..sequences import sequence_bounds
+from .gates import prepare_inputs
 
 __all__ = ["ChunkIntermediates", "chunk_kda", "chunk_kda_intermediates", "chunk_bounds"]
 

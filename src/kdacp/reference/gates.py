@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "l2norm", "compute_dtype", "prepare_inputs", "sequence_bounds"]
+__all__ = ["kda_gate", "l2norm", "compute_dtype", "prepare_inputs"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -58,11 +58,3 @@ def prepare_inputs(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_
     if group > 1:
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     return q, k, v, g, beta
-
-
-def sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
-    """``(batch row, first token, end token)`` of every sequence, in order."""
-    if cu_seqlens is None:
-        return [(b, 0, T) for b in range(B)]
-    cu = cu_seqlens.tolist()
-    return [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from .chunk import chunk_kda
-from .gates import compute_dtype, l2norm, sequence_bounds
+from ..sequences import sequence_bounds
+from .gates import compute_dtype, l2norm
 
 __all__ = ["gdn_gate", "scalar_gate_as_kda", "recurrent_gated_delta_rule", "chunk_gated_delta_rule"]
 

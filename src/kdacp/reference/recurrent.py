@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..validation import check_kda_inputs
-from .gates import prepare_inputs, sequence_bounds
+from ..sequences import sequence_bounds
+from .gates import prepare_inputs
 
 __all__ = ["recurrent_kda"]
 

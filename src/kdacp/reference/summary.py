@@ -18,7 +18,8 @@ import torch
 
 from ..affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .chunk import chunk_bounds
-from .gates import compute_dtype, sequence_bounds
+from ..sequences import sequence_bounds
+from .gates import compute_dtype
 
 __all__ = ["StateSummary", "state_summary", "transition", "state_gradient_summary", "chunk_dv_local",
            "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]

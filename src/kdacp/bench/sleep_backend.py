@@ -1,0 +1,83 @@
+"""A local backend whose stages sleep: ranks of the scaling model's composition check that need no core."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kdacp.affine import StateSummary
+from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
+
+__all__ = ["SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
+
+# Seconds each stage of SleepBackend sleeps for a whole rank's tokens, ten times an H200's at 16K
+# tokens: the summaries and state passes from issue 3's figures, the other stages a rough split of
+# the rest of the 10.45 ms one-GPU step (issue 4).
+SLEEP_STAGES = dict(prepare=0.015, state_summary=0.004, state_pass=0.004, output=0.008, backward_local=0.020,
+                    state_gradient_summary=0.004, backward_states=0.004, backward_inputs=0.035)
+
+
+class SleepBackend:
+    """A :class:`~kdacp.backends.base.LocalBackend` whose stages sleep (:data:`SLEEP_STAGES`, times the
+    span's share of the rank's tokens) and return zeros of the right shapes. Ranks that sleep use no
+    core, so on a CPU shared by more ranks than cores (and by other jobs) they behave as if each had
+    its own device: the orchestration, the exchanges and the link are real, the compute is not."""
+
+    name = "sleep"
+    dtype = torch.float32
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def _sleep(self, stage: str, span) -> None:
+        time.sleep(SLEEP_STAGES[stage] * (span.end - span.start) / self.tokens)
+
+    def _zeros(self, n: int, *shape):
+        return torch.zeros(n, *shape, dtype=self.dtype)
+
+    def prepare(self, inputs: KDAInputs, span):
+        self._sleep("prepare", span)
+        self.H, self.K = inputs.q.shape[2:]
+        self.HV, self.V = inputs.v.shape[2:]
+        return None
+
+    def state_summary(self, chunks, span, with_transition: bool) -> StateSummary:
+        self._sleep("state_summary", span)
+        n = span.num_segments
+        return StateSummary(self._zeros(n, self.HV, self.K, self.V),
+                            self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+
+    def state_pass(self, chunks, span, initial_state, output_final_state: bool) -> LocalStates:
+        self._sleep("state_pass", span)
+        return LocalStates(self._zeros(span.num_segments, self.HV, self.K, self.V) if output_final_state else None)
+
+    def output(self, chunks, span, initial_state, states) -> torch.Tensor:
+        self._sleep("output", span)
+        return self._zeros(1, span.end - span.start, self.HV, self.V)
+
+    def to_saved(self, chunks):
+        return None
+
+    def backward_local(self, saved, span, do, initial_state, states=None):
+        self._sleep("backward_local", span)
+        return span
+
+    def state_gradient_summary(self, local) -> torch.Tensor:
+        self._sleep("state_gradient_summary", local)
+        return self._zeros(local.num_segments, self.HV, self.K, self.V)
+
+    def backward_states(self, local, dht) -> BackwardStates:
+        self._sleep("backward_states", local)
+        return BackwardStates(local, self._zeros(local.num_segments, self.HV, self.K, self.V))
+
+    def backward_inputs(self, states: BackwardStates) -> LocalGrads:
+        self._sleep("backward_inputs", states.span)
+        T = states.span.end - states.span.start
+        return LocalGrads(self._zeros(1, T, self.H, self.K), self._zeros(1, T, self.H, self.K),
+                          self._zeros(1, T, self.HV, self.V), self._zeros(1, T, self.HV, self.K),
+                          self._zeros(1, T, self.HV), None, None)
+
+
+def sleep_inputs(T: int) -> KDAInputs:
+    """Inputs of ``T`` tokens for :class:`SleepBackend`: one head, K = V = 16 (small messages)."""
+    return KDAInputs(*(torch.zeros(1, T, 1, 16) for _ in range(4)), torch.zeros(1, T, 1))

@@ -1,0 +1,22 @@
+"""Every memo kdacp keeps across calls, in one place, with its bound.
+
+Each memo is built from host-side facts (shapes, boundaries, configurations) and saves host work or a
+device sync on later calls; none holds a tensor a caller passed.
+
+| memo | kept in | entries | bound |
+|---|---|---|---|
+| sub-segment work lists of the summary kernels | ``kernels.planning`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
+| pipeline stages that fit in shared memory | ``kernels.stages`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
+| FLA's packed-sequence arguments | ``backends.fla_backend`` | boundaries of a batch | :data:`FLA_VARLEN_BATCHES` (LRU) |
+| FLA's modules, and whether its GDN backward runs here | ``backends.fla_adapter`` | one | one |
+| scan schedules | ``distributed.strategies`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
+| call signatures every rank verified | ``distributed.checks`` | per live plan (:func:`~kdacp.distributed.checks.verified_plans`) | freed with its plan |
+| a layer context's packed batches (host copy, plan, convolution context) | ``layers.context_parallel`` | per context | :data:`CACHED_BATCHES` (oldest dropped) |
+| a layer context's plans of batch rows | ``layers.context_parallel`` | per context | :data:`CACHED_SHAPES` (least recent dropped) |
+"""
+
+SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
+FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
+SCAN_SCHEDULES = 512      # routes whose scan schedule is kept
+CACHED_BATCHES = 8        # packed batches whose host copy and plan a layer context keeps (a few are in flight)
+CACHED_SHAPES = 64        # shapes of batch rows whose plan a layer context keeps
