@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .backends import resolve_backend
 from .distributed import build_cp_plan, new_cp_group
-from .layers import KDAContextParallel
+from .layers import ContextParallel
 from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompile import precompile
@@ -293,7 +293,7 @@ def _autotune_clock(spent: dict):
         Autotuner._bench = real
 
 
-def _strategy(cfg: DemoConfig, cp: KDAContextParallel) -> str:
+def _strategy(cfg: DemoConfig, cp: ContextParallel) -> str:
     """The state exchange of the run's plans: ``"none"`` without state passing, else the strategy and, for
     ``auto``, the cost model's reason (the layers build the same plan per batch)."""
     if cp.state_size == 1:
@@ -331,7 +331,7 @@ def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
     model = demo_model(cfg, ctx.device)
     reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))
-    cp = KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
+    cp = ContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
                             backend=cfg.backend)
     parallelize(model, cp)
     strategy = _strategy(cfg, cp)

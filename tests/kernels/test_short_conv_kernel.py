@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3 if DEVICE == "cuda" else 8e-3}
 # small tiles (the interpreter's cost is per program): two tiles per program, several programs, tiles cut by
 # sequence starts
-SMALL = sc._Tiles(BT=8, BD=32, num_warps=1, tiles=2)
+SMALL = sc.ConvTiles(BT=8, BD=32, num_warps=1, tiles=2)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):

@@ -105,7 +105,7 @@ def _check_contract():
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
         kdacp.parallelize(flash, cp)
     with pytest.raises(ValueError, match="linear_num_key_heads=1.*num_heads % 2 == 0"):
-        kdacp.parallelize(_model(linear_num_key_heads=1), kdacp.KDAContextParallel("ulysses"))
+        kdacp.parallelize(_model(linear_num_key_heads=1), kdacp.ContextParallel("ulysses"))
     flex = _model()
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="Ulysses attention wraps one of"):

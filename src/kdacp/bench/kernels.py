@@ -521,7 +521,7 @@ def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda"):
     import itertools
 
     from kdacp.precompile import precompile
-    T_ = short_conv._Tiles
+    T_ = short_conv.ConvTiles
     cases = [("fwd", T_(BT=bt, BD=bd, num_warps=nw)) for bt, bd, nw in
              ((64, 32, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8), (32, 128, 4), (32, 128, 8), (64, 128, 8),
               (128, 64, 8), (16, 128, 4), (128, 32, 4), (32, 256, 8), (64, 256, 8))]

@@ -7,7 +7,7 @@ iterations, CUDA events where there is CUDA, the slowest rank's time):
 - ``kdacp_one_rank`` / ``fla_one_rank``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
   weights, CUDA only) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-rank
   (one-GPU) baseline holding the same tokens;
-- ``kdacp_<mode>``: kdacp's layer with ``KDAContextParallel(mode)`` over the group, on the global batch,
+- ``kdacp_<mode>``: kdacp's layer with ``ContextParallel(mode)`` over the group, on the global batch,
   for each of ``modes`` (``state``, ``ulysses``, ``hybrid``: Ulysses groups of the world size's smallest
   divisor, state passing across them).
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kdacp.demo import hybrid_ulysses_size
 from kdacp.distributed import new_cp_group
 from kdacp.distributed.plan import local_cu_seqlens
-from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+from kdacp.layers import ContextParallel, KimiDeltaAttention
 
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
@@ -80,7 +80,7 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
     ours = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
                               device=device, dtype=dtype)
     fla = fla_layer_like(ours) if device.type == "cuda" else None
-    cps = {mode: KDAContextParallel(mode, group, ulysses_size=hybrid_ulysses_size(world_size) if mode == "hybrid"
+    cps = {mode: ContextParallel(mode, group, ulysses_size=hybrid_ulysses_size(world_size) if mode == "hybrid"
                                     else None) for mode in (modes if world_size > 1 else ())}
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     rows = []

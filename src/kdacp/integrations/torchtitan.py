@@ -72,7 +72,7 @@ from torchtitan.trainer import Trainer
 
 from ..backends import resolve_backend
 from ..gdn import scalar_gate_arguments
-from ..layers.context_parallel import SINGLE_DEVICE, KDAContextParallel
+from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
 __all__ = ["DenseFlexAttention", "GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet", "KdacpTrainer",
@@ -104,7 +104,7 @@ class GatedDeltaContext:
     """
 
     def __init__(self, group=None, *, strategy: str = "p2p", backend: str = "auto"):
-        self.cp = SINGLE_DEVICE if group is None else KDAContextParallel("state", group, strategy=strategy)
+        self.cp = SINGLE_DEVICE if group is None else ContextParallel("state", group, strategy=strategy)
         self.backend = backend
         self._global_offsets: OrderedDict = OrderedDict()
 

@@ -36,7 +36,7 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 
 @dataclass(frozen=True)
-class _Tiles:
+class ConvTiles:
     """Launch shape: ``BT`` rows x ``BD`` channels per tile; the backward runs ``tiles`` tiles per program;
     ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
@@ -52,8 +52,8 @@ class _Tiles:
 
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02.
-FWD_TILES = _Tiles(BT=32, BD=128, num_warps=4)
-BWD_TILES = _Tiles(BT=64, BD=32, num_warps=4, tiles=1, maxnreg=128)
+FWD_TILES = ConvTiles(BT=32, BD=128, num_warps=4)
+BWD_TILES = ConvTiles(BT=64, BD=32, num_warps=4, tiles=1, maxnreg=128)
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
 
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, activation: str | None,
-                   tiles: _Tiles | None = None) -> torch.Tensor:
+                   tiles: ConvTiles | None = None) -> torch.Tensor:
     """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
     ``tiles`` default :data:`FWD_TILES`."""
     tiles = tiles or FWD_TILES
@@ -253,7 +253,7 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
-                   tiles: _Tiles | None = None) -> ShortConvGrads:
+                   tiles: ConvTiles | None = None) -> ShortConvGrads:
     """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
     ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :data:`BWD_TILES`."""
     tiles = tiles or BWD_TILES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 
 __all__ = ["SILU_NAMES", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
 
@@ -39,11 +39,11 @@ def check_training_call(cache, attention_mask, kwargs: dict) -> None:
     refuse_cache_and_mask(any(c is not None for c in caches) or bool(kwargs.get("use_cache")), attention_mask)
 
 
-def token_mixers(model: nn.Module, cp: KDAContextParallel, linear_type: type, attention_type: type, what: str):
+def token_mixers(model: nn.Module, cp: ContextParallel, linear_type: type, attention_type: type, what: str):
     """``(linear, attention)``: the model's linear-attention and attention modules, after checking ``cp`` and
     that the model holds some of them (``what``: the model's name) not yet parallelised."""
-    if not isinstance(cp, KDAContextParallel):
-        raise ValueError(f"cp must be a kdacp.KDAContextParallel or a DeviceMesh, got {type(cp).__name__}")
+    if not isinstance(cp, ContextParallel):
+        raise ValueError(f"cp must be a kdacp.ContextParallel or a DeviceMesh, got {type(cp).__name__}")
     linear = [m for m in model.modules() if isinstance(m, linear_type)]
     attention = [m for m in model.modules() if isinstance(m, attention_type)]
     if not linear and not attention:

@@ -7,7 +7,7 @@ import contextlib
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from . import kimi_linear, qwen3_next
 
 __all__ = ["SUPPORTED_MODELS", "parallelize", "torch_fallbacks"]
@@ -26,7 +26,7 @@ def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
 
     Args:
         model: the model.
-        cp: a :class:`kdacp.KDAContextParallel`, or a ``DeviceMesh`` (:meth:`KDAContextParallel.from_mesh`:
+        cp: a :class:`kdacp.ContextParallel`, or a ``DeviceMesh`` (:meth:`ContextParallel.from_mesh`:
             1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
         loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
             :mod:`kdacp.models.batch`): a process group or 1-D mesh, the flattened dp x cp mesh under
@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
         raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
                          f"{type(model).__name__} with config.model_type={model_type!r}")
     if isinstance(cp, DeviceMesh):
-        cp = KDAContextParallel.from_mesh(cp)
+        cp = ContextParallel.from_mesh(cp)
     return _ADAPTERS[model_type].parallelize(model, cp, loss_group)
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch
 
 from ..distributed.comm import process_group
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
@@ -19,7 +19,7 @@ from .checks import check_training_call, global_cu_seqlens
 __all__ = ["install", "mixer_forward"]
 
 
-def mixer_forward(parts: type, module: nn.Module, cp: KDAContextParallel, hidden_states: torch.Tensor, cache=None,
+def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_states: torch.Tensor, cache=None,
                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """A transformers linear-attention module's ``forward`` under ``parallelize``: :func:`mix_tokens` on
     ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's time shard
@@ -30,7 +30,7 @@ def mixer_forward(parts: type, module: nn.Module, cp: KDAContextParallel, hidden
     return y
 
 
-def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], parts: type,
+def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], parts: type,
             attention: list[nn.Module], eager, loss_group=None) -> nn.Module:
     """Replace each linear-attention module's ``forward`` (on the instance) by :func:`mixer_forward` over
     ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route

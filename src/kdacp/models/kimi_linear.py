@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
 from .checks import SILU_NAMES, token_mixers
@@ -118,7 +118,7 @@ class KimiDeltaParts:
         return self.module.o_proj(o)
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
+def parallelize(model: nn.Module, cp: ContextParallel, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``KimiLinearForCausalLM`` (or ``KimiLinearModel``) in place.
 
     KDA layers run :func:`kdacp.layers.delta_rule.mix_tokens` (kdacp's halo'd short convolution and
@@ -134,7 +134,7 @@ def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn
     Args:
         model: a transformers Kimi Linear model; its attention implementation (``eager``, ``sdpa``,
             ``flash_attention_2/3/4``) becomes the inner one of kdacp's attention.
-        cp: the :class:`kdacp.KDAContextParallel` of the KDA layers (``state``, ``ulysses`` or
+        cp: the :class:`kdacp.ContextParallel` of the KDA layers (``state``, ``ulysses`` or
             ``hybrid``); the MLA layers use its whole ``group``.
         loss_group: the loss group of the model's ``.loss`` (a process group or 1-D mesh: the flattened
             dp x cp mesh under FSDP2/DDP); default ``cp.group``.

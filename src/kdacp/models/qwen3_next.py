@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..gdn import scalar_gate_arguments
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import check_attention
 from .checks import SILU_NAMES, token_mixers
@@ -102,7 +102,7 @@ class GatedDeltaNetParts:
         return self.module.out_proj(o)
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel, loss_group=None) -> nn.Module:
+def parallelize(model: nn.Module, cp: ContextParallel, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``Qwen3NextForCausalLM`` (or ``Qwen3NextModel``) in place.
 
     Gated DeltaNet layers run :func:`kdacp.layers.delta_rule.mix_tokens` (halo'd short convolution and
