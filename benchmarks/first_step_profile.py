@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kdacp import precompile
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
 from kdacp.distributed import new_cp_group
-from kdacp.layers import KDAContextParallel
+from kdacp.layers import ContextParallel
 from kdacp.models import parallelize
 
 
@@ -33,7 +33,7 @@ def main(out_dir: str, ahead: bool, profiled: bool) -> None:
     cfg = demo_config(1, device="cuda", dtype="bfloat16")
     start = time.perf_counter()
     model = demo_model(cfg, "cuda").to(torch.bfloat16)
-    cp = KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, backend=cfg.backend)
+    cp = ContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, backend=cfg.backend)
     parallelize(model, cp)
     torch.cuda.synchronize()
     build = time.perf_counter() - start

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kdacp import precompile
 from kdacp.demo import demo_step
 from kdacp.distributed import new_cp_group
-from kdacp.layers import KDAContextParallel
+from kdacp.layers import ContextParallel
 from kdacp.models import load_kimi_linear, parallelize
 from kdacp.workers import RankContext, launch
 
@@ -106,7 +106,7 @@ def train_worker(ctx: RankContext, run: str, args: dict) -> list[dict]:
         nudge_by_one_ulp(model, args["seed"] + 1)
     group = None
     if run != "plain":
-        cp = KDAContextParallel("state", new_cp_group(), strategy="p2p")
+        cp = ContextParallel("state", new_cp_group(), strategy="p2p")
         parallelize(model, cp)
         group = cp.group
     optimizer = torch.optim.AdamW(model.parameters(), lr=args["lr"], betas=(0.9, 0.95), weight_decay=0.1)

@@ -1,6 +1,6 @@
 """One sequence of 1M tokens on one GPU, cut into virtual ranks: the incoming state of the last
 virtual rank, formed from the other ranks' summaries (``S_out = M S_in + S_ext``, float32 messages)
-as ``cp_chunk_kda`` forms it, then the last rank's pass; at the safe gate's two extremes (every decay
+as ``chunk_kda`` forms it, then the last rank's pass; at the safe gate's two extremes (every decay
 at the lower bound -5, and decays near 0, where the state forgets least).
 
 The final state is held to the float64 reference of the same bf16 inputs (run piece by piece, the

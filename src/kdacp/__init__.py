@@ -4,7 +4,7 @@ What users call: the op :func:`chunk_kda` (one device; with ``cp=`` a :class:`CP
 :func:`build_cp_plan` over a group from :func:`new_cp_group`, context-parallel over
 ``torch.distributed``) and Gated DeltaNet's :func:`chunk_gated_delta_rule` (the same ``cp=``); the
 layers :class:`KimiDeltaAttention` and :class:`GatedDeltaNet` with their context-parallel mode
-:class:`KDAContextParallel`; for Hugging Face models :func:`parallelize` (Kimi Linear, Qwen3-Next),
+:class:`ContextParallel`; for Hugging Face models :func:`parallelize` (Kimi Linear, Qwen3-Next),
 :func:`shard_batch` and :func:`global_token_mean_loss` (see :mod:`kdacp.models`); :func:`precompile`,
 which compiles a step's Triton kernels in parallel before its first run; and :mod:`kdacp.reference`,
 the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Triton launchers
@@ -12,16 +12,15 @@ the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Trit
 """
 from . import reference
 from .distributed import CPPlan, build_cp_plan, new_cp_group
-from .gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
-from .layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
+from .gdn import chunk_gated_delta_rule
+from .layers import ContextParallel, GatedDeltaNet, KimiDeltaAttention
 from .models import global_token_mean_loss, parallelize, shard_batch
 from .precompile import precompile
-from .kda import chunk_kda, cp_chunk_kda
+from .kda import chunk_kda
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPPlan", "GatedDeltaNet", "KDAContextParallel", "KimiDeltaAttention", "build_cp_plan", "chunk_gated_delta_rule",
-    "chunk_kda", "cp_chunk_gated_delta_rule", "cp_chunk_kda", "global_token_mean_loss", "new_cp_group", "parallelize",
-    "precompile", "reference", "shard_batch",
+    "CPPlan", "ContextParallel", "GatedDeltaNet", "KimiDeltaAttention", "build_cp_plan", "chunk_gated_delta_rule",
+    "chunk_kda", "global_token_mean_loss", "new_cp_group", "parallelize", "precompile", "reference", "shard_batch",
 ]

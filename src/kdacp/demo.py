@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .backends import resolve_backend
 from .distributed import new_cp_group
-from .layers import KDAContextParallel
+from .layers import ContextParallel
 from .layers.context_parallel import MODES
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompile import precompile
@@ -248,7 +248,7 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     model = demo_model(cfg, ctx.device)
     reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))
-    cp = KDAContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
+    cp = ContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
                             backend=cfg.backend)
     parallelize(model, cp)
     optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (model, reference)]

@@ -16,7 +16,7 @@ from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
-__all__ = ["chunk_gated_delta_rule", "cp_chunk_gated_delta_rule", "gdn_as_kda_arguments", "scalar_gate_arguments"]
+__all__ = ["chunk_gated_delta_rule", "gdn_as_kda_arguments", "scalar_gate_arguments"]
 
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
@@ -74,9 +74,3 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         lower_bound=None, safe_gate=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
         check_finite=False, output_final_state=output_final_state, cp=cp, scalar_gate=scalar_gate, **gate)
     return run_prepared(prepared, plan, initial_state, output_final_state)
-
-
-def cp_chunk_gated_delta_rule(*args, cp=None, **kwargs):
-    """:func:`chunk_gated_delta_rule` with ``cp``; its call sites become ``chunk_gated_delta_rule(..., cp=plan)``
-    in the rename commit."""
-    return chunk_gated_delta_rule(*args, cp=cp, **kwargs)

@@ -22,7 +22,7 @@ from .distributed.plan import CPPlan, one_rank_plan
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
 
-__all__ = ["ChunkKDAFunction", "chunk_kda", "check_and_prepare", "cp_chunk_kda", "run_prepared"]
+__all__ = ["ChunkKDAFunction", "check_and_prepare", "chunk_kda", "run_prepared"]
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,3 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         safe_gate=safe_gate, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
         check_finite=check_finite, output_final_state=output_final_state, cp=cp, scalar_gate=_scalar_gate)
     return run_prepared(prepared, plan, initial_state, output_final_state)
-
-
-def cp_chunk_kda(*args, cp=None, **kwargs):
-    """:func:`chunk_kda` with ``cp``; its call sites become ``chunk_kda(..., cp=plan)`` in the rename commit."""
-    return chunk_kda(*args, cp=cp, **kwargs)

@@ -2,7 +2,7 @@
 
 CPU: where ``fla-core`` is importable, its stages under the Triton interpreter against the float64 reference
 (FLA's state kernels do not run under the interpreter, so the state pass there comes from the
-reference). GPU: ``kdacp.chunk_gated_delta_rule`` and a one-rank ``cp_chunk_gated_delta_rule`` with
+reference). GPU: ``kdacp.chunk_gated_delta_rule`` and a one-rank ``chunk_gated_delta_rule`` with
 ``backend="fla"`` against FLA's own ``chunk_gated_delta_rule`` at Qwen3-Next shapes in bf16.
 """
 import os
@@ -156,13 +156,13 @@ def _one_rank_cp(**args):
     import torch.distributed as dist
 
     from kdacp.distributed import build_cp_plan
-    from kdacp.gdn import cp_chunk_gated_delta_rule
+    from kdacp.gdn import chunk_gated_delta_rule
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0,
                                 device_id=torch.device("cuda", torch.cuda.current_device()))
     cu = args.pop("cu_seqlens", None)
     plan = build_cp_plan(None if cu is None else cu.cpu(), batch_size=None if cu is not None else 1)
-    return cp_chunk_gated_delta_rule(**args, backend="fla", cp=plan)
+    return chunk_gated_delta_rule(**args, backend="fla", cp=plan)
 
 
 @pytest.mark.gpu

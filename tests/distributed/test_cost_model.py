@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.distributed import build_cp_plan
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 from kdacp.distributed.cost_model import (Link, RoleStages, StageTimes, chain_route, choose_strategy,
                                           exchange_stage_times, programs, simulate)
 from kdacp.distributed.plan import AUTO_STATE_SHAPE, STRATEGIES, rank_layouts, resolve_strategy
@@ -134,7 +134,7 @@ def _auto_ranks(rank: int, world_size: int) -> None:
         given = build_cp_plan(cu, batch_size=None if cu else 1, strategy=auto.strategy)
         results = []
         for plan in (auto, given):
-            o, _ = cp_chunk_kda(**local, **options, safe_gate=True, backend="torch", cp=plan)
+            o, _ = chunk_kda(**local, **options, safe_gate=True, backend="torch", cp=plan)
             results.append([o, *torch.autograd.grad(o, list(local.values()), do)])
         for a, b in zip(*results):
             assert torch.equal(a, b)

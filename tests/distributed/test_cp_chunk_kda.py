@@ -1,6 +1,6 @@
-"""Multi-process (gloo, CPU) tests of ``cp_chunk_kda`` against the single-process reference.
+"""Multi-process (gloo, CPU) tests of ``chunk_kda`` against the single-process reference.
 
-Every rank builds the same global batch, runs its share through ``cp_chunk_kda`` and the whole
+Every rank builds the same global batch, runs its share through ``chunk_kda`` and the whole
 batch through ``kdacp.reference.chunk_kda``, and compares outputs, final states and all gradients.
 Many cases run per spawn to keep the suite fast on a 2-core machine.
 """
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.distributed import build_cp_plan, new_cp_group
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 from tests.multiprocess import run_ranks
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 
@@ -80,7 +80,7 @@ def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int
              for n, x in args.items()}
     plan = build_cp_plan(cu, local_lengths=None if not case["uneven"] else lengths,
                          batch_size=None if cu is not None else case["B"], strategy=strategy)
-    o, final_state = cp_chunk_kda(**local, output_final_state=final, backend="torch", cp=plan)
+    o, final_state = chunk_kda(**local, output_final_state=final, backend="torch", cp=plan)
     loss = (o * do[:, lo:hi]).sum() + (final and (final_state * dfinal[rank].to(final_state)).sum())
     grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names])))
 
@@ -113,27 +113,27 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     plan = build_cp_plan(batch_size=1)
     # One rank passes a different value dim: every rank must raise, none may hang.
     bad = dict(args, v=args["v"][..., :8] if rank == world_size - 1 else args["v"])
-    _expect_value_error(lambda: cp_chunk_kda(**bad, backend="torch", cp=plan), "disagree on V|rejected")
+    _expect_value_error(lambda: chunk_kda(**bad, backend="torch", cp=plan), "disagree on V|rejected")
     # A dtype mismatch on one rank.
     mixed = dict(args, q=args["q"].float() if rank == 0 else args["q"], k=args["k"].float() if rank == 0 else args["k"])
-    _expect_value_error(lambda: cp_chunk_kda(**mixed, backend="torch", cp=plan), "disagree on q/k dtype")
+    _expect_value_error(lambda: chunk_kda(**mixed, backend="torch", cp=plan), "disagree on q/k dtype")
     # Ranks built different plans.
     other = build_cp_plan(batch_size=1, strategy="allgather" if rank == 1 else "p2p")
-    _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=other), "disagree on plan")
+    _expect_value_error(lambda: chunk_kda(**args, backend="torch", cp=other), "disagree on plan")
     # A shape error on a single rank is raised there and reported on the others.
     broken = dict(args, beta=args["beta"][..., None] if rank == 0 else args["beta"])
-    _expect_value_error(lambda: cp_chunk_kda(**broken, backend="torch", cp=plan), "beta|rejected")
-    _expect_value_error(lambda: cp_chunk_kda(**args, backend="nope", cp=plan), "backend")
+    _expect_value_error(lambda: chunk_kda(**broken, backend="torch", cp=plan), "beta|rejected")
+    _expect_value_error(lambda: chunk_kda(**args, backend="nope", cp=plan), "backend")
     # The plan holds the boundaries: a rank that also passes cu_seqlens fails, and every rank with it.
     local_cu = dict(cu_seqlens=torch.tensor([0, 20])) if rank == 0 else {}
-    _expect_value_error(lambda: cp_chunk_kda(**args, **local_cu, backend="torch", cp=plan), "cu_seqlens|rejected")
+    _expect_value_error(lambda: chunk_kda(**args, **local_cu, backend="torch", cp=plan), "cu_seqlens|rejected")
     _expect_value_error(lambda: build_cp_plan(strategy="ring"), "strategy")
     _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 5, 5, 12])), "strictly increasing")
     _expect_value_error(lambda: build_cp_plan(torch.tensor([0, 7]), local_lengths=[1] * world_size), "add up")
     # The plan gives rank 0 one token more than it passes.
     lengths = [21, 19] + [20] * (world_size - 2)
     shifted = build_cp_plan(torch.tensor([0, 20 * world_size]), local_lengths=lengths)
-    _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=shifted), r"holds \d+ tokens|rejected")
+    _expect_value_error(lambda: chunk_kda(**args, backend="torch", cp=shifted), r"holds \d+ tokens|rejected")
     dist.barrier()
 
 
@@ -144,8 +144,8 @@ def _calls_in_flight(rank: int, world_size: int) -> None:
     local = {n: (x[:, lo:hi].detach().clone().requires_grad_() if n in TOKEN_INPUTS else
                  x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x) for n, x in args.items()}
     plan = build_cp_plan(batch_size=1, strategy="p2p")
-    o1, _ = cp_chunk_kda(**local, backend="torch", cp=plan)
-    o2, _ = cp_chunk_kda(**dict(local, v=2 * local["v"]), backend="torch", cp=plan)
+    o1, _ = chunk_kda(**local, backend="torch", cp=plan)
+    o2, _ = chunk_kda(**dict(local, v=2 * local["v"]), backend="torch", cp=plan)
     (dq,) = torch.autograd.grad(o1.sum() + o2.sum(), [local["q"]])
     ref_o, _ = reference.chunk_kda(**args)
     (ref_dq,) = torch.autograd.grad(3 * ref_o.sum(), [args["q"]])  # the output is linear in v
@@ -158,18 +158,18 @@ def _checks_once_per_signature(rank: int, world_size: int) -> None:
     with count_signature_gathers() as gathers:
         args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=3)
         plan = build_cp_plan(batch_size=1)
-        o1, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
-        o2, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
+        o1, _ = chunk_kda(**args, backend="torch", cp=plan)
+        o2, _ = chunk_kda(**args, backend="torch", cp=plan)
         assert len(gathers) == 1 and torch.equal(o1, o2)
-        cp_chunk_kda(**{n: x.float() for n, x in args.items()}, backend="torch", cp=plan)  # a new signature
-        cp_chunk_kda(**args, backend="torch", cp=plan)
+        chunk_kda(**{n: x.float() for n, x in args.items()}, backend="torch", cp=plan)  # a new signature
+        chunk_kda(**args, backend="torch", cp=plan)
         assert len(gathers) == 2
         every = build_cp_plan(batch_size=1, check_every_call=True)
         for _ in range(3):
-            cp_chunk_kda(**args, backend="torch", cp=every)
+            chunk_kda(**args, backend="torch", cp=every)
         assert len(gathers) == 5
         mixed = build_cp_plan(batch_size=1, check_every_call=rank == 0)
-        _expect_value_error(lambda: cp_chunk_kda(**args, backend="torch", cp=mixed), "disagree on plan")
+        _expect_value_error(lambda: chunk_kda(**args, backend="torch", cp=mixed), "disagree on plan")
     dist.barrier()
 
 
@@ -189,7 +189,7 @@ def _run_on_group(r: int, P: int, group) -> None:
     args = make_kda_inputs(1, 24 * P, 1, 1, 16, 16, gate="default", seed=13)
     lo, hi = 24 * r, 24 * (r + 1)
     local = {n: (x[:, lo:hi].detach().clone() if n in TOKEN_INPUTS else x) for n, x in args.items()}
-    o, _ = cp_chunk_kda(**local, backend="torch", cp=build_cp_plan(batch_size=1, group=group))
+    o, _ = chunk_kda(**local, backend="torch", cp=build_cp_plan(batch_size=1, group=group))
     ref_o, _ = reference.chunk_kda(**args)
     assert rel_err(o, ref_o[:, lo:hi]) < 1e-9, f"group rank {r}: {rel_err(o, ref_o[:, lo:hi]):.2e}"
 

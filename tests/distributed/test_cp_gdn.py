@@ -1,4 +1,4 @@
-"""``cp_chunk_gated_delta_rule`` on 2 and 3 gloo ranks against the token-by-token GDN recurrence on the
+"""``chunk_gated_delta_rule`` on 2 and 3 gloo ranks against the token-by-token GDN recurrence on the
 whole batch (float64): packed sequences cut across uneven ranks, grouped value heads, initial states,
 the gate in kernel, every strategy."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.distributed import STRATEGIES, build_cp_plan
-from kdacp.gdn import cp_chunk_gated_delta_rule
+from kdacp.gdn import chunk_gated_delta_rule
 from kdacp.reference.gdn import recurrent_gated_delta_rule
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks
@@ -34,7 +34,7 @@ def _check(rank: int, world_size: int) -> None:
                      x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x)
                  for n, x in args.items()}
         plan = build_cp_plan(cu_t, local_lengths=lengths, strategy=strategy)
-        o, S = cp_chunk_gated_delta_rule(**local, output_final_state=True, backend="torch", cp=plan)
+        o, S = chunk_gated_delta_rule(**local, output_final_state=True, backend="torch", cp=plan)
         # the final states are on every rank; one rank carries their loss
         loss = (o * w[:, lo:hi]).sum() + ((S * wS).sum() if rank == 0 else 0.0)
         grads = torch.autograd.grad(loss, [local[n] for n in names])

@@ -1,4 +1,4 @@
-"""``cp_chunk_kda`` with the ``fla`` backend over NCCL, bf16, against single-GPU FLA ``chunk_kda``.
+"""``chunk_kda`` with the ``fla`` backend over NCCL, bf16, against single-GPU FLA ``chunk_kda``.
 
 Launch on a machine with >= 2 GPUs::
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.distributed import build_cp_plan
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 from tests.helpers import make_kda_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +103,7 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
                  x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x) for n, x in args.items()}
     plan = build_cp_plan(cu, local_lengths=case.get("lengths"), batch_size=None if cu is not None else case["B"])
     local_leaves = {n: local[n] for n in leaves}
-    o, final = cp_chunk_kda(**local, output_final_state=True, backend="fla", cp=plan)
+    o, final = chunk_kda(**local, output_final_state=True, backend="fla", cp=plan)
     grads = _grads((o.double() * do[:, lo:hi].double()).sum() + (final.double() * dfinal[rank].double()).sum(),
                    local_leaves)
     cp = dict(o=o.detach(), final=final.detach(), **grads)

@@ -1,4 +1,4 @@
-"""A rank that fails inside ``cp_chunk_kda`` (forward or backward) makes every other rank of the group
+"""A rank that fails inside ``chunk_kda`` (forward or backward) makes every other rank of the group
 fail within the group's timeout (``new_cp_group(timeout=...)``) instead of hanging; the failing rank
 raises its own error, the others' errors carry a note naming what kdacp waited for (the peer).
 gloo, 3 ranks, every strategy of ``STRATEGIES``: a forward fault on the middle rank and a backward
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import kdacp
 from kdacp import kda
 from kdacp.distributed import STRATEGIES, build_cp_plan, comm, new_cp_group
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 
@@ -41,7 +41,7 @@ def _faults(rank: int, P: int) -> None:
             group = new_cp_group(timeout=TIMEOUT_S)
             plan = build_cp_plan(batch_size=1, group=group, strategy=strategy)
             args = make_kda_inputs(1, 16, 1, 1, 16, 16, gate="default", initial_state=True, seed=rank)
-            cp_chunk_kda(**args, backend="torch", cp=plan)[0].sum().backward()  # a good step first
+            chunk_kda(**args, backend="torch", cp=plan)[0].sum().backward()  # a good step first
             name = "cp_forward" if phase == "forward" else "cp_backward"
             real = getattr(kda, name)
             message = f"injected {phase} fault on rank {rank}"
@@ -53,7 +53,7 @@ def _faults(rank: int, P: int) -> None:
                 setattr(kda, name, boom)
             error, start = None, time.monotonic()
             try:
-                o, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
+                o, _ = chunk_kda(**args, backend="torch", cp=plan)
                 o.sum().backward()
                 # A training step then sums the ranks' parameter-gradient shares over the group.
                 dist.all_reduce(args["A_log"].grad, group=group)

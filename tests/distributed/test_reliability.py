@@ -1,4 +1,4 @@
-"""Reliability of ``chunk_kda`` / ``cp_chunk_kda`` on CPU (gloo): bad numbers, determinism, extreme shapes.
+"""Reliability of ``chunk_kda`` / ``chunk_kda`` on CPU (gloo): bad numbers, determinism, extreme shapes.
 
 * ``check_finite=True`` raises ``ValueError`` naming the argument (and, under CP, the rank) on every rank.
 * By default a NaN in one sequence of a packed batch reaches that sequence's outputs and nothing of the
@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from kdacp import chunk_kda, reference
 from kdacp.distributed import STRATEGIES, build_cp_plan
-from kdacp.kda import cp_chunk_kda
-from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+from kdacp.kda import chunk_kda
+from kdacp.layers import ContextParallel, KimiDeltaAttention
 from kdacp.validation import FINITE_CHECKED
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 from tests.multiprocess import run_ranks
@@ -57,11 +57,11 @@ def _leaves(args: dict, lo: int | None = None, hi: int | None = None) -> dict:
 
 def _cp_run(args: dict, plan, lo: int, hi: int, do: torch.Tensor, dfinal: torch.Tensor | None,
             backward: bool = True):
-    """This rank's ``cp_chunk_kda`` outputs and gradients (per-rank shares for replicated inputs;
+    """This rank's ``chunk_kda`` outputs and gradients (per-rank shares for replicated inputs;
     none without ``backward``)."""
     local = _leaves(args, lo, hi)
     local.pop("cu_seqlens", None)
-    o, final = cp_chunk_kda(**local, output_final_state=dfinal is not None, backend="torch", cp=plan)
+    o, final = chunk_kda(**local, output_final_state=dfinal is not None, backend="torch", cp=plan)
     loss = (o * do[:, lo:hi]).sum() + (0 if dfinal is None else (final * dfinal).sum())
     names = [n for n, x in local.items() if isinstance(x, torch.Tensor) and x.requires_grad]
     grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names], allow_unused=True))) \
@@ -158,30 +158,30 @@ def _check_finite_cp(rank: int, P: int) -> None:
     """One rank's NaN makes every rank raise, naming that rank and argument; the others run on."""
     args = make_kda_inputs(1, 20, 1, 1, 16, 16, gate="default", initial_state=True, requires_grad=False, seed=5)
     plan = build_cp_plan(batch_size=1)
-    cp_chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
+    chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
     for name in FINITE_CHECKED:
         bad = _poison(args, name, (0,) * args[name].dim()) if rank == P - 1 else args
         with pytest.raises(ValueError, match=rf"NaN or Inf in the inputs \(rank {P - 1}: {name}\)"):
-            cp_chunk_kda(**bad, backend="torch", cp=plan, check_finite=True)
+            chunk_kda(**bad, backend="torch", cp=plan, check_finite=True)
     # Two ranks at once, several arguments.
     bad = _poison(_poison(args, "v", (0, 1, 0, 2)), "g", (0, 2, 0, 3), float("inf")) if rank < 2 else args
     with pytest.raises(ValueError, match=r"rank 0: v, g; rank 1: v, g"):
-        cp_chunk_kda(**bad, backend="torch", cp=plan, check_finite=True)
+        chunk_kda(**bad, backend="torch", cp=plan, check_finite=True)
     # Off (the default): no check; the same plan keeps working for finite inputs.
-    cp_chunk_kda(**_poison(args, "q", (0, 0, 0, 0)) if rank == 0 else args, backend="torch", cp=plan)
-    o1, _ = cp_chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
-    o2, _ = cp_chunk_kda(**args, backend="torch", cp=plan)
+    chunk_kda(**_poison(args, "q", (0, 0, 0, 0)) if rank == 0 else args, backend="torch", cp=plan)
+    o1, _ = chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
+    o2, _ = chunk_kda(**args, backend="torch", cp=plan)
     _same(o1, o2, "check_finite does not change the result")
     # The flag rides in the cross-rank check's all-gather, which then runs on every call.
     with count_signature_gathers() as gathers:
         for _ in range(3):
-            cp_chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
-        cp_chunk_kda(**args, backend="torch", cp=plan)
+            chunk_kda(**args, backend="torch", cp=plan, check_finite=True)
+        chunk_kda(**args, backend="torch", cp=plan)
         assert len(gathers) == 3
     # Ranks passing different check_finite are told on a plan's first call.
     fresh = build_cp_plan(batch_size=1)
     with pytest.raises(ValueError, match="disagree on check_finite"):
-        cp_chunk_kda(**args, backend="torch", cp=fresh, check_finite=rank == 0)
+        chunk_kda(**args, backend="torch", cp=fresh, check_finite=rank == 0)
     dist.barrier()
 
 
@@ -237,7 +237,7 @@ def _nan_containment(rank: int, P: int) -> int:
 def _check_against_reference(rank: int, P: int, args: dict, lengths: list[int] | None, strategy: str,
                              what: str, sequences: list[int] | None = None, tol: float = 1e-9,
                              backward: bool = True) -> None:
-    """``cp_chunk_kda`` over ``lengths`` tokens per rank (equal split when None) against the
+    """``chunk_kda`` over ``lengths`` tokens per rank (equal split when None) against the
     reference: outputs, final states, token-input gradients and all-reduced shared gradients.
     ``sequences``: compare only these packed sequences (the reference runs on them alone; each
     sequence's outputs and token gradients depend on its own tokens only). ``backward=False``:
@@ -380,7 +380,7 @@ def _layer_determinism(rank: int, P: int, modes) -> int:
         for cu in (None, [0, 3, 11 * P - 1, 12 * P]):
             torch.manual_seed(0)
             layer = KimiDeltaAttention(32, 4, 4, head_k_dim=16, head_v_dim=16, conv_bias=True, backend="torch",
-                                       cp=KDAContextParallel(mode, ulysses_size=ulysses_size)).double()
+                                       cp=ContextParallel(mode, ulysses_size=ulysses_size)).double()
             B = 2 if cu is None else 1
             gen = torch.Generator().manual_seed(10 + rank)
             x = torch.randn(B, 12, 32, dtype=torch.float64, generator=gen)

@@ -1,5 +1,5 @@
 """The ``scan`` exchange strategy: its segmented recursive-doubling schedule in one process (against a
-sequential fold), and ``cp_chunk_kda`` with ``strategy="scan"`` on real gloo ranks against the
+sequential fold), and ``chunk_kda`` with ``strategy="scan"`` on real gloo ranks against the
 float64 reference, for world sizes that are and are not powers of two."""
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def test_scan_is_registered():
 
 
 # ---------------------------------------------------------------------------------------------
-# cp_chunk_kda on real ranks
+# chunk_kda on real ranks
 
 
 def _chains_case(P: int, tokens: int, pattern: tuple[int, ...], name: str) -> dict:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.layers import GatedDeltaNet, KDAContextParallel, KimiDeltaAttention
+from kdacp.layers import GatedDeltaNet, ContextParallel, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
 
@@ -61,7 +61,7 @@ def _check_case(rank, world_size, case, ref):
     mode, ulysses_size, H, HV, B, T_local, cu, *kind = case
     cu = None if cu is None else torch.tensor(cu)
     layer = _layer(H, HV, kind=kind[0] if kind else "kda")
-    layer.cp = KDAContextParallel(mode, ulysses_size=ulysses_size)
+    layer.cp = ContextParallel(mode, ulysses_size=ulysses_size)
     own = slice(rank * T_local, (rank + 1) * T_local)
     x = ref["x"][:, own].clone().requires_grad_()
     h0 = ref["h0"].clone().requires_grad_()
@@ -85,7 +85,7 @@ def _check_checkpointing(rank, world_size, mode, ulysses_size):
     """Two checkpointed (non-reentrant) calls in flight, backwards in reverse order, give the gradients
     of plain calls: the recomputed forwards redo their exchanges in step on every rank."""
     layer = _layer(2, 4)
-    layer.cp = KDAContextParallel(mode, ulysses_size=ulysses_size)
+    layer.cp = ContextParallel(mode, ulysses_size=ulysses_size)
     cu = torch.tensor([0, 5, 24 * world_size - 1, 24 * world_size])
     torch.manual_seed(2 + rank)
     xs = [torch.randn(1, 24, 32, dtype=torch.float64, requires_grad=True) for _ in range(2)]
@@ -108,7 +108,7 @@ def _check_row_plan_checked_once(rank, world_size):
     """Unpacked rows reuse one plan per shape, so the ranks' agreement is gathered once, not per call."""
     with count_signature_gathers() as gathers:
         layer = _layer(2, 2)
-        layer.cp = KDAContextParallel("state")
+        layer.cp = ContextParallel("state")
         x = torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         y1, _ = layer(x)
         y2, _ = layer(x)
@@ -129,11 +129,11 @@ def _check_cases(rank, world_size, cases, refs, checkpoint_modes):
 
 def _check_bad_arguments():
     with pytest.raises(ValueError, match="num_heads % 2 == 0"):
-        KimiDeltaAttention(32, 1, 2, head_k_dim=16, head_v_dim=16, cp=KDAContextParallel("ulysses"))
+        KimiDeltaAttention(32, 1, 2, head_k_dim=16, head_v_dim=16, cp=ContextParallel("ulysses"))
     with pytest.raises(ValueError, match="ulysses_size"):
-        KDAContextParallel("hybrid", ulysses_size=2)
+        ContextParallel("hybrid", ulysses_size=2)
     # Raised before any exchange, on every rank: the halo needs conv_size - 1 local tokens.
-    layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16, cp=KDAContextParallel("state"))
+    layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16, cp=ContextParallel("state"))
     with pytest.raises(ValueError, match="conv_size-1=3 tokens"):
         layer(torch.randn(1, 2, 32))
 

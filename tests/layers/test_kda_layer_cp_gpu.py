@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+from kdacp.layers import ContextParallel, KimiDeltaAttention
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks
 
@@ -56,7 +56,7 @@ def _check(rank, world_size, device_type="cuda", backend="fla"):
         one = copy.deepcopy(ref32).to(torch.bfloat16)
         one.backend = backend
         cp = copy.deepcopy(one)
-        cp.cp = KDAContextParallel(mode)
+        cp.cp = ContextParallel(mode)
         x = torch.randn(B, T, 256, device=dev)
         h0 = 0.5 * torch.randn(N, H, K, K, device=dev)
         w, w_state = torch.randn(B, T, 256, device=dev), torch.randn_like(h0)

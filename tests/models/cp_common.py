@@ -114,14 +114,14 @@ def check_parallelize_contract(model_type, make_model):
     """:func:`check_in_place` and :func:`check_shared_config` on fresh ``make_model()`` models under a
     ``state``-mode context; returns that context for the caller's further checks."""
     import kdacp
-    cp = kdacp.KDAContextParallel("state")
+    cp = kdacp.ContextParallel("state")
     check_in_place(make_model(), cp)
     check_shared_config(model_type, make_model().config, cp)
     return cp
 
 
 def local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-    """``KDAContextParallel.chunk_kda`` without the state exchange: each rank's pieces start from zero."""
+    """``ContextParallel.chunk_kda`` without the state exchange: each rank's pieces start from zero."""
     from kdacp.kda import chunk_kda
     return chunk_kda(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
                      backend=backend, **kwargs)
@@ -134,7 +134,7 @@ def exchanges() -> dict:
     from kdacp.models import common
     return {
         "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
-        "state exchange": (context_parallel.KDAContextParallel, "chunk_kda", local_chunk_kda),
+        "state exchange": (context_parallel.ContextParallel, "chunk_kda", local_chunk_kda),
         "attention all-to-all": (common, "all_to_all", lambda x, group: x),
     }
 
@@ -146,7 +146,7 @@ def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict,
     import kdacp
     worst = {}
     for mode, ulysses_size, attention in modes:
-        cp = kdacp.KDAContextParallel(mode, ulysses_size=ulysses_size)
+        cp = kdacp.ContextParallel(mode, ulysses_size=ulysses_size)
         model = make_model(attn_implementation=attention)
         check_in_place(model, cp)  # the model's own parameters, in place: same keys, same tensors
         check_matches(model, ref, rank, world_size, f"{mode}/{attention}", worst)

@@ -74,7 +74,7 @@ def _check_contract(rank, world_size):
     with pytest.raises(ValueError, match="num_attention_heads % 2 == 0"):
         kdacp.parallelize(_model(num_attention_heads=3, num_key_value_heads=3), cp)
     with pytest.raises(ValueError, match="num_heads % 2 == 0"):
-        kdacp.parallelize(_model(linear_num_heads=3), kdacp.KDAContextParallel("ulysses"))
+        kdacp.parallelize(_model(linear_num_heads=3), kdacp.ContextParallel("ulysses"))
     paged = _model()
     paged.config._attn_implementation = "paged|eager"  # (Kimi Linear refuses flex_attention itself)
     with pytest.raises(ValueError, match="Ulysses attention wraps one of"):

@@ -48,7 +48,7 @@ def _worker(ctx, name: str) -> dict:
     make_model, context, adapter = _family(name)
     ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(ctx.device), context())
     model = make_model(**HEAD_SHAPES[name]).to(ctx.device, torch.bfloat16)
-    model = kdacp.parallelize(model, kdacp.KDAContextParallel("state"))
+    model = kdacp.parallelize(model, kdacp.ContextParallel("state"))
     errs = errors(model, ref, 0, 1)
     real = adapter.global_cu_seqlens
     adapter.global_cu_seqlens = lambda kwargs: None  # the linear-attention layers lose the documents

@@ -96,7 +96,7 @@ def _check_contract():
     with pytest.raises(ValueError, match="num_key_value_heads % 2 == 0"):
         kdacp.parallelize(_model(num_key_value_heads=1), cp)
     with pytest.raises(ValueError, match="linear_num_key_heads=1.*num_heads % 2 == 0"):
-        kdacp.parallelize(_model(linear_num_key_heads=1), kdacp.KDAContextParallel("ulysses"))
+        kdacp.parallelize(_model(linear_num_key_heads=1), kdacp.ContextParallel("ulysses"))
     flex = _model()
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="Ulysses attention wraps one of"):

@@ -1,5 +1,5 @@
 """One call's preparation, shared by the single-device op (``kdacp.chunk_kda``) and the
-context-parallel one (``kdacp.cp_chunk_kda``): options, the backend instance, the inputs packed into
+context-parallel one (``kdacp.chunk_kda``): options, the backend instance, the inputs packed into
 one row, and the casting of the gradients back to the inputs' dtypes."""
 from __future__ import annotations
 

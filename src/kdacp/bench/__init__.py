@@ -1,5 +1,5 @@
 """Benchmark suites behind ``kdacp bench``: ``kernels`` (summary kernels on one GPU), ``cp``
-(``cp_chunk_kda`` against one GPU and FLA's CP), ``gdn`` (GDN on one GPU against FLA's), ``layer``
+(``chunk_kda`` against one GPU and FLA's CP), ``gdn`` (GDN on one GPU against FLA's), ``layer``
 (the layer against FLA's, and its CP modes), ``virtual`` (each strategy's accuracy at 2 to 1024
 virtual ranks, one device), ``soak`` (a long training run, watching memory, threads, files and
 caches) and ``scaling`` (each strategy's step at 2 to 1024 ranks, predicted from stage and link times

@@ -10,7 +10,7 @@ backward, as :mod:`kdacp.bench.gdn` explains):
 
 - ``one_gpu``: FLA's op (``chunk_kda`` / ``chunk_gated_delta_rule``) on this rank's own tokens alone
   (its own ``cu_seqlens``);
-- ``kdacp_cp`` / ``kdacp_allgather`` / ``kdacp_scan``: ``cp_chunk_kda`` / ``cp_chunk_gated_delta_rule``
+- ``kdacp_cp`` / ``kdacp_allgather`` / ``kdacp_scan``: ``chunk_kda`` / ``chunk_gated_delta_rule``
   with the ``p2p`` / ``allgather`` / ``scan`` strategy;
 - ``fla_cp``: FLA's op with ``cp_context=build_cp_context(...)``.
 
@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
 from kdacp.distributed import build_cp_plan, new_cp_group
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 from kdacp.distributed.plan import local_cu_seqlens
-from kdacp.gdn import cp_chunk_gated_delta_rule
+from kdacp.gdn import chunk_gated_delta_rule
 
 from . import gdn
 from .batches import BATCHES, cu_seqlens_of, document_lengths
@@ -67,11 +67,11 @@ def _family(fla, family: str, T: int, seed: int):
     or ``"gdn"``, checked by :func:`run`)."""
     if family == "kda":
         x = make_inputs(T, 32, 128, seed)
-        return x, torch.randn(1, T, 32, 128, device="cuda").bfloat16(), fla.chunk_kda, cp_chunk_kda, OPTIONS, True
+        return x, torch.randn(1, T, 32, 128, device="cuda").bfloat16(), fla.chunk_kda, chunk_kda, OPTIONS, True
     # Qwen3-Next's shapes
     x = gdn.make_inputs(T, 16, 32, 128, seed)
     do = torch.randn(1, T, 32, 128, device="cuda").bfloat16()
-    return x, do, fla.chunk_gated_delta_rule, cp_chunk_gated_delta_rule, gdn.OPTIONS, fla_gated_gdn_backward_supported()
+    return x, do, fla.chunk_gated_delta_rule, chunk_gated_delta_rule, gdn.OPTIONS, fla_gated_gdn_backward_supported()
 
 
 def run(t_locals=(16384, 32768), batches=BATCHES, family: str = "kda", warmup: int = 2, rounds: int = 3,

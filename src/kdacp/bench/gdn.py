@@ -8,7 +8,7 @@ step, warm):
 
 - ``fla``: FLA's ``chunk_gated_delta_rule``;
 - ``kdacp``: ``kdacp.chunk_gated_delta_rule(backend="fla")`` (FLA's GDN kernels, scalar gate);
-- ``kdacp_cp1``: ``kdacp.cp_chunk_gated_delta_rule`` on a one-rank plan (the state pass only);
+- ``kdacp_cp1``: ``kdacp.chunk_gated_delta_rule`` on a one-rank plan (the state pass only);
 - ``kdacp_broadcast``: ``kdacp.chunk_kda(backend="fla")`` on the gate broadcast over ``K`` (FLA's KDA
   kernels; what ``kdacp.chunk_gated_delta_rule`` ran before the GDN backend).
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
 from kdacp.distributed import build_cp_plan, new_cp_group
-from kdacp.gdn import chunk_gated_delta_rule, cp_chunk_gated_delta_rule
+from kdacp.gdn import chunk_gated_delta_rule
 from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import scalar_gate_as_kda
 
@@ -94,7 +94,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
             runs = {
                 "fla": lambda **a: fla.chunk_gated_delta_rule(**a, **OPTIONS, **varlen),
                 "kdacp": lambda **a: chunk_gated_delta_rule(**a, **OPTIONS, **varlen, backend="fla"),
-                "kdacp_cp1": lambda **a: cp_chunk_gated_delta_rule(**a, **OPTIONS, backend="fla", cp=plan),
+                "kdacp_cp1": lambda **a: chunk_gated_delta_rule(**a, **OPTIONS, backend="fla", cp=plan),
                 "kdacp_broadcast": lambda **a: _broadcast(varlen, **a),
             }
             fns = step_functions(runs, contenders, x, do, backward)

@@ -7,7 +7,7 @@ iterations, CUDA events where there is CUDA, the slowest rank's time):
 - ``kdacp_one_gpu`` / ``fla_one_gpu``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
   weights) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-GPU baseline
   holding the same tokens;
-- ``kdacp_<mode>``: kdacp's layer with ``KDAContextParallel(mode)`` over the group, on the global batch.
+- ``kdacp_<mode>``: kdacp's layer with ``ContextParallel(mode)`` over the group, on the global batch.
 
 ``ratio``: the row's time over ``fla_one_gpu``'s (over ``kdacp_one_gpu``'s where FLA's layer is not
 installed). Kimi Linear's settings: safe gate with ``lower_bound=-5``, ``conv_size=4``.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from kdacp.distributed import new_cp_group
 from kdacp.distributed.plan import local_cu_seqlens
-from kdacp.layers import KDAContextParallel, KimiDeltaAttention
+from kdacp.layers import ContextParallel, KimiDeltaAttention
 
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
@@ -75,7 +75,7 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
     ours = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
                               device=device, dtype=dtype)
     fla = fla_layer_like(ours) if device.type == "cuda" else None
-    cps = {mode: KDAContextParallel(mode, group) for mode in (modes if world_size > 1 else ())}
+    cps = {mode: ContextParallel(mode, group) for mode in (modes if world_size > 1 else ())}
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     rows = []
     for batch in batches:

@@ -20,7 +20,7 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
 Rows: ``source="setup"`` and ``"stages"`` (the calibration), ``"model"`` per ``P`` of ``world_sizes``:
 each strategy's predicted step (forward + backward critical path) in ms and over one device's
 (``<s>_ratio``), and the best of kdacp's three. With ``validate`` (two or more ranks):
-``"measured"`` rows, ``cp_chunk_kda`` forward+backward steps of each strategy on the first ``P`` ranks
+``"measured"`` rows, ``chunk_kda`` forward+backward steps of each strategy on the first ``P`` ranks
 for ``P = 2 ..`` the group's size (round-robin, the slowest rank's time of each step, median over
 steps) over a 1-rank group's step, beside ``"model, shared cores"`` rows: the model with the ranks
 sharing ``cores`` cores (a CPU runs ``P`` processes on fewer cores: compute is then serialised,
@@ -49,7 +49,7 @@ from kdacp.distributed import build_cp_plan, new_cp_group
 from kdacp.distributed.cost_model import DEFAULT_LINK, Link, StageTimes
 from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import STRATEGIES
-from kdacp.kda import cp_chunk_kda
+from kdacp.kda import chunk_kda
 
 from .calibration import OPTIONS, Calibration, calibration_rows, make_inputs, measure_stages, op_times
 from .harness import PlotSpec, markdown_table
@@ -242,7 +242,7 @@ def _median_steps(fns: dict, group, device: torch.device, rounds: int, warmup: i
 
 def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str, dtype, device, group,
                    rounds: int) -> dict:
-    """Milliseconds of one ``cp_chunk_kda`` forward+backward per strategy on ``group`` (``P`` ranks,
+    """Milliseconds of one ``chunk_kda`` forward+backward per strategy on ``group`` (``P`` ranks,
     one sequence of ``P * t_local`` tokens; with ``P == 1`` the one-device step, as ``"p2p"``)."""
     rank = dist.get_rank(group)
     args = make_inputs(t_local, heads, heads, head_dim, head_dim, dtype, device, seed=rank)
@@ -251,7 +251,7 @@ def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str
     plans = {s: build_cp_plan(batch_size=1, group=group, strategy=s) for s in STRATEGIES}
 
     def step(plan):
-        o, _ = cp_chunk_kda(**leaves, **OPTIONS, backend=backend, cp=plan)
+        o, _ = chunk_kda(**leaves, **OPTIONS, backend=backend, cp=plan)
         torch.autograd.grad(o, list(leaves.values()), do)
     fns = {s: (lambda p=plans[s]: step(p)) for s in (STRATEGIES if P > 1 else ("p2p",))}
     return _median_steps(fns, group, torch.device(device), rounds)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
 from kdacp.distributed import checks, new_cp_group
-from kdacp.layers import KDAContextParallel
+from kdacp.layers import ContextParallel
 from kdacp.models import parallelize
 
 from .harness import PlotSpec
@@ -47,7 +47,7 @@ def run(steps: int = 2000, every: int = 100, strategy: str = "p2p", group=None, 
     cfg = demo_config(P, strategy=strategy, device=device.type, dtype=dtype, steps=steps,
                       **({} if seq_lens is None else dict(seq_lens=tuple(seq_lens))))
     model = demo_model(cfg, device).to(getattr(torch, dtype))
-    cp = KDAContextParallel("state", group, strategy=strategy)
+    cp = ContextParallel("state", group, strategy=strategy)
     parallelize(model, cp)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr / 10)
     rows = []

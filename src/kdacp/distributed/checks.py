@@ -106,7 +106,7 @@ def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kern
 def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                   backend: str, resolve_backend, check_finite: bool = False, cu_seqlens=None) -> str:
-    """Validate one ``cp_chunk_kda`` call on every rank; return the resolved backend name.
+    """Validate one ``chunk_kda`` call on every rank; return the resolved backend name.
 
     ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
     ``cu_seqlens``: must be None (the plan holds the boundaries); a rank that passes it fails.
@@ -149,20 +149,20 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         raise error
     failed = [r for r, row in enumerate(rows) if not row[0]]
     if failed:
-        raise ValueError(f"cp_chunk_kda: rank(s) {failed} rejected their inputs (see the error raised there); "
+        raise ValueError(f"chunk_kda: rank(s) {failed} rejected their inputs (see the error raised there); "
                          f"every rank stops here instead of waiting")
     for i, field in enumerate(_FIELDS, start=1):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
             shown = ", ".join(_SHOW.get(field, str)(v) for v in values)
-            raise ValueError(f"cp_chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "
+            raise ValueError(f"chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "
                              "pass the same plan, shapes (except T_local), dtypes and options")
     check_kda_dtypes(q, k, v, g, beta)
     if check_finite:
         bad = [(r, nonfinite_names(row[-1])) for r, row in enumerate(rows) if row[-1]]
         if bad:
             where = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in bad)
-            raise ValueError(f"cp_chunk_kda: NaN or Inf in the inputs ({where}) (check_finite=True); every rank "
+            raise ValueError(f"chunk_kda: NaN or Inf in the inputs ({where}) (check_finite=True); every rank "
                              "stops here instead of waiting")
     _verified(plan).add(tuple(signature))
     return name

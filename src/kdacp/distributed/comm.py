@@ -1,4 +1,4 @@
-"""The raw ``torch.distributed`` calls of the context-parallel op (``cp_chunk_kda``), in one place.
+"""The raw ``torch.distributed`` calls of the context-parallel op (``chunk_kda``), in one place.
 
 The layers' differentiable exchanges (halo, all-to-all) are in :mod:`kdacp.layers.comm`; group and
 rank queries (``get_rank``, ``get_world_size``) are made where they are needed.

@@ -1,7 +1,7 @@
 """The context-parallel partition plan: which tokens of which global sequences each rank holds.
 
 Every rank builds the same plan from the same global description, once per batch. The plan is
-frozen and holds no per-call state, so any number of ``cp_chunk_kda`` calls (and their backward
+frozen and holds no per-call state, so any number of ``chunk_kda`` calls (and their backward
 passes) may share it.
 
 Layout: a rank's local tokens are processed as one packed row ``[1, B * T_local]``. With
@@ -251,7 +251,7 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
             prefix scan: ``ceil(log2 P)`` rounds of point-to-point messages) or ``"auto"``: the one
             :mod:`kdacp.distributed.cost_model` predicts fastest for this plan's chains (see
             :func:`resolve_strategy`); the plan's ``strategy_reason`` says why.
-        check_every_call: ``cp_chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
+        check_every_call: ``chunk_kda`` checks that the ranks agree (shapes, dtypes, options, plan)
             with one small all-gather, which ends in a host sync. By default it does so once per
             call signature: later calls whose own signature was already verified skip it, so a rank
             that alone changes its inputs afterwards is not caught (it waits in the check while the

@@ -1,10 +1,10 @@
 """``nn.Module`` layers: the Kimi Delta Attention layer and its context-parallel execution."""
-from .context_parallel import KDAContextParallel
+from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, beta_from_logits
 from .gated_deltanet import GatedDeltaNet
 from .kda import KimiDeltaAttention, apply_context_parallel
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution, causal_conv1d, sequence_positions
 
-__all__ = ["DeltaRuleLayer", "GatedDeltaNet", "KDAContextParallel", "KimiDeltaAttention", "RMSNormGated", "ShortConvolution", "apply_context_parallel",
+__all__ = ["DeltaRuleLayer", "GatedDeltaNet", "ContextParallel", "KimiDeltaAttention", "RMSNormGated", "ShortConvolution", "apply_context_parallel",
            "beta_from_logits", "causal_conv1d", "sequence_positions"]

@@ -106,5 +106,5 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_to_all_gather(x: torch.Tensor, state: torch.Tensor, dim: int, group):
     """``(all_to_all(x), states of all ranks concatenated along dim)``; the gathered state's
-    gradients from all ranks add up (the convention of ``cp_chunk_kda``'s final state)."""
+    gradients from all ranks add up (the convention of ``chunk_kda``'s final state)."""
     return _AllToAllGather.apply(x, state, dim, group)

@@ -2,7 +2,7 @@
 
 The layer calls the same hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
 ``chunk_kda``, ``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE`
-implements them as identities and a local ``chunk_kda``, :class:`KDAContextParallel` with exchanges.
+implements them as identities and a local ``chunk_kda``, :class:`ContextParallel` with exchanges.
 Nothing per call is stored on these objects (only what each packed batch's ``cu_seqlens`` implies,
 built once per batch), so several calls may be in flight at once.
 
@@ -22,10 +22,10 @@ import torch.distributed as dist
 from ..caches import CACHED_BATCHES, CACHED_SHAPES
 from ..distributed import build_cp_plan, new_cp_group
 from ..distributed.plan import local_cu_seqlens
-from ..kda import chunk_kda as local_chunk_kda, cp_chunk_kda
+from .. import kda
 from .comm import all_to_all, all_to_all_gather, shift_right
 
-__all__ = ["ConvContext", "KDAContextParallel", "SINGLE_DEVICE", "MODES"]
+__all__ = ["ConvContext", "ContextParallel", "SINGLE_DEVICE", "MODES"]
 
 MODES = ("state", "ulysses", "hybrid")
 
@@ -107,8 +107,8 @@ class _SingleDevice:
 
     def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         cu_cpu = None if cu_seqlens is None else self._batch(cu_seqlens, q.shape[1]).cu_cpu
-        return local_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend,
-                               **kwargs)
+        return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend,
+                             **kwargs)
 
     def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
         return _Batch(torch.tensor(cu, dtype=torch.int64), None, ConvContext(None, None))
@@ -132,18 +132,18 @@ class _SingleDevice:
 SINGLE_DEVICE = _SingleDevice()
 
 
-class KDAContextParallel(_SingleDevice):
+class ContextParallel(_SingleDevice):
     """Context-parallel execution of KDA layers over a process group.
 
     Args:
         mode: ``"state"`` (time shards; convolution halo from the previous rank, recurrence by
-            ``kdacp.distributed.cp_chunk_kda``), ``"ulysses"`` (all-to-all to head shards, local KDA
+            ``kdacp.distributed.chunk_kda``), ``"ulysses"`` (all-to-all to head shards, local KDA
             on full sequences, all-to-all back; needs ``H % P == 0`` and ``HV % P == 0``) or
             ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, state across them).
         group: the context-parallel process group (default: the world); best one from
             :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue).
         ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
-        strategy: state-exchange strategy for ``cp_chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
+        strategy: state-exchange strategy for ``chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
 
@@ -187,7 +187,7 @@ class KDAContextParallel(_SingleDevice):
                     self.state_group = sub
 
     def __repr__(self) -> str:
-        return (f"KDAContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
+        return (f"ContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
                 f"state_size={self.state_size}, strategy={self.strategy!r})")
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
@@ -244,7 +244,7 @@ class KDAContextParallel(_SingleDevice):
             return super().chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
         plan = self._row_plan(B, T) if cu_seqlens is None else self._batch(cu_seqlens, T).plan
-        return cp_chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
+        return kda.chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
 
     def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
         plan = None
@@ -267,7 +267,7 @@ class KDAContextParallel(_SingleDevice):
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once per shape (the last
-        :data:`CACHED_SHAPES` shapes are kept), so that ``cp_chunk_kda`` checks the ranks' agreement once
+        :data:`CACHED_SHAPES` shapes are kept), so that ``chunk_kda`` checks the ranks' agreement once
         per shape rather than on every layer call."""
         key = (B, T)
         plan = self._row_plans.pop(key, None)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..backends import resolve_backend
-from .context_parallel import SINGLE_DEVICE, KDAContextParallel
+from .context_parallel import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution
 
@@ -47,12 +47,12 @@ class DeltaRuleLayer(nn.Module):
         norm_activation: the output gate's activation (``"sigmoid"`` or ``"swish"``).
         backend: ``"auto"``, ``"torch"`` or ``"fla"``; ``"fla"`` (``auto`` on CUDA with FLA installed)
             also runs the short convolution and the norm as FLA's fused kernels.
-        cp: a :class:`KDAContextParallel`, or None for one device; may be set later.
+        cp: a :class:`ContextParallel`, or None for one device; may be set later.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None, head_k_dim: int, head_v_dim: int,
                  conv_size: int, conv_bias: bool, norm_eps: float, norm_activation: str, backend: str,
-                 cp: KDAContextParallel | None, device=None, dtype=None):
+                 cp: ContextParallel | None, device=None, dtype=None):
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         if num_v_heads % num_heads:
@@ -76,11 +76,11 @@ class DeltaRuleLayer(nn.Module):
         self.cp = cp
 
     @property
-    def cp(self) -> KDAContextParallel | None:
+    def cp(self) -> ContextParallel | None:
         return self._cp
 
     @cp.setter
-    def cp(self, cp: KDAContextParallel | None) -> None:
+    def cp(self, cp: ContextParallel | None) -> None:
         if cp is not None:
             cp.validate_heads(self.num_heads, self.num_v_heads)
         self._cp = cp

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from ..gdn import scalar_gate_arguments
-from .context_parallel import KDAContextParallel
+from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
 __all__ = ["GatedDeltaNet"]
@@ -31,7 +31,7 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, conv_bias: bool = False, norm_eps: float = 1e-5,
-                 backend: str = "auto", cp: KDAContextParallel | None = None, device=None, dtype=None):
+                 backend: str = "auto", cp: ContextParallel | None = None, device=None, dtype=None):
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
                          norm_eps, "swish", backend, cp, device=device, dtype=dtype)
         HV = self.num_v_heads

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .context_parallel import KDAContextParallel
+from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
 __all__ = ["KimiDeltaAttention", "apply_context_parallel"]
@@ -35,13 +35,13 @@ class KimiDeltaAttention(DeltaRuleLayer):
         conv_bias: bias in the short convolutions.
         norm_eps: RMSNorm epsilon.
         backend: KDA backend handed to ``chunk_kda`` (``"auto"``, ``"torch"``, ``"fla"``).
-        cp: a :class:`KDAContextParallel`, or None for one device; may be set later (``layer.cp = ...``).
+        cp: a :class:`ContextParallel`, or None for one device; may be set later (``layer.cp = ...``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, gate_lower_bound: float | None = -5.0,
                  conv_bias: bool = False, norm_eps: float = 1e-5, backend: str = "auto",
-                 cp: KDAContextParallel | None = None, device=None, dtype=None):
+                 cp: ContextParallel | None = None, device=None, dtype=None):
         if gate_lower_bound is not None and not -5 <= gate_lower_bound < 0:
             raise ValueError(f"gate_lower_bound must be in [-5, 0) or None, got {gate_lower_bound!r}")
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
@@ -79,7 +79,7 @@ class KimiDeltaAttention(DeltaRuleLayer):
                     safe_gate=self.gate_lower_bound is not None)
 
 
-def apply_context_parallel(model: nn.Module, cp: KDAContextParallel | None) -> nn.Module:
+def apply_context_parallel(model: nn.Module, cp: ContextParallel | None) -> nn.Module:
     """Set ``cp`` on every gated delta-rule layer (:class:`KimiDeltaAttention`, :class:`GatedDeltaNet`)
     inside ``model`` (None turns it off); returns ``model``."""
     for module in model.modules():

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..layers.comm import all_to_all
-from ..layers.context_parallel import ConvContext, KDAContextParallel
+from ..layers.context_parallel import ConvContext, ContextParallel
 from ..layers.norm import RMSNormGated
 from ..layers.short_conv import causal_conv1d, sequence_positions
 
@@ -187,11 +187,11 @@ def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     return spec(module, query, key, value, attention_mask, **kwargs)
 
 
-def token_mixers(model: nn.Module, cp: KDAContextParallel, linear_type: type, attention_type: type, what: str):
+def token_mixers(model: nn.Module, cp: ContextParallel, linear_type: type, attention_type: type, what: str):
     """``(linear, attention, P)``: the model's linear-attention and attention modules and the group size, after
     checking ``cp`` and that the model holds some of them (``what``: the model's name) not yet parallelised."""
-    if not isinstance(cp, KDAContextParallel):
-        raise ValueError(f"cp must be a kdacp.KDAContextParallel, got {type(cp).__name__}")
+    if not isinstance(cp, ContextParallel):
+        raise ValueError(f"cp must be a kdacp.ContextParallel, got {type(cp).__name__}")
     linear = [m for m in model.modules() if isinstance(m, linear_type)]
     attention = [m for m in model.modules() if isinstance(m, attention_type)]
     if not linear and not attention:
@@ -214,7 +214,7 @@ def check_attention(config, P: int, heads: dict[str, set[int]], layers: str = "a
                              f"{P} ranks of the context-parallel group: needs {field} % {P} == 0")
 
 
-def install(model: nn.Module, cp: KDAContextParallel, linear: list[nn.Module], forward, norm,
+def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], forward, norm,
             attention: list[nn.Module], eager) -> nn.Module:
     """Replace each linear-attention module's ``forward`` (on the instance) by ``forward(module, cp,
     norm(module), ...)`` and route the ``attention`` modules through Ulysses (:func:`install_ulysses`)."""

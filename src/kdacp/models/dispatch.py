@@ -6,7 +6,7 @@ import contextlib
 
 import torch.nn as nn
 
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from . import kimi_linear, qwen3_next
 
 __all__ = ["SUPPORTED_MODELS", "parallelize", "torch_fallbacks"]
@@ -16,7 +16,7 @@ SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3
 _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Apply context parallelism to a Hugging Face model in place, from outside its code: transformers'
     ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
     (:func:`kdacp.models.qwen3_next.parallelize`), or their base models. The model's own parameters are

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..backends import resolve_backend
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
 from .common import (ATTENTION_NAME, SILU_NAMES, check_attention, check_training_call, document_causal_mask,
@@ -86,7 +86,7 @@ def torch_fallbacks():
     return kernel_fallbacks(load_kimi_linear(), _KERNEL_FUNCTIONS)
 
 
-def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated, hidden_states: torch.Tensor,
+def _kda_forward(module: nn.Module, cp: ContextParallel, o_norm: RMSNormGated, hidden_states: torch.Tensor,
                  cache=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """``KimiLinearDeltaAttention.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``,
     with kdacp's halo'd convolution and context-parallel recurrence; ``kwargs['cu_seq_lens_q']`` holds the
@@ -119,7 +119,7 @@ def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated
     return module.o_proj(o.flatten(-2))
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``KimiLinearForCausalLM`` (or ``KimiLinearModel``) in place.
 
     KDA layers run kdacp's halo'd short convolution and ``cp.chunk_kda`` on the module's own parameters;
@@ -134,7 +134,7 @@ def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
     Args:
         model: a transformers Kimi Linear model; its attention implementation (``eager``, ``sdpa``,
             ``flash_attention_2/3/4``) becomes the inner one of the Ulysses attention.
-        cp: the :class:`kdacp.KDAContextParallel` of the KDA layers (``state``, ``ulysses`` or
+        cp: the :class:`kdacp.ContextParallel` of the KDA layers (``state``, ``ulysses`` or
             ``hybrid``); the MLA layers use its whole ``group``.
 
     Returns:

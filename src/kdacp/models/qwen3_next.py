@@ -9,7 +9,7 @@ the whole model and one equal time shard of the global batch (:func:`kdacp.shard
   by the module's own ``fix_query_key_value_ordering``), the fused q|k|v depthwise convolution sliced per
   part with the left halo from the previous rank, the gate ``-exp(A_log) * softplus(a + dt_bias)`` and
   ``beta = sigmoid(b)`` into kdacp's GDN recurrence through ``cp.chunk_kda`` (the scalar gate broadcast
-  over ``K``, as :func:`kdacp.cp_chunk_gated_delta_rule`; state exchange, Ulysses or both, as ``cp``
+  over ``K``, as :func:`kdacp.chunk_gated_delta_rule`; state exchange, Ulysses or both, as ``cp``
   says; grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward``
   restores the model's own.
 * Gated softmax attention layers (``Qwen3NextAttention``): Ulysses through transformers' attention
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..backends import resolve_backend
 from ..gdn import gdn_as_kda_arguments
-from ..layers.context_parallel import KDAContextParallel
+from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
 from .common import (SILU_NAMES, check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
@@ -64,7 +64,7 @@ def torch_fallbacks():
     return kernel_fallbacks(load_qwen3_next(), _KERNEL_FUNCTIONS)
 
 
-def _gdn_forward(module: nn.Module, cp: KDAContextParallel, norm: RMSNormGated, hidden_states: torch.Tensor,
+def _gdn_forward(module: nn.Module, cp: ContextParallel, norm: RMSNormGated, hidden_states: torch.Tensor,
                  cache=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """``Qwen3NextGatedDeltaNet.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``, with
     kdacp's halo'd convolution and context-parallel GDN recurrence; ``kwargs['cu_seq_lens_q']`` holds the
@@ -99,7 +99,7 @@ def _gdn_forward(module: nn.Module, cp: KDAContextParallel, norm: RMSNormGated, 
     return module.out_proj(o.flatten(-2))
 
 
-def parallelize(model: nn.Module, cp: KDAContextParallel) -> nn.Module:
+def parallelize(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Apply context parallelism to a Hugging Face ``Qwen3NextForCausalLM`` (or ``Qwen3NextModel``) in place.
 
     Gated DeltaNet layers run kdacp's halo'd short convolution and context-parallel GDN on the module's own
