@@ -164,10 +164,12 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer", "gdn"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead"),
+                  "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
-                  "backend": ("layer", "scaling"), "hidden": ("layer",), "heads": ("layer", "scaling"),
-                  "head_dim": ("layer", "scaling"), "family": ("kernels", "cp")}
+                  "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
+                  "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
+                  "family": ("kernels", "cp", "overhead")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -193,7 +195,7 @@ def _bench(args: argparse.Namespace) -> int:
     if (device == "cuda" or args.suite not in CPU_SUITES) and not torch.cuda.is_available():
         print(f"kdacp bench: --suite {args.suite} needs a CUDA GPU and none is visible; the suites compare with "
               "FLA's CUDA kernels (only --suite layer --device cpu --backend torch, --suite virtual, --suite "
-              "soak and --suite scaling run without a GPU)",
+              "soak, --suite scaling and --suite overhead run without a GPU)",
               file=sys.stderr)
         return 1
     if args.backend == "fla" and device != "cuda":
@@ -217,6 +219,13 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [{}]
     elif args.suite == "scaling":
         cases = [_scaling_case(args)]
+    elif args.suite == "overhead":
+        if seq_lens and len(seq_lens) > 1:
+            print(f"kdacp bench: --suite overhead takes one --seq-lens value (tokens per rank), got {len(seq_lens)}",
+                  file=sys.stderr)
+            return 2
+        cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
+                      backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"))]
     elif args.suite == "gdn":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
@@ -316,13 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated tokens (per rank for cp/layer); default 16384 (cp: 16K,32K; "
                             f"layer on CPU: {_CPU_T_LOCAL})")
     bench.add_argument("--batches", type=_batches, default=None,
-                       help=f"cp/layer: comma-separated global batches from {', '.join(BATCHES)} (default: all)")
+                       help=f"cp/layer/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: all)")
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--family", default=None, choices=("kda", "gdn"),
-                       help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
-                            "(the scalar gate at Qwen3-Next shapes) (default: kda)")
+                       help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
+                            "(the scalar gate at Qwen3-Next shapes) (default: kda; overhead: both)")
     bench.add_argument("--out", default="results", help="folder for the JSON, Markdown and PNG files")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--world-size", type=_positive_int, default=None,
