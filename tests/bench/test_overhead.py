@@ -32,11 +32,16 @@ def _stages(rows: list[dict], role: str) -> dict:
     return {r["stage"]: r for r in _by(rows, "breakdown") if r["role"] == role}
 
 
-def _check_ratios(overhead: list[dict]) -> None:
+def _check_ratios(rows: list[dict]) -> None:
+    overhead = _by(rows, "overhead")
     assert [r["role"] for r in overhead] == ["first", "through", "last"]
     for r in overhead:
         for name in ("rank_fwd_ms", "rank_bwd_ms", "one_fwd_ms", "one_bwd_ms", "fwd_ratio", "bwd_ratio", "ratio"):
             assert math.isfinite(r[name]) and r[name] > 0, (name, r)
+    stages = {(r["role"], r["direction"]): r for r in _by(rows, "stages")}
+    assert len(stages) == 6 and all(r[f"{n}_ms"] >= 0 for r in stages.values() for n in ("ready", "between", "after"))
+    # the first rank receives nothing forward, the last nothing backward: no work after the (empty) wait
+    assert stages["first", "forward"]["after_ms"] < stages["first", "forward"]["ready_ms"]
 
 
 def test_one_sequence_kda_through_rank_runs_the_summaries(one_thread, tmp_path, capsys):
@@ -45,7 +50,7 @@ def test_one_sequence_kda_through_rank_runs_the_summaries(one_thread, tmp_path, 
     assert rc == 0
     rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
     overhead = _by(rows, "overhead")
-    _check_ratios(overhead)
+    _check_ratios(rows)
     assert [(r["receives"], r["sends"], r["affine"]) for r in overhead] == [(0, 1, False), (1, 1, True), (1, 0, False)]
     # the through rank alone runs S_ext + M forward, G backward, and M x + S in both directions
     through = _stages(rows, "through")
@@ -58,13 +63,13 @@ def test_one_sequence_kda_through_rank_runs_the_summaries(one_thread, tmp_path, 
         # one sequence: the same stages as one device, each once
         assert all(r["calls"] == r["one_calls"] == 1 for r in stages.values()), stages
     out = capsys.readouterr().out
-    assert "### per-rank overhead" in out and "| kda | one_sequence | through | state_summary | 1 |" in out
+    assert "### per-rank overhead" in out and "### critical-path stages" in out and "| kda | one_sequence | through | state_summary | 1 |" in out
 
 
 def test_packed_gdn_roles_split_their_spans(one_thread):
     rows = run(t_local=64, families=("gdn",), batches=("lognormal",), heads=2, head_dim=8, device="cpu")
     overhead = _by(rows, "overhead")
-    _check_ratios(overhead)
+    _check_ratios(rows)
     assert all(r["family"] == "gdn" and r["batch"] == "lognormal" for r in rows)
     # documents cut at both edges: the middle rank receives and sends, but holds more than one chain
     assert [(r["receives"], r["sends"], r["affine"]) for r in overhead] == [(0, 1, False), (1, 1, False), (1, 0, False)]

@@ -15,6 +15,10 @@ Rows ``source="breakdown"``: per role and stage (the backend's stages and the ex
 ``calls`` and ``ms`` on the rank beside ``one_calls`` / ``one_ms`` on one device and ``extra_ms``
 (their difference): which work a CP rank does that one device does not. Stage times are device
 time between CUDA events around each stage on a GPU (wall clock on the CPU), medians over rounds.
+Rows ``source="stages"``: per role and direction, the scaling model's ``ready_ms`` (until the rank
+posts its message), ``between_ms`` (until it blocks) and ``after_ms`` (after the incoming message),
+stamped after device syncs by :class:`~kdacp.bench.stage_probe.StageProbe`, medians over rounds: the
+critical path's pieces for every batch (the scaling suite stamps one sequence only).
 
 Families: ``kda`` (Kimi Linear's gate: in kernel, ``safe_gate``, ``lower_bound=-5``, L2 norm in
 kernel; ``H = HV = heads``) and ``gdn`` (gate in kernel, L2 norm in kernel; Qwen3-Next's shape
@@ -42,7 +46,7 @@ from kdacp.reference.gates import compute_dtype
 from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS
+from .stage_probe import ROLE_RANKS, StageProbe
 from .timing import time_round_robin
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
@@ -184,7 +188,29 @@ def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup:
             **{("one", role): medians[("one", one.cu_seqlens)] for role, (_, one) in plans.items()}}
 
 
-def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict) -> list[dict]:
+def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:
+    """``{(role, "forward" | "backward"): [ready, between, after] ms}``, medians over ``rounds``."""
+    got = {(role, d): [] for role in plans for d in ("forward", "backward")}
+    for i in range(rounds + warmup):
+        for role, (plan, _) in plans.items():
+            probe = StageProbe(device)
+            probe.stamp("start")
+            out = cp_forward(call.backend, plan, call.inputs, None, False, state_dtype, exchange=probe)
+            probe.stamp("end")
+            forward = probe.stages(probe.stamps["start"], probe.stamps["end"])
+            probe = StageProbe(device)
+            probe.stamp("start")
+            cp_backward(call.backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
+                        False, False, exchange=probe)
+            probe.stamp("end")
+            if i >= warmup:
+                got[(role, "forward")].append(forward)
+                got[(role, "backward")].append(probe.stages(probe.stamps["start"], probe.stamps["end"]))
+    return {key: [statistics.median(getattr(s, n) for s in runs) * 1e3 for n in ("ready", "between", "after")]
+            for key, runs in got.items()}
+
+
+def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict) -> list[dict]:
     rows = []
     for role, (plan, _) in plans.items():
         layout = plan.rank_layouts[plan.rank]
@@ -203,6 +229,9 @@ def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dic
             one_calls, one_t = one.get(stage, (0, 0.0))
             rows.append(dict(source="breakdown", family=family, batch=batch, role=role, stage=stage, calls=calls,
                              ms=t, one_calls=one_calls, one_ms=one_t, extra_ms=t - one_t))
+    for (role, direction), (ready, between, after) in critical.items():
+        rows.append(dict(source="stages", family=family, batch=batch, role=role, direction=direction,
+                         ready_ms=ready, between_ms=between, after_ms=after))
     return rows
 
 
@@ -245,7 +274,8 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
                     for d in ("fwd", "bwd"):
                         ms[f"one:{role}:{d}"] = ms[f"{first_of[one.cu_seqlens]}:{d}"]
                 stages = _breakdown(call, do, state_dtype, plans, dev, warmup > 0, rounds)
-                for row in _rows_of(family, batch, t_local, plans, ms, stages):
+                critical = _critical_stages(call, do, state_dtype, plans, dev, warmup > 0, rounds)
+                for row in _rows_of(family, batch, t_local, plans, ms, stages, critical):
                     rows.append(row)
                     if report is not None:
                         report(row)
@@ -256,10 +286,13 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
 
 
 def markdown(rows: list[dict]) -> str:
-    """The overhead table, then the breakdown (stages a rank runs more of than one device, or less)."""
+    """The overhead table, the breakdown (stages a rank runs that one device does not, or more often),
+    then the stages of the critical path."""
     overhead = [{k: v for k, v in r.items() if k not in ("source", "label")} for r in rows if r["source"] == "overhead"]
     extra = [{k: v for k, v in r.items() if k != "source"} for r in rows
              if r["source"] == "breakdown" and (r["calls"] != r["one_calls"] or r["one_calls"] == 0)]
     return (f"### per-rank overhead (rank / one device, same tokens)\n\n{markdown_table(overhead)}\n\n"
             f"### breakdown: stages a rank runs that one device does not, or runs more often\n\n"
-            f"{markdown_table(extra)}")
+            f"{markdown_table(extra)}\n\n"
+            f"### critical-path stages (ms: until the send, until the wait, after the incoming message)\n\n"
+            f"{markdown_table([{k: v for k, v in r.items() if k != 'source'} for r in rows if r['source'] == 'stages'])}")
