@@ -168,7 +168,8 @@ def _step(backend, plan: CPPlan, call, do, state_dtype, exchange):
 
 def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:
     """``{role: {stage: (calls, median ms)}}`` and ``{("one", role): ...}``: one forward and backward per
-    round (after one that warms up, with ``warmup``), every stage timed (:class:`StageTimer`); one device once per distinct plan."""
+    round (after one that warms up, with ``warmup``), every stage timed (:class:`StageTimer`); one device
+    once per distinct plan."""
     timer = StageTimer(device)
     backend, exchange = _TimedBackend(call.backend, timer), ReadyExchange(timer)
     runs = {role: plan for role, (plan, _) in plans.items()}
@@ -291,8 +292,9 @@ def markdown(rows: list[dict]) -> str:
     overhead = [{k: v for k, v in r.items() if k not in ("source", "label")} for r in rows if r["source"] == "overhead"]
     extra = [{k: v for k, v in r.items() if k != "source"} for r in rows
              if r["source"] == "breakdown" and (r["calls"] != r["one_calls"] or r["one_calls"] == 0)]
+    stages = [{k: v for k, v in r.items() if k != "source"} for r in rows if r["source"] == "stages"]
     return (f"### per-rank overhead (rank / one device, same tokens)\n\n{markdown_table(overhead)}\n\n"
             f"### breakdown: stages a rank runs that one device does not, or runs more often\n\n"
             f"{markdown_table(extra)}\n\n"
             f"### critical-path stages (ms: until the send, until the wait, after the incoming message)\n\n"
-            f"{markdown_table([{k: v for k, v in r.items() if k != 'source'} for r in rows if r['source'] == 'stages'])}")
+            f"{markdown_table(stages)}")
