@@ -219,11 +219,12 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling"), "batches": ("cp", "layer", "gdn"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead"),
+                  "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
-                  "backend": ("layer", "scaling"), "hidden": ("layer",), "heads": ("layer", "scaling"),
-                  "head_dim": ("layer", "scaling"), "family": ("kernels", "cp"), "modes": ("layer",),
-                  "steps": ("soak",)}
+                  "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
+                  "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
+                  "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",)}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -258,6 +259,9 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
         cases = [{} if args.steps is None else {"steps": args.steps}]
     elif args.suite == "scaling":
         cases = [_scaling_case(args)]
+    elif args.suite == "overhead":
+        cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
+                      backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"))]
     elif args.suite == "gdn":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
@@ -320,6 +324,10 @@ def _bench(args: argparse.Namespace) -> int:
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
+    if args.suite == "overhead" and args.seq_lens and len(args.seq_lens) > 1:
+        print(f"kdacp bench: --suite overhead takes one --seq-lens value (tokens per rank), got "
+              f"{len(args.seq_lens)}", file=sys.stderr)
+        return 2
     modes_error = _layer_modes_error(args, world, device)
     if modes_error:
         print(f"kdacp bench: {modes_error}", file=sys.stderr)
@@ -430,15 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated tokens (per rank for cp/layer/gdn/scaling) (default: kernels 16384; "
                             f"cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL})")
     bench.add_argument("--batches", type=_batches, default=None,
-                       help=f"cp/layer/gdn: comma-separated global batches from {', '.join(BATCHES)} (default: "
+                       help=f"cp/layer/gdn/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: "
                             "all; gdn: one_sequence,docs7)")
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
     bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
-                       help="kernels and cp suites: KDA (Kimi Linear's per-channel gate and shapes), or GDN "
-                            "(the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
-                            "convolution against FLA's) (default: kda)")
+                       help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or "
+                            "GDN (the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
+                            "convolution against FLA's) (default: kda; overhead: both)")
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")

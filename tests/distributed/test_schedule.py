@@ -118,3 +118,19 @@ def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
             assert all(span == tail for _, span in log[receive + 1:]), log
             assert any(stage == "backward_local" and span == tail for stage, span in log[1:receive]), log
             assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != tail), log
+
+
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
+    """Between the shared ``prepare`` and the send, only the pass over the span the message is about:
+    not one that also covers the rank's whole sequences (the second layout has some on both ranks)."""
+    for rank in range(len(lengths)):
+        layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
+        whole, head, tail = ((s.start, s.end) for s in (layout.whole, layout.head, layout.tail))
+        if layout.num_send:
+            made = ("state_summary", head) if layout.through else ("state_pass", tail)
+            assert forward[1:_index(forward, "send")] == [("prepare", whole), made], forward
+        if layout.num_receive:
+            made = ([("backward_local", tail), ("state_gradient_summary", tail)] if layout.through
+                    else [("backward_local", head), ("backward_states", head)])
+            assert backward[1:_index(backward, "send")] == made, backward

@@ -8,17 +8,23 @@ moment it exists, then all work that needs no incoming message, and the blocking
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
            through rank: summary(head) -> message (S_ext, M)
-           else: state_pass(after_head) -> message (the tail's final states)
+           else: state_pass(tail) -> message (the tail's final states)
            send                                          p2p: to rank + 1; allgather: the gather starts
-           output(after_head)
+           state_pass(between), output(between), output(tail)
            receive (block) -> state_pass(head), output(head)
 backward:  begin
            through rank: backward_local(tail), G(tail) -> message (G, M^T)
-           else: backward_local(before_tail), backward_states(before_tail) -> message (the head's
-                 initial-state gradients)
+           else: backward_local(head), backward_states(head) -> message (the head's initial-state
+                 gradients)
            send
-           backward_local(tail), backward_inputs(before_tail)
+           backward_local(between), backward_states(between), backward_local(tail),
+           backward_inputs(head), backward_inputs(between)
            receive (block) -> backward_states(tail), backward_inputs(tail)
+
+``between``: the segments between head and tail (whole sequences; with no message to send, all of
+``after_head`` forward and ``before_tail`` backward). The pass that makes the message covers only
+the span it is about, so a packed rank posts it before the passes over its whole sequences (one
+launch more per direction there; a rank of one sequence launches as before).
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Every stage
@@ -118,17 +124,24 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     else:
         known_initial = initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, rest_states = None, None, None
+    message, transition, tail_states = None, None, None
     through = route.affine[plan.rank]
+    tail, n_between = layout.tail, len(known_initial) - layout.num_send  # segments between head and tail
     if through:
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
-    if not rest.empty:
-        rest_states = backend.state_pass(chunks, rest, known_initial, output_final_state or layout.num_send > 0)
-        if layout.num_send and not through:
-            message = AffineMessage(rest_states.final_state[-layout.num_send:])
+    elif layout.num_send:  # the tail's pass alone: it ends before a pass that also covers whole sequences
+        tail_states = backend.state_pass(chunks, tail, known_initial[n_between:], True)
+        message = AffineMessage(tail_states.final_state)
     exchange.send(pending, message)
-    rest_o = None if rest.empty else backend.output(chunks, rest, known_initial, rest_states)
+    between = rest if tail_states is None else layout.span(rest.start, tail.start)
+    between_initial = known_initial if tail_states is None else known_initial[:n_between]
+    between_states, between_o, tail_o = None, None, None
+    if not between.empty:
+        between_states = backend.state_pass(chunks, between, between_initial, output_final_state)
+        between_o = backend.output(chunks, between, between_initial, between_states)
+    if tail_states is not None:
+        tail_o = backend.output(chunks, tail, known_initial[n_between:], tail_states)
     incoming = exchange.receive(pending)
     head_states, head_o = None, None
     if not head.empty:
@@ -136,10 +149,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         head_o = backend.output(chunks, head, incoming, head_states)
     pending.finish_sends()
 
-    o = _cat([head_o, rest_o], 1)
+    o = _cat([head_o, between_o, tail_o], 1)
     final_state = None
     if output_final_state:
-        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
+        local_final = _cat([s and s.final_state for s in (head_states, between_states, tail_states)], 0)
         # the segments that end here form a prefix
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
@@ -185,20 +198,27 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         kept = head_states if span == layout.head else None
         return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
 
-    message, known_states, tail_local = None, None, None
+    def known_pass(span: Span, first: int, end: int):
+        """``backward_local`` and ``backward_states`` of the span of segments ``[first, end)`` (they end here)."""
+        dht = None if dht_all is None else dht_all[_sequences(segments[first:end])]
+        return backend.backward_states(local_work(span, local_initial[first:end]), dht)
+
+    head, n_head = layout.head, layout.num_receive
+    message, head_states_b, tail_local = None, None, None
     if route.affine[plan.rank]:
         tail_local = local_work(tail, local_initial[n_known:])
         message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
-    elif not known.empty:
-        known_local = local_work(known, local_initial[:n_known])
-        dht_known = None if dht_all is None else dht_all[_sequences(segments[:n_known])]
-        known_states = backend.backward_states(known_local, dht_known)
-        if layout.num_receive:
-            message = AffineMessage(known_states.dinitial_state[:layout.num_receive])
+    elif n_head:  # the head's pass alone: it ends before a pass that also covers whole sequences
+        head_states_b = known_pass(head, 0, n_head)
+        message = AffineMessage(head_states_b.dinitial_state)
     exchange.send(pending, message)
+    between = known if head_states_b is None else layout.span(head.end, known.end)
+    between_states = None
+    if not between.empty:
+        between_states = known_pass(between, 0 if head_states_b is None else n_head, n_known)
     if tail_local is None and not tail.empty:
         tail_local = local_work(tail, local_initial[n_known:])
-    known_grads = None if known_states is None else backend.backward_inputs(known_states)
+    known_grads = [backend.backward_inputs(s) for s in (head_states_b, between_states) if s is not None]
     dS_out = exchange.receive(pending)
     tail_states, tail_grads = None, None
     if not tail.empty:
@@ -206,14 +226,14 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         tail_grads = backend.backward_inputs(tail_states)
     pending.finish_sends()
 
-    parts: list[LocalGrads] = [g for g in (known_grads, tail_grads) if g is not None]
+    parts: list[LocalGrads] = [g for g in (*known_grads, tail_grads) if g is not None]
     token = {name: _cat([getattr(g, name) for g in parts], 1) for name in ("dq", "dk", "dv", "dg", "dbeta")}
     dA_log = ddt_bias = None
     for g in parts:
         dA_log, ddt_bias = _add(dA_log, g.dA_log), _add(ddt_bias, g.ddt_bias)
     dinitial_state = None
     if has_initial_state:
-        local = _cat([s and s.dinitial_state for s in (known_states, tail_states)], 0)
+        local = _cat([s and s.dinitial_state for s in (head_states_b, between_states, tail_states)], 0)
         # the segments that start here form a suffix
         dinitial_state = _by_sequence(plan, segments, local, slice(layout.num_receive, None))
     return CPGrads(**token, dA_log=dA_log, ddt_bias=ddt_bias, dinitial_state=dinitial_state)

@@ -1,0 +1,90 @@
+"""``kdacp bench --suite overhead`` on the CPU (torch backend, tiny sizes): the table's shape, ratios
+positive and finite, and each role's extra work in the breakdown (the through rank's ``M`` and ``G``;
+a packed rank's split spans)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kdacp.bench.overhead import markdown, run
+from kdacp.cli import main
+
+TINY = ["--device", "cpu", "--seq-lens", "64", "--heads", "1", "--head-dim", "8"]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine, a pool of spinning threads makes tiny ops slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _by(rows: list[dict], source: str) -> list[dict]:
+    return [r for r in rows if r["source"] == source]
+
+
+def _stages(rows: list[dict], role: str) -> dict:
+    return {r["stage"]: r for r in _by(rows, "breakdown") if r["role"] == role}
+
+
+def _check_ratios(rows: list[dict]) -> None:
+    overhead = _by(rows, "overhead")
+    assert [r["role"] for r in overhead] == ["first", "through", "last"]
+    for r in overhead:
+        for name in ("rank_fwd_ms", "rank_bwd_ms", "one_fwd_ms", "one_bwd_ms", "fwd_ratio", "bwd_ratio", "ratio"):
+            assert math.isfinite(r[name]) and r[name] > 0, (name, r)
+    stages = {(r["role"], r["direction"]): r for r in _by(rows, "stages")}
+    assert len(stages) == 6 and all(r[f"{n}_ms"] >= 0 for r in stages.values() for n in ("ready", "between", "after"))
+    # the first rank receives nothing forward, the last nothing backward: no work after the (empty) wait
+    assert stages["first", "forward"]["after_ms"] < stages["first", "forward"]["ready_ms"]
+
+
+def test_one_sequence_kda_through_rank_runs_the_summaries(one_thread, tmp_path, capsys):
+    rc = main(["bench", "--suite", "overhead", *TINY, "--family", "kda", "--batches", "one_sequence",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    overhead = _by(rows, "overhead")
+    _check_ratios(rows)
+    assert [(r["receives"], r["sends"], r["affine"]) for r in overhead] == [(0, 1, False), (1, 1, True), (1, 0, False)]
+    # the through rank alone runs S_ext + M forward, G backward, and M x + S in both directions
+    through = _stages(rows, "through")
+    for stage, calls in (("state_summary", 1), ("state_gradient_summary", 1), ("apply", 2)):
+        assert through[stage]["calls"] == calls and through[stage]["one_calls"] == 0, through[stage]
+        assert through[stage]["extra_ms"] == through[stage]["ms"] > 0
+    for role in ("first", "last"):
+        stages = _stages(rows, role)
+        assert not {"state_summary", "state_gradient_summary", "apply"} & set(stages), stages
+        # one sequence: the same stages as one device, each once
+        assert all(r["calls"] == r["one_calls"] == 1 for r in stages.values()), stages
+    out = capsys.readouterr().out
+    assert "### per-rank overhead" in out and "### critical-path stages" in out
+    assert "| kda | one_sequence | through | state_summary | 1 |" in out
+
+
+def test_packed_gdn_roles_split_their_spans(one_thread):
+    rows = run(t_local=64, families=("gdn",), batches=("lognormal",), heads=2, head_dim=8, device="cpu")
+    overhead = _by(rows, "overhead")
+    _check_ratios(rows)
+    assert all(r["family"] == "gdn" and r["batch"] == "lognormal" for r in rows)
+    # documents cut at both edges: the middle rank receives and sends, but holds more than one chain
+    assert [(r["receives"], r["sends"], r["affine"]) for r in overhead] == [(0, 1, False), (1, 1, False), (1, 0, False)]
+    for role, split in (("first", "backward_states"), ("through", "state_pass"), ("last", "output")):
+        stage = _stages(rows, role)[split]
+        assert (stage["calls"], stage["one_calls"]) == (2, 1), stage  # head or tail apart from the rest
+        assert "state_summary" not in _stages(rows, role)
+    assert "| gdn | lognormal | through | state_pass | 2 |" in markdown(rows)
+
+
+def test_usage_errors(tmp_path, capsys):
+    assert main(["bench", "--suite", "overhead", *TINY, "--seq-lens", "64,128", "--out", str(tmp_path)]) == 2
+    assert "takes one --seq-lens value" in capsys.readouterr().err
+    assert main(["bench", "--suite", "overhead", *TINY, "--world-size", "2", "--out", str(tmp_path)]) == 2
+    assert "--world-size is for" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="families must be from"):
+        run(families=("gla",), device="cpu")
