@@ -60,8 +60,8 @@ USAGE_ERRORS = [
     (("demo", "--port", "99999"), "argument --port: expected a port number from 0"),
     (("bench", "--suite", "layer", "--timeout", "0"), "argument --timeout: expected a positive number of seconds"),
     (("bench", "--suite", "layer", "--port", "abc"), "argument --port: expected a port number from 0"),
-    (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer or gdn, not --suite virtual"),
-    (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer or scaling, not --suite kernels"),
+    (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer or gdn or overhead, not --suite virtual"),
+    (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer or scaling or overhead, not --suite kernels"),
     (("bench", "--suite", "virtual", "--world-size", "2"), "--world-size is for --suite cp or layer or soak"),
     (("bench", "--suite", "soak", "--trace", "t"), "--trace is for --suite cp, not --suite soak"),
     (("bench", "--suite", "layer", "--modes", "ring"), "argument --modes: expected comma-separated modes from"),
@@ -230,7 +230,7 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     main(["bench", "--suite", "cp", "--family", "gdn", "--seq-lens", "1024", "--world-size", "2", "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="gdn"))
     assert main(["bench", "--suite", "layer", "--family", "gdn", "--out", str(tmp_path)]) == 2
-    assert "--family is for --suite kernels or cp, not --suite layer" in capsys.readouterr().err
+    assert "--family is for --suite kernels or cp or overhead, not --suite layer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "cp", "--batches", "nope"])
     assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err
