@@ -52,6 +52,7 @@ from ..layers.norm import RMSNormGated
 from .common import (ATTENTION_NAME, SILU_NAMES, check_attention, check_training_call, document_causal_mask,
                      fused_short_conv, gated_norm, global_cu_seqlens, install, kernel_fallbacks, load_model_module,
                      token_mixers)
+from .prefill import layer_prefill
 
 __all__ = ["ATTENTION_NAME", "document_causal_mask", "load_kimi_linear", "parallelize", "torch_fallbacks"]
 
@@ -91,6 +92,7 @@ def _kda_forward(module: nn.Module, cp: KDAContextParallel, o_norm: RMSNormGated
     """``KimiLinearDeltaAttention.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``,
     with kdacp's halo'd convolution and context-parallel recurrence; ``kwargs['cu_seq_lens_q']`` holds the
     global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
+    cp, cache = layer_prefill(cp, cache, module.layer_idx, kwargs)  # under kdacp.models.prefill: its hooks
     check_training_call(cache, attention_mask, kwargs)
     cu_seqlens = global_cu_seqlens(kwargs)
     x = hidden_states

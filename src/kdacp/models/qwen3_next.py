@@ -39,6 +39,7 @@ from ..layers.delta_rule import beta_from_logits
 from ..layers.norm import RMSNormGated
 from .common import (SILU_NAMES, check_attention, check_training_call, fused_short_conv, gated_norm, global_cu_seqlens,
                      install, kernel_fallbacks, load_model_module, token_mixers)
+from .prefill import layer_prefill
 
 __all__ = ["load_qwen3_next", "parallelize", "torch_fallbacks"]
 
@@ -69,6 +70,7 @@ def _gdn_forward(module: nn.Module, cp: KDAContextParallel, norm: RMSNormGated, 
     """``Qwen3NextGatedDeltaNet.forward`` on this rank's time shard ``hidden_states [B, T/P, hidden]``, with
     kdacp's halo'd convolution and context-parallel GDN recurrence; ``kwargs['cu_seq_lens_q']`` holds the
     global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
+    cp, cache = layer_prefill(cp, cache, module.layer_idx, kwargs)  # under kdacp.models.prefill: its hooks
     check_training_call(cache, attention_mask, kwargs)
     cu_seqlens = global_cu_seqlens(kwargs)
     x = hidden_states
