@@ -148,8 +148,43 @@ def _broken() -> dict:
     }
 
 
+def _check_contract(rank: int) -> None:
+    """On 2 ranks: shard_batch's padding, and what prefill and generate refuse, with the argument named."""
+    import kdacp
+    from kdacp.models.batch import IGNORE_INDEX
+    prompt = _prompt(37)
+    batch = kdacp.shard_batch(prompt, pad_id=0)  # 38 tokens: the padding is the last rank's last token
+    assert batch.padding == 1 and batch.cu_seqlens.tolist() == [0, 37, 38] and batch.input_ids.shape == (1, 19)
+    if rank == 1:
+        assert batch.input_ids[0, -1] == 0 and batch.position_ids[0, -1] == 0
+        assert (batch.labels[0, -2:] == IGNORE_INDEX).all() and batch.labels[0, -3] == prompt[0, 36]
+    with pytest.raises(ValueError, match="pad_id= pads only batches of B == 1"):
+        kdacp.shard_batch(prompt.expand(2, -1), pad_id=0)
+    with pytest.raises(ValueError, match="or pass pad_id= to pad it"):
+        kdacp.shard_batch(prompt)
+    model = MODELS["kimi_linear"]()
+    with pytest.raises(ValueError, match="runs a kdacp.parallelize'd model"):
+        kdacp.models.prefill(model, batch)
+    kdacp.parallelize(model, kdacp.KDAContextParallel("state"))
+    with pytest.raises(ValueError, match="batch must be a kdacp.ShardedBatch"):
+        kdacp.models.prefill(model, prompt)
+    with pytest.raises(ValueError, match="one prompt: batch size 1 and one document"):
+        kdacp.models.prefill(model, kdacp.shard_batch(_prompt(40), cu_seqlens=torch.tensor([0, 20, 40])))
+    with pytest.raises(ValueError, match="drop cache="):
+        kdacp.models.generate(model, batch, 4, cache=None)
+    spec = next(m._kdacp_ulysses for m in model.modules() if hasattr(m, "_kdacp_ulysses"))
+    spec.inner_name = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"runs the model's \('eager', 'sdpa'\) implementations"):
+        kdacp.models.prefill(model, batch)
+    ulysses = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.KDAContextParallel("ulysses"))
+    with pytest.raises(ValueError, match="mode 'state', layer 0 has KDAContextParallel\\(mode='ulysses'"):
+        kdacp.models.prefill(ulysses, batch)
+
+
 def _worker(rank, world_size, ref, results):
     import kdacp
+    if world_size == 2:
+        _check_contract(rank)
     worst = {}
     for name, make in MODELS.items():
         model = kdacp.parallelize(make(), kdacp.KDAContextParallel("state"))

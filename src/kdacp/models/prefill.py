@@ -82,6 +82,8 @@ class PrefillCache:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x [..., T_local, D]`` -> every rank's, in rank order, the prompt's tokens only
         ``[..., valid, D]`` (one all-gather)."""
+        if dist.get_world_size(self.group) == 1:
+            return x[..., :self.valid, :]
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
                  for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, x.contiguous(), group=self.group)
@@ -105,11 +107,13 @@ class PrefillCache:
         """Keep the last ``W = width + 1`` convolution input tokens up to this rank's last prompt token,
         ``[B, C, W]`` (the model's layout): ``xs`` (``[B, T_local, C_i]``, q|k|v in the model's channel order)
         after their left ``halos`` (``[B, width, C_i]``; None: zeros, as transformers pads a short prompt)."""
-        x = torch.cat(xs, dim=-1)
-        halo = (x.new_zeros(x.shape[0], width, x.shape[-1]) if halos[0] is None
-                else torch.cat(halos, dim=-1).to(x.dtype))
         e = self.last_local
-        self._conv_inputs[layer_idx] = torch.cat([halo, x[:, :e + 1]], dim=1)[:, e:].transpose(1, 2).contiguous()
+        x = torch.cat([x[:, max(e - width, 0):e + 1] for x in xs], dim=-1)  # only what the tail needs
+        if e < width:  # the tail reaches into the halo
+            halo = (x.new_zeros(x.shape[0], width - e, x.shape[-1]) if halos[0] is None
+                    else torch.cat(halos, dim=-1)[:, e:].to(x.dtype))
+            x = torch.cat([halo, x], dim=1)
+        self._conv_inputs[layer_idx] = x.transpose(1, 2).contiguous()
 
     def record_state(self, layer_idx: int, final_state: torch.Tensor) -> None:
         self._states[layer_idx] = final_state
@@ -216,12 +220,14 @@ class _GatheredAttention:
         B, H, Tq, _ = query.shape
         n = min(max(view.valid - view.start, 0), Tq)
         Tk = key.shape[-2] - view.valid + view.start + n  # past + the keys up to this rank's last prompt token
-        out = query.new_zeros(B, Tq, H, value.shape[-1])
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "use_cache"):
             kwargs.pop(name, None)
-        if n:
-            mask = _lower_right_causal(self.inner_name, n, Tk, query.dtype, query.device)
-            out[:, :n], _ = self.inner(module, query[:, :, :n], key[:, :, :Tk], value[:, :, :Tk], mask, **kwargs)
+        if n == 0:  # a rank of padding only
+            return query.new_zeros(B, Tq, H, value.shape[-1]), None
+        mask = _lower_right_causal(self.inner_name, n, Tk, query.dtype, query.device)
+        out, _ = self.inner(module, query[:, :, :n], key[:, :, :Tk], value[:, :, :Tk], mask, **kwargs)
+        if n < Tq:  # the padding's queries
+            out = torch.cat([out, out.new_zeros(B, Tq - n, H, value.shape[-1])], dim=1)
         return out, None
 
 
