@@ -72,6 +72,8 @@ class PrefillCache:
         self._states: dict[int, torch.Tensor] = {}       # layer -> final state [1, HV, K, V]
 
     def __getattr__(self, name):
+        if "cache" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["cache"], name)
 
     @property
@@ -167,6 +169,8 @@ class _LayerPrefill:
         self.cp, self.view, self.layer_idx = cp, view, layer_idx
 
     def __getattr__(self, name):
+        if "cp" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["cp"], name)
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None):
