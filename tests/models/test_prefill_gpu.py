@@ -84,4 +84,5 @@ def test_prefill_on_one_gpu_matches_the_unmodified_model(name):
         key, err = result[what]
         assert err < GPU_TOL, f"{name} prefill ({what}): {key} off by {err:.2e}"
     key, err = result["broken"]
-    assert err > max(GPU_TOL, 10 * result["pieces"][1]), f"{name}: dropping the initial state went unnoticed ({err:.2e})"
+    assert err > max(GPU_TOL, 10 * result["pieces"][1]), \
+        f"{name}: dropping the initial state went unnoticed ({err:.2e})"
