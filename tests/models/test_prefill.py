@@ -210,7 +210,7 @@ def _worker(rank, world_size, ref, results):
             sampled = kdacp.models.generate(model, kdacp.shard_batch(_prompt(37), pad_id=0), NEW_TOKENS,
                                             do_sample=True, top_k=0, temperature=2.0)
             _same_on_every_rank({"sampled": sampled})
-        # the model's own forwards are back: it still runs under CP
+        # generate (own_forwards) put parallelize's forwards back
         assert all("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith(("DeltaAttention",
                                                                                              "GatedDeltaNet")))
     if rank == 0:
