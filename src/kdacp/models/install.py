@@ -35,9 +35,9 @@ def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_st
         layer, cache = cache.layer(cp, module.layer_idx), None
         kwargs.pop("use_cache", None)
     check_training_call(cache, attention_mask, kwargs)
+    initial_state = None if layer is None else layer.initial_state(cu_seqlens)
     y, final_state = mix_tokens(parts(module), cp if layer is None else layer, hidden_states, cu_seqlens=cu_seqlens,
-                                backend="auto", initial_state=None if layer is None else layer.initial_state(cu_seqlens),
-                                output_final_state=layer is not None)
+                                backend="auto", initial_state=initial_state, output_final_state=layer is not None)
     if layer is not None:
         layer.record_state(final_state)
     return y
