@@ -40,12 +40,15 @@ class ShardedBatch:
             document start), this rank's slice.
         cu_seqlens: ``[N+1]`` int64 global document boundaries (None: ``B`` unpacked sequences). The
             same tensor object must reach every layer of a step: the plans are built once per tensor.
+        padding: how many tokens :func:`shard_batch` appended to the global batch (``pad_id``) so that it
+            splits evenly: the last document of ``cu_seqlens``, on the last ranks, labelled ``-100``.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
+    padding: int = 0
 
     def model_kwargs(self) -> dict:
         """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions, the
@@ -69,14 +72,14 @@ def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, group=None) -> ShardedBatch:
+                cu_seqlens: torch.Tensor | None = None, group=None, pad_id: int | None = None) -> ShardedBatch:
     """Cut a global batch into this rank's equal time shard, with next-token labels shifted globally.
 
     Call it on every rank with the same global batch.
 
     Args:
         input_ids: ``[B, T]`` the global tokens; ``B == 1`` for a packed batch. ``T`` must split
-            evenly over the group's ``P`` ranks.
+            evenly over the group's ``P`` ranks, unless ``pad_id`` is given.
         labels: ``[B, T]`` the target of each token *before* shifting (Hugging Face's convention:
             ``labels = input_ids``, ``-100`` where no loss is wanted); default ``input_ids``.
         position_ids: ``[B, T]`` global positions restarting at each document; default derived
@@ -84,12 +87,16 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
             restarts (``B == 1``) defines the documents, as Hugging Face's flattening collator does.
         cu_seqlens: ``[N+1]`` global document boundaries (``0 ... T``), or None.
         group: the context-parallel process group or 1-D ``DeviceMesh`` (default: the world).
+        pad_id: where ``T % P != 0`` (``B == 1``), append ``(-T) % P`` tokens ``pad_id`` as a document of
+            their own (labels ``-100``): no real token sees them, and no token of theirs is learned
+            (:attr:`ShardedBatch.padding` says how many). None: refuse such a ``T``.
 
     Returns:
         A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.
 
     Raises:
-        ValueError: shapes that disagree, ``T % P != 0``, or boundaries that do not cover ``0 ... T``.
+        ValueError: shapes that disagree, ``T % P != 0`` without ``pad_id`` (or with ``B > 1``), or boundaries
+            that do not cover ``0 ... T``.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -113,8 +120,17 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
                          f"got {tuple(position_ids.shape)}")
     group = process_group(group, "group")
     P, rank = dist.get_world_size(group), dist.get_rank(group)
-    if T % P:
-        raise ValueError(f"the global batch's T={T} tokens must split evenly over {P} ranks")
+    padding = (-T) % P
+    if padding and (pad_id is None or B != 1):
+        how = "or pass pad_id= to pad it" if B == 1 else f"pad_id= pads only batches of B == 1, got B={B}"
+        raise ValueError(f"the global batch's T={T} tokens must split evenly over {P} ranks ({how})")
+    if padding:  # a document of its own at the end: it changes nothing before it
+        input_ids = torch.cat([input_ids, input_ids.new_full((1, padding), pad_id)], dim=1)
+        labels = torch.cat([labels, labels.new_full((1, padding), IGNORE_INDEX)], dim=1)
+        position_ids = torch.cat([position_ids, torch.arange(padding, device=position_ids.device)[None]], dim=1)
+        ends = ([T] if cu_seqlens is None else cu_seqlens[1:].tolist()) + [T + padding]
+        cu_seqlens = torch.tensor([0, *ends], dtype=torch.int64, device=input_ids.device)
+        T += padding
 
     # Shift over the global batch, so the token at a rank's last place still learns the next rank's first.
     shifted = torch.full_like(labels, IGNORE_INDEX)
@@ -123,7 +139,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
         shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
     own = slice(rank * (T // P), (rank + 1) * (T // P))
     return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(),
-                        position_ids[:, own].contiguous(), cu_seqlens)
+                        position_ids[:, own].contiguous(), cu_seqlens, padding)
 
 
 def global_token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group=None,

@@ -15,6 +15,7 @@ from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
 from .checks import check_training_call, global_cu_seqlens
+from .prefill import PrefillCache
 
 __all__ = ["install", "mixer_forward"]
 
@@ -24,9 +25,21 @@ def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_st
     """A transformers linear-attention module's ``forward`` under ``parallelize``: :func:`mix_tokens` on
     ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's time shard
     ``hidden_states [B, T/P, hidden]``; ``kwargs['cu_seq_lens_q']`` holds the global ``[N+1]`` boundaries of a
-    packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``."""
+    packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``.
+
+    Under :func:`kdacp.models.prefill` (``cache`` its :class:`PrefillCache`) the layer runs on the pass's hooks
+    (:meth:`PrefillCache.layer`): from the cached states, recording its final ones."""
+    cu_seqlens = global_cu_seqlens(kwargs)
+    layer = None
+    if isinstance(cache, PrefillCache):  # the cache refusal below stands for every other cache
+        layer, cache = cache.layer(cp, module.layer_idx), None
+        kwargs.pop("use_cache", None)
     check_training_call(cache, attention_mask, kwargs)
-    y, _ = mix_tokens(parts(module), cp, hidden_states, cu_seqlens=global_cu_seqlens(kwargs), backend="auto")
+    initial_state = None if layer is None else layer.initial_state(cu_seqlens)
+    y, final_state = mix_tokens(parts(module), cp if layer is None else layer, hidden_states, cu_seqlens=cu_seqlens,
+                                backend="auto", initial_state=initial_state, output_final_state=layer is not None)
+    if layer is not None:
+        layer.record_state(final_state)
     return y
 
 

@@ -1,0 +1,404 @@
+"""A long prompt's forward pass under context parallelism into the model's own cache, then decoding from it.
+
+:func:`prefill` runs a :func:`kdacp.parallelize`'d transformers model (Kimi Linear, Qwen3-Next) once over a
+prompt cut by :func:`kdacp.shard_batch` (batch size 1, one document), without gradients, and returns on every
+rank the model's own ``DynamicCache`` for the whole prompt, as the one-process ``model(prompt, use_cache=True)``
+fills it, and the last prompt token's logits:
+
+* linear-attention layers (KDA, GDN): the recurrent state ``[1, HV, K, V]`` float32, exact on every rank
+  (``cp.chunk_kda`` returns the final state on every rank), and the convolution state ``[1, C, W]``, the last
+  ``W`` tokens of the convolution's *input* (q|k|v before the convolution, the model's channel order) in the
+  model's dtype, from the rank holding the prompt's last token (one broadcast for all layers);
+* attention layers: keys and values of every prompt token in the model's own cache layout (Kimi Linear's MLA:
+  its compressed latents; Qwen3-Next: keys after the rotary embedding), all-gathered over the group as each
+  layer runs; the layer's queries attend the gathered keys (lower-right causal), so the cache's keys are the
+  ones attended, and the earlier ranks attend fewer of them;
+* the cache's position (``cache.get_seq_length()``), which is its attention layers' key count.
+
+Passing a ``cache`` continues it (chunked prefill): the pieces' recurrent states enter as initial states, the
+first rank's convolution reads the cached convolution input as its left halo, and the attention keys append.
+
+How the token mixers take part: the cache handed to the model is a :class:`PrefillCache`, a view of the
+model's cache for this rank's shard. A linear-attention forward installed by ``parallelize``
+(:func:`kdacp.models.install.mixer_forward`) that receives it asks it for the layer's hooks
+(:meth:`PrefillCache.layer`, a :class:`LayerPrefill`): ``mix_tokens`` runs on them from the cached state, its
+convolution continuing the cached input and recording its last input tokens, and the final state is recorded.
+The attention modules' function is swapped, for the pass, for :class:`_GatheredAttention`; their own forwards
+call :meth:`PrefillCache.update`, which all-gathers the keys and values into the cache.
+
+:func:`generate` prefills all but the prompt's last token under CP and hands that cache to transformers'
+``model.generate``, which runs the model's own code on the calling rank (:func:`own_forwards`): the last
+prompt token and every new one, greedy or sampled, no collective until one check that the ranks agree.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.comm import process_group
+from .attention import ATTENTION_NAME
+from .batch import ShardedBatch, shard_batch
+
+__all__ = ["PREFILL_ATTENTIONS", "LayerPrefill", "PrefillCache", "PrefillOutput", "generate", "own_forwards",
+           "prefill"]
+
+# the attention implementations the gathered prefill attention calls (lower-right causal masks)
+PREFILL_ATTENTIONS = ("eager", "sdpa")
+
+
+class PrefillOutput(NamedTuple):
+    """What :func:`prefill` returns on every rank: ``cache``, the model's transformers cache of the whole prompt
+    (the same tensors on every rank), and ``logits [1, vocab]``, the last prompt token's, in the model's dtype."""
+
+    cache: object
+    logits: torch.Tensor
+
+
+class PrefillCache:
+    """The model's transformers ``cache`` as this rank's token mixers see it during one :func:`prefill` pass.
+
+    The pass covers global tokens ``[0, valid)`` after the cache's ``past`` ones (``valid``: the prompt's tokens,
+    without :func:`kdacp.shard_batch`'s padding); this rank holds ``[start, start + T_local)``. Attention layers
+    call :meth:`update`; linear-attention layers run on :meth:`layer`'s hooks. Every other attribute is the
+    model cache's. :meth:`finish` writes the linear-attention layers' states into the cache.
+    """
+
+    def __init__(self, cache, group, T_local: int, valid: int):
+        self.cache, self.group = cache, group
+        self.rank = dist.get_rank(group)
+        self.start, self.T_local, self.valid = self.rank * T_local, T_local, valid
+        self.owner = (valid - 1) // T_local  # the group rank holding the prompt's last token
+        self._conv_inputs: dict[int, torch.Tensor] = {}  # layer -> this rank's candidate [B, C, W]
+        self._states: dict[int, torch.Tensor] = {}       # layer -> final state [1, HV, K, V]
+
+    def __getattr__(self, name):
+        if "cache" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["cache"], name)
+
+    @property
+    def last_local(self) -> int:
+        """Local index of this rank's last prompt token (the prompt's last one on the owner)."""
+        return min(max(self.valid - 1 - self.start, 0), self.T_local - 1)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x [..., T_local, D]`` -> every rank's, in rank order, the prompt's tokens only
+        ``[..., valid, D]`` (one all-gather)."""
+        if dist.get_world_size(self.group) == 1:
+            return x[..., :self.valid, :]
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-2)[..., :self.valid, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """An attention layer's ``cache.update``: this rank's keys and values ``[B, H, T_local, D]`` gathered and
+        appended to the model's cache; returns all its keys and values ``[B, H, past + valid, D]``."""
+        return self.cache.update(self.gather(key_states), self.gather(value_states), layer_idx)
+
+    def layer(self, cp, layer_idx: int) -> LayerPrefill:
+        """The context-parallel hooks of linear-attention layer ``layer_idx`` (``cp``: those ``parallelize``
+        installed) for this pass."""
+        return LayerPrefill(cp, self, layer_idx)
+
+    def conv_state(self, layer_idx: int) -> torch.Tensor | None:
+        """The cached convolution input ``[B, C, W]`` of ``layer_idx`` before this pass, or None."""
+        return self.cache.get_conv_state(layer_idx)
+
+    def recurrent_state(self, layer_idx: int) -> torch.Tensor | None:
+        """The cached recurrent state ``[B, HV, K, V]`` of ``layer_idx`` before this pass, or None."""
+        return self.cache.get_recurrent_state(layer_idx)
+
+    def record_conv_input(self, layer_idx: int, xs: list[torch.Tensor], halos: list[torch.Tensor | None],
+                          width: int) -> None:
+        """Keep the last ``W = width + 1`` convolution input tokens up to this rank's last prompt token,
+        ``[B, C, W]`` (the model's layout): ``xs`` (``[B, T_local, C_i]``, q|k|v in the model's channel order)
+        after their left ``halos`` (``[B, width, C_i]``; None: zeros, as transformers pads a short prompt)."""
+        e = self.last_local
+        x = torch.cat([x[:, max(e - width, 0):e + 1] for x in xs], dim=-1)  # only what the tail needs
+        if e < width:  # the tail reaches into the halo
+            halo = (x.new_zeros(x.shape[0], width - e, x.shape[-1]) if halos[0] is None
+                    else torch.cat(halos, dim=-1)[:, e:].to(x.dtype))
+            x = torch.cat([halo, x], dim=1)
+        self._conv_inputs[layer_idx] = x.transpose(1, 2).contiguous()
+
+    def record_state(self, layer_idx: int, final_state: torch.Tensor) -> None:
+        self._states[layer_idx] = final_state
+
+    def finish(self) -> None:
+        """Write the recorded states into the model's cache: the recurrent states (already the same on every
+        rank) and the owner's convolution inputs (one broadcast for all layers)."""
+        layers = sorted(self._conv_inputs)
+        if dist.get_world_size(self.group) > 1 and layers:
+            flat = torch.cat([self._conv_inputs[i].flatten() for i in layers])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, self.owner), group=self.group)
+            parts = flat.split([self._conv_inputs[i].numel() for i in layers])
+            self._conv_inputs = {i: p.view_as(self._conv_inputs[i]) for i, p in zip(layers, parts)}
+        for i in layers:
+            conv = self._conv_inputs.pop(i)
+            self.cache.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
+            self.cache.update_recurrent_state(self._states.pop(i).to(torch.float32), i)
+
+
+class _PrefillConv:
+    """A layer's convolution context during prefill: the context-parallel one's halos, except that the first
+    rank continues the cached convolution input, and the layer's last ``W`` input tokens recorded."""
+
+    def __init__(self, base, view: PrefillCache, layer_idx: int):
+        self.base, self.view, self.layer_idx = base, view, layer_idx
+        self.cu_seqlens, self.cu_seqlens_cpu = base.cu_seqlens, base.cu_seqlens_cpu
+
+    def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
+        halos = self.base.left_halos(xs, width)
+        past = self.view.conv_state(self.layer_idx)
+        if self.view.rank == 0 and past is not None and width:
+            # [B, C, W] -> its last W-1 tokens [B, W-1, C], split as xs' channels (q|k|v: the model's order)
+            tail = past[..., past.shape[-1] - width:].transpose(1, 2).to(xs[0].dtype)
+            halos = list(tail.split([x.shape[-1] for x in xs], dim=-1))
+        self.view.record_conv_input(self.layer_idx, xs, halos, width)
+        return halos
+
+
+class LayerPrefill:
+    """A linear-attention layer's context-parallel hooks (``cp``'s, mode ``state``) during prefill, for
+    ``mix_tokens``: the convolution continues the cached input and records the layer's last input tokens
+    (:class:`_PrefillConv`); :attr:`initial_state` is the cached state and :meth:`record_state` keeps the final
+    one. Every other attribute is ``cp``'s."""
+
+    def __init__(self, cp, view: PrefillCache, layer_idx: int):
+        if getattr(cp, "mode", None) != "state":
+            raise ValueError(f"kdacp.models.prefill runs the linear-attention layers in ContextParallel mode "
+                             f"'state', layer {layer_idx} has {cp!r}")
+        if dist.get_process_group_ranks(cp.group) != dist.get_process_group_ranks(view.group):
+            raise ValueError(f"prefill's group (ranks {dist.get_process_group_ranks(view.group)}) is not layer "
+                             f"{layer_idx}'s context-parallel group (ranks {dist.get_process_group_ranks(cp.group)})")
+        self.cp, self.view, self.layer_idx = cp, view, layer_idx
+
+    def __getattr__(self, name):
+        if "cp" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["cp"], name)
+
+    def conv_context(self, T: int, cu_seqlens: torch.Tensor | None):
+        return _PrefillConv(self.cp.conv_context(T, cu_seqlens), self.view, self.layer_idx)
+
+    def initial_state(self, cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+        """``[N, HV, K, V]`` float32: the cached state for the prompt (sequence 0), zeros for the padding's
+        document if any (``cu_seqlens``); None without a cached state."""
+        initial = self.view.recurrent_state(self.layer_idx)
+        if initial is None:
+            return None
+        initial = initial.to(torch.float32)
+        if cu_seqlens is not None:
+            initial = torch.cat([initial, initial.new_zeros(cu_seqlens.numel() - 2, *initial.shape[1:])])
+        return initial
+
+    def record_state(self, final_state: torch.Tensor) -> None:
+        """Keep the prompt's (sequence 0's) final state ``[1, HV, K, V]`` of ``final_state [N, HV, K, V]``."""
+        self.view.record_state(self.layer_idx, final_state[:1])
+
+
+def _lower_right_causal(inner_name: str, n: int, Tk: int, dtype: torch.dtype, device: torch.device):
+    """The mask of ``n`` queries that are the last of ``Tk`` keys (query ``i`` sees keys ``j <= i + Tk - n``),
+    for ``inner_name``: sdpa's causal path (None) when square, else its lower-right ``CausalBias`` (no ``n x Tk``
+    tensor); an additive ``[1, 1, n, Tk]`` tensor for eager (which takes None for no mask at all)."""
+    if inner_name == "sdpa":
+        from torch.nn.attention.bias import causal_lower_right
+        return None if n == Tk else causal_lower_right(n, Tk)
+    seen = torch.arange(Tk, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + (Tk - n)
+    return torch.zeros(n, Tk, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)[None, None]
+
+
+class _GatheredAttention:
+    """The attention modules' function during prefill (in place of the Ulysses one): this rank's prompt queries
+    ``[B, H, n, D]`` against the cache's keys up to its last one (``key``/``value`` as :meth:`PrefillCache.update`
+    returned them), through the model's implementation; the padding's queries get zeros."""
+
+    def __init__(self, inner_name: str, inner, view: PrefillCache):
+        self.inner_name, self.inner, self.view = inner_name, inner, view
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        view = self.view
+        B, H, Tq, _ = query.shape
+        n = min(max(view.valid - view.start, 0), Tq)
+        Tk = key.shape[-2] - view.valid + view.start + n  # past + the keys up to this rank's last prompt token
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "use_cache"):
+            kwargs.pop(name, None)
+        if n == 0:  # a rank of padding only
+            return query.new_zeros(B, Tq, H, value.shape[-1]), None
+        mask = _lower_right_causal(self.inner_name, n, Tk, query.dtype, query.device)
+        out, _ = self.inner(module, query[:, :, :n], key[:, :, :Tk], value[:, :, :Tk], mask, **kwargs)
+        if n < Tq:  # the padding's queries
+            out = torch.cat([out, out.new_zeros(B, Tq - n, H, value.shape[-1])], dim=1)
+        return out, None
+
+
+def _parallel_modules(model) -> tuple[list, list]:
+    """``(linear, attention)``: the token mixers whose forward ``parallelize`` replaced, and the attention modules
+    it routed through the Ulysses function."""
+    linear = [m for m in model.modules() if hasattr(m, "layer_idx") and "forward" in vars(m)]
+    attention = [m for m in model.modules() if hasattr(m, "_kdacp_ulysses")]
+    return linear, attention
+
+
+@contextlib.contextmanager
+def _gathered_attention(model, view: PrefillCache):
+    """Inside the block the model's attention modules run :class:`_GatheredAttention` over ``view``."""
+    _, attention = _parallel_modules(model)
+    saved = {m: m._kdacp_ulysses for m in attention}
+    try:
+        for m, spec in saved.items():
+            m._kdacp_ulysses = _GatheredAttention(spec.inner_name, spec.inner, view)
+        yield
+    finally:
+        for m, spec in saved.items():
+            m._kdacp_ulysses = spec
+
+
+def _check_call(model, batch: ShardedBatch, group) -> None:
+    """``ValueError`` for what :func:`prefill` does not run, before anything runs."""
+    if not isinstance(batch, ShardedBatch):
+        raise ValueError(f"batch must be a kdacp.ShardedBatch (kdacp.shard_batch), got {type(batch).__name__}")
+    linear, attention = _parallel_modules(model)
+    if not linear and not attention:
+        raise ValueError(f"kdacp.models.prefill runs a kdacp.parallelize'd model; {type(model).__name__} is not")
+    B, T_local = batch.input_ids.shape
+    cu = batch.cu_seqlens
+    one_document = cu is None or cu.numel() == (3 if batch.padding else 2)
+    if B != 1 or not one_document:
+        raise ValueError(f"kdacp.models.prefill takes one prompt: batch size 1 and one document, got B={B} and "
+                         f"cu_seqlens={None if cu is None else cu.tolist()}")
+    for m in attention:
+        spec = m._kdacp_ulysses
+        if spec.inner_name not in PREFILL_ATTENTIONS:
+            raise ValueError(f"prefill's attention runs the model's {PREFILL_ATTENTIONS} implementations, the model "
+                             f"uses {spec.inner_name!r}")
+        if dist.get_process_group_ranks(spec.group) != dist.get_process_group_ranks(group):
+            raise ValueError(f"prefill's group (ranks {dist.get_process_group_ranks(group)}) is not the model's "
+                             f"context-parallel group (ranks {dist.get_process_group_ranks(spec.group)})")
+
+
+def prefill(model, batch: ShardedBatch, cache=None, group=None) -> PrefillOutput:
+    """One forward pass of a ``parallelize``'d model over a prompt, without gradients, into its own cache.
+
+    Call it on every rank, like the forward.
+
+    Args:
+        model: a transformers ``KimiLinearForCausalLM`` or ``Qwen3NextForCausalLM`` after
+            :func:`kdacp.parallelize` (``ContextParallel`` mode ``state``; attention ``eager`` or ``sdpa``).
+        batch: this rank's shard of one prompt, :func:`kdacp.shard_batch` ``(prompt [1, T], group=group)``
+            (``pad_id=`` where ``T % P != 0``); every rank needs at least ``W - 1`` tokens (the convolution).
+        cache: the model's cache of the text before this prompt, from an earlier :func:`prefill` (chunked
+            prefill) or None (a new ``DynamicCache``). Updated in place.
+        group: the context-parallel process group or 1-D ``DeviceMesh`` of ``parallelize`` (default: the world).
+
+    Returns:
+        :class:`PrefillOutput`: the cache (the same on every rank) and the last prompt token's logits.
+
+    Raises:
+        ValueError: an unparallelised model, a batch of several rows or documents, another attention
+            implementation, another group, or a linear-attention mode other than ``state``.
+    """
+    group = process_group(group, "group")
+    _check_call(model, batch, group)
+    T_local = batch.input_ids.shape[1]
+    if cache is None:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=model.config)
+    past = cache.get_seq_length()
+    view = PrefillCache(cache, group, T_local, dist.get_world_size(group) * T_local - batch.padding)
+    kwargs = batch.model_kwargs()
+    del kwargs["labels"]  # no loss
+    kwargs.update(cache=view, use_cache=True, position_ids=batch.position_ids + past,
+                  logits_to_keep=torch.tensor([view.last_local], device=batch.input_ids.device))
+    with torch.no_grad(), _gathered_attention(model, view):
+        logits = model(**kwargs).logits[:, -1].contiguous()       # [1, vocab]
+        view.finish()
+        if dist.get_world_size(group) > 1:
+            dist.broadcast(logits, src=dist.get_global_rank(group, view.owner), group=group)
+    return PrefillOutput(cache, logits)
+
+
+@contextlib.contextmanager
+def own_forwards(model):
+    """Inside the block a ``parallelize``'d model runs transformers' own code on the calling rank: its token
+    mixers' own forwards and its own attention implementation (no collective); ``parallelize``'s on exit."""
+    linear, attention = _parallel_modules(model)
+    installed = {m: vars(m).pop("forward") for m in linear}
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_NAME}
+    try:
+        if attention:
+            for config in configs.values():
+                config._attn_implementation = attention[0]._kdacp_ulysses.inner_name
+        yield model
+    finally:
+        for m, forward in installed.items():
+            m.forward = forward
+        for config in configs.values():
+            config._attn_implementation = ATTENTION_NAME
+
+
+def _prompt(batch: ShardedBatch, group) -> torch.Tensor:
+    """The whole prompt ``[1, T]`` from every rank's shard (one all-gather), without padding."""
+    parts = [torch.empty_like(batch.input_ids) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, batch.input_ids.contiguous(), group=group)
+    ids = torch.cat(parts, dim=1)
+    return ids[:, :ids.shape[1] - batch.padding]
+
+
+def _check_same_on_every_rank(ids: torch.Tensor, group) -> None:
+    """``RuntimeError`` on every rank unless every rank generated ``ids``."""
+    length = torch.tensor([ids.shape[1]], device=ids.device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, length, group=group)
+    same = len({int(n) for n in lengths}) == 1
+    if same:
+        first = ids.clone()
+        dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+        differs = torch.tensor([int(not torch.equal(first, ids))], device=ids.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+        same = not differs.item()
+    if not same:
+        raise RuntimeError("the ranks generated different tokens: seed every rank alike (torch.manual_seed) "
+                           "before sampling")
+
+
+def generate(model, batch: ShardedBatch, max_new_tokens: int, group=None, **generate_kwargs) -> torch.Tensor:
+    """Prefill a prompt under context parallelism, then decode from that cache with transformers' own code.
+
+    The prompt but its last token is prefilled (:func:`prefill`); then ``model.generate(prompt, cache=...)``
+    runs the model's own code on each rank (:func:`own_forwards`) from the last prompt token on. Call it on
+    every rank; for sampling, seed every rank alike (``torch.manual_seed``) first.
+
+    Args:
+        model, group: as for :func:`prefill`.
+        batch: this rank's shard of the prompt (:func:`kdacp.shard_batch`; its padding is dropped here).
+        max_new_tokens: passed to ``model.generate``.
+        **generate_kwargs: ``model.generate``'s (``do_sample``, ``temperature``, ``top_k``, ...); not
+            ``cache`` or ``use_cache``.
+
+    Returns:
+        ``[1, T + new]`` token ids, the prompt and the new tokens, the same on every rank.
+
+    Raises:
+        ValueError: as :func:`prefill`, or ``generate_kwargs`` naming a cache.
+        RuntimeError: the ranks generated different tokens (sampling seeded differently).
+    """
+    group = process_group(group, "group")
+    for name in ("cache", "past_key_values", "use_cache"):
+        if name in generate_kwargs:
+            raise ValueError(f"kdacp.models.generate makes the cache itself: drop {name}=")
+    _check_call(model, batch, group)
+    prompt = _prompt(batch, group)
+    cache = None
+    if prompt.shape[1] > 1:
+        head = shard_batch(prompt[:, :-1], group=group, pad_id=int(prompt[0, 0]))
+        cache = prefill(model, head, group=group).cache
+    with own_forwards(model):
+        ids = model.generate(prompt, cache=cache, use_cache=True, max_new_tokens=max_new_tokens, **generate_kwargs)
+    _check_same_on_every_rank(ids, group)
+    return ids

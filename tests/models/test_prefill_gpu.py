@@ -1,0 +1,88 @@
+"""``kdacp.models.prefill`` and ``generate`` on one GPU (one NCCL rank): the GPU models of
+tests/models/test_parallelize_gpu.py (the models' own linear-attention head shapes, sdpa attention) in bf16,
+against a float32 copy of the unmodified model run by transformers' PyTorch code on the same GPU.
+
+On one rank nothing is exchanged; this checks the GPU path of prefill: FLA's and kdacp's kernels with an
+initial state, FLA's fused convolution with the cached convolution input as its halo, sdpa's lower-right
+causal mask (a piece after the first attends the cached keys), the cache's dtypes on CUDA. A 200-token prompt
+in one pass and in 3 pieces (70, 64, 66): every cache tensor and the last logits within the bf16 tolerance of
+the other GPU model tests; without the initial state the 3-piece cache leaves it. ``generate`` gives 16 new
+tokens from that cache with the model's own decode code (FLA's recurrent kernels), the same in two calls."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from tests.models.cp_common import VOCAB
+from tests.models.test_parallelize_gpu import GPU_TOL, HEAD_SHAPES, _family
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+T, PIECES = 200, (70, 64, 66)
+
+
+def _tensors(cache, logits) -> dict:
+    out = {"logits": logits.float()}
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "conv_states"):
+            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
+        else:
+            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
+    return out
+
+
+def _make(name: str, make_model):
+    """The model with weak decays (``A = exp(A_log) = 0.007``), so that a state dropped 66 tokens before the
+    prompt's end still shows."""
+    model = make_model(**HEAD_SHAPES[name])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("A_log"):
+                p.fill_(-5.0)
+    return model
+
+
+def _worker(ctx, name: str) -> dict:
+    import kdacp
+    from kdacp.models.prefill import PrefillCache
+    make_model, context, _ = _family(name)
+    prompt = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    reference = _make(name, make_model).to(ctx.device)
+    with context(), torch.no_grad():
+        out = reference(input_ids=prompt, use_cache=True)
+    want = _tensors(out.cache, out.logits[:, -1])
+    model = kdacp.parallelize(_make(name, make_model).to(ctx.device, torch.bfloat16),
+                              kdacp.ContextParallel("state"))
+
+    def prefill(pieces):
+        cache, start = None, 0
+        for n in pieces:
+            cache, logits = kdacp.models.prefill(model, kdacp.shard_batch(prompt[:, start:start + n]), cache=cache)
+            start += n
+        got = _tensors(cache, logits)
+        assert {k: (v.shape, v.dtype) for k, v in got.items() if k != "logits"} == \
+            {k: (v.shape, v.dtype if "recurrent" in k else torch.bfloat16) for k, v in want.items() if k != "logits"}
+        return max(((k, rel_err(got[k], want[k])) for k in want), key=lambda kv: kv[1])
+
+    result = dict(one=prefill((T,)), pieces=prefill(PIECES))
+    with mock.patch.object(PrefillCache, "recurrent_state", lambda self, layer_idx: None):
+        result["broken"] = prefill(PIECES)
+    ids = [kdacp.models.generate(model, kdacp.shard_batch(prompt), 16, do_sample=False) for _ in range(2)]
+    assert ids[0].shape == (1, T + 16) and torch.equal(ids[0][:, :T], prompt) and torch.equal(ids[0], ids[1])
+    return result
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "qwen3_next"])
+def test_prefill_on_one_gpu_matches_the_unmodified_model(name):
+    from kdacp.workers import launch
+    result = launch(_worker, 1, (name,), device="cuda", timeout_s=900)[0]
+    print(f"{name}: {result}")
+    for what in ("one", "pieces"):
+        key, err = result[what]
+        assert err < GPU_TOL, f"{name} prefill ({what}): {key} off by {err:.2e}"
+    key, err = result["broken"]
+    assert err > max(GPU_TOL, 10 * result["pieces"][1]), \
+        f"{name}: dropping the initial state went unnoticed ({err:.2e})"
