@@ -21,9 +21,6 @@ step() {  # step NAME LIMIT_S COMMAND...: run COMMAND with a time limit, log to 
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "$name: rc=$? in $((SECONDS - start)) s"
 }
-in_base() {  # run a command with BASE's src first on the path
-    PYTHONPATH="/tmp/site:$base/src" "$@"
-}
 if [ "$part" = 1 ]; then
     step demo 120 env TRITON_CACHE_DIR="$(mktemp -d)" /usr/bin/time -f "%e s wall (/usr/bin/time)" \
         python3 -m kdacp.cli demo --world-size 1 --device cuda
@@ -36,9 +33,9 @@ if [ "$part" = 1 ]; then
         --batches one_sequence,lognormal --out "$out/layer_after"
     step op_after 40 python3 benchmarks/op_one_gpu.py 16384
     if [ -n "$base" ]; then
-        step layer_before 70 in_base python3 -m kdacp.cli bench --suite layer --device cuda --world-size 1 \
+        step layer_before 70 env PYTHONPATH="/tmp/site:$base/src" python3 -m kdacp.cli bench --suite layer --device cuda --world-size 1 \
             --seq-lens 16384 --batches one_sequence,lognormal --out "$out/layer_before"
-        step op_before 40 in_base python3 benchmarks/op_one_gpu.py 16384
+        step op_before 40 env PYTHONPATH="/tmp/site:$base/src" python3 benchmarks/op_one_gpu.py 16384
     fi
 elif [ "$part" = 2 ]; then
     step prefill_test 90 python3 -m pytest -q -x -m gpu tests/models/test_prefill_gpu.py
