@@ -48,7 +48,7 @@ def _make(name: str, make_model):
 def _worker(ctx, name: str) -> dict:
     import kdacp
     from kdacp.models.prefill import PrefillCache
-    make_model, context, _ = _family(name)
+    make_model, context = _family(name)
     prompt = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     reference = _make(name, make_model).to(ctx.device)
     with context(), torch.no_grad():

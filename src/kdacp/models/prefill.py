@@ -258,8 +258,18 @@ def _gathered_attention(model, view: PrefillCache):
             m._kdacp_ulysses = spec
 
 
+# The cache reaches the model as ``cache=`` from this transformers on (``past_key_values=`` before it).
+MIN_TRANSFORMERS = "5.24"
+
+
 def _check_call(model, batch: ShardedBatch, group) -> None:
-    """``ValueError`` for what :func:`prefill` does not run, before anything runs."""
+    """``ValueError`` for what :func:`prefill` does not run (``ImportError`` for a transformers older than
+    :data:`MIN_TRANSFORMERS`), before anything runs."""
+    import transformers
+    from packaging.version import Version
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"kdacp.models.prefill and generate need transformers >= {MIN_TRANSFORMERS} (the cache "
+                          f"as the models' cache= argument); found {transformers.__version__}")
     if not isinstance(batch, ShardedBatch):
         raise ValueError(f"batch must be a kdacp.ShardedBatch (kdacp.shard_batch), got {type(batch).__name__}")
     linear, attention = _parallel_modules(model)
@@ -301,6 +311,7 @@ def prefill(model, batch: ShardedBatch, cache=None, group=None) -> PrefillOutput
     Raises:
         ValueError: an unparallelised model, a batch of several rows or documents, another attention
             implementation, another group, or a linear-attention mode other than ``state``.
+        ImportError: transformers older than :data:`MIN_TRANSFORMERS`.
     """
     group = process_group(group, "group")
     _check_call(model, batch, group)
