@@ -37,7 +37,7 @@ from kdacp.gdn import chunk_gated_delta_rule
 from . import gdn
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
-from .steps import log, max_rel_diff, step_functions
+from .steps import log, max_rel_diff, record_row, step_functions
 from .timing import peak_gb, timed_columns
 
 MULTI_RANK = True
@@ -127,9 +127,6 @@ def run(t_locals=(16384, 32768), batches=BATCHES, family: str = "kda", warmup: i
                     parts = [None] * world_size
                     dist.all_gather_object(parts, trace_step(fn, path), group=group)
                     row[f"{name}_trace"] = parts
-            rows.append(row)
-            if report is not None:
-                report(row)
             del x, do
-            torch.cuda.empty_cache()
+            record_row(rows, row, report)
     return rows

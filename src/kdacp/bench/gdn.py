@@ -35,7 +35,7 @@ from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import scalar_gate_as_kda
 
 from .batches import cu_seqlens_of, document_lengths
-from .steps import log, max_rel_diff, step_functions
+from .steps import log, max_rel_diff, record_row, step_functions
 from .harness import PlotSpec
 from .timing import timed_columns
 
@@ -105,9 +105,6 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                                      lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
             if "kdacp" in fns and "fla" in fns:
                 row["max_rel_diff_vs_fla"] = max_rel_diff(fns["kdacp"](), fns["fla"](), group)
-            rows.append(row)
-            if report is not None:
-                report(row)
             del x, do
-            torch.cuda.empty_cache()
+            record_row(rows, row, report)
     return rows

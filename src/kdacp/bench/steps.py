@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["log", "max_rel_diff", "step_functions"]
+__all__ = ["log", "max_rel_diff", "record_row", "step_functions"]
 
 
 def _train_step(fn, x: dict, do: torch.Tensor):
@@ -47,3 +47,12 @@ def log(message: str) -> None:
     """Progress on rank 0's stderr, with wall time: FLA autotunes each kernel at first use (minutes, cold)."""
     if dist.get_rank() == 0:
         print(f"[kdacp bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def record_row(rows: list, row: dict, report) -> None:
+    """Keep a measured ``row`` in ``rows``, hand it to ``report`` (if any) and give the CUDA allocator's cached
+    blocks back before the next case (call it after dropping the case's inputs)."""
+    rows.append(row)
+    if report is not None:
+        report(row)
+    torch.cuda.empty_cache()
