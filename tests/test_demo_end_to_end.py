@@ -141,6 +141,7 @@ def test_demo_under_torchrun_uses_its_ranks():
     assert len(rows) == 2 and "PASS" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_hybrid_runs_with_its_defaults():
     """``--mode hybrid`` without ``--ulysses-size`` once failed inside the workers."""
     proc = _demo("--mode", "hybrid", "--steps", "1", "--strategy", "auto")

@@ -17,6 +17,7 @@ def train_curve():
         yield importlib.import_module("train_curve")
 
 
+@pytest.mark.slow
 def test_two_ranks_follow_one_and_the_nudge_moves_the_curve(train_curve):
     args = dict(steps=3, seq_lens=[200, 120], lr=1e-3, seed=0)  # the first document crosses the edge at 160
     curves = {run: [r["loss"] for r in launch(train_curve.train_worker, p, (run, args), device="cpu",

@@ -202,6 +202,6 @@ def _run(rank: int, world_size: int) -> None:
     _all_cases(rank, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_chunk_kda_matches_reference(world_size):
     run_ranks(_run, world_size, timeout_s=200)

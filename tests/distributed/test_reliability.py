@@ -428,6 +428,6 @@ def _run(rank: int, P: int) -> None:
         print(f"P={P}: cases {counts}, seconds {times}", flush=True)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_reliability(world_size):
     run_ranks(_run, world_size, timeout_s=240)

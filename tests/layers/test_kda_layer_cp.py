@@ -143,6 +143,7 @@ def test_layer_cp_2_ranks():
     run_ranks(_check_cases, 2, CASES_2, refs, [("state", None), ("ulysses", None)])
 
 
+@pytest.mark.slow
 def test_layer_cp_4_ranks():
     refs = [_single_process(case, 4) for case in CASES_4]
     run_ranks(_check_cases, 4, CASES_4, refs, [("hybrid", 2)])

@@ -220,7 +220,7 @@ def _worker(rank, world_size, ref, results):
 reference = pytest.fixture(scope="module", name="reference")(lambda: _reference())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_prefill_and_generate_match_one_process(world_size, reference):
     results = torch.multiprocessing.Manager().dict()
     run_ranks(_worker, world_size, reference, results)

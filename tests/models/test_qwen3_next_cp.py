@@ -119,6 +119,6 @@ def _check_contract():
 reference = reference_fixture(_reference)
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_parallelize_matches_one_process(world_size, reference):
     run_and_report(_worker, world_size, reference, MODES[world_size])

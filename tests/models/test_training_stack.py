@@ -187,7 +187,7 @@ def _resume_worker(rank, world_size, name, results, checkpoint_dir):
         results["params"] = params
 
 
-@pytest.mark.parametrize("name", ["kimi_linear", "qwen3_next"])
+@pytest.mark.parametrize("name", ["kimi_linear", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_fsdp_ddp_checkpointing_on_dp_cp_mesh(name):
     ref = _reference(name)
     manager = torch.multiprocessing.Manager()
