@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_layer_suite_on_cpu_writes_results(tmp_path):
     """Its batches hold the documents they name at CPU sizes, its rows say ranks (not GPUs), and it times
     the ulysses mode beside state."""

@@ -13,6 +13,7 @@ from kdacp.cli import main
 TINY = ["--device", "cpu", "--seq-lens", "64", "--heads", "1", "--head-dim", "8"]
 
 
+@pytest.mark.slow
 def test_suite_runs_on_two_gloo_ranks(tmp_path, capsys):
     rc = main(["bench", "--suite", "scaling", *TINY, "--world-size", "2", "--predict-ranks", "2,5,64",
                "--gather-bandwidth-gbs", "7", "--sleep-check", "--out", str(tmp_path)])
