@@ -16,14 +16,7 @@ part=${1:?part 1 or 2}
 out=${2:?output folder}
 base=${3:-}
 mkdir -p "$out"
-step() {  # step NAME LIMIT_S COMMAND...: run COMMAND with a time limit, log to $out/NAME.log
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "$name: rc=$? in $((SECONDS - start)) s"
-    if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$out" .; fi  # what is done so far, in one file
-}
+source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
 if [ "$part" = 1 ]; then
     step demo 120 env TRITON_CACHE_DIR="$(mktemp -d)" /usr/bin/time -f "%e s wall (/usr/bin/time)" \
         python3 -m kdacp.cli demo --world-size 1 --device cuda

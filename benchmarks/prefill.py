@@ -34,20 +34,10 @@ from kdacp import shard_batch
 from kdacp.distributed import new_cp_group
 from kdacp.layers import ContextParallel
 from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
+from kdacp.models.prefill import cache_tensors
 from kdacp.workers import RankContext, launch
 
 GIB = 2.0 ** 30
-
-
-def _tensors(cache) -> dict:
-    """Every tensor of a transformers cache by name."""
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        if hasattr(layer, "conv_states"):
-            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
-        else:
-            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
-    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,8 +112,9 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
                        best_s=min(times) if times else None, peak_gib=peak)
             if out is not None:
                 cache, logits = out
-                row["cache_gib"] = sum(t.numel() * t.element_size() for t in _tensors(cache).values()) / GIB
-                results[run] = (_tensors(cache), logits)
+                tensors = cache_tensors(cache)
+                row["cache_gib"] = sum(t.numel() * t.element_size() for t in tensors.values()) / GIB
+                results[run] = (tensors, logits)
             rows.append(row)
             ctx.report(f"rank {ctx.rank} {run} T={T}: {row['status']} {row['best_s']} s, peak {row['peak_gib']} GiB")
         if len(results) == 2:

@@ -12,13 +12,7 @@ set -u
 part=${1:?part 1 or 2}
 out=${2:?output folder}
 mkdir -p "$out"
-step() {  # step NAME LIMIT_S COMMAND...: run COMMAND with a time limit, log to $out/NAME.log
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "$name: rc=$? in $((SECONDS - start)) s"
-}
+source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
 if [ "$part" = 1 ]; then
     step gpu_tests 120 python3 -m pytest -q -m gpu tests/distributed/test_cp_gpu.py tests/layers/test_kda_layer_cp_gpu.py
     tail -1 "$out/gpu_tests.log"

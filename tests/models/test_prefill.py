@@ -68,13 +68,8 @@ def _transformers_code(name: str):
 
 def cache_tensors(cache) -> dict:
     """Every tensor of a transformers cache by name (layer, kind), and its position."""
-    out = {"position": torch.tensor(float(cache.get_seq_length()))}
-    for i, layer in enumerate(cache.layers):
-        if hasattr(layer, "conv_states"):
-            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
-        else:
-            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
-    return out
+    from kdacp.models.prefill import cache_tensors as tensors
+    return {"position": torch.tensor(float(cache.get_seq_length())), **tensors(cache)}
 
 
 def _reference() -> dict:

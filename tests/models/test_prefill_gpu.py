@@ -25,13 +25,8 @@ T, PIECES = 200, (70, 64, 66)
 
 
 def _tensors(cache, logits) -> dict:
-    out = {"logits": logits.float()}
-    for i, layer in enumerate(cache.layers):
-        if hasattr(layer, "conv_states"):
-            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
-        else:
-            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
-    return out
+    from kdacp.models.prefill import cache_tensors
+    return {"logits": logits.float(), **cache_tensors(cache)}
 
 
 def _make(name: str, make_model):

@@ -42,7 +42,8 @@ from ..distributed.comm import process_group
 from .attention import ATTENTION_NAME
 from .batch import ShardedBatch, shard_batch
 
-__all__ = ["PREFILL_ATTENTIONS", "LayerPrefill", "PrefillCache", "PrefillOutput", "generate", "own_forwards",
+__all__ = ["PREFILL_ATTENTIONS", "LayerPrefill", "PrefillCache", "PrefillOutput", "cache_tensors", "generate",
+           "own_forwards",
            "prefill"]
 
 # the attention implementations the gathered prefill attention calls (lower-right causal masks)
@@ -256,6 +257,18 @@ def _gathered_attention(model, view: PrefillCache):
     finally:
         for m, spec in saved.items():
             m._kdacp_ulysses = spec
+
+
+def cache_tensors(cache) -> dict:
+    """Every tensor of a transformers cache by name: ``"{layer}.conv"`` / ``"{layer}.recurrent"`` of a
+    linear-attention layer (batch row 0), ``"{layer}.keys"`` / ``"{layer}.values"`` of an attention layer."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "conv_states"):
+            out[f"{i}.conv"], out[f"{i}.recurrent"] = layer.conv_states[0], layer.recurrent_states[0]
+        else:
+            out[f"{i}.keys"], out[f"{i}.values"] = layer.keys, layer.values
+    return out
 
 
 # The cache reaches the model as ``cache=`` from this transformers on (``past_key_values=`` before it).
