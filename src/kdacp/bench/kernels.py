@@ -451,7 +451,6 @@ def _conv_truth(x):
 
 def _conv_contenders(x, with_fla) -> dict:
     """name -> (forward fn, backward fn, which both return ``y`` / ``(dx, dweight)``)."""
-    kw = dict(cu_seqlens=x["cu"])
     leaves = {"x": x["x"].detach().requires_grad_(), "w": x["weight"].detach().requires_grad_()}
 
     def ours():

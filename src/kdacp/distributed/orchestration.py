@@ -39,7 +39,7 @@ import torch
 
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
 from . import comm
-from .plan import CPPlan, RankLayout, through_ranks
+from .plan import CPPlan, through_ranks
 from .strategies import AffineMessage, Route, StateExchange, make_exchange
 
 __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
