@@ -1,14 +1,17 @@
 """The cost of FSDP2 around ``kdacp.parallelize`` on one GPU (issue 29): the 346M Kimi Linear of
 ``benchmarks/train_curve.py`` (bf16 weights, AdamW) at 16K tokens, one training step (the model's own
 ``.loss``, backward, optimizer step) under ``parallelize`` alone and under ``parallelize`` + ``fully_shard``
-on every decoder layer and the root over the same one-rank mesh.
+on every decoder layer and the root over the same one-rank mesh: FSDP2's default (the layers' parameters
+freed after the forward and gathered again for the backward) and ``reshard_after_forward=False`` (kept
+from the forward to the backward, what a layer that fits does best; on P GPUs it saves one all-gather per
+layer and step).
 
-    python benchmarks/fsdp_step.py [--tokens 16384] [--steps 10] [--warmup 3]
+    python benchmarks/fsdp_step.py [--tokens 16384] [--steps 10] [--warmup 3] [--profile]
     python benchmarks/fsdp_step.py --device cpu      # a check of the script (tiny config, gloo), not a result
 
 Both models are built from the same seed and timed in alternation (one step of each, round robin, after the
 warm-up steps that compile and tune), each step ending in a device synchronisation. Prints the median step
-time of each, their ratio and whether it is within 1.02x (on 2026-12-02 the ``parallelize`` step took
+time of each, their ratios and whether they are within 1.02x (on 2026-12-02 the ``parallelize`` step took
 0.279 s on one H200; transformers' own model with FLA's kernels 0.370 s).
 """
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timing, profile one step of each: device time by kernel, top rows")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     size, dtype = (GPU_SIZE, torch.bfloat16) if cuda else (CPU_SIZE, torch.float32)
@@ -46,13 +51,13 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     runs = {}
-    for name in ("parallelize", "parallelize+fsdp2"):
+    for name, reshard in (("parallelize", None), ("+fsdp2", True), ("+fsdp2 kept", False)):
         model = build_model(size, seed=0, device=device, dtype=dtype)
         kdacp.parallelize(model, mesh)
-        if name.endswith("fsdp2"):
+        if reshard is not None:
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         runs[name] = (model, optimizer)
     params = sum(p.numel() for p in runs["parallelize"][0].parameters())
@@ -78,14 +83,31 @@ def main() -> None:
             if i >= args.warmup:
                 times[name].append(t)
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    ratio = median["parallelize+fsdp2"] / median["parallelize"]
+    if args.profile:
+        for name in runs:
+            _profile(lambda: step(name, 0), name, cuda)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {tokens} tokens, {dtype}, AdamW, "
           f"median of {args.steps} steps after {args.warmup}:")
     for name, m in median.items():
-        print(f"  {name:18s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f})")
-    print(f"  ratio {ratio:.3f}x: {'within' if ratio <= TARGET else 'NOT within'} {TARGET}x")
+        ratio = m / median["parallelize"]
+        verdict = "" if name == "parallelize" else f"  {ratio:.3f}x: {'within' if ratio <= TARGET else 'NOT within'} {TARGET}x"
+        print(f"  {name:14s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f}){verdict}")
     dist.destroy_process_group()
+
+
+def _profile(step, name: str, cuda: bool, rows: int = 12) -> None:
+    """Profile one ``step()``: its wall time, the device's busy time, and the top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        wall = step()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e3
+    print(f"profile {name}: wall {wall * 1e3:.1f} ms, {'device' if cuda else 'cpu'} time {busy:.1f} ms; top:")
+    for e in sorted(events, key=lambda e: -getattr(e, key))[:rows]:
+        print(f"    {getattr(e, key) / 1e3:8.2f} ms {e.count:5d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":

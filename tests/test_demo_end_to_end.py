@@ -75,7 +75,7 @@ def test_demo_on_one_rank_reports_its_whole_time_and_choices():
     assert elapsed - 5 < whole <= elapsed, (whole, elapsed)  # less only the exit after the verdict
     assert set(parts) == {"interpreter", "starting 1 rank", "building the model", "context-parallel steps",
                           "compiling ahead", "autotuning", "the one-process reference", "checks",
-                          "results and the workers' exit"}, parts
+                          "results and the process group's end"}, parts
     assert parts["context-parallel steps"] >= first  # the first step is one of them
     top = sum(v for k, v in parts.items() if k not in ("compiling ahead", "autotuning"))
     assert abs(top - whole) < 1.0, (top, whole)  # the parts add up to the whole (each rounded to 0.1 s)

@@ -45,6 +45,25 @@ def test_prepare_runs_in_each_rank_before_its_group():
     assert [r[2] for r in launch(_rank, 2, timeout_s=120)] == [[], []]
 
 
+def test_one_rank_runs_in_this_process_with_its_group_and_deadline(no_spawn):
+    _BEFORE_GROUP.clear()
+    reports = []
+
+    def one(ctx):
+        ctx.report("hello")
+        return ctx.rank, os.getpid(), list(_BEFORE_GROUP), dist.get_world_size()
+    try:
+        assert launch(one, 1, prepare=_prepare, on_report=lambda r, m: reports.append((r, m))) == [
+            (0, os.getpid(), [True], 1)]
+    finally:
+        _BEFORE_GROUP.clear()
+    assert reports == [(0, "hello")] and not dist.is_initialized()  # the group is gone afterwards
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"passed its 1 s limit and was stopped"):
+        launch(_sleep, 1, timeout_s=1.0)
+    assert time.monotonic() - start < 2.5 and not dist.is_initialized()
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """Fails a test that gets as far as creating a worker process."""

@@ -144,13 +144,15 @@ def _print_demo_time(row: dict, launched_at: float, world: int) -> None:
     phases (:data:`kdacp.demo.PHASES`), then gathering the results and the workers' exit."""
     now, whole = time.time(), process_age_s()
     start = row["started_at"] - launched_at
+    what = "in this process: model imports, process group" if world == 1 else "processes, imports, process group"
     parts = [f"{whole - (now - launched_at):.1f} s interpreter, imports and set-up",
-             f"{start:.1f} s starting {rank_count(world)} (processes, imports, process group)",
+             f"{start:.1f} s starting {rank_count(world)} ({what})",
              f"{row['build_s']:.1f} s building the model",
              f"{row['steps_s']:.1f} s context-parallel steps (of it {row['precompile_s']:.1f} s compiling ahead, "
              f"{row['autotune_s']:.1f} s autotuning)", f"{row['reference_s']:.1f} s the one-process reference",
              f"{row['checks_s']:.1f} s checks, exchanges and optimizer steps",
-             f"{now - launched_at - start - row['worker_s']:.1f} s results and the workers' exit"]
+             f"{now - launched_at - start - row['worker_s']:.1f} s results"
+             + (" and the workers' exit" if world > 1 else " and the process group's end")]
     print(f"time: {whole:.1f} s from command to verdict: " + ", ".join(parts) + " (rank 0)")
 
 

@@ -1,6 +1,7 @@
 """Start, watch and stop the worker processes of a multi-rank run (``kdacp demo`` and friends).
 
-Under ``torchrun`` the current process is one rank and nothing is spawned. Otherwise
+Under ``torchrun`` the current process is one rank and nothing is spawned; a one-rank run also runs in
+the calling process (no second interpreter to start and import into). Otherwise
 :func:`launch` first checks that the machine can hold ``world_size`` workers (:func:`check_world_size`),
 then spawns them, forwards their progress and results, and if one fails or dies, the run passes its
 deadline (start-up included) or the launching process gets SIGINT, SIGTERM or SIGHUP, stops the others
@@ -150,15 +151,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=poll, name="kdacp-watch-parent", daemon=True).start()
 
 
-def _init_group(rank: int, world_size: int, device: str, timeout_s: float) -> torch.device:
+def _init_group(rank: int, world_size: int, device: str, timeout_s: float, init_method: str | None = None) -> torch.device:
     backend = pick_backend(device, world_size)
     dev = torch.device("cpu")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if backend == "nccl" else None)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), device_id=dev if backend == "nccl" else None)
     return dev
 
 
@@ -197,6 +198,42 @@ def _stop_on_signals():
     finally:
         for s, handler in former.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _deadline(timeout_s: float):
+    """Inside the block (main thread only; elsewhere no deadline), :class:`WorkerError` is raised once
+    ``timeout_s`` seconds have passed (``SIGALRM``); the former timer and handler are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def late(signum, frame):
+        raise WorkerError(f"the run passed its {timeout_s:.0f} s limit and was stopped")
+    former = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, former)
+
+
+def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: float, on_report, prepare) -> list[Any]:
+    """One rank in the calling process (no worker to start, no second round of imports): ``prepare()``,
+    a one-rank process group, ``fn``, the group destroyed; the deadline and stop signals of :func:`launch`."""
+    if dist.is_initialized():
+        raise WorkerError("a one-rank run starts its own process group, but this process already has one; "
+                          "call fn directly, or destroy the group first")
+    pick_backend(device, 1)  # the device's error before anything runs
+    with _stop_on_signals(), _deadline(timeout_s):
+        if prepare is not None:
+            prepare()
+        dev = _init_group(0, 1, device, timeout_s, init_method=f"tcp://127.0.0.1:{port or free_port()}")
+        try:
+            return [fn(RankContext(0, 1, dev, lambda m: on_report and on_report(0, m)), *args)]
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -258,7 +295,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
            prepare: Callable[[], Any] | None = None) -> list[Any]:
     """Run ``fn(ctx: RankContext, *args)`` on ``world_size`` ranks and return their results by rank.
 
-    Under torchrun, runs this process's rank only and returns ``[result]``. Otherwise checks the world
+    Under torchrun, runs this process's rank only and returns ``[result]``; ``world_size == 1`` runs in
+    this process too (its process group of one rank is destroyed at the end). Otherwise checks the world
     size (:func:`check_world_size`) and spawns the ranks (``gloo`` on CPU, ``nccl`` with one GPU per
     rank); ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
     counts from the call: starting the workers, the run, and their exit. ``prepare()`` (picklable) runs in
@@ -284,12 +322,13 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
             return [fn(RankContext(rank, ws, dev, lambda m: on_report and on_report(rank, m)), *args)]
         finally:
             dist.destroy_process_group()
-    deadline = time.monotonic() + timeout_s
-    check_world_size(world_size, device)  # fail before spawning anything
     if port:
         _check_port(port)
-    else:
-        port = free_port()
+    if world_size == 1:
+        return _run_here(fn, args, device, port, timeout_s, on_report, prepare)
+    deadline = time.monotonic() + timeout_s
+    check_world_size(world_size, device)  # fail before spawning anything
+    port = port or free_port()
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
     started: list = []
