@@ -6,10 +6,12 @@ freed after the forward and gathered again for the backward) and ``reshard_after
 from the forward to the backward, what a layer that fits does best; on P GPUs it saves one all-gather per
 layer and step).
 
-    python benchmarks/fsdp_step.py [--tokens 16384] [--steps 10] [--warmup 3] [--profile]
+    python benchmarks/fsdp_step.py [--tokens 16384] [--steps 10] [--warmup 3] [--optimizer fused] [--profile]
     python benchmarks/fsdp_step.py --device cpu      # a check of the script (tiny config, gloo), not a result
 
-Both models are built from the same seed and timed in alternation (one step of each, round robin, after the
+AdamW runs fused by default (one kernel for all parameters: torchtitan's default implementation; ``foreach``,
+torch's default, launches one per operation and, on FSDP2's sharded parameters, dispatches each through DTensor).
+All models are built from the same seed and timed in alternation (one step of each, round robin, after the
 warm-up steps that compile and tune), each step ending in a device synchronisation. Prints the median step
 time of each, their ratios and whether they are within 1.02x (on 2026-12-02 the ``parallelize`` step took
 0.279 s on one H200; transformers' own model with FLA's kernels 0.370 s).
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from train_curve import CPU_SIZE, GPU_SIZE, build_model, make_batch
 
 import kdacp
+from kdacp.bench.trace import top_ops
 from kdacp.workers import free_port
 
 TARGET = 1.02
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--optimizer", default="fused", choices=["fused", "foreach"], help="AdamW's implementation")
     parser.add_argument("--profile", action="store_true",
                         help="after the timing, profile one step of each: device time by kernel, top rows")
     args = parser.parse_args()
@@ -58,7 +62,8 @@ def main() -> None:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                      **{args.optimizer: True})
         runs[name] = (model, optimizer)
     params = sum(p.numel() for p in runs["parallelize"][0].parameters())
 
@@ -85,29 +90,15 @@ def main() -> None:
     median = {name: statistics.median(ts) for name, ts in times.items()}
     if args.profile:
         for name in runs:
-            _profile(lambda: step(name, 0), name, cuda)
+            print(f"profile {name}: " + top_ops(lambda: step(name, 0), cuda))
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {tokens} tokens, {dtype}, AdamW, "
+    print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {tokens} tokens, {dtype}, AdamW ({args.optimizer}), "
           f"median of {args.steps} steps after {args.warmup}:")
     for name, m in median.items():
         ratio = m / median["parallelize"]
         verdict = "" if name == "parallelize" else f"  {ratio:.3f}x: {'within' if ratio <= TARGET else 'NOT within'} {TARGET}x"
         print(f"  {name:14s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f}){verdict}")
     dist.destroy_process_group()
-
-
-def _profile(step, name: str, cuda: bool, rows: int = 12) -> None:
-    """Profile one ``step()``: its wall time, the device's busy time, and the top kernels by device time."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        wall = step()
-    events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in events) / 1e3
-    print(f"profile {name}: wall {wall * 1e3:.1f} ms, {'device' if cuda else 'cpu'} time {busy:.1f} ms; top:")
-    for e in sorted(events, key=lambda e: -getattr(e, key))[:rows]:
-        print(f"    {getattr(e, key) / 1e3:8.2f} ms {e.count:5d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":

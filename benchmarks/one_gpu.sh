@@ -6,7 +6,10 @@
 #   bash benchmarks/one_gpu.sh 1 $OUT   # the demo on an empty Triton cache (its imports timed), the FSDP2
 #                                       # step (and a profile of each run), prefill at 128K to 1M tokens,
 #                                       # the GPU test of parallelize
-#   bash benchmarks/one_gpu.sh 2 $OUT   # the short convolution's kernels and the layer against FLA's, the
+#   bash benchmarks/one_gpu.sh 2 $OUT   # the FSDP2 step with AdamW fused and foreach; prefill at 128K
+#                                       # (warm, profiled) and 512K / 1M in one pass and in pieces of 256K;
+#                                       # which of torchtitan's dependencies the machine has
+#   bash benchmarks/one_gpu.sh 3 $OUT   # the short convolution's kernels and the layer against FLA's, the
 #                                       # per-rank overhead, the GDN suite
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
@@ -31,6 +34,22 @@ if [ "$part" = 1 ]; then
     step gpu_tests 150 python3 -m pytest -q -m gpu tests/models/test_parallelize_gpu.py
     tail -2 "$out/gpu_tests.log"
 elif [ "$part" = 2 ]; then
+    python3 -c "
+import importlib.util as u
+print('torchtitan deps here:', {m: u.find_spec(m) is not None for m in
+      ('pyarrow', 'pandas', 'datasets', 'tensorboard', 'grpc', 'tyro', 'torchdata', 'tokenizers', 'wandb', 'fsspec')})"
+    step fsdp_fused 150 python3 benchmarks/fsdp_step.py --optimizer fused
+    tail -3 "$out/fsdp_fused.log"
+    step fsdp_foreach 150 python3 benchmarks/fsdp_step.py --optimizer foreach
+    tail -3 "$out/fsdp_foreach.log"
+    step prefill_128k 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_128k" --world-size 1 --seq-lens 131072 --repeats 2 --profile
+    tail -4 "$out/prefill_128k.log"
+    step prefill_long 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_long" --world-size 1 --seq-lens 524288 1048576 --repeats 1 \
+        --no-plain --pieces-of 262144
+    tail -9 "$out/prefill_long.log"
+elif [ "$part" = 3 ]; then
     step conv 60 python3 -m kdacp.cli bench --suite kernels --family conv --out "$out/conv"
     step layer 90 python3 -m kdacp.cli bench --suite layer --device cuda --world-size 1 --seq-lens 16384 \
         --batches one_sequence,lognormal --out "$out/layer"

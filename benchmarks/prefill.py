@@ -2,12 +2,14 @@
 benchmarks/train_curve.py on P GPUs, against transformers' own forward with FLA's kernels on one GPU.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/prefill.py OUT_DIR \\
-        [--world-size 1] [--seq-lens 131072 524288 1048576] [--repeats 2] [--no-plain]
+        [--world-size 1] [--seq-lens 131072 524288 1048576] [--repeats 2] [--no-plain] [--pieces-of TOKENS] [--profile]
 
 Per prompt length, each rank: the time of ``prefill(model, shard_batch(prompt, pad_id=0))`` (without
 gradients; the cache of the whole prompt on every rank, the last token's logits) and its peak memory
 (``torch.cuda.max_memory_allocated``, the weights included), over ``--repeats`` runs (the first and the best
-time). Then, at ``--world-size 1``, transformers' own model with the same weights (``kdacp.models.own_forwards``:
+time). With ``--pieces-of N``, prompts longer than ``N`` tokens are also prefilled in pieces of ``N`` (chunked
+prefill: each piece under CP, continuing the cache of the ones before; the run ``kdacp pieces``), which bounds the
+activations by one piece's. Then, at ``--world-size 1``, transformers' own model with the same weights (``kdacp.models.own_forwards``:
 its own code, FLA's kernels where FLA imports) as ``generate`` prefills: ``model(prompt, use_cache=True,
 logits_to_keep=1)`` under ``torch.no_grad``; an out-of-memory error is caught and reported as ``OOM``. Where
 both ran, the relative (2-norm) difference of their last-token logits and of every cache tensor (bf16).
@@ -31,6 +33,7 @@ import torch
 from train_curve import CPU_SIZE, GPU_SIZE, build_model
 
 from kdacp import shard_batch
+from kdacp.bench.trace import top_ops
 from kdacp.distributed import new_cp_group
 from kdacp.layers import ContextParallel
 from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
@@ -84,6 +87,14 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
     def run_kdacp(prompt):
         return prefill(model, shard_batch(prompt, group=cp.group, pad_id=0), group=cp.group)
 
+    def run_pieces(prompt):
+        cache, out = None, None
+        for start in range(0, prompt.shape[1], args["pieces_of"]):
+            piece = prompt[:, start:start + args["pieces_of"]]
+            out = prefill(model, shard_batch(piece, group=cp.group, pad_id=0), cache, group=cp.group)
+            cache = out.cache
+        return out
+
     def run_plain(prompt):
         with own_forwards(model), torch.no_grad():
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
@@ -95,10 +106,19 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
     if plain:
         run_plain(warm)
     del warm
+    if args["profile"] and ctx.world_size == 1:  # one pass of each at the first length, before the timed ones
+        prompt = torch.randint(3, size["vocab"], (1, args["seq_lens"][0]), generator=gen).to(ctx.device)
+        for run, fn in [("kdacp", run_kdacp)] + ([("transformers", run_plain)] if plain else []):
+            ctx.report(f"profile {run} T={prompt.shape[1]}: " + top_ops(lambda: fn(prompt), ctx.device.type == "cuda"))
+        del prompt
     for T in args["seq_lens"]:
         prompt = torch.randint(3, size["vocab"], (1, T), generator=gen).to(ctx.device)
         results = {}
-        for run, fn in [("kdacp", run_kdacp)] + ([("transformers", run_plain)] if plain else []):
+        first = len(rows)  # this prompt's rows start there
+        runs = [("kdacp", run_kdacp)]
+        if args["pieces_of"] and T > args["pieces_of"]:
+            runs.append(("kdacp pieces", run_pieces))
+        for run, fn in runs + ([("transformers", run_plain)] if plain else []):
             times, peak, out = [], None, None
             for _ in range(args["repeats"]):
                 out = None  # the previous run's cache freed before the next
@@ -117,12 +137,16 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
                 results[run] = (tensors, logits)
             rows.append(row)
             ctx.report(f"rank {ctx.rank} {run} T={T}: {row['status']} {row['best_s']} s, peak {row['peak_gib']} GiB")
-        if len(results) == 2:
-            (mine, my_logits), (theirs, their_logits) = results["kdacp"], results["transformers"]
+        # each kdacp run against transformers' (or, without it, the pieces against the one pass)
+        against = "transformers" if "transformers" in results else "kdacp"
+        for row in rows[first:]:
+            if row["run"] == against or row["run"] not in results or against not in results:
+                continue
+            (mine, my_logits), (theirs, their_logits) = results[row["run"]], results[against]
             diffs = {k: _rel(mine[k], theirs[k]) for k in theirs}
             worst = max(diffs, key=diffs.get)
-            rows[-2].update(logits_rel_diff=_rel(my_logits, their_logits), worst_cache_tensor=worst,
-                            worst_cache_rel_diff=diffs[worst])
+            row.update(against=against, logits_rel_diff=_rel(my_logits, their_logits), worst_cache_tensor=worst,
+                       worst_cache_rel_diff=diffs[worst])
         del results, prompt
     return rows
 
@@ -149,28 +173,33 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16384, help="tokens of the warm-up prefill")
     parser.add_argument("--no-plain", dest="plain", action="store_false",
                         help="skip transformers' own forward (it runs at --world-size 1 only)")
+    parser.add_argument("--pieces-of", type=int, default=0, metavar="TOKENS",
+                        help="also prefill prompts longer than this in pieces of it (chunked prefill)")
+    parser.add_argument("--profile", action="store_true",
+                        help="first profile one pass of each run at the first length (at --world-size 1 only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    args = dict(seq_lens=a.seq_lens, repeats=a.repeats, warmup=a.warmup, plain=a.plain, seed=a.seed)
+    args = dict(seq_lens=a.seq_lens, repeats=a.repeats, warmup=a.warmup, plain=a.plain, seed=a.seed,
+                pieces_of=a.pieces_of, profile=a.profile)
     per_rank = launch(prefill_worker, a.world_size, (args,), device=a.device, timeout_s=3600,
                       on_report=lambda rank, m: print(m, flush=True), prepare=load_kimi_linear)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     with open(os.path.join(a.out, "prefill.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"{'run':>12} {'P':>2} {'rank':>4} {'tokens':>8} {'status':>6} {'first s':>8} {'best s':>8} "
-          f"{'peak GiB':>8} {'cache GiB':>9} {'logits d':>8} {'worst cache d':>22}")
+          f"{'peak GiB':>8} {'cache GiB':>9} {'against':>12} {'logits d':>8} {'worst cache d':>22}")
     for r in rows:
         def fmt(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
         worst = f"{r['worst_cache_tensor']} {r['worst_cache_rel_diff']:.1e}" if "worst_cache_tensor" in r else "-"
         print(f"{r['run']:>12} {r['ranks']:>2} {r['rank']:>4} {r['tokens']:>8} {r['status']:>6} "
               f"{fmt('first_s', '8.3f'):>8} {fmt('best_s', '8.3f'):>8} {fmt('peak_gib', '8.2f'):>8} "
-              f"{fmt('cache_gib', '9.3f'):>9} "
+              f"{fmt('cache_gib', '9.3f'):>9} {r.get('against', '-'):>12} "
               f"{fmt('logits_rel_diff', '8.1e'):>8} {worst:>22}")
     size = GPU_SIZE if a.device == "cuda" else CPU_SIZE
-    ones = [r for r in rows if r["run"] == "kdacp" and r["ranks"] == 1 and r["status"] == "ok"]
+    ones = [r for r in rows if r["run"] == "kdacp" and r["ranks"] == 1 and r["status"] == "ok"]  # one pass
     if ones and a.device == "cuda":
         print("peak GiB per rank at P ranks, a model from the one-GPU rows (weights + activations / P + the cache "
               "and one MLA layer's expanded keys/values, which every rank holds whole):")

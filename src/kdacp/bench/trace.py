@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["trace_step", "breakdown"]
+__all__ = ["trace_step", "breakdown", "top_ops"]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -74,3 +74,27 @@ def trace_step(fn, path: str | Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     return breakdown(json.loads(path.read_text()))
+
+
+def top_ops(fn, cuda: bool, rows: int = 12) -> str:
+    """Run ``fn`` once under ``torch.profiler`` and describe it: its wall ms, the summed self time of its
+    operations and kernels (device time where ``cuda``, else CPU time; nested ranges such as an autograd
+    function and its kernels both count, so the sum can exceed the wall), and the top ``rows`` by self time."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events) / 1e3
+    lines = [f"wall {wall * 1e3:.1f} ms, summed self {'device' if cuda else 'CPU'} time {total:.1f} ms; top:"]
+    for e in sorted(events, key=lambda e: -getattr(e, key))[:rows]:
+        lines.append(f"  {getattr(e, key) / 1e3:9.2f} ms {e.count:6d}x  {e.key[:100]}")
+    return "\n".join(lines)
