@@ -16,13 +16,15 @@ from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
-__all__ = ["chunk_gated_delta_rule", "gdn_as_kda_arguments", "scalar_gate_arguments"]
+__all__ = ["chunk_gated_delta_rule", "gdn_as_kda_arguments"]
 
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
-    """KDA's ``g``/``A_log``/``dt_bias`` keyword arguments for GDN's ``g [B, T, HV]`` (natural-log decay,
-    or logits with ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``), GDN's own gate included for the
-    ``fla`` backend, after checking GDN's shapes: pass them to ``chunk_kda`` / ``cp.chunk_kda``."""
+    """The KDA op's gate keywords for GDN's ``g [B, T, HV]`` (natural-log decay, or logits with
+    ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``), after checking GDN's shapes: ``g [B, T, HV, K]``
+    and ``dt_bias [HV * K]`` broadcast over ``K`` (views), ``A_log``, ``use_gate_in_kernel``, and
+    ``scalar_gate``: GDN's own ``(g, dt_bias)``, which the ``fla`` backend runs FLA's GDN kernels on
+    (:func:`kdacp.kda.check_and_prepare`'s keyword)."""
     for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
         check_tensor(name, x, nd)
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
@@ -38,16 +40,9 @@ def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
                 raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    return dict(use_gate_in_kernel=use_gate_in_kernel, **scalar_gate_arguments(g, q.shape[-1], A_log, dt_bias))
-
-
-def scalar_gate_arguments(g, K: int, A_log=None, dt_bias=None) -> dict:
-    """KDA's ``g``/``A_log``/``dt_bias`` keyword arguments for GDN's scalar gate ``g [B, T, HV]`` over
-    ``K`` key channels (logits with ``A_log, dt_bias [HV]``, natural-log decay with ``A_log=None``),
-    and the scalar gate itself for the ``fla`` backend; shapes unchecked (see
-    :func:`gdn_as_kda_arguments`)."""
-    g_kda, dt_bias_kda = scalar_gate_as_kda(g, K, dt_bias)
-    return dict(g=g_kda, A_log=A_log, dt_bias=dt_bias_kda, _scalar_gate=(g, dt_bias))
+    g_kda, dt_bias_kda = scalar_gate_as_kda(g, q.shape[-1], dt_bias)
+    return dict(g=g_kda, A_log=A_log, dt_bias=dt_bias_kda, use_gate_in_kernel=use_gate_in_kernel,
+                scalar_gate=(g, dt_bias))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -68,9 +63,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
     """
     gate = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
-    scalar_gate = gate.pop("_scalar_gate")
     prepared, plan = check_and_prepare(
         q, k, v, beta=beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         lower_bound=None, safe_gate=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
-        check_finite=False, output_final_state=output_final_state, cp=cp, scalar_gate=scalar_gate, **gate)
+        check_finite=False, output_final_state=output_final_state, cp=cp, **gate)
     return run_prepared(prepared, plan, initial_state, output_final_state)

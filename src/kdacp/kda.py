@@ -101,7 +101,7 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None, *, _scalar_gate=None):
+              check_finite=False, cp=None):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
 
@@ -133,9 +133,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             A_log/dt_bias gradients), no other sequence's.
         cp: the :class:`~kdacp.distributed.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
             ``None`` for one device.
-        _scalar_gate: carried here from the layers' GDN gate arguments
-            (:func:`kdacp.gdn.scalar_gate_arguments`) only; GDN's op passes its gate to
-            :func:`check_and_prepare` itself.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
@@ -150,5 +147,5 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         safe_gate=safe_gate, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
-        check_finite=check_finite, output_final_state=output_final_state, cp=cp, scalar_gate=_scalar_gate)
+        check_finite=check_finite, output_final_state=output_final_state, cp=cp)
     return run_prepared(prepared, plan, initial_state, output_final_state)

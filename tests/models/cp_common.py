@@ -127,11 +127,10 @@ def check_parallelize_contract(model_type, make_model):
     return cp
 
 
-def local_chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-    """``ContextParallel.chunk_kda`` without the state exchange: each rank's pieces start from zero."""
-    from kdacp.kda import chunk_kda
-    return chunk_kda(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
-                     backend=backend, **kwargs)
+def local_recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+    """``ContextParallel.recurrence`` without the state exchange: each rank's pieces start from zero."""
+    return op(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
+              backend=backend, **kwargs)
 
 
 def exchanges() -> dict:
@@ -141,7 +140,7 @@ def exchanges() -> dict:
     from kdacp.layers import comm, context_parallel
     return {
         "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
-        "state exchange": (context_parallel.ContextParallel, "chunk_kda", local_chunk_kda),
+        "state exchange": (context_parallel.ContextParallel, "recurrence", local_recurrence),
         "attention all-to-all": (comm, "all_to_all", lambda x, group: x),
         "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),
     }

@@ -136,11 +136,10 @@ def _call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: t
         return prepare_call(backend, **x, scale=None, **KDA_OPTIONS), torch.randn_like(x["v"])
     # GDN: one gate logit per value head and token, dt_bias [HV]
     gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"][..., 0], True, x["A_log"], x["dt_bias"][:heads])
-    scalar_gate = gate.pop("_scalar_gate")
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)
-        call = prepare_call(backend, **leaves, **gate, scale=None, **GDN_OPTIONS, scalar_gate=scalar_gate)
+        call = prepare_call(backend, **leaves, **gate, scale=None, **GDN_OPTIONS)
     return call, torch.randn_like(x["v"])
 
 

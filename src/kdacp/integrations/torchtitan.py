@@ -71,7 +71,7 @@ from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
 from ..backends import resolve_backend
-from ..gdn import scalar_gate_arguments
+from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
@@ -151,9 +151,9 @@ class GatedDeltaContext:
         # The one call of kdacp's GDN op (through the layers' context-parallel hook, which owns the plan).
         # kdacp takes g in q's dtype: torchtitan's float32 gate is rounded to it under bf16 mixed precision
         # (FLA's kernels would read it in float32).
-        o, _ = self.cp.chunk_kda(q, k, v, beta=beta, cu_seqlens=self._offsets(cu_seqlens, cu_seqlens_cpu),
-                                 backend=self.backend, use_qk_l2norm_in_kernel=True,
-                                 **scalar_gate_arguments(g.to(q.dtype), q.shape[-1]))
+        o, _ = self.cp.recurrence(chunk_gated_delta_rule, q, k, v, g.to(q.dtype), beta,
+                                  cu_seqlens=self._offsets(cu_seqlens, cu_seqlens_cpu), backend=self.backend,
+                                  use_qk_l2norm_in_kernel=True)
         return o
 
 

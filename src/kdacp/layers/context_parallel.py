@@ -1,8 +1,9 @@
-"""How a :class:`~kdacp.layers.KimiDeltaAttention` layer runs: on one device or context-parallel.
+"""How a gated delta-rule token mixer (KDA, GDN) runs: on one device or context-parallel.
 
-The layer calls the same hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
-``chunk_kda``, ``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE`
-implements them as identities and a local ``chunk_kda``, :class:`ContextParallel` with exchanges.
+The mixer calls the same hooks either way (``to_heads``, ``head_shard``, ``conv_context``,
+``recurrence``, ``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE`
+implements them as identities and the recurrence op on one device, :class:`ContextParallel` with
+exchanges (the op with the batch's plan).
 Nothing per call is stored on these objects (only what each packed batch's ``cu_seqlens`` implies,
 built once per batch), so several calls may be in flight at once.
 
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from ..caches import CACHED_BATCHES, CACHED_SHAPES
 from ..distributed import build_cp_plan, new_cp_group
 from ..distributed.plan import local_cu_seqlens
-from .. import kda
 from .comm import heads_to_time, shift_right, time_to_heads
 
 __all__ = ["ConvContext", "ContextParallel", "SINGLE_DEVICE", "MODES"]
@@ -105,10 +105,12 @@ class _SingleDevice:
         # FLA's convolution builds its chunk indices from the device tensor, once per tensor.
         return ConvContext(None, cu_seqlens)
 
-    def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+        """``op`` (:func:`kdacp.chunk_kda` or :func:`kdacp.chunk_gated_delta_rule`, with its own arguments)
+        on this rank's tokens: ``cu_seqlens`` the batch's global ``[N+1]`` boundaries or None; under
+        context parallelism with the batch's plan (``cp=``), built once per batch."""
         cu_cpu = None if cu_seqlens is None else self._batch(cu_seqlens, q.shape[1]).cu_cpu
-        return kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend,
-                             **kwargs)
+        return op(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend, **kwargs)
 
     def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
         return _Batch(torch.tensor(cu, dtype=torch.int64), None, ConvContext(None, None))
@@ -263,13 +265,13 @@ class ContextParallel(_SingleDevice):
         group = self.state_group if self.state_size > 1 else None
         return ConvContext(group, None, halo_tokens=self.state_rank * T)
 
-    def chunk_kda(self, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         backend = self.backend or backend
         if self.state_size == 1:
-            return super().chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+            return super().recurrence(op, q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
         B, T = q.shape[:2]
         plan = self._row_plan(B, T) if cu_seqlens is None else self._batch(cu_seqlens, T).plan
-        return kda.chunk_kda(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
+        return op(q, k, v, g, beta, backend=backend, cp=plan, **kwargs)
 
     def _build_batch(self, cu: tuple[int, ...], device: torch.device, T: int) -> _Batch:
         plan = None
@@ -292,7 +294,7 @@ class ContextParallel(_SingleDevice):
 
     def _row_plan(self, B: int, T: int):
         """The plan of ``B`` rows of ``T`` tokens per rank, built once per shape (the last
-        :data:`CACHED_SHAPES` shapes are kept), so that ``chunk_kda`` checks the ranks' agreement once
+        :data:`CACHED_SHAPES` shapes are kept), so that the op checks the ranks' agreement once
         per shape rather than on every layer call."""
         key = (B, T)
         plan = self._row_plans.pop(key, None)

@@ -8,7 +8,7 @@ recurrence) and the Hugging Face adapters (:mod:`kdacp.models`), each on its own
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -59,6 +59,7 @@ class MixerParts(Protocol):
     num_v_heads: int  # HV
     head_k_dim: int   # K
     head_v_dim: int   # V
+    op: Callable      # the recurrence, kdacp.chunk_kda (KDA) or kdacp.chunk_gated_delta_rule (GDN)
 
     def project(self, x: torch.Tensor) -> Projected:
         """The projections of ``x [B, T, hidden]``."""
@@ -68,7 +69,7 @@ class MixerParts(Protocol):
         key heads ``heads`` (q, k) and value heads ``v_heads`` (v)."""
 
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        """The recurrence's gate keywords (``g``, ``A_log``, ``dt_bias``, ...; the gate is applied in the
+        """:attr:`op`'s gate keywords (``g``, ``A_log``, ``dt_bias``, ...; the gate is applied in the
         kernel) for ``gate``: the logits of value heads ``v_heads``."""
 
     def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
@@ -116,8 +117,8 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
                              cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
                for y, (weight, bias), halo in zip((q, k, v), weights, halos))
 
-    o, final_state = cp.chunk_kda(
-        q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
+    o, final_state = cp.recurrence(
+        parts.op, q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
         cu_seqlens=cu_seqlens, backend=backend,
         initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..gdn import scalar_gate_arguments
+from ..gdn import chunk_gated_delta_rule
 from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
@@ -47,6 +47,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.a_proj(x)
 
+    op = staticmethod(chunk_gated_delta_rule)
+
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        # the scalar gate itself too: the fla backend runs FLA's GDN kernels on it (kdacp.gdn)
-        return scalar_gate_arguments(gate, self.head_k_dim, self.A_log[v_heads], self.dt_bias[v_heads])
+        return dict(g=gate, A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads])

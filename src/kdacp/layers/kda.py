@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..kda import chunk_kda
 from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
@@ -71,6 +72,8 @@ class KimiDeltaAttention(DeltaRuleLayer):
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.f_proj(x)
+
+    op = staticmethod(chunk_kda)
 
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         K = self.head_k_dim

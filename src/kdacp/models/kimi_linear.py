@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..kda import chunk_kda
 from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
@@ -92,6 +93,8 @@ class KimiDeltaParts:
         self.module = module
         self.num_heads = self.num_v_heads = module.num_heads
         self.head_k_dim = self.head_v_dim = module.head_dim
+
+    op = staticmethod(chunk_kda)
 
     def project(self, x: torch.Tensor) -> Projected:
         m, f = self.module, self.module.forget_gate

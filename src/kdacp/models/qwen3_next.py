@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..gdn import scalar_gate_arguments
+from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import check_attention
@@ -90,10 +90,11 @@ class GatedDeltaNetParts:
                     slice(2 * kd + v_heads.start * V, 2 * kd + v_heads.stop * V)]
         return [(weight[c], None if bias is None else bias[c]) for c in channels]
 
+    op = staticmethod(chunk_gated_delta_rule)
+
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        # The model's gate, -exp(A_log) * softplus(a + dt_bias), computed inside the kernel (kdacp's GDN arguments).
-        m = self.module
-        return scalar_gate_arguments(gate, self.head_k_dim, m.A_log[v_heads], m.dt_bias[v_heads])
+        # The model's gate, -exp(A_log) * softplus(a + dt_bias), computed inside the kernel.
+        return dict(g=gate, A_log=self.module.A_log[v_heads], dt_bias=self.module.dt_bias[v_heads])
 
     def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
         return self.module.norm.weight, self.module.norm.variance_epsilon, "swish"
