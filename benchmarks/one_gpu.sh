@@ -9,7 +9,9 @@
 #   bash benchmarks/one_gpu.sh 2 $OUT   # the FSDP2 step with AdamW fused and foreach; prefill at 128K
 #                                       # (warm, profiled) and 512K / 1M in one pass and in pieces of 256K;
 #                                       # which of torchtitan's dependencies the machine has
-#   bash benchmarks/one_gpu.sh 3 $OUT   # the short convolution's kernels and the layer against FLA's, the
+#   bash benchmarks/one_gpu.sh 3 $OUT   # GPU tests of the layers, the GDN backend and parallelize; prefill
+#                                       # at 512K and 1M against transformers' own forward, twice each
+#   bash benchmarks/one_gpu.sh 4 $OUT   # the short convolution's kernels and the layer against FLA's, the
 #                                       # per-rank overhead, the GDN suite
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
@@ -50,6 +52,16 @@ print('torchtitan deps here:', {m: u.find_spec(m) is not None for m in
         --no-plain --pieces-of 262144
     tail -9 "$out/prefill_long.log"
 elif [ "$part" = 3 ]; then
+    step gpu_tests 200 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py tests/backends/test_fla_gdn_backend.py \
+        tests/models/test_parallelize_gpu.py
+    tail -2 "$out/gpu_tests.log"
+    step prefill_512k 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_512k" --world-size 1 --seq-lens 524288 --repeats 2 --pieces-of 262144
+    tail -5 "$out/prefill_512k.log"
+    step prefill_1m 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_1m" --world-size 1 --seq-lens 1048576 --repeats 1 --pieces-of 262144
+    tail -5 "$out/prefill_1m.log"
+elif [ "$part" = 4 ]; then
     step conv 60 python3 -m kdacp.cli bench --suite kernels --family conv --out "$out/conv"
     step layer 90 python3 -m kdacp.cli bench --suite layer --device cuda --world-size 1 --seq-lens 16384 \
         --batches one_sequence,lognormal --out "$out/layer"

@@ -208,7 +208,8 @@ def _nan_containment(rank: int, P: int) -> int:
             for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
                 crosses = a // L != (b - 1) // L
                 t = a + 1  # on the sequence's first rank: with a crossing sequence the NaN travels on
-                for name in ("g", "v", "initial_state"):
+                # one poisoned input per sequence, in turn over sequences and layouts (each strategy sees all three)
+                for name in (("g", "v", "initial_state")[(s + li) % 3],):
                     index = (s, 1, 2) if name == "initial_state" else (0, t, args[name].shape[2] - 1) + (0,) * (args[name].dim() - 3)
                     o, final, grads = _cp_run(_poison(args, name, index), plan, lo, hi, do, dfinal)
                     where = (f"[{strategy}, P={P}, layout {li}, NaN in {name} of sequence {s} "
