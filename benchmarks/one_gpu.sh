@@ -11,6 +11,8 @@
 #                                       # which of torchtitan's dependencies the machine has
 #   bash benchmarks/one_gpu.sh 3 $OUT   # GPU tests of the layers, the GDN backend and parallelize; prefill
 #                                       # at 512K and 1M against transformers' own forward, twice each
+#   bash benchmarks/one_gpu.sh 5 $OUT   # after the pieces' attention change: the GPU prefill and parallelize
+#                                       # tests, prefill at 512K and 1M in pieces
 #   bash benchmarks/one_gpu.sh 4 $OUT   # the short convolution's kernels and the layer against FLA's, the
 #                                       # per-rank overhead, the GDN suite
 #
@@ -61,6 +63,17 @@ elif [ "$part" = 3 ]; then
     step prefill_1m 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         python3 benchmarks/prefill.py "$out/prefill_1m" --world-size 1 --seq-lens 1048576 --repeats 1 --pieces-of 262144
     tail -5 "$out/prefill_1m.log"
+elif [ "$part" = 5 ]; then
+    step gpu_tests 170 python3 -m pytest -q -m gpu tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
+    tail -2 "$out/gpu_tests.log"
+    step prefill_512k 100 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_512k" --world-size 1 --seq-lens 524288 --repeats 2 --pieces-of 262144 \
+        --no-plain
+    tail -4 "$out/prefill_512k.log"
+    step prefill_1m 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/prefill.py "$out/prefill_1m" --world-size 1 --seq-lens 1048576 --repeats 1 --pieces-of 262144 \
+        --no-plain
+    tail -4 "$out/prefill_1m.log"
 elif [ "$part" = 4 ]; then
     step conv 60 python3 -m kdacp.cli bench --suite kernels --family conv --out "$out/conv"
     step layer 90 python3 -m kdacp.cli bench --suite layer --device cuda --world-size 1 --seq-lens 16384 \

@@ -222,3 +222,29 @@ def test_prefill_and_generate_match_one_process(world_size, reference):
     for what, (key, err) in results.items():
         assert "without" in what or err < TOL, f"{what}: {key} off by {err:.2e}"
     print({what: f"{key}: {err:.1e}" for what, (key, err) in results.items()})
+
+
+def _attend_float64(q, k, v, causal):
+    """``(out, lse)`` of softmax attention in float64, upper-left causal when ``causal`` (square)."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v.double(), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("n,Tk", [(5, 5), (5, 12), (1, 9), (7, 8)])
+def test_split_lower_right_matches_the_masked_softmax(n, Tk):
+    """The GPU prefill's attention of a piece (or a later rank) against all earlier keys: two calls merged by
+    their log-sum-exps equal one lower-right masked softmax (float64); the earlier keys' part matters."""
+    from kdacp.models.prefill import split_lower_right
+    gen = torch.Generator().manual_seed(n * 100 + Tk)
+    q, k = torch.randn(2, 3, n, 8, generator=gen), torch.randn(2, 3, Tk, 8, generator=gen)
+    v = torch.randn(2, 3, Tk, 6, generator=gen)
+    seen = torch.arange(Tk)[None, :] <= torch.arange(n)[:, None] + (Tk - n)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 8 ** -0.5
+    want = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v.double()
+    got = split_lower_right(_attend_float64, q.double(), k.double(), v.double(), n)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-12
+    if n < Tk:  # the square causal part alone (the earlier keys dropped) is far off
+        own = _attend_float64(q, k[..., Tk - n:, :], v[..., Tk - n:, :], True)[0]
+        assert rel_err(own, want) > 1e-2

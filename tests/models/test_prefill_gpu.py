@@ -4,7 +4,8 @@ against a float32 copy of the unmodified model run by transformers' PyTorch code
 
 On one rank nothing is exchanged; this checks the GPU path of prefill: FLA's and kdacp's kernels with an
 initial state, FLA's fused convolution with the cached convolution input as its halo, sdpa's lower-right
-causal mask (a piece after the first attends the cached keys), the cache's dtypes on CUDA. A 200-token prompt
+causal attention (a piece after the first attends the cached keys: two cuDNN calls merged by their
+log-sum-exps, never sdpa's slow ``causal_lower_right`` path), the cache's dtypes on CUDA. A 200-token prompt
 in one pass and in 3 pieces (70, 64, 66): every cache tensor and the last logits within the bf16 tolerance of
 the other GPU model tests; without the initial state the 3-piece cache leaves it. ``generate`` gives 16 new
 tokens from that cache with the model's own decode code (FLA's recurrent kernels), the same in two calls."""
@@ -62,7 +63,10 @@ def _worker(ctx, name: str) -> dict:
             {k: (v.shape, v.dtype if "recurrent" in k else torch.bfloat16) for k, v in want.items() if k != "logits"}
         return max(((k, rel_err(got[k], want[k])) for k in want), key=lambda kv: kv[1])
 
-    result = dict(one=prefill((T,)), pieces=prefill(PIECES))
+    import torch.nn.attention.bias as bias
+    with mock.patch.object(bias, "causal_lower_right", wraps=bias.causal_lower_right) as slow_path:
+        result = dict(one=prefill((T,)), pieces=prefill(PIECES))
+    result["slow_path_calls"] = slow_path.call_count
     with mock.patch.object(PrefillCache, "recurrent_state", lambda self, layer_idx: None):
         result["broken"] = prefill(PIECES)
     ids = [kdacp.models.generate(model, kdacp.shard_batch(prompt), 16, do_sample=False) for _ in range(2)]
@@ -78,6 +82,7 @@ def test_prefill_on_one_gpu_matches_the_unmodified_model(name):
     for what in ("one", "pieces"):
         key, err = result[what]
         assert err < GPU_TOL, f"{name} prefill ({what}): {key} off by {err:.2e}"
+    assert result["slow_path_calls"] == 0, f"{name}: a piece's attention took sdpa's lower-right mask"
     key, err = result["broken"]
     assert err > max(GPU_TOL, 10 * result["pieces"][1]), \
         f"{name}: dropping the initial state went unnoticed ({err:.2e})"
