@@ -114,7 +114,6 @@ def test_demo_rejects_a_split_that_does_not_divide():
 
 @pytest.mark.parametrize("args,msg", [(("--device", "cuda"), "no CUDA GPU is visible")])
 def test_demo_explains_missing_gpu(args, msg):
-    import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = _demo(*args)
