@@ -23,8 +23,18 @@ from ..kernels import state_gradient_summary, state_summary
 __all__ = ["FlaBackend"]
 
 
+class TokenSaved:
+    """A dataclass of tensors ``[1, T, ...]`` saved for the backward, but for the per-head parameters ``A_log``
+    and ``dt_bias``: :meth:`narrow` cuts the token ones to a span."""
+
+    def narrow(self, span: Span):
+        cut = slice(span.start, span.end)
+        return type(self)(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
+                            for name, t in vars(self).items()))
+
+
 @dataclass
-class FlaSaved:
+class FlaSaved(TokenSaved):
     """What backward needs, token-first ``[1, T, ...]``: ``q``, ``k`` after the optional L2 norm
     (with ``q_rstd``, ``k_rstd [1, T, H]``), raw ``g`` (gate in kernel) or its log2 chunk cumsum
     ``gc``, and the intra-chunk matrices ``Aqk`` (scaled), ``Akk`` ``[1, T, HV, BT]``."""
@@ -41,11 +51,6 @@ class FlaSaved:
     k_rstd: torch.Tensor | None
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
-
-    def narrow(self, span: Span) -> "FlaSaved":
-        cut = slice(span.start, span.end)
-        return FlaSaved(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
-                          for name, t in vars(self).items()))
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from .base import KDAInputs, LocalGrads, LocalStates, Span
-from .fla_backend import FlaBackend, FlaBackwardStates
+from .fla_backend import FlaBackend, FlaBackwardStates, TokenSaved
 from ..kernels import state_gradient_summary, state_summary
 
 __all__ = ["FlaGDNBackend"]
 
 
 @dataclass
-class GDNSaved:
+class GDNSaved(TokenSaved):
     """What backward needs, token-first ``[1, T, ...]``: ``q``, ``k`` ``[1, T, H, K]`` after the optional
     L2 norm (with ``q_rstd``, ``k_rstd [1, T, H]``), ``v``, ``beta``, raw ``g`` (gate in kernel, else
     ``None``), its log2 chunk cumsum ``gc [1, T, HV]`` float32, and ``A = (I + kkt)^-1 [1, T, HV, BT]``."""
@@ -46,11 +46,6 @@ class GDNSaved:
     k_rstd: torch.Tensor | None
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
-
-    def narrow(self, span: Span) -> "GDNSaved":
-        cut = slice(span.start, span.end)
-        return GDNSaved(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
-                          for name, t in vars(self).items()))
 
 
 @dataclass
