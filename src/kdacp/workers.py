@@ -229,11 +229,12 @@ def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: floa
     with _stop_on_signals(), _deadline(timeout_s):
         if prepare is not None:
             prepare()
-        dev = _init_group(0, 1, device, timeout_s, init_method=f"tcp://127.0.0.1:{port or free_port()}")
-        try:
+        try:  # the group is destroyed also when the deadline or a signal comes while it starts
+            dev = _init_group(0, 1, device, timeout_s, init_method=f"tcp://127.0.0.1:{port or free_port()}")
             return [fn(RankContext(0, 1, dev, lambda m: on_report and on_report(0, m)), *args)]
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 @contextlib.contextmanager
