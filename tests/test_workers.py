@@ -186,7 +186,7 @@ def _stop_and_check(proc: subprocess.Popen, children: list[int], within_s: float
                 os.kill(p, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
 def test_a_signal_stops_every_process_with_one_line(tmp_path, signum):
     proc, children = _start_launcher(tmp_path)
     assert len(children) == 3, children  # 2 workers and the resource tracker
