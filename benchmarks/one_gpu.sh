@@ -19,7 +19,7 @@
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1 to 5}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -81,6 +81,6 @@ elif [ "$part" = 4 ]; then
     step overhead 150 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 --out "$out/overhead"
     step gdn 120 python3 -m kdacp.cli bench --suite gdn --device cuda --seq-lens 16384,32768 --out "$out/gdn"
 else
-    echo "part must be 1 or 2, got $part" >&2
+    echo "part must be 1 to 5, got $part" >&2
     exit 2
 fi

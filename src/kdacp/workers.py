@@ -219,22 +219,30 @@ def _deadline(timeout_s: float):
         signal.signal(signal.SIGALRM, former)
 
 
+def _rank_here(fn: Callable, args: tuple, rank: int, world_size: int, device: str, timeout_s: float, on_report,
+               prepare, init_method: str | None = None) -> list[Any]:
+    """Rank ``rank`` of ``world_size`` in the calling process: ``prepare()``, the process group, ``[fn(...)]``;
+    the group is destroyed at the end, also when an error, the deadline or a signal comes while it starts."""
+    if prepare is not None:
+        prepare()
+    try:
+        dev = _init_group(rank, world_size, device, timeout_s, init_method)
+        return [fn(RankContext(rank, world_size, dev, lambda m: on_report and on_report(rank, m)), *args)]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: float, on_report, prepare) -> list[Any]:
-    """One rank in the calling process (no worker to start, no second round of imports): ``prepare()``,
-    a one-rank process group, ``fn``, the group destroyed; the deadline and stop signals of :func:`launch`."""
+    """One rank in the calling process (no worker to start, no second round of imports), under the deadline
+    and stop signals of :func:`launch`."""
     if dist.is_initialized():
         raise WorkerError("a one-rank run starts its own process group, but this process already has one; "
                           "call fn directly, or destroy the group first")
     pick_backend(device, 1)  # the device's error before anything runs
     with _stop_on_signals(), _deadline(timeout_s):
-        if prepare is not None:
-            prepare()
-        try:  # the group is destroyed also when the deadline or a signal comes while it starts
-            dev = _init_group(0, 1, device, timeout_s, init_method=f"tcp://127.0.0.1:{port or free_port()}")
-            return [fn(RankContext(0, 1, dev, lambda m: on_report and on_report(0, m)), *args)]
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        return _rank_here(fn, args, 0, 1, device, timeout_s, on_report, prepare,
+                          init_method=f"tcp://127.0.0.1:{port or free_port()}")
 
 
 @contextlib.contextmanager
@@ -315,14 +323,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
     if world_size < 1:
         raise WorkerError(f"--world-size must be >= 1, got {world_size}")
     if under_torchrun():
-        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if prepare is not None:
-            prepare()
-        dev = _init_group(rank, ws, device, timeout_s)
-        try:
-            return [fn(RankContext(rank, ws, dev, lambda m: on_report and on_report(rank, m)), *args)]
-        finally:
-            dist.destroy_process_group()
+        return _rank_here(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, timeout_s,
+                          on_report, prepare)
     if port:
         _check_port(port)
     if world_size == 1:
