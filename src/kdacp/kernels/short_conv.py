@@ -37,7 +37,7 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 @dataclass(frozen=True)
 class ConvTiles:
-    """Launch shape: ``BT`` rows x ``BD`` channels per tile; the backward runs ``tiles`` tiles per program;
+    """Launch shape: ``BT`` rows x ``BD`` channels per tile, ``tiles`` tiles per program;
     ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
     BT: int
@@ -105,52 +105,55 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3, acc,
-            W: tl.constexpr, HAS_HALO: tl.constexpr):
-    """The pre-activation of ``rows`` (float32 ``[BT, BD]``): ``acc`` (``x_0 w_0 + b``, the current rows'
-    term and the bias) plus the earlier taps, each read where it stays inside its row's sequence."""
-    for j in tl.static_range(1, W):
-        m = ((rows < T) & (rows - j >= start))[:, None] & m_d[None, :]
-        w_j = w_1 if j == 1 else (w_2 if j == 2 else w_3)
-        acc += _load_rows(x, halo, rows - j, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO) * w_j[None, :]
-    return acc
+def _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, j: tl.constexpr, W: tl.constexpr,
+              HAS_HALO: tl.constexpr):
+    """``x[rows - j]`` (float32 ``[BT, BD]``) where that tap stays inside its row's sequence, zero elsewhere."""
+    m = ((rows < T) & (rows - j >= start))[:, None] & m_d[None, :]
+    return _load_rows(x, halo, rows - j, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
 
 
 @triton.jit
-def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps,
+def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, tiles_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
                 W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``BT`` rows from row
+    ``i_p * BT * tiles_per_program``, each tap ``x[t-j]`` loaded shifted (the earlier rows come from cache)."""
+    i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
     y += i_b.to(tl.int64) * s_yb
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
-    rows = i_t * BT + tl.arange(0, BT)
-    m = (rows < T)[:, None] & m_d[None, :]
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    x_0 = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    start, _ = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
-    out = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
-                  x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
-    if SILU:
-        out = out * tl.sigmoid(out)
-    tl.store(y + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, out.to(y.dtype.element_ty), mask=m)
+    for k in range(tiles_per_program):
+        rows = (i_p * tiles_per_program + k) * BT + tl.arange(0, BT)
+        m = (rows < T)[:, None] & m_d[None, :]
+        start, _ = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
+        out = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO) * w_0[None, :] + b[None, :]
+        for j in tl.static_range(1, W):
+            w_j = w_1 if j == 1 else (w_2 if j == 2 else w_3)
+            out += _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, j, W, HAS_HALO) * w_j[None, :]
+        if SILU:
+            out = out * tl.sigmoid(out)
+        tl.store(y + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, out.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
                 n_blocks, tiles_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
-                W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
+                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``S = BT-(W-1)`` owned rows each from
     row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched with a halo) owns the halo
-    rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows and, for each
-    owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]`` and the ``dweight`` terms ``x[u] g[u+i]``, over the
-    pairs where tap ``i`` of row ``u+i`` reads row ``u``. The next tile's ``x`` and ``dy`` rows are loaded
-    before the current tile's arithmetic, so that their latency hides behind it."""
+    rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows (its taps ``x[v-j]``
+    loaded shifted, inside ``v``'s sequence) and, for each owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]``
+    over the ``i`` where row ``u+i`` is in ``u``'s sequence (``g`` shifted along time in registers by
+    ``tl.gather``); the ``dweight`` terms ``g[v] x[v-j]`` and the ``dbias`` terms ``g[v]`` of owned rows ``v``
+    accumulate element-wise in ``[BT, BD]`` float32 and are summed over rows once, at the program's end.
+    The next tile's ``x`` and ``dy`` rows are loaded before the current tile's arithmetic, so that their
+    latency hides behind it."""
     S: tl.constexpr = BT - (W - 1)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -161,14 +164,16 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
     o_t = tl.arange(0, BT)
-    o_w = tl.arange(0, BW)
     is_halo = i_p == n_blocks
     first = tl.where(is_halo, 1 - W, i_p * S * tiles_per_program)
     n_tiles = tl.where(is_halo, 1, tiles_per_program)
     own_end = tl.where(is_halo, 0, T)
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    dw_acc = tl.zeros((BW, BD), dtype=tl.float32)
-    db_acc = tl.zeros((BD,), dtype=tl.float32)
+    dw_0 = tl.zeros((BT, BD), dtype=tl.float32)  # terms of weight[:, W-1-j] in dw_j
+    dw_1 = tl.zeros((BT, BD), dtype=tl.float32)
+    dw_2 = tl.zeros((BT, BD), dtype=tl.float32)
+    dw_3 = tl.zeros((BT, BD), dtype=tl.float32)
+    db = tl.zeros((BT, BD), dtype=tl.float32)
     rows = first + o_t
     x_next = _load_rows(x, halo, rows, cols, (rows < T)[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
@@ -185,33 +190,43 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         own = (o_t < S) & (rows < own_end)
         start, end = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
         valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
+        x_1 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 1, W, HAS_HALO)
+        x_2 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 2, W, HAS_HALO) if W > 2 else x_1
+        x_3 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 3, W, HAS_HALO) if W > 3 else x_1
         if SILU:
-            pre = _preact(x_0, x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, w_1, w_2, w_3,
-                          x_0 * w_0[None, :] + b[None, :], W, HAS_HALO)
+            pre = x_0 * w_0[None, :] + x_1 * w_1[None, :] + x_2 * w_2[None, :] + x_3 * w_3[None, :] + b[None, :]
             sig = tl.sigmoid(pre)
             g = g * sig * (1 + pre * (1 - sig))
         g = tl.where(valid, g, 0.)
-        term = tl.where(own[:, None], g, 0.)
-        db_acc += tl.sum(term, 0)
-        acc = term * w_0[None, :]
-        dw_acc += tl.where(o_w[:, None] == W - 1, tl.sum(term * x_0, 0)[None, :], 0.)
+        g_own = tl.where(own[:, None], g, 0.)
+        db += g_own
+        dw_0 += g_own * x_0
+        dw_1 += g_own * x_1
+        if W > 2:
+            dw_2 += g_own * x_2
+        if W > 3:
+            dw_3 += g_own * x_3
+        acc = g_own * w_0[None, :]
         for i in tl.static_range(1, W):
             shifted = tl.gather(g, tl.broadcast_to(tl.minimum(o_t + i, BT - 1)[:, None], (BT, BD)), 0)
             reads = own & (rows + i < end)  # row u + i is in row u's sequence
-            term = tl.where(reads[:, None], shifted, 0.)
             w_i = w_1 if i == 1 else (w_2 if i == 2 else w_3)
-            acc += term * w_i[None, :]
-            dw_acc += tl.where(o_w[:, None] == W - 1 - i, tl.sum(term * x_0, 0)[None, :], 0.)
+            acc += tl.where(reads[:, None], shifted, 0.) * w_i[None, :]
         m_own = own[:, None] & m_d[None, :]
         r = rows.to(tl.int64)[:, None]
         tl.store(dx + r * s_gt + cols[None, :] * s_gd, acc.to(dx.dtype.element_ty), mask=m_own & (r >= 0))
         if HAS_HALO:
             tl.store(dhalo + (r + W - 1) * s_qt + cols[None, :] * s_qd, acc.to(dhalo.dtype.element_ty),
                      mask=m_own & (r < 0))
-    part = (i_b * tl.num_programs(1) + i_p).to(tl.int64)
-    tl.store(dw_part + part * W * D + o_w[:, None] * D + cols[None, :], dw_acc, mask=(o_w < W)[:, None] & m_d[None, :])
+    part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
+    tl.store(part + (W - 1) * D, tl.sum(dw_0, 0), mask=m_d)
+    tl.store(part + (W - 2) * D, tl.sum(dw_1, 0), mask=m_d)
+    if W > 2:
+        tl.store(part + (W - 3) * D, tl.sum(dw_2, 0), mask=m_d)
+    if W > 3:
+        tl.store(part + (W - 4) * D, tl.sum(dw_3, 0), mask=m_d)
     if HAS_BIAS:
-        tl.store(db_part + part * D + cols, db_acc, mask=m_d)
+        tl.store(db_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * D + cols, tl.sum(db, 0), mask=m_d)
 
 
 class ShortConvGrads(NamedTuple):
@@ -243,8 +258,8 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
     h = x if halo is None else halo
-    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.BT), B)
-    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps,
+    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.BT * tiles.tiles), B)
+    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.tiles,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu", HAS_HALO=halo is not None,
                       HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
@@ -275,7 +290,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, dw_part,
                       dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, n_blocks, tiles.tiles,
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
-                      W=W, BW=triton.next_power_of_2(W), BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu",
+                      W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
                       **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
