@@ -493,9 +493,8 @@ def run_conv(T=16384, widths=CONV_WIDTHS, W=4, *, dtype=torch.bfloat16, with_fla
             contenders = _conv_contenders(x, with_fla)
             fns = {f"{name} {p}": fns[i] for name, fns in contenders.items() for i, p in enumerate(("fwd", "bwd"))}
             # what the memory system gives an elementwise kernel moving the same bytes: y = x; out = x + dy
-            sink = torch.empty_like(x["x"])
-            floors = {"copy fwd": lambda: sink.copy_(x["x"]),
-                      "copy bwd": lambda: torch.add(x["x"], x["dy"], out=sink)}
+            src, dy, sink = x["x"], x["dy"], torch.empty_like(x["x"])
+            floors = {"copy fwd": lambda: sink.copy_(src), "copy bwd": lambda: torch.add(src, dy, out=sink)}
             ms = time_round_robin(fns | floors, group=None, device=torch.device(device),
                                   queue_ahead_ms=3.0 * timing["iters"], **timing)
             nbytes = {"fwd": 2 * T * D * x["x"].element_size(), "bwd": 3 * T * D * x["x"].element_size()}
