@@ -29,7 +29,7 @@ def main() -> int:
     print(f"tilings: forward {short_conv.FWD_TILES}, backward {short_conv.BWD_TILES}", flush=True)
     status = cli.main(["bench", "--suite", "kernels", "--family", "conv", "--out", os.path.join(args.out, "conv")])
     status |= cli.main(["bench", "--suite", "layer", "--device", "cuda", "--world-size", "1",
-                        "--seq-lens", *map(str, args.seq_lens), "--batches", "one_sequence,lognormal",
+                        "--seq-lens", ",".join(map(str, args.seq_lens)), "--batches", "one_sequence,lognormal",
                         "--out", os.path.join(args.out, "layer")])
     return status
 

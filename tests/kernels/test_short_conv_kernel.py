@@ -17,9 +17,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32: the kernels' float32 sums against float64 (measured <= 2e-7); bf16: one rounding of the output,
 # at most 2^-8 relative on the GPU (round to nearest), 2^-7 under the interpreter (it truncates float32 -> bf16)
 TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3 if DEVICE == "cuda" else 8e-3}
-# small tiles (the interpreter's cost is per program): two tiles per program, several programs, tiles cut by
-# sequence starts
-SMALL = sc.ConvTiles(BT=8, BD=32, num_warps=1, tiles=2)
+# small tiles (the interpreter's cost is per program): several programs of 6 rows (not a multiple of the 4 rows
+# a step loads), their rows cut by sequence starts, each program's walk crossing them
+SMALL = sc.ConvTiles(rows=6, BD=16, num_warps=1)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):

@@ -534,11 +534,8 @@ def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda"):
 
     from kdacp.precompile import precompile
     T_ = short_conv.ConvTiles
-    cases = [("fwd", T_(BT=bt, BD=bd, num_warps=nw, tiles=n)) for (bt, bd, nw), n in itertools.product(
-             ((32, 64, 4), (64, 64, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 256, 4), (32, 256, 8)),
-             (1, 4, 16))]
-    cases += [("bwd", T_(BT=bt, BD=bd, num_warps=nw, tiles=n, maxnreg=r)) for bt, bd, nw, n, r in
-              itertools.product((32, 64), (32, 64, 128), (4, 8), (4, 16, 64), (None, 128))]
+    cases = [(p, T_(rows=r, BD=bd, num_warps=nw, maxnreg=reg)) for p, r, (bd, nw), reg in itertools.product(
+             ("fwd", "bwd"), (32, 64, 128, 256), ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)), (None, 128))]
     inputs = []
     for packed in (False, True):
         x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)

@@ -37,58 +37,47 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 @dataclass(frozen=True)
 class ConvTiles:
-    """Launch shape: ``BT`` rows x ``BD`` channels per tile, ``tiles`` tiles per program;
-    ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
+    """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``UNROLL`` rows per step (their
+    loads issued together); ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
-    BT: int
+    rows: int
     BD: int
     num_warps: int
-    tiles: int = 1
     maxnreg: int | None = None
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
 
 
+UNROLL = 4
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02.
-FWD_TILES = ConvTiles(BT=32, BD=128, num_warps=4)
-BWD_TILES = ConvTiles(BT=64, BD=32, num_warps=4, tiles=1, maxnreg=128)
+FWD_TILES = ConvTiles(rows=64, BD=512, num_warps=4)
+BWD_TILES = ConvTiles(rows=64, BD=512, num_warps=4)
 
 
 @triton.jit
-def _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_HALO: tl.constexpr,
-                IS_VARLEN: tl.constexpr):
-    """``(start, end)`` of each row's sequence: ``start`` the first row its taps may read (the sequence's
-    first token, or ``-(W-1)``, the halo, in the first sequence when there is a halo), ``end`` the next
-    sequence's first token. ``rows`` outside ``[0, T)`` count as the nearest row in it."""
-    if IS_VARLEN:
-        r = tl.minimum(tl.maximum(rows, 0), T - 1)
-        lo = tl.zeros_like(rows)
-        hi = lo + n_seqs - 1
-        for _ in range(search_steps):  # largest n with cu_seqlens[n] <= r
-            mid = (lo + hi + 1) // 2
-            below = tl.load(cu_seqlens + mid) <= r
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid - 1)
-        start = tl.load(cu_seqlens + lo).to(tl.int32)
-        end = tl.load(cu_seqlens + lo + 1).to(tl.int32)
-        if HAS_HALO:
-            start = tl.where(lo == 0, 1 - W, start)
-    else:
-        start = tl.zeros_like(rows) + (1 - W if HAS_HALO else 0)
-        end = tl.zeros_like(rows) + T
-    return start, end
+def _find_sequence(r, cu_seqlens, n_seqs, search_steps):
+    """The index of the sequence that holds row ``r`` (a scalar in ``[0, T)``): the largest ``n`` with
+    ``cu_seqlens[n] <= r``, by binary search."""
+    lo = r * 0
+    hi = lo + n_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(cu_seqlens + mid).to(tl.int32) <= r
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    return lo
 
 
 @triton.jit
-def _load_rows(x, halo, rows, cols, mask, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
-    """``x[rows, cols]`` as float32 where ``mask`` (zero elsewhere); rows ``< 0`` read ``halo[W-1+rows]``."""
-    r = rows.to(tl.int64)[:, None]
-    val = tl.load(x + r * s_xt + cols[None, :] * s_xd, mask=mask & (r >= 0), other=0.).to(tl.float32)
+def _first_row(n, cu_seqlens, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The first row sequence ``n``'s taps may read: its first token, or ``-(W-1)`` (the halo) for the first
+    sequence when there is a halo."""
+    start = tl.load(cu_seqlens + n).to(tl.int32)
     if HAS_HALO:
-        val += tl.load(halo + (r + W - 1) * s_ht + cols[None, :] * s_hd, mask=mask & (r < 0), other=0.).to(tl.float32)
-    return val
+        start = tl.where(n == 0, 1 - W, start)
+    return start
 
 
 @triton.jit
@@ -105,20 +94,58 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, j: tl.constexpr, W: tl.constexpr,
-              HAS_HALO: tl.constexpr):
-    """``x[rows - j]`` (float32 ``[BT, BD]``) where that tap stays inside its row's sequence, zero elsewhere."""
-    m = ((rows < T) & (rows - j >= start))[:, None] & m_d[None, :]
-    return _load_rows(x, halo, rows - j, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """Row ``r`` (a scalar) of ``x`` as float32 ``[BD]``: ``halo[W-1+r]`` for ``-(W-1) <= r < 0`` (with a
+    halo), zero outside ``[0, T)`` otherwise."""
+    val = tl.load(x + tl.cast(r, tl.int64) * s_xt + cols * s_xd, mask=m_d & (r >= 0) & (r < T), other=0.).to(tl.float32)
+    if HAS_HALO:
+        val += tl.load(halo + (r + W - 1) * s_ht + cols * s_hd, mask=m_d & (r < 0) & (r >= 1 - W),
+                       other=0.).to(tl.float32)
+    return val
 
 
 @triton.jit
-def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, tiles_per_program,
+def _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W: tl.constexpr):
+    """The pre-activation of row ``u`` from its raw taps ``x_j = x[u-j]``, each masked (``tl.where``: a NaN in
+    another sequence stays there) to ``u - j >= start``; also returns the masked taps."""
+    t_1 = tl.where(u - 1 >= start, x_1, 0.)
+    pre = x_0 * w_0 + t_1 * w_1 + b
+    t_2 = tl.zeros_like(t_1)
+    t_3 = tl.zeros_like(t_1)
+    if W > 2:
+        t_2 = tl.where(u - 2 >= start, x_2, 0.)
+        pre += t_2 * w_2
+    if W > 3:
+        t_3 = tl.where(u - 3 >= start, x_3, 0.)
+        pre += t_3 * w_3
+    return pre, t_1, t_2, t_3
+
+
+@triton.jit
+def _fwd_row(u, x_0, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt, s_yd,
+             w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+             IS_VARLEN: tl.constexpr):
+    """One forward step at row ``u`` (ascending): moves to ``u``'s sequence, stores ``y[u]`` if ``u < hi``."""
+    if IS_VARLEN:
+        while (u >= end) & (n < n_seqs - 1):
+            n += 1
+            start = _first_row(n, cu_seqlens, W, HAS_HALO)
+            end = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    out, _, _, _ = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W)
+    if SILU:
+        out = out * tl.sigmoid(out)
+    tl.store(y + tl.cast(u, tl.int64) * s_yt + cols * s_yd, out.to(y.dtype.element_ty), mask=m_d & (u < hi))
+    return n, start, end
+
+
+@triton.jit
+def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
-                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
+                W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``BT`` rows from row
-    ``i_p * BT * tiles_per_program``, each tap ``x[t-j]`` loaded shifted (the earlier rows come from cache)."""
+    """Program ``(i_d, i_p, i_b)`` walks rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` upward, one row of
+    ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once."""
+    tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
@@ -126,35 +153,89 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    for k in range(tiles_per_program):
-        rows = (i_p * tiles_per_program + k) * BT + tl.arange(0, BT)
-        m = (rows < T)[:, None] & m_d[None, :]
-        start, _ = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
-        out = _load_rows(x, halo, rows, cols, m, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO) * w_0[None, :] + b[None, :]
-        for j in tl.static_range(1, W):
-            w_j = w_1 if j == 1 else (w_2 if j == 2 else w_3)
-            out += _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, j, W, HAS_HALO) * w_j[None, :]
-        if SILU:
-            out = out * tl.sigmoid(out)
-        tl.store(y + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, out.to(y.dtype.element_ty), mask=m)
+    lo = i_p * rows_per_program
+    hi = tl.minimum(lo + rows_per_program, T)
+    if IS_VARLEN:
+        n = _find_sequence(lo, cu_seqlens, n_seqs, search_steps)
+        start = _first_row(n, cu_seqlens, W, HAS_HALO)
+        end = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    else:
+        n = lo * 0
+        start = n + (1 - W if HAS_HALO else 0)
+        end = n + T
+    x_1 = _load_row(x, halo, lo - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    x_2 = _load_row(x, halo, lo - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    x_3 = _load_row(x, halo, lo - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    for u in range(lo, hi, UNROLL_ROWS):
+        x_a = _load_row(x, halo, u, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_b = _load_row(x, halo, u + 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_c = _load_row(x, halo, u + 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_d = _load_row(x, halo, u + 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        n, start, end = _fwd_row(u, x_a, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
+        n, start, end = _fwd_row(u + 1, x_b, x_a, x_1, x_2, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
+        n, start, end = _fwd_row(u + 2, x_c, x_b, x_a, x_1, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
+        n, start, end = _fwd_row(u + 3, x_d, x_c, x_b, x_a, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
+        x_1, x_2, x_3 = x_d, x_c, x_b
+
+
+@triton.jit
+def _bwd_row(u, x_0, x_1, x_2, x_3, dy_u, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db,
+             dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd,
+             w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+             IS_VARLEN: tl.constexpr):
+    """One backward step at row ``u`` (descending), with the raw taps ``x_j = x[u-j]``, ``dy[u]`` (zero
+    outside ``[0, T)``) and ``g_i = g[u+i]`` of the rows after it: moves to ``u``'s sequence; ``g[u]``;
+    ``dx[u] = sum_i weight[W-1-i] g[u+i]`` over ``u+i`` in ``u``'s sequence, stored for ``lo <= u < hi``
+    (``dhalo`` for ``u < 0`` when ``halo_rows``); for those rows the ``dweight`` terms ``g[u] x[u-j]`` and
+    ``dbias`` terms ``g[u]`` accumulate. Returns ``g[u]``, the sequence and the sums."""
+    if IS_VARLEN:
+        while (u < start) & (n > 0):
+            n -= 1
+            end = start
+            start = _first_row(n, cu_seqlens, W, HAS_HALO)
+    pre, t_1, t_2, t_3 = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W)
+    g = dy_u
+    if SILU:
+        sig = tl.sigmoid(pre)
+        g = g * sig * (1 + pre * (1 - sig))
+    acc = g * w_0 + tl.where(u + 1 < end, g_1, 0.) * w_1
+    if W > 2:
+        acc += tl.where(u + 2 < end, g_2, 0.) * w_2
+    if W > 3:
+        acc += tl.where(u + 3 < end, g_3, 0.) * w_3
+    own = (u >= lo) & (u < hi)
+    g_own = tl.where(own, g, 0.)
+    db += g_own
+    dw_0 += g_own * x_0
+    dw_1 += g_own * t_1
+    if W > 2:
+        dw_2 += g_own * t_2
+    if W > 3:
+        dw_3 += g_own * t_3
+    tl.store(dx + tl.cast(u, tl.int64) * s_gt + cols * s_gd, acc.to(dx.dtype.element_ty), mask=m_d & own)
+    if HAS_HALO:
+        tl.store(dhalo + (u + W - 1) * s_qt + cols * s_qd, acc.to(dhalo.dtype.element_ty),
+                 mask=m_d & halo_rows & (u < 0) & (u >= 1 - W))
+    return g, n, start, end, dw_0, dw_1, dw_2, dw_3, db
 
 
 @triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
-                n_blocks, tiles_per_program,
+                rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
-                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
+                W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Program ``(i_d, i_p, i_b)``: ``tiles_per_program`` tiles of ``S = BT-(W-1)`` owned rows each from
-    row ``i_p * S * tiles_per_program``; program ``i_p == n_blocks`` (launched with a halo) owns the halo
-    rows ``[-(W-1), 0)``. A tile computes ``g = dy * act'(pre)`` on all its ``BT`` rows (its taps ``x[v-j]``
-    loaded shifted, inside ``v``'s sequence) and, for each owned row ``u``, ``dx[u] = sum_i weight[W-1-i] g[u+i]``
-    over the ``i`` where row ``u+i`` is in ``u``'s sequence (``g`` shifted along time in registers by
-    ``tl.gather``); the ``dweight`` terms ``g[v] x[v-j]`` and the ``dbias`` terms ``g[v]`` of owned rows ``v``
-    accumulate element-wise in ``[BT, BD]`` float32 and are summed over rows once, at the program's end.
-    The next tile's ``x`` and ``dy`` rows are loaded before the current tile's arithmetic, so that their
-    latency hides behind it."""
-    S: tl.constexpr = BT - (W - 1)
+    """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
+    with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
+    ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
+    the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
+    once (plus ``W-1`` rows past the program's end). ``dweight`` and ``dbias`` are per-program float32
+    partial sums reduced once afterwards (deterministic)."""
+    tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
@@ -163,70 +244,63 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     dhalo += i_b.to(tl.int64) * s_qb
     cols = i_d * BD + tl.arange(0, BD)
     m_d = cols < D
-    o_t = tl.arange(0, BT)
-    is_halo = i_p == n_blocks
-    first = tl.where(is_halo, 1 - W, i_p * S * tiles_per_program)
-    n_tiles = tl.where(is_halo, 1, tiles_per_program)
-    own_end = tl.where(is_halo, 0, T)
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    dw_0 = tl.zeros((BT, BD), dtype=tl.float32)  # terms of weight[:, W-1-j] in dw_j
-    dw_1 = tl.zeros((BT, BD), dtype=tl.float32)
-    dw_2 = tl.zeros((BT, BD), dtype=tl.float32)
-    dw_3 = tl.zeros((BT, BD), dtype=tl.float32)
-    db = tl.zeros((BT, BD), dtype=tl.float32)
-    rows = first + o_t
-    x_next = _load_rows(x, halo, rows, cols, (rows < T)[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
-    dy_next = tl.load(dy + rows.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd, mask=valid, other=0.)
-    for k in range(n_tiles):
-        rows = first + k * S + o_t
-        x_0, g = x_next, dy_next.to(tl.float32)
-        ahead = rows + S
-        m_ahead = (k + 1 < n_tiles) & (ahead < T)
-        x_next = _load_rows(x, halo, ahead, cols, m_ahead[:, None] & m_d[None, :], s_xt, s_xd, s_ht, s_hd, W,
-                            HAS_HALO)
-        dy_next = tl.load(dy + ahead.to(tl.int64)[:, None] * s_yt + cols[None, :] * s_yd,
-                          mask=(m_ahead & (ahead >= 0))[:, None] & m_d[None, :], other=0.)
-        own = (o_t < S) & (rows < own_end)
-        start, end = _seq_bounds(rows, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
-        valid = ((rows >= 0) & (rows < T))[:, None] & m_d[None, :]
-        x_1 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 1, W, HAS_HALO)
-        x_2 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 2, W, HAS_HALO) if W > 2 else x_1
-        x_3 = _tap_rows(x, halo, rows, start, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, 3, W, HAS_HALO) if W > 3 else x_1
-        if SILU:
-            pre = x_0 * w_0[None, :] + x_1 * w_1[None, :] + x_2 * w_2[None, :] + x_3 * w_3[None, :] + b[None, :]
-            sig = tl.sigmoid(pre)
-            g = g * sig * (1 + pre * (1 - sig))
-        g = tl.where(valid, g, 0.)
-        g_own = tl.where(own[:, None], g, 0.)
-        db += g_own
-        dw_0 += g_own * x_0
-        dw_1 += g_own * x_1
-        if W > 2:
-            dw_2 += g_own * x_2
-        if W > 3:
-            dw_3 += g_own * x_3
-        acc = g_own * w_0[None, :]
-        for i in tl.static_range(1, W):
-            shifted = tl.gather(g, tl.broadcast_to(tl.minimum(o_t + i, BT - 1)[:, None], (BT, BD)), 0)
-            reads = own & (rows + i < end)  # row u + i is in row u's sequence
-            w_i = w_1 if i == 1 else (w_2 if i == 2 else w_3)
-            acc += tl.where(reads[:, None], shifted, 0.) * w_i[None, :]
-        m_own = own[:, None] & m_d[None, :]
-        r = rows.to(tl.int64)[:, None]
-        tl.store(dx + r * s_gt + cols[None, :] * s_gd, acc.to(dx.dtype.element_ty), mask=m_own & (r >= 0))
-        if HAS_HALO:
-            tl.store(dhalo + (r + W - 1) * s_qt + cols[None, :] * s_qd, acc.to(dhalo.dtype.element_ty),
-                     mask=m_own & (r < 0))
+    lo = i_p * rows_per_program
+    hi = tl.minimum(lo + rows_per_program, T)
+    top = tl.minimum(hi + W - 1, T) - 1
+    halo_rows = HAS_HALO & (i_p == 0)
+    bottom = tl.where(halo_rows, 1 - W, lo)
+    if IS_VARLEN:
+        n = _find_sequence(top, cu_seqlens, n_seqs, search_steps)
+        start = _first_row(n, cu_seqlens, W, HAS_HALO)
+        end = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    else:
+        n = lo * 0
+        start = n + (1 - W if HAS_HALO else 0)
+        end = n + T
+    zero = tl.zeros((BD,), dtype=tl.float32)
+    dw_0, dw_1, dw_2, dw_3, db = zero, zero, zero, zero, zero
+    g_1, g_2, g_3 = zero, zero, zero
+    x_0 = _load_row(x, halo, top, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    x_1 = _load_row(x, halo, top - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    x_2 = _load_row(x, halo, top - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+    for k in range(tl.cdiv(top - bottom + 1, UNROLL_ROWS)):
+        u = top - k * UNROLL_ROWS
+        x_a = _load_row(x, halo, u - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_b = _load_row(x, halo, u - 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_c = _load_row(x, halo, u - 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_d = _load_row(x, halo, u - 6, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        dy_a = tl.load(dy + tl.cast(u, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 0), other=0.).to(tl.float32)
+        dy_b = tl.load(dy + tl.cast(u - 1, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 1), other=0.).to(tl.float32)
+        dy_c = tl.load(dy + tl.cast(u - 2, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 2), other=0.).to(tl.float32)
+        dy_d = tl.load(dy + tl.cast(u - 3, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 3), other=0.).to(tl.float32)
+        g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+            u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+            W, SILU, HAS_HALO, IS_VARLEN)
+        g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+            u - 1, x_1, x_2, x_a, x_b, dy_b, g_a, g_1, g_2, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+            W, SILU, HAS_HALO, IS_VARLEN)
+        g_c, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+            u - 2, x_2, x_a, x_b, x_c, dy_c, g_b, g_a, g_1, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+            W, SILU, HAS_HALO, IS_VARLEN)
+        g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+            u - 3, x_a, x_b, x_c, x_d, dy_d, g_c, g_b, g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+            W, SILU, HAS_HALO, IS_VARLEN)
+        x_0, x_1, x_2 = x_b, x_c, x_d
+        g_1, g_2, g_3 = g_d, g_c, g_b
     part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
-    tl.store(part + (W - 1) * D, tl.sum(dw_0, 0), mask=m_d)
-    tl.store(part + (W - 2) * D, tl.sum(dw_1, 0), mask=m_d)
+    tl.store(part + (W - 1) * D, dw_0, mask=m_d)
+    tl.store(part + (W - 2) * D, dw_1, mask=m_d)
     if W > 2:
-        tl.store(part + (W - 3) * D, tl.sum(dw_2, 0), mask=m_d)
+        tl.store(part + (W - 3) * D, dw_2, mask=m_d)
     if W > 3:
-        tl.store(part + (W - 4) * D, tl.sum(dw_3, 0), mask=m_d)
+        tl.store(part + (W - 4) * D, dw_3, mask=m_d)
     if HAS_BIAS:
-        tl.store(db_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * D + cols, tl.sum(db, 0), mask=m_d)
+        tl.store(db_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * D + cols, db, mask=m_d)
 
 
 class ShortConvGrads(NamedTuple):
@@ -258,10 +332,10 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
     h = x if halo is None else halo
-    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.BT * tiles.tiles), B)
-    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.tiles,
+    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.rows), B)
+    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
-                      W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu", HAS_HALO=halo is not None,
+                      W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
                       HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
     return y
 
@@ -274,10 +348,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     tiles = tiles or BWD_TILES
     B, T, D = x.shape
     W = weight.shape[1]
-    S = tiles.BT - (W - 1)
-    n_blocks = triton.cdiv(T, S * tiles.tiles)
-    # the halo's program runs whenever there is a halo: it also owns the dweight terms of the halo's rows
-    n_programs = n_blocks + int(halo is not None)
+    n_programs = triton.cdiv(T, tiles.rows)  # the first also owns the halo's rows
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if halo is not None else None
     # every program writes its slice of the partial sums: no zero fill needed
@@ -288,9 +359,9 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     q = dx if dhalo is None else dhalo
     grid = (triton.cdiv(D, tiles.BD), n_programs, B)
     _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, dw_part,
-                      dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, n_blocks, tiles.tiles,
+                      dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
-                      W=W, BT=tiles.BT, BD=tiles.BD, SILU=activation == "silu",
+                      W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
                       **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
