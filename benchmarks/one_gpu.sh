@@ -6,8 +6,9 @@
 #   bash benchmarks/one_gpu.sh 1 $OUT   # the short convolution's tilings swept, then its kernels against FLA's
 #                                       # and the layer against FLA's layer at 16K and 64K tokens with the
 #                                       # fastest (benchmarks/conv_round.py); the convolution's GPU tests
-#   bash benchmarks/one_gpu.sh 2 $OUT   # the 346M Kimi Linear step (parallelize, and with FSDP2), the per-rank
-#                                       # overhead, the GDN suite
+#   bash benchmarks/one_gpu.sh 2 $OUT   # with the shipped tilings: the kernels and the layer against FLA's again,
+#                                       # the 346M Kimi Linear step (parallelize, and with FSDP2), the GPU tests
+#                                       # of the convolution and the layer
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
@@ -22,10 +23,11 @@ if [ "$part" = 1 ]; then
     step conv_tests 150 python3 -m pytest -q -m gpu tests/kernels/test_short_conv_kernel.py
     tail -2 "$out/conv_tests.log"
 elif [ "$part" = 2 ]; then
+    step conv_round 170 python3 benchmarks/conv_round.py "$out/round" --seq-lens 16384 65536 --no-sweep
     step fsdp 150 python3 benchmarks/fsdp_step.py
     tail -4 "$out/fsdp.log"
-    step overhead 150 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 --out "$out/overhead"
-    step gdn 120 python3 -m kdacp.cli bench --suite gdn --device cuda --seq-lens 16384,32768 --out "$out/gdn"
+    step gpu_tests 180 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py tests/kernels/test_short_conv_kernel.py
+    tail -2 "$out/gpu_tests.log"
 else
     echo "part must be 1 or 2, got $part" >&2
     exit 2

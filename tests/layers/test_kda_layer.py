@@ -180,6 +180,22 @@ def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
     assert torch.allclose(y3, layer(x, cu_seqlens=torch.tensor([0, 7, 40]))[0], rtol=0, atol=0)
 
 
+def test_convolutions_check_the_batch_host_copy(monkeypatch):
+    """The short convolutions get the batch's one host copy of cu_seqlens: their kernels' check then reads it
+    instead of copying the device tensor to the host (a sync per convolution on a GPU)."""
+    from kdacp.layers import delta_rule
+    from kdacp.layers.context_parallel import SINGLE_DEVICE
+    seen = []
+    conv = delta_rule.causal_conv1d
+    monkeypatch.setattr(delta_rule, "causal_conv1d",
+                        lambda *a, **kw: seen.append(kw["cu_seqlens_cpu"]) or conv(*a, **kw))
+    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
+    cu = torch.tensor([0, 5, 40])
+    small_layer()(torch.randn(1, 40, 32, dtype=torch.float64), cu_seqlens=cu)
+    (batch,) = [b for _, b in SINGLE_DEVICE._batches.values()]
+    assert len(seen) == 3 and all(c is batch.cu_cpu for c in seen) and batch.cu_cpu.tolist() == [0, 5, 40]
+
+
 def test_per_batch_memo_is_bounded(monkeypatch):
     from kdacp.layers.context_parallel import CACHED_BATCHES, SINGLE_DEVICE
     monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})

@@ -102,8 +102,8 @@ class _SingleDevice:
         return o, final_state
 
     def conv_context(self, T: int, cu_seqlens: torch.Tensor | None) -> ConvContext:
-        # FLA's convolution builds its chunk indices from the device tensor, once per tensor.
-        return ConvContext(None, cu_seqlens)
+        # the batch's host copy, made once per batch: the convolution kernels then check it without a sync
+        return ConvContext(None, cu_seqlens, None if cu_seqlens is None else self._batch(cu_seqlens, T).cu_cpu)
 
     def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
         """``op`` (:func:`kdacp.chunk_kda` or :func:`kdacp.chunk_gated_delta_rule`, with its own arguments)
