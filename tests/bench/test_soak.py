@@ -10,8 +10,9 @@ from tests.multiprocess import run_ranks
 
 
 def _soak(rank, world_size):
-    rows = soak.run(steps=18, every=8, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
-    assert [r["step"] for r in rows] == [1, 8, 16, 18]  # the first, every 8th and the last
+    # a new packed batch every step: 10 steps outnumber the CACHED_BATCHES (8) kept
+    rows = soak.run(steps=10, every=4, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
+    assert [r["step"] for r in rows] == [1, 4, 8, 10]  # the first, every 4th and the last
     assert all(r["batch_memo"] <= CACHED_BATCHES for r in rows) and rows[-1]["batch_memo"] == CACHED_BATCHES
     # a plan's verification memo goes with the plan: at most the batches kept, plus one in flight
     assert all(r["verified_plans"] <= CACHED_BATCHES + 1 for r in rows)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import transformers  # noqa: F401  (in the `test` extra: a missing install fails here, not skips)
 
 from kdacp.workers import free_port
@@ -16,6 +17,9 @@ from kdacp.workers import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# slow (28 s on 2 cores): FSDP2 with parallelize on the dp x cp mesh is checked in the default run by
+# tests/models/test_training_stack.py, and launching under torchrun by tests/test_demo_end_to_end.py
+@pytest.mark.slow
 def test_train_fsdp_example_under_torchrun():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
