@@ -202,6 +202,8 @@ def _run(rank: int, world_size: int) -> None:
     _all_cases(rank, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+# 3 ranks in the default run (a first, a through and a last rank; a 2-rank subgroup); 2 and 4 with -m slow
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3,
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_chunk_kda_matches_reference(world_size):
     run_ranks(_run, world_size, timeout_s=200)
