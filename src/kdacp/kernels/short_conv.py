@@ -83,6 +83,22 @@ def _first_row(n, cu_seqlens, W: tl.constexpr, HAS_HALO: tl.constexpr):
 
 
 @triton.jit
+def _sequence_of(r, cu_seqlens, n_seqs, search_steps, T, W: tl.constexpr, HAS_HALO: tl.constexpr,
+                 IS_VARLEN: tl.constexpr):
+    """``(n, start, end)`` of the sequence holding row ``r`` (a scalar in ``[0, T)``): its index, the first row
+    its taps may read (:func:`_first_row`) and the next sequence's first row."""
+    if IS_VARLEN:
+        n = _find_sequence(r, cu_seqlens, n_seqs, search_steps)
+        start = _first_row(n, cu_seqlens, W, HAS_HALO)
+        end = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    else:
+        n = r * 0
+        start = n + (1 - W if HAS_HALO else 0)
+        end = n + T
+    return n, start, end
+
+
+@triton.jit
 def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``(w_0, w_1, w_2, w_3, b)``, each ``[BD]`` float32: ``w_j = weight[cols, W-1-j]`` (zero for ``j >= W``)
     multiplies ``x[t-j]``; ``b`` the bias (zero without). Loaded once per program."""
@@ -157,14 +173,7 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
     lo = i_p * rows_per_program
     hi = tl.minimum(lo + rows_per_program, T)
-    if IS_VARLEN:
-        n = _find_sequence(lo, cu_seqlens, n_seqs, search_steps)
-        start = _first_row(n, cu_seqlens, W, HAS_HALO)
-        end = tl.load(cu_seqlens + n + 1).to(tl.int32)
-    else:
-        n = lo * 0
-        start = n + (1 - W if HAS_HALO else 0)
-        end = n + T
+    n, start, end = _sequence_of(lo, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
     x_1 = _load_row(x, halo, lo - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, lo - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_3 = _load_row(x, halo, lo - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
@@ -252,14 +261,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     top = tl.minimum(hi + W - 1, T) - 1
     halo_rows = HAS_HALO & (i_p == 0)
     bottom = tl.where(halo_rows, 1 - W, lo)
-    if IS_VARLEN:
-        n = _find_sequence(top, cu_seqlens, n_seqs, search_steps)
-        start = _first_row(n, cu_seqlens, W, HAS_HALO)
-        end = tl.load(cu_seqlens + n + 1).to(tl.int32)
-    else:
-        n = lo * 0
-        start = n + (1 - W if HAS_HALO else 0)
-        end = n + T
+    n, start, end = _sequence_of(top, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
     zero = tl.zeros((BD,), dtype=tl.float32)
     dw_0, dw_1, dw_2, dw_3, db = zero, zero, zero, zero, zero
     g_1, g_2, g_3 = zero, zero, zero
