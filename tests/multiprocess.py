@@ -1,7 +1,8 @@
-"""Run a test function on several real ranks (spawned processes): gloo on CPU or NCCL, a free local
+"""Run a test function on several real ranks (separate processes): gloo on CPU or NCCL, a free local
 port, and a hard deadline, so a failing rank fails the test fast instead of hanging it."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
@@ -12,6 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kdacp.workers import free_port
+
+# Ranks on CPU fork from one server process that imported these once ("forkserver"), instead of each starting a
+# fresh interpreter that imports them again (seconds per rank on 2 cores). The server starts with this
+# process's environment (TRITON_INTERPRET from tests/conftest.py included) and nothing else of its state, like
+# a spawned rank. NCCL ranks are spawned: a GPU context must not be inherited.
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed", "kdacp", "tests.multiprocess", "transformers",
+    "transformers.models.kimi_linear.modeling_kimi_linear", "transformers.models.qwen3_next.modeling_qwen3_next"])
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
@@ -40,7 +49,7 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; re-raise a rank's error;
     kill all ranks and fail after ``timeout_s``."""
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size,
-                             join=False, start_method="spawn")
+                             join=False, start_method="spawn" if backend == "nccl" else "forkserver")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
