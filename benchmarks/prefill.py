@@ -109,7 +109,8 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
     if args["profile"] and ctx.world_size == 1:  # one pass of each at the first length, before the timed ones
         prompt = torch.randint(3, size["vocab"], (1, args["seq_lens"][0]), generator=gen).to(ctx.device)
         for run, fn in [("kdacp", run_kdacp)] + ([("transformers", run_plain)] if plain else []):
-            ctx.report(f"profile {run} T={prompt.shape[1]}: " + top_ops(lambda: fn(prompt), ctx.device.type == "cuda"))
+            ctx.report(f"profile {run} T={prompt.shape[1]}: "
+                       + top_ops(lambda p=prompt: fn(p), ctx.device.type == "cuda"))
         del prompt
     for T in args["seq_lens"]:
         prompt = torch.randint(3, size["vocab"], (1, T), generator=gen).to(ctx.device)
@@ -122,7 +123,7 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
             times, peak, out = [], None, None
             for _ in range(args["repeats"]):
                 out = None  # the previous run's cache freed before the next
-                out, seconds, peak_run = _measure(ctx.device, lambda: fn(prompt))
+                out, seconds, peak_run = _measure(ctx.device, lambda p=prompt: fn(p))
                 if out is None:
                     break
                 times.append(seconds)

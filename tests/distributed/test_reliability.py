@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kdacp import chunk_kda, reference
+from kdacp import reference
 from kdacp.distributed import STRATEGIES, build_cp_plan
 from kdacp.kda import chunk_kda
 from kdacp.layers import ContextParallel, KimiDeltaAttention

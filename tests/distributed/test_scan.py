@@ -172,7 +172,7 @@ def test_scan_exchange_in_one_process(P, backward, monkeypatch):
 def test_scan_simulation_detects_a_missing_round():
     """The fold comparison can fail: drop the last round of a chain over 8 ranks and the last
     positions get wrong values."""
-    P, gen = 8, torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     emits, affine = (1,) * 7 + (0,), (False,) + (True,) * 6 + (False,)
     messages = _random_messages(emits, affine, gen)
     want = _sequential(messages, emits)
