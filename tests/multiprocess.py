@@ -46,7 +46,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 240.0) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; re-raise a rank's error;
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; re-raise a rank's error;
     kill all ranks and fail after ``timeout_s``."""
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size,
                              join=False, start_method="spawn" if backend == "nccl" else "forkserver")

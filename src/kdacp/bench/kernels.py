@@ -499,25 +499,19 @@ def run_conv(T=16384, widths=CONV_WIDTHS, W=4, *, dtype=torch.bfloat16, with_fla
                                   queue_ahead_ms=3.0 * timing["iters"], **timing)
             nbytes = {"fwd": 2 * T * D * x["x"].element_size(), "bwd": 3 * T * D * x["x"].element_size()}
             layout = f"{CONV_DOCS} documents" if packed else "one sequence"
-            for name in floors:
+            for name in (*floors, *fns):
                 p = name.split()[-1]
-                row = {"T": T, "kernel": f"{name}: torch's {'copy' if p == 'fwd' else 'add'}, the same bytes (D={D}, "
-                       f"{layout})", "D": D, "layout": layout, "ms": ms[name], "GB/s": nbytes[p] / ms[name] / 1e6,
-                       "MB": nbytes[p] / 1e6, "pct_of_peak": 100 * nbytes[p] / ms[name] * 1e3 / PEAK_BYTES}
-                rows.append(row)
-                if report is not None:
-                    report(row)
-            for name, fn in fns.items():
-                out = fn()
-                p = name.split()[-1]
-                errs = ({"y": rel_err(out, y_ref)} if p == "fwd"
-                        else {"dx": rel_err(out[0], dx_ref), "dw": rel_err(out[1], dw_ref)})
-                row = {"T": T, "kernel": f"{name} (D={D}, {layout})", "D": D, "layout": layout, "ms": ms[name],
+                label = f"{name}: torch's {'copy' if p == 'fwd' else 'add'}, the same bytes" if name in floors else name
+                row = {"T": T, "kernel": f"{label} (D={D}, {layout})", "D": D, "layout": layout, "ms": ms[name],
                        "GB/s": nbytes[p] / ms[name] / 1e6, "MB": nbytes[p] / 1e6,
                        "pct_of_peak": 100 * nbytes[p] / ms[name] * 1e3 / PEAK_BYTES}
-                row.update({f"err_{k}": v for k, v in errs.items()})
-                if not name.startswith("FLA") and f"FLA {p}" in ms:
-                    row["speedup_vs_fla"] = ms[f"FLA {p}"] / ms[name]
+                if name in fns:
+                    out = fns[name]()
+                    errs = ({"y": rel_err(out, y_ref)} if p == "fwd"
+                            else {"dx": rel_err(out[0], dx_ref), "dw": rel_err(out[1], dw_ref)})
+                    row.update({f"err_{k}": v for k, v in errs.items()})
+                    if not name.startswith("FLA") and f"FLA {p}" in ms:
+                        row["speedup_vs_fla"] = ms[f"FLA {p}"] / ms[name]
                 rows.append(row)
                 if report is not None:
                     report(row)

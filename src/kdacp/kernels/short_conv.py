@@ -115,7 +115,8 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
     """Row ``r`` (a scalar) of ``x`` as float32 ``[BD]``: ``halo[W-1+r]`` for ``-(W-1) <= r < 0`` (with a
     halo), zero outside ``[0, T)`` otherwise."""
-    val = tl.load(x + tl.cast(r, tl.int64) * s_xt + cols * s_xd, mask=m_d & (r >= 0) & (r < T), other=0.).to(tl.float32)
+    val = tl.load(x + tl.cast(r, tl.int64) * s_xt + cols * s_xd, mask=m_d & (r >= 0) & (r < T),
+                  other=0.).to(tl.float32)
     if HAS_HALO:
         val += tl.load(halo + (r + W - 1) * s_ht + cols * s_hd, mask=m_d & (r < 0) & (r >= 1 - W),
                        other=0.).to(tl.float32)
@@ -274,10 +275,10 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         x_b = _load_row(x, halo, u - 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_c = _load_row(x, halo, u - 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_d = _load_row(x, halo, u - 6, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        dy_a = tl.load(dy + tl.cast(u, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 0), other=0.).to(tl.float32)
-        dy_b = tl.load(dy + tl.cast(u - 1, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 1), other=0.).to(tl.float32)
-        dy_c = tl.load(dy + tl.cast(u - 2, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 2), other=0.).to(tl.float32)
-        dy_d = tl.load(dy + tl.cast(u - 3, tl.int64) * s_yt + cols * s_yd, mask=m_d & (u >= 3), other=0.).to(tl.float32)
+        dy_a = _load_row(dy, dy, u, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)  # zero for rows < 0
+        dy_b = _load_row(dy, dy, u - 1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        dy_c = _load_row(dy, dy, u - 2, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        dy_d = _load_row(dy, dy, u - 3, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
             u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
             cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
