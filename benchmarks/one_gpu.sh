@@ -9,9 +9,6 @@
 #   bash benchmarks/one_gpu.sh 2 $OUT   # with the shipped tilings: the kernels and the layer against FLA's again,
 #                                       # the 346M Kimi Linear step (parallelize, and with FSDP2), the GPU tests
 #                                       # of the convolution and the layer
-#   bash benchmarks/one_gpu.sh 3 $OUT [BEFORE_SRC]  # issue 32: the cut head's GPU test, then the per-rank overhead
-#                                       # and the scaling model's stage times and predictions, this tree's and
-#                                       # (with BEFORE_SRC, a src/ folder of an earlier commit) the earlier code's
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
@@ -31,18 +28,7 @@ elif [ "$part" = 2 ]; then
     tail -4 "$out/fsdp.log"
     step gpu_tests 180 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py tests/kernels/test_short_conv_kernel.py
     tail -2 "$out/gpu_tests.log"
-elif [ "$part" = 3 ]; then
-    step pieces_test 200 python3 -m pytest -q -m gpu tests/distributed/test_head_pieces_gpu.py
-    tail -2 "$out/pieces_test.log"
-    for code in after ${3:+before}; do
-        src=$PWD/src
-        [ "$code" = before ] && src=$3
-        step "overhead_$code" 200 env PYTHONPATH="$src:$PYTHONPATH" python3 -m kdacp.cli bench --suite overhead \
-            --device cuda --family kda --seq-lens 16384 --batches one_sequence,docs7 --out "$out/overhead_$code"
-        step "scaling_$code" 150 env PYTHONPATH="$src:$PYTHONPATH" python3 -m kdacp.cli bench --suite scaling \
-            --device cuda --world-size 1 --seq-lens 16384 --out "$out/scaling_$code"
-    done
 else
-    echo "part must be 1, 2 or 3, got $part" >&2
+    echo "part must be 1 or 2, got $part" >&2
     exit 2
 fi
