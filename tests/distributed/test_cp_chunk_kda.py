@@ -42,9 +42,6 @@ def _cases(world_size: int) -> list[dict]:
              scale=0.3),
         dict(name="packed-random-cuts-fp32", B=1, cu=[0, 33, 34, 70 * P - 50, 70 * P - 3, 70 * P], uneven=True,
              gate="plain", init=True, final=True, dtype=torch.float32),
-        # heads of 3-5 chunks cut into pieces (the last one partial), their start states folded
-        dict(name="head-pieces", B=1, cu=[0, 5, 280 * P - 20, 280 * P], uneven=False, gate="plain", init=True,
-             final=True, head_pieces=3),
     ]
 
 
@@ -82,8 +79,7 @@ def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int
                  x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x)
              for n, x in args.items()}
     plan = build_cp_plan(cu, local_lengths=None if not case["uneven"] else lengths,
-                         batch_size=None if cu is not None else case["B"], strategy=strategy,
-                         head_pieces=case.get("head_pieces"))
+                         batch_size=None if cu is not None else case["B"], strategy=strategy)
     o, final_state = chunk_kda(**local, output_final_state=final, backend="torch", cp=plan)
     loss = (o * do[:, lo:hi]).sum() + (final and (final_state * dfinal[rank].to(final_state)).sum())
     grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names])))

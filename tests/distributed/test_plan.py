@@ -1,6 +1,4 @@
 """Partition layouts of :class:`CPPlan` (no process group needed)."""
-import pytest
-
 from kdacp.distributed.plan import CPPlan, LocalSegment
 
 
@@ -41,21 +39,3 @@ def test_named_spans_mean_the_same_tokens_in_both_directions():
     assert last.head == Span(0, 10, (0, 10)) and last.after_head == Span(10, 40, (0, 30)) and last.tail.empty
     plan = _plan(cu=(0, 5, 100, 130), lengths=(40, 50, 40))
     assert plan.layouts(40) == (first, middle, last)
-
-
-def test_head_cut_into_pieces_of_whole_chunks():
-    from kdacp.backends.base import Span
-    head = Span(0, 300, (0, 300))  # 5 chunks of 64, the last partial
-    assert head.cut(3, 64).cu_seqlens == (0, 128, 256, 300)
-    assert head.cut(5, 64).cu_seqlens == (0, 64, 128, 192, 256, 300)
-    assert head.cut(9, 64).cu_seqlens == (0, 64, 128, 192, 256, 300)  # never more pieces than chunks
-    assert head.cut(1, 64) == head and head.cut(3, 64).first(2) == Span(0, 256, (0, 128, 256))
-    with pytest.raises(ValueError, match="one segment"):
-        Span(0, 10, (0, 4, 10)).cut(2, 64)
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_head_pieces_must_be_a_positive_int(bad):
-    from kdacp.distributed import build_cp_plan
-    with pytest.raises(ValueError, match="head_pieces"):
-        build_cp_plan(head_pieces=bad)

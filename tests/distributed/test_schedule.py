@@ -46,7 +46,6 @@ class RecordingBackend:
     def __init__(self, log: list):
         self.inner, self.log = TorchBackend(KDAOptions(scale=0.25)), log
         self.name, self.options = "recording", self.inner.options
-        self.cuts: dict = {}  # log index -> the span's cu_seqlens
 
     def __getattr__(self, stage):
         fn = getattr(self.inner, stage)
@@ -57,29 +56,24 @@ class RecordingBackend:
             span = spans[0] if spans else local_span
             if span is not None:  # the stages that do work on a span (not to_saved)
                 self.log.append((stage, (span.start, span.end)))
-                self.cuts[len(self.log) - 1] = span.cu_seqlens
             return fn(*args, **kwargs)
         return call
 
 
-# (cu_seqlens, tokens per rank, head pieces): a chain through a middle rank; packed documents cut at a
-# rank edge; a chain whose heads of 4-5 chunks are cut into pieces
-LAYOUTS = [((0, 5, 100, 130), (40, 50, 40), None), ((0, 30, 45, 60, 64), (32, 32), None),
-           ((0, 5, 700, 720), (200, 300, 220), 3)]
+# (cu_seqlens, tokens per rank): a chain through a middle rank; packed documents cut at a rank edge
+LAYOUTS = [((0, 5, 100, 130), (40, 50, 40)), ((0, 30, 45, 60, 64), (32, 32))]
 
 
-def _run(rank: int, cu, lengths, monkeypatch, head_pieces=None, forward_cuts=None):
+def _run(rank: int, cu, lengths, monkeypatch):
     log: list = []
     monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
     layouts = rank_layouts(cu, 1, lengths)
     plan = CPPlan(rank=rank, world_size=len(lengths), group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
-                  local_lengths=lengths, rank_layouts=layouts, head_pieces=head_pieces)
+                  local_lengths=lengths, rank_layouts=layouts)
     args = make_kda_inputs(1, lengths[rank], 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank)
     backend = RecordingBackend(log)
     fwd = orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
     forward_log = list(log)
-    if forward_cuts is not None:
-        forward_cuts.update(backend.cuts)
     log.clear()
     do = torch.randn_like(fwd.o)
     orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition, fwd.head_states, do,
@@ -91,10 +85,10 @@ def _index(log, event) -> int | None:
     return next((i for i, e in enumerate(log) if e[0] == event), None)
 
 
-@pytest.mark.parametrize("cu, lengths, pieces", LAYOUTS)
-def test_forward_sends_first_and_blocks_last(cu, lengths, pieces, monkeypatch):
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
     for rank in range(len(lengths)):
-        layout, log, _ = _run(rank, cu, lengths, monkeypatch, pieces)
+        layout, log, _ = _run(rank, cu, lengths, monkeypatch)
         head = (layout.head.start, layout.head.end)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
@@ -108,10 +102,10 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, pieces, monkeypatch):
             assert all(span != head or layout.through or stage == "prepare" for stage, span in log[1:receive]), log
 
 
-@pytest.mark.parametrize("cu, lengths, pieces", LAYOUTS)
-def test_backward_sends_first_and_blocks_last(cu, lengths, pieces, monkeypatch):
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
     for rank in range(len(lengths)):
-        layout, _, log = _run(rank, cu, lengths, monkeypatch, pieces)
+        layout, _, log = _run(rank, cu, lengths, monkeypatch)
         tail = (layout.tail.start, layout.tail.end)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
@@ -126,12 +120,12 @@ def test_backward_sends_first_and_blocks_last(cu, lengths, pieces, monkeypatch):
             assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != tail), log
 
 
-@pytest.mark.parametrize("cu, lengths, pieces", LAYOUTS)
-def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, pieces, monkeypatch):
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
     """Between the shared ``prepare`` and the send, only the pass over the span the message is about:
     not one that also covers the rank's whole sequences (the second layout has some on both ranks)."""
     for rank in range(len(lengths)):
-        layout, forward, backward = _run(rank, cu, lengths, monkeypatch, pieces)
+        layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
         whole, head, tail = ((s.start, s.end) for s in (layout.whole, layout.head, layout.tail))
         if layout.num_send:
             made = ("state_summary", head) if layout.through else ("state_pass", tail)
@@ -140,22 +134,3 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, pieces, 
             made = ([("backward_local", tail), ("state_gradient_summary", tail)] if layout.through
                     else [("backward_local", head), ("backward_states", head)])
             assert backward[1:_index(backward, "send")] == made, backward
-
-
-def test_head_pieces_summarised_while_waiting_and_passed_side_by_side(monkeypatch):
-    """A cut head: its pieces' summaries (all but the last piece's, unless the rank is a through rank,
-    whose message composes them all) come before the blocking receive; after it, one state pass and one
-    output over all the pieces (a span of several segments: they run side by side)."""
-    cu, lengths, pieces = LAYOUTS[2]
-    for rank in (1, 2):
-        cuts: dict = {}
-        layout, log, _ = _run(rank, cu, lengths, monkeypatch, pieces, cuts)
-        n = 3 if rank == 1 else 2  # heads of 5 and 4 chunks, two chunks a piece
-        piece_cuts = tuple(range(0, layout.head.end, 2 * 64)) + (layout.head.end,)
-        assert len(piece_cuts) == n + 1
-        receive = _index(log, "receive")
-        summaries = [i for i, (stage, _) in enumerate(log) if stage == "state_summary"]
-        assert len(summaries) == 1 and summaries[0] < receive, log
-        assert cuts[summaries[0]] == (piece_cuts if layout.through else piece_cuts[:-1])
-        after = [(log[i][0], cuts[i]) for i in range(receive + 1, len(log))]
-        assert after == [("state_pass", piece_cuts), ("output", piece_cuts)], (after, log)

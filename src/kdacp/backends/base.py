@@ -60,21 +60,6 @@ class Span:
     def empty(self) -> bool:
         return self.end <= self.start
 
-    def cut(self, pieces: int, chunk_size: int) -> "Span":
-        """The same tokens, this span's one segment cut into at most ``pieces`` segments of equally many
-        whole chunks (the last may be shorter): cuts fall on chunk boundaries, so every piece holds the
-        same chunks as the whole and its state pass the same states, given each piece's start state."""
-        if self.num_segments != 1:
-            raise ValueError(f"only a span of one segment is cut into pieces, this one has {self.num_segments}")
-        length = self.end - self.start
-        per = -(-(-(-length // chunk_size)) // pieces) * chunk_size  # tokens of whole chunks per piece
-        return Span(self.start, self.end, tuple(range(0, length, per)) + (length,))
-
-    def first(self, segments: int) -> "Span":
-        """The span of this span's first ``segments`` segments."""
-        cu = self.cu_seqlens[:segments + 1]
-        return Span(self.start, self.start + cu[-1], cu)
-
     def cu_seqlens_host(self) -> torch.Tensor | None:
         """``[n+1]`` int64 on the CPU, or ``None`` for a single segment (the faster unpacked path); for
         launchers that read the boundaries on the host (no device sync)."""

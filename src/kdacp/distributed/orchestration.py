@@ -7,12 +7,11 @@ moment it exists, then all work that needs no incoming message, and the blocking
 
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
-           through rank: summary(head pieces) -> message (S_ext, M, composed over the pieces)
+           through rank: summary(head) -> message (S_ext, M)
            else: state_pass(tail) -> message (the tail's final states)
            send                                          p2p: to rank + 1; allgather: the gather starts
            state_pass(between), output(between), output(tail)
-           summary(head pieces but the last)             S_ext and M of each piece (not on a through rank)
-           receive (block) -> each piece's start state, state_pass(head pieces), output(head pieces)
+           receive (block) -> state_pass(head), output(head)
 backward:  begin
            through rank: backward_local(tail), G(tail) -> message (G, M^T)
            else: backward_local(head), backward_states(head) -> message (the head's initial-state
@@ -27,13 +26,6 @@ backward:  begin
 the span it is about, so a packed rank posts it before the passes over its whole sequences (one
 launch more per direction there; a rank of one sequence launches as before).
 
-Head pieces: the head's one segment is cut into pieces of whole chunks (``CPPlan.head_pieces``).
-While the rank waits, the summaries of all pieces but the last are formed; once the state arrives,
-each piece's start state is one ``M S + S_ext`` away from the previous one's, and the pieces' state
-passes run side by side, which fills a GPU that one sequence's serial pass leaves mostly idle. The
-work after the incoming message, which lies on the chain's critical path, shrinks by most of the
-serial pass; a through rank, which needs every piece's summary anyway, composes them into its message.
-
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Every stage
 runs once per span, over all of the span's segments (one varlen launch set). The order is tested
@@ -45,7 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..affine import StateSummary, apply_state_summary, compose_state_summaries
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
 from . import comm
 from .plan import CPPlan, through_ranks
@@ -106,52 +97,6 @@ def _by_sequence(plan: CPPlan, segments, local: torch.Tensor, kept: slice) -> to
     return out
 
 
-# With the count chosen for the device: pieces shorter than this cost more in summaries than they save.
-_MIN_PIECE_CHUNKS = 8
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _head_pieces(plan: CPPlan, head: Span, HV: int, V: int, chunk_size: int, device) -> Span | None:
-    """The head cut into pieces whose state passes run side by side (``None``: not cut): see
-    :func:`~kdacp.distributed.plan.build_cp_plan`'s ``head_pieces``."""
-    if head.num_segments != 1:
-        return None
-    chunks = -(-(head.end - head.start) // chunk_size)
-    count = plan.head_pieces
-    if count is None:
-        if device.type != "cuda":
-            return None
-        programs = HV * max(V // 64, 1)  # the state pass's programs per segment
-        count = min(2 * _sm_count(device) // programs, chunks // _MIN_PIECE_CHUNKS)
-    pieces = head.cut(min(count, chunks), chunk_size) if count > 1 else head
-    return pieces if pieces.num_segments > 1 else None
-
-
-def _piece_summary(summary, j: int) -> StateSummary:
-    return StateSummary(summary.state[j:j + 1], summary.transition[j:j + 1])
-
-
-def _compose_pieces(summary, n: int) -> StateSummary:
-    """The summary of ``n`` consecutive pieces (``[n, ...]`` rows) as one (``[1, ...]`` rows)."""
-    total = _piece_summary(summary, 0)
-    for j in range(1, n):
-        total = compose_state_summaries(total, _piece_summary(summary, j))
-    return total
-
-
-def _piece_starts(summary, incoming: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, HV, K, V]``: each piece's start state, from the head's ``incoming [1, HV, K, V]`` and the
-    summaries of the first ``n - 1`` pieces."""
-    starts = [incoming]
-    for j in range(n - 1):
-        starts.append(apply_state_summary(summary.state[j:j + 1], summary.transition[j:j + 1],
-                                          starts[-1]).to(incoming.dtype))
-    return torch.cat(starts)
-
-
 def _cat(parts: list, dim: int):
     parts = [p for p in parts if p is not None]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
@@ -179,14 +124,11 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     else:
         known_initial = initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, tail_states, pieces_summary = None, None, None, None
+    message, transition, tail_states = None, None, None
     through = route.affine[plan.rank]
     tail, n_between = layout.tail, len(known_initial) - layout.num_send  # segments between head and tail
-    pieces = _head_pieces(plan, head, HV, V, backend.options.chunk_size, device)
     if through:
-        summary = backend.state_summary(chunks, pieces or head, with_transition=True)
-        if pieces is not None:
-            pieces_summary, summary = summary, _compose_pieces(summary, pieces.num_segments)
+        summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
     elif layout.num_send:  # the tail's pass alone: it ends before a pass that also covers whole sequences
         tail_states = backend.state_pass(chunks, tail, known_initial[n_between:], True)
@@ -200,17 +142,9 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         between_o = backend.output(chunks, between, between_initial, between_states)
     if tail_states is not None:
         tail_o = backend.output(chunks, tail, known_initial[n_between:], tail_states)
-    if pieces is not None and pieces_summary is None:
-        pieces_summary = backend.state_summary(chunks, pieces.first(pieces.num_segments - 1), with_transition=True)
     incoming = exchange.receive(pending)
     head_states, head_o = None, None
-    if pieces is not None:
-        starts = _piece_starts(pieces_summary, incoming, pieces.num_segments)
-        states = backend.state_pass(chunks, pieces, starts, output_final_state)
-        head_o = backend.output(chunks, pieces, starts, states)
-        last_final = None if states.final_state is None else states.final_state[-1:]
-        head_states = LocalStates(last_final, states.h, states.v_new)
-    elif not head.empty:
+    if not head.empty:
         head_states = backend.state_pass(chunks, head, incoming, output_final_state)
         head_o = backend.output(chunks, head, incoming, head_states)
     pending.finish_sends()

@@ -186,8 +186,7 @@ class CPPlan:
     (both ``None`` for an equal split read from the call: rows of ``T_local`` tokens on every rank).
     ``check_every_call``: run the cross-rank input check on every call instead of once per call
     signature. ``strategy`` is always a concrete one (``"auto"`` is resolved when the plan is built);
-    ``strategy_reason`` says why (``"given"``, or the cost model's comparison). ``head_pieces``: see
-    :func:`build_cp_plan`.
+    ``strategy_reason`` says why (``"given"``, or the cost model's comparison).
     """
 
     rank: int
@@ -200,7 +199,6 @@ class CPPlan:
     check_every_call: bool = False
     rank_layouts: tuple[RankLayout, ...] | None = field(default=None, repr=False, compare=False)
     strategy_reason: str = "given"
-    head_pieces: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -237,8 +235,7 @@ def one_rank_plan(cu_seqlens: tuple[int, ...] | None, batch_size: int, length: i
 
 
 def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group=None,
-                  strategy: str = "p2p", check_every_call: bool = False, state_shape=None, link=None,
-                  head_pieces: int | None = None) -> CPPlan:
+                  strategy: str = "p2p", check_every_call: bool = False, state_shape=None, link=None) -> CPPlan:
     """Build the context-parallel plan of one batch; call it on every rank with the same arguments.
 
     Args:
@@ -263,23 +260,12 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
             :data:`AUTO_STATE_SHAPE`, Kimi Linear's).
         link: a :class:`~kdacp.distributed.cost_model.Link`, read only by ``"auto"`` (default: an
             order of magnitude for one node's NVLink; pass measured figures, e.g. across nodes).
-        head_pieces: a rank whose head (the sequence begun on an earlier rank) is one segment cuts it
-            into this many pieces of whole chunks while it waits, summarises all but the last (``S_ext``
-            and ``M``), and once the state arrives folds each piece's start state and runs the pieces'
-            state passes side by side instead of one after another (see
-            :mod:`kdacp.distributed.orchestration`). ``None``: as many as fill the GPU (one state-pass
-            program per piece, head and 64 value columns; two per SM), pieces of at least 8 chunks; 1
-            (no cut) on a CPU. Results agree with the uncut pass to float32 rounding.
 
     Raises:
-        ValueError: unknown strategy, bad ``state_shape``, invalid ``cu_seqlens``, lengths that do not add
-            up, ``head_pieces`` not a positive int.
+        ValueError: unknown strategy, bad ``state_shape``, invalid ``cu_seqlens``, lengths that do not add up.
     """
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
-    if head_pieces is not None and (isinstance(head_pieces, bool) or not isinstance(head_pieces, int)
-                                    or head_pieces < 1):
-        raise ValueError(f"head_pieces must be a positive int or None, got {head_pieces!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_cp_plan needs an initialised torch.distributed process group")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -318,4 +304,4 @@ def build_cp_plan(cu_seqlens=None, *, local_lengths=None, batch_size=None, group
                                         state_shape, link)
     return CPPlan(rank=rank, world_size=world_size, group=group, strategy=strategy, batch_size=batch_size,
                   cu_seqlens=cu, local_lengths=local_lengths, check_every_call=bool(check_every_call),
-                  rank_layouts=layouts, strategy_reason=reason, head_pieces=head_pieces)
+                  rank_layouts=layouts, strategy_reason=reason)
