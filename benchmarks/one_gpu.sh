@@ -18,9 +18,9 @@ out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
 if [ "$part" = 1 ]; then
-    step conv_round 330 python3 benchmarks/conv_round.py "$out/round" --seq-lens 16384 65536
+    step conv_round 380 python3 benchmarks/conv_round.py "$out/round" --seq-lens 16384 65536
     grep -E "^tilings" "$out/conv_round.log"
-    step conv_tests 150 python3 -m pytest -q -m gpu tests/kernels/test_short_conv_kernel.py
+    step conv_tests 140 python3 -m pytest -q -m gpu tests/kernels/test_short_conv_kernel.py
     tail -2 "$out/conv_tests.log"
 elif [ "$part" = 2 ]; then
     step conv_round 170 python3 benchmarks/conv_round.py "$out/round" --seq-lens 16384 65536 --no-sweep
