@@ -40,15 +40,12 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 @dataclass(frozen=True)
 class ConvTiles:
     """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``UNROLL`` rows per step (their
-    loads issued together); ``maxnreg`` caps the registers per thread (None: the compiler's choice);
-    ``ahead``: each step issues the next step's loads before its own arithmetic (the rows of two steps
-    held in registers), so a program keeps loads in flight while it computes."""
+    loads issued together); ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
 
     rows: int
     BD: int
     num_warps: int
     maxnreg: int | None = None
-    ahead: bool = False
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
@@ -127,17 +124,6 @@ def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr,
 
 
 @triton.jit
-def _load_rows(x, halo, r, step: tl.constexpr, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr,
-               HAS_HALO: tl.constexpr):
-    """Rows ``r, r + step, r + 2 step, r + 3 step`` of ``x`` (:func:`_load_row` each), their loads issued together."""
-    a = _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    b = _load_row(x, halo, r + step, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    c = _load_row(x, halo, r + 2 * step, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    d = _load_row(x, halo, r + 3 * step, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    return a, b, c, d
-
-
-@triton.jit
 def _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W: tl.constexpr):
     """The pre-activation of row ``u`` from its raw taps ``x_j = x[u-j]``, each masked (``tl.where``: a NaN in
     another sequence stays there) to ``u - j >= start``; also returns the masked taps."""
@@ -175,10 +161,9 @@ def _fwd_row(u, x_0, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, co
 def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` walks rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` upward, one row of
-    ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once
-    (``AHEAD``: a step's rows are loaded one step earlier)."""
+    ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once."""
     tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -193,14 +178,11 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     x_1 = _load_row(x, halo, lo - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, lo - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_3 = _load_row(x, halo, lo - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    n_a, n_b, n_c, n_d = _load_rows(x, halo, lo, 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     for u in range(lo, hi, UNROLL_ROWS):
-        if AHEAD:
-            x_a, x_b, x_c, x_d = n_a, n_b, n_c, n_d
-            n_a, n_b, n_c, n_d = _load_rows(x, halo, u + UNROLL_ROWS, 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W,
-                                            HAS_HALO)
-        else:
-            x_a, x_b, x_c, x_d = _load_rows(x, halo, u, 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_a = _load_row(x, halo, u, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_b = _load_row(x, halo, u + 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_c = _load_row(x, halo, u + 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_d = _load_row(x, halo, u + 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         n, start, end = _fwd_row(u, x_a, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
                                  s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
         n, start, end = _fwd_row(u + 1, x_b, x_a, x_1, x_2, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
@@ -258,13 +240,13 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
     with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
     ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
     the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
-    once (plus ``W-1`` rows past the program's end; ``AHEAD``: a step's rows are loaded one step earlier).
-    ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (deterministic)."""
+    once (plus ``W-1`` rows past the program's end). ``dweight`` and ``dbias`` are per-program float32
+    partial sums reduced once afterwards (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -287,20 +269,16 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     x_0 = _load_row(x, halo, top, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_1 = _load_row(x, halo, top - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, top - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    # step k's rows: x[u-3 .. u-6] and dy[u .. u-3] (zero for rows < 0), u = top - k UNROLL_ROWS
-    nx_a, nx_b, nx_c, nx_d = _load_rows(x, halo, top - 3, -1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    ny_a, ny_b, ny_c, ny_d = _load_rows(dy, dy, top, -1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
     for k in range(tl.cdiv(top - bottom + 1, UNROLL_ROWS)):
         u = top - k * UNROLL_ROWS
-        if AHEAD:
-            x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d = nx_a, nx_b, nx_c, nx_d, ny_a, ny_b, ny_c, ny_d
-            v = u - UNROLL_ROWS
-            nx_a, nx_b, nx_c, nx_d = _load_rows(x, halo, v - 3, -1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W,
-                                                HAS_HALO)
-            ny_a, ny_b, ny_c, ny_d = _load_rows(dy, dy, v, -1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-        else:
-            x_a, x_b, x_c, x_d = _load_rows(x, halo, u - 3, -1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-            dy_a, dy_b, dy_c, dy_d = _load_rows(dy, dy, u, -1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        x_a = _load_row(x, halo, u - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_b = _load_row(x, halo, u - 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_c = _load_row(x, halo, u - 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        x_d = _load_row(x, halo, u - 6, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        dy_a = _load_row(dy, dy, u, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)  # zero for rows < 0
+        dy_b = _load_row(dy, dy, u - 1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        dy_c = _load_row(dy, dy, u - 2, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        dy_d = _load_row(dy, dy, u - 3, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
             u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
             cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
@@ -363,8 +341,7 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, AHEAD=tiles.ahead,
-                      **tiles.launch_options())
+                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
     return y
 
 
@@ -391,7 +368,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      AHEAD=tiles.ahead, **tiles.launch_options())
+                      **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
