@@ -16,7 +16,9 @@ pre-activation) in registers, so every row is read once: no shifted reloads, no 
 ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (no atomics: the
 results are deterministic). Sequence boundaries are found in the kernel (one binary search of ``cu_seqlens``
 per program, then scalar steps): no host sync, no index tensor. One H200 (T=16K, D=4096, bf16): forward 66%
-and backward 54% of the memory bandwidth, where torch's own copy and add reach 86% and 89%.
+and backward 56% of the memory bandwidth, where torch's own copy and add reach 86% and 89%. Issuing each
+step's loads one step ahead (the next rows in registers while a step computes) raised neither (measured,
+not kept: benchmarks/RESULTS.md, tenth session).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ UNROLL = 4
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02.
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2)
-BWD_TILES = ConvTiles(rows=256, BD=1024, num_warps=8, maxnreg=128)
+BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16)
 
 
 @triton.jit
