@@ -22,6 +22,7 @@ not kept: benchmarks/RESULTS.md, tenth session).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,9 +56,12 @@ class ConvTiles:
 
 UNROLL = 4
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02.
+# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02. The backward's takes one SM per program: where
+# its grid is more than one wave the tail wave costs more than the wide rows save (D=6144: 0.282 ms, against
+# 0.253 ms with BWD_TILES_MANY, the fastest of the ninth session's sweep), so such grids take BWD_TILES_MANY.
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2)
 BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16)
+BWD_TILES_MANY = ConvTiles(rows=256, BD=1024, num_warps=8, maxnreg=128)
 
 
 @triton.jit
@@ -328,6 +332,19 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
     return cu_seqlens, n, (n - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _bwd_tiles(B: int, T: int, D: int, device: torch.device) -> ConvTiles:
+    """:data:`BWD_TILES` where its grid fits in one wave of one program per SM (or off a GPU), else
+    :data:`BWD_TILES_MANY`."""
+    wide = BWD_TILES
+    programs = B * triton.cdiv(T, wide.rows) * triton.cdiv(D, wide.BD)
+    return wide if device.type != "cuda" or programs <= _sm_count(device) else BWD_TILES_MANY
+
+
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, activation: str | None,
                    tiles: ConvTiles | None = None) -> torch.Tensor:
@@ -351,9 +368,9 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
                    tiles: ConvTiles | None = None) -> ShortConvGrads:
     """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
-    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :data:`BWD_TILES`."""
-    tiles = tiles or BWD_TILES
+    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :func:`_bwd_tiles`'s."""
     B, T, D = x.shape
+    tiles = tiles or _bwd_tiles(B, T, D, x.device)
     W = weight.shape[1]
     n_programs = triton.cdiv(T, tiles.rows)  # the first also owns the halo's rows
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
