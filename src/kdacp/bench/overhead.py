@@ -46,7 +46,7 @@ from kdacp.reference.gates import compute_dtype
 from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS, StageProbe
+from .stage_probe import ROLE_RANKS, probe_role
 from .timing import time_round_robin
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
@@ -193,19 +193,10 @@ def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, w
     got = {(role, d): [] for role in plans for d in ("forward", "backward")}
     for i in range(rounds + warmup):
         for role, (plan, _) in plans.items():
-            probe = StageProbe(device)
-            probe.stamp("start")
-            out = cp_forward(call.backend, plan, call.inputs, None, False, state_dtype, exchange=probe)
-            probe.stamp("end")
-            forward = probe.stages(probe.stamps["start"], probe.stamps["end"])
-            probe = StageProbe(device)
-            probe.stamp("start")
-            cp_backward(call.backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
-                        False, False, exchange=probe)
-            probe.stamp("end")
+            forward, backward = probe_role(call.backend, call.inputs, state_dtype, plan, do, device)
             if i >= warmup:
                 got[(role, "forward")].append(forward)
-                got[(role, "backward")].append(probe.stages(probe.stamps["start"], probe.stamps["end"]))
+                got[(role, "backward")].append(backward)
     return {key: [statistics.median(getattr(s, n) for s in runs) * 1e3 for n in ("ready", "between", "after")]
             for key, runs in got.items()}
 

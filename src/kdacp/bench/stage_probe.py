@@ -18,7 +18,7 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
-__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "sync", "time_roles"]
+__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "sync", "time_roles"]
 
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
 
@@ -80,9 +80,10 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
                   local_lengths=lengths, rank_layouts=rank_layouts(None, 1, lengths))
 
 
-def _role_once(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
+def probe_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
                device: torch.device) -> tuple[RoleStages, RoleStages]:
-    """``(forward, backward)`` :class:`RoleStages` of one call of one role's orchestration."""
+    """``(forward, backward)`` :class:`RoleStages` (seconds) of one call of the role ``plan`` gives this
+    process: its orchestration against a :class:`StageProbe`, ``do`` the output gradient."""
     probe = StageProbe(device)
     probe.stamp("start")
     out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
@@ -107,7 +108,7 @@ def time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: tor
     got = {role: [] for role in plans}
     for i in range(iters + 1):  # the first round warms up
         for role, plan in plans.items():
-            result = _role_once(backend, inputs, state_dtype, plan, do, device)
+            result = probe_role(backend, inputs, state_dtype, plan, do, device)
             if i:
                 got[role].append(result)
 
