@@ -22,12 +22,14 @@ def random_cu_seqlens(T: int, num_seqs: int, generator: torch.Generator | None =
 
 
 def make_kda_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="plain", initial_state=False,
-                    cu_seqlens=None, requires_grad=True, device="cpu", seed=None):
+                    cu_seqlens=None, requires_grad=True, device="cpu", seed=None, gate_shift=0.0):
     """Fresh random inputs for ``chunk_kda``-style calls as a kwargs dict.
 
     ``gate``: ``"plain"`` (natural-log decay given, pre-normalised k), ``"default"``
     (``-exp(A_log) softplus``) or ``"safe"`` (lower bound -5); the last two use the gate and the
-    L2 norm in kernel. Leaf tensors require grad when ``requires_grad``.
+    L2 norm in kernel. ``gate_shift`` is added to the gate logits of the last two: at 0 a state fades
+    within a few tokens (the transition of a 40-token span is about 1e-15), at -4 it lasts tens of tokens,
+    so that what crosses a rank boundary weighs on the result. Leaf tensors require grad when ``requires_grad``.
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
 
@@ -42,7 +44,7 @@ def make_kda_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="plain", ini
         args["q"] = F.normalize(q, dim=-1)
         args["g"] = F.logsigmoid(rnd(B, T, HV, K) + 2.0)
     else:
-        args["g"] = rnd(B, T, HV, K)
+        args["g"] = rnd(B, T, HV, K) + gate_shift
         args["A_log"] = 0.5 * rnd(HV)
         args["dt_bias"] = 0.5 * rnd(HV * K)
     if initial_state:

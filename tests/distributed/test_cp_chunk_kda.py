@@ -37,7 +37,9 @@ def _cases(world_size: int) -> list[dict]:
     return [
         dict(name="one-sequence", B=1, cu=None, T=50 * P, uneven=False, gate="plain"),
         dict(name="batch-rows-uneven", B=2, cu=None, T=45 * P + 3, uneven=True, gate="default", init=True, final=True),
-        dict(name="packed-long-middle-uneven", B=1, cu=long_middle, uneven=True, gate="default", init=True, final=True),
+        # a slowly fading gate: the through ranks' transitions weigh on the result
+        dict(name="packed-long-middle-uneven", B=1, cu=long_middle, uneven=True, gate="default", init=True, final=True,
+             gate_shift=-4.0),
         dict(name="packed-many-short", B=1, cu=many_short, uneven=False, gate="safe", init=True, final=True, HV=2,
              scale=0.3),
         dict(name="packed-random-cuts-fp32", B=1, cu=[0, 33, 34, 70 * P - 50, 70 * P - 3, 70 * P], uneven=True,
@@ -50,7 +52,8 @@ def _global_inputs(case: dict, seed: int) -> dict:
     T = case["T"] if cu is None else case["cu"][-1]
     H, HV = 1, case.get("HV", 1)
     return make_kda_inputs(case["B"], T, H, HV, 16, 16, dtype=case.get("dtype", torch.float64), gate=case["gate"],
-                           initial_state=case.get("init", False), cu_seqlens=cu, seed=seed)
+                           initial_state=case.get("init", False), cu_seqlens=cu, seed=seed,
+                           gate_shift=case.get("gate_shift", 0.0))
 
 
 def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int) -> None:
