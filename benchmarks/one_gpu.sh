@@ -9,6 +9,8 @@
 #   bash benchmarks/one_gpu.sh 2 $OUT   # with the shipped tilings: the kernels and the layer against FLA's again,
 #                                       # the 346M Kimi Linear step (parallelize, and with FSDP2), the GPU tests
 #                                       # of the convolution and the layer
+#   bash benchmarks/one_gpu.sh 3 $OUT   # issue 32: the stage probe's GPU tests (device-time stages), then the
+#                                       # per-rank overhead and the scaling model's stages and predictions
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
@@ -28,7 +30,14 @@ elif [ "$part" = 2 ]; then
     tail -4 "$out/fsdp.log"
     step gpu_tests 180 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py tests/kernels/test_short_conv_kernel.py
     tail -2 "$out/gpu_tests.log"
+elif [ "$part" = 3 ]; then
+    step probe_tests 120 python3 -m pytest -q -m gpu tests/bench/test_stage_probe.py
+    tail -2 "$out/probe_tests.log"
+    step overhead 240 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 \
+        --batches one_sequence,docs7 --out "$out/overhead"
+    step scaling 150 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
+        --out "$out/scaling"
 else
-    echo "part must be 1 or 2, got $part" >&2
+    echo "part must be 1, 2 or 3, got $part" >&2
     exit 2
 fi

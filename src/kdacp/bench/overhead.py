@@ -17,7 +17,7 @@ Rows ``source="breakdown"``: per role and stage (the backend's stages and the ex
 time between CUDA events around each stage on a GPU (wall clock on the CPU), medians over rounds.
 Rows ``source="stages"``: per role and direction, the scaling model's ``ready_ms`` (until the rank
 posts its message), ``between_ms`` (until it blocks) and ``after_ms`` (after the incoming message),
-stamped after device syncs by :class:`~kdacp.bench.stage_probe.StageProbe`, medians over rounds: the
+stamped by :class:`~kdacp.bench.stage_probe.StageProbe` (device time on a GPU), medians over rounds: the
 critical path's pieces for every batch (the scaling suite stamps one sequence only).
 
 Families: ``kda`` (Kimi Linear's gate: in kernel, ``safe_gate``, ``lower_bound=-5``, L2 norm in
@@ -46,7 +46,7 @@ from kdacp.reference.gates import compute_dtype
 from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS, probe_role
+from .stage_probe import ROLE_RANKS, probe_role, queue_ahead
 from .timing import time_round_robin
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
@@ -191,12 +191,16 @@ def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup:
 def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:
     """``{(role, "forward" | "backward"): [ready, between, after] ms}``, medians over ``rounds``."""
     got = {(role, d): [] for role in plans for d in ("forward", "backward")}
-    for i in range(rounds + warmup):
+    for _ in range(warmup):
+        for plan, _ in plans.values():
+            probe_role(call.backend, call.inputs, state_dtype, plan, do, device)
+    ahead = {role: queue_ahead(call.backend, call.inputs, state_dtype, plan, do, device)
+             for role, (plan, _) in plans.items()}
+    for _ in range(rounds):
         for role, (plan, _) in plans.items():
-            forward, backward = probe_role(call.backend, call.inputs, state_dtype, plan, do, device)
-            if i >= warmup:
-                got[(role, "forward")].append(forward)
-                got[(role, "backward")].append(backward)
+            forward, backward = probe_role(call.backend, call.inputs, state_dtype, plan, do, device, ahead[role])
+            got[(role, "forward")].append(forward)
+            got[(role, "backward")].append(backward)
     return {key: [statistics.median(getattr(s, n) for s in runs) * 1e3 for n in ("ready", "between", "after")]
             for key, runs in got.items()}
 

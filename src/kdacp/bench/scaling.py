@@ -5,8 +5,10 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
 
 - each rank role's stages (``first``, ``through``, ``last``; forward and backward): the real
   orchestration (:func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward``) runs one
-  role of a 3-rank plan against a probe exchange that stamps the time (after a device sync) where
-  the message is posted, where the rank blocks and where the incoming value is handed back;
+  role of a 3-rank plan against a probe exchange that stamps where the message is posted, where the
+  rank blocks and where the incoming value is handed back (on a GPU device time, the whole call queued
+  before the device runs it, as the host runs ahead in a training step: see
+  :class:`~kdacp.bench.stage_probe.StageProbe`);
 - one device's forward and backward on the same tokens (a 1-rank plan), one ``M x + S`` (:mod:`kdacp.affine`'s rule),
   one composition of open maps, the all-gather's stack per byte; with the ``fla`` backend FLA
   0.6.0's own summary kernels (``chunk_cp_fwd_h`` / ``chunk_cp_bwd_dh``), its ``chunk_kda`` forward

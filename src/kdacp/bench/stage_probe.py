@@ -1,5 +1,6 @@
 """Stage probes of the scaling model: one rank role's real orchestration against an exchange that moves
-nothing and stamps the time where the rank posts its message, blocks, and gets the incoming value back.
+nothing and stamps the time where the rank posts its message, blocks, and gets the incoming value back
+(device time on a GPU: see :class:`StageProbe`).
 
 Each role (``first``, ``through``, ``last``) of a 3-rank plan of one sequence runs
 :func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward`` in one process; a one-rank plan
@@ -18,7 +19,7 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
-__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "sync", "time_roles"]
+__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "queue_ahead", "sync", "time_roles"]
 
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
 
@@ -44,16 +45,59 @@ def median_time(fn, device: torch.device, iters: int, warmup: int = 1) -> float:
 
 
 class StageProbe:
-    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing: it stamps the time
-    (after a device sync) where the rank posts its message and where it blocks, and hands back zeros
-    as the incoming value."""
+    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing: it stamps where the
+    rank posts its message (``send``), where it blocks (``receive``) and where it gets the incoming
+    value back (``received``: zeros), between :meth:`start` and :meth:`finish`.
 
-    def __init__(self, device: torch.device):
-        self.device, self.stamps = device, {}
+    On a GPU the stamps are CUDA events in stream order and the device sleeps ``queue_ahead_s`` at
+    :meth:`start`, so the host queues the whole call before the device runs it, as in a training step,
+    where the host runs ahead of the device and an NCCL receive makes the stream wait, not the host
+    (the same footing as the exchange's products, :func:`~kdacp.bench.calibration.op_times`): each
+    stage is device time. Were the stamps taken after device syncs instead, a stage starting after the
+    receive would also count the host's launch latency of its first kernels, which a real run hides
+    (FLA's state pass on an H200 machine: 0.42 ms of device time, 0.75 ms from launch to done after a
+    sync). On the CPU the stamps are the wall clock. ``queue_ahead_s=0``: no sleep and no check (for
+    warm-up calls, whose compiling outlasts any sleep; :func:`queue_ahead` sizes it for the others)."""
+
+    def __init__(self, device: torch.device, queue_ahead_s: float = 0.0):
+        self.device, self.stamps, self.queue_ahead_s = device, {}, queue_ahead_s
+        self.cuda = device.type == "cuda"
 
     def stamp(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.stamps[name] = event
+        else:
+            self.stamps[name] = time.perf_counter()
+
+    def start(self) -> None:
         sync(self.device)
-        self.stamps[name] = time.perf_counter()
+        if self.cuda and self.queue_ahead_s > 0:
+            torch.cuda._sleep(int(self.queue_ahead_s * 2e9))  # ~2 GHz
+        self.stamp("start")
+
+    def finish(self) -> RoleStages:
+        """The stages (seconds) of the call between :meth:`start` and now.
+
+        Raises:
+            RuntimeError: on a GPU, the device started the call before the host had queued all of it (a
+                host sync inside the call, or a host slower than the sleep): the stages would count host time.
+        """
+        self.stamp("end")
+        if self.cuda:
+            ahead = self.queue_ahead_s <= 0 or not self.stamps["start"].query()
+            sync(self.device)
+            if not ahead:
+                raise RuntimeError(f"StageProbe: the device started the call before the host had queued it (a "
+                                   f"host sync inside it, or more host time than the {self.queue_ahead_s} s "
+                                   "sleep); its stages would count host time")
+            def between(a, b):
+                return self.stamps[a].elapsed_time(self.stamps[b]) / 1e3
+        else:
+            def between(a, b):
+                return self.stamps[b] - self.stamps[a]
+        return RoleStages(between("start", "send"), between("send", "receive"), between("received", "end"))
 
     def begin(self, route) -> Pending:
         return Pending(route)
@@ -69,10 +113,6 @@ class StageProbe:
         self.stamp("received")
         return x
 
-    def stages(self, start: float, end: float) -> RoleStages:
-        s = self.stamps
-        return RoleStages(s["send"] - start, s["receive"] - s["send"], end - s["received"])
-
 
 def _plan(rank: int, world: int, T: int) -> CPPlan:
     lengths = (T,) * world
@@ -81,36 +121,49 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
 
 
 def probe_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
-               device: torch.device) -> tuple[RoleStages, RoleStages]:
+               device: torch.device, queue_ahead_s: float = 0.0) -> tuple[RoleStages, RoleStages]:
     """``(forward, backward)`` :class:`RoleStages` (seconds) of one call of the role ``plan`` gives this
-    process: its orchestration against a :class:`StageProbe`, ``do`` the output gradient."""
-    probe = StageProbe(device)
-    probe.stamp("start")
+    process: its orchestration against a :class:`StageProbe` (``queue_ahead_s`` its sleep on a GPU, from
+    :func:`queue_ahead`; 0 for warm-up calls), ``do`` the output gradient."""
+    probe = StageProbe(device, queue_ahead_s)
+    probe.start()
     out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
-    probe.stamp("end")
-    forward = probe.stages(probe.stamps["start"], probe.stamps["end"])
-    probe = StageProbe(device)
-    probe.stamp("start")
+    forward = probe.finish()
+    probe = StageProbe(device, queue_ahead_s)
+    probe.start()
     cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None, False, False,
                 exchange=probe)
-    probe.stamp("end")
-    return forward, probe.stages(probe.stamps["start"], probe.stamps["end"])
+    return forward, probe.finish()
+
+
+def queue_ahead(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
+                device: torch.device) -> float:
+    """The :class:`StageProbe` sleep that lets the host queue a whole direction of ``plan``'s role before
+    the device runs it: four times one warm call's wall time (both directions, device included), at most
+    2 s; 0 on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    probe_role(backend, inputs, state_dtype, plan, do, device)
+    return min(4 * (time.perf_counter() - t0), 2.0)
 
 
 def time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: torch.device, iters: int):
     """``({role: (forward, backward) RoleStages}, (forward, backward) seconds on one device)``: medians
-    over ``iters`` calls after one, the roles taken in turn within each round so that a machine whose
+    over ``iters`` calls after one that warms up (and, on a GPU, one that sizes the probe's sleep), the
+    roles taken in turn within each round so that a machine whose
     load changes slows them alike (``backend``: a :class:`~kdacp.backends.base.LocalBackend`)."""
     T = inputs.q.shape[1]
     plans = {role: _plan(rank, 3, T) for role, rank in ROLE_RANKS.items()}
     plans["one"] = one_rank_plan(None, 1, T)  # one device: no exchange
     do = torch.randn_like(inputs.v)
     got = {role: [] for role in plans}
-    for i in range(iters + 1):  # the first round warms up
+    for plan in plans.values():  # warm up (compiling)
+        probe_role(backend, inputs, state_dtype, plan, do, device)
+    ahead = {role: queue_ahead(backend, inputs, state_dtype, plan, do, device) for role, plan in plans.items()}
+    for _ in range(iters):
         for role, plan in plans.items():
-            result = probe_role(backend, inputs, state_dtype, plan, do, device)
-            if i:
-                got[role].append(result)
+            got[role].append(probe_role(backend, inputs, state_dtype, plan, do, device, ahead[role]))
 
     def median(stages: list[RoleStages]) -> RoleStages:
         return RoleStages(*(statistics.median(getattr(s, n) for s in stages) for n in ("ready", "between", "after")))

@@ -1,0 +1,72 @@
+"""The stage probe's stamps: where a role posts its message, blocks and goes on, as stage times.
+
+CPU: the clock around known work. GPU (`gpu` marker): device time of known device work queued
+behind the probe's sleep, however slow the host is meanwhile; a host sync inside the call is refused."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kdacp.bench.stage_probe import StageProbe
+from kdacp.distributed.strategies import Route
+
+
+def _route(device) -> Route:
+    # a middle rank of three: it receives and sends
+    return Route(1, None, (0, 1, 2), (1, 1, 0), (False, True, False), (1, 1, 2, 2), torch.float32, device)
+
+
+def _call(probe: StageProbe, wait, parts_s) -> None:
+    """Work of ``parts_s[0]`` before the send, ``[1]`` until the receive, ``[2]`` after it."""
+    pending = probe.begin(_route(probe.device))
+    wait(parts_s[0])
+    probe.send(pending, None)
+    wait(parts_s[1])
+    incoming = probe.receive(pending)
+    assert incoming is not None and not incoming.any()
+    wait(parts_s[2])
+
+
+def test_cpu_stages_are_the_clock_between_the_stamps(monkeypatch):
+    clock = [100.0]  # a clock that moves only when the work "runs"
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    probe = StageProbe(torch.device("cpu"))
+    probe.start()
+
+    def work(seconds):
+        clock[0] += seconds
+    _call(probe, work, (0.02, 0.04, 0.03))
+    stages = probe.finish()
+    assert (stages.ready, stages.between, stages.after) == pytest.approx((0.02, 0.04, 0.03))
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _device_wait(seconds: float) -> None:
+    torch.cuda._sleep(int(seconds * 2e9))
+    time.sleep(0.002)  # a slow host between launches: not device time
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_stages_are_device_time_of_the_queued_call():
+    probe = StageProbe(torch.device("cuda"))
+    probe.start()
+    _call(probe, _device_wait, (0.002, 0.004, 0.001))
+    stages = probe.finish()
+    # the host's 2 ms between launches would double the last stage were it counted
+    for got, want in zip((stages.ready, stages.between, stages.after), (0.002, 0.004, 0.001)):
+        assert 0.7 * want < got < 1.4 * want, stages
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_probe_refuses_a_call_with_a_host_sync():
+    probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.01)
+    probe.start()
+    _call(probe, lambda s: torch.cuda.synchronize(), (0, 0, 0))
+    with pytest.raises(RuntimeError, match="host sync"):
+        probe.finish()
