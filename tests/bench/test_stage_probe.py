@@ -42,6 +42,47 @@ def test_cpu_stages_are_the_clock_between_the_stamps(monkeypatch):
     assert (stages.ready, stages.between, stages.after) == pytest.approx((0.02, 0.04, 0.03))
 
 
+class _FakeEvent:
+    """A CUDA event on a fake device clock: recorded at the clock's time; done once the device passed it."""
+
+    def __init__(self, clock, enable_timing=False):
+        self.clock, self.t = clock, None
+
+    def record(self):
+        self.t = self.clock["queued"]
+
+    def query(self):
+        return self.clock["device_done"] >= self.t
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_gpu_branch_on_fake_events(monkeypatch, host_sync):
+    """The GPU branch's bookkeeping without a GPU: events read a fake device clock; the device stays
+    asleep until the call is queued unless the host syncs inside it."""
+    clock = {"queued": 0.0, "device_done": -1.0}
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock, enable_timing))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: clock.update(queued=clock["queued"] + cycles / 2e9))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.update(device_done=clock["queued"]))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: torch.ones(1).new_zeros(a[0]))
+    probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.01)
+    probe.start()
+
+    def work(seconds):
+        clock["queued"] += seconds
+        if host_sync:
+            torch.cuda.synchronize()
+    _call(probe, work, (0.002, 0.004, 0.001))
+    if host_sync:
+        with pytest.raises(RuntimeError, match="host sync"):
+            probe.finish()
+    else:
+        stages = probe.finish()
+        assert (stages.ready, stages.between, stages.after) == pytest.approx((0.002, 0.004, 0.001))
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
