@@ -29,7 +29,8 @@ def make_kda_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="plain", ini
     (``-exp(A_log) softplus``) or ``"safe"`` (lower bound -5); the last two use the gate and the
     L2 norm in kernel. ``gate_shift`` is added to the gate logits of the last two: at 0 a state fades
     within a few tokens (K=V=16: the largest entry of a 40-token span's transition 3e-11, of 120 tokens
-    5e-30), at -4 it lasts (0.24 and 5e-3), so that what crosses a rank boundary weighs on the result. Leaf tensors require grad when ``requires_grad``.
+    5e-30), at -4 it lasts (0.24 and 5e-3), so that what crosses a rank boundary weighs on the result.
+    Leaf tensors require grad when ``requires_grad``.
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
 

@@ -46,7 +46,7 @@ from kdacp.reference.gates import compute_dtype
 from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS, probe_role, queue_ahead
+from .stage_probe import ROLE_RANKS, probe_rounds
 from .timing import time_round_robin
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
@@ -190,19 +190,11 @@ def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup:
 
 def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:
     """``{(role, "forward" | "backward"): [ready, between, after] ms}``, medians over ``rounds``."""
-    got = {(role, d): [] for role in plans for d in ("forward", "backward")}
-    for _ in range(warmup):
-        for plan, _ in plans.values():
-            probe_role(call.backend, call.inputs, state_dtype, plan, do, device)
-    ahead = {role: queue_ahead(call.backend, call.inputs, state_dtype, plan, do, device)
-             for role, (plan, _) in plans.items()}
-    for _ in range(rounds):
-        for role, (plan, _) in plans.items():
-            forward, backward = probe_role(call.backend, call.inputs, state_dtype, plan, do, device, ahead[role])
-            got[(role, "forward")].append(forward)
-            got[(role, "backward")].append(backward)
-    return {key: [statistics.median(getattr(s, n) for s in runs) * 1e3 for n in ("ready", "between", "after")]
-            for key, runs in got.items()}
+    got = probe_rounds(call.backend, call.inputs, state_dtype, {role: plan for role, (plan, _) in plans.items()},
+                       do, device, rounds, warmup=int(warmup))
+    return {(role, direction): [statistics.median(getattr(runs[k], n) for runs in got[role]) * 1e3
+                                for n in ("ready", "between", "after")]
+            for role in plans for k, direction in enumerate(("forward", "backward"))}
 
 
 def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict) -> list[dict]:

@@ -19,7 +19,8 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
-__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "queue_ahead", "sync", "time_roles"]
+__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "probe_rounds", "queue_ahead", "sync",
+           "time_roles"]
 
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
 
@@ -148,22 +149,30 @@ def queue_ahead(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPl
     return min(4 * (time.perf_counter() - t0), 2.0)
 
 
+def probe_rounds(backend, inputs: KDAInputs, state_dtype: torch.dtype, plans: dict, do: torch.Tensor,
+                 device: torch.device, rounds: int, warmup: int = 1) -> dict:
+    """``{role: [(forward, backward) RoleStages] * rounds}`` of the roles ``plans`` (role -> plan) gives this
+    process: ``warmup`` calls of each (compiling), one on a GPU that sizes each role's probe sleep
+    (:func:`queue_ahead`), then ``rounds`` rounds, the roles taken in turn within each so that a machine
+    whose load changes slows them alike."""
+    for _ in range(warmup):
+        for plan in plans.values():
+            probe_role(backend, inputs, state_dtype, plan, do, device)
+    ahead = {role: queue_ahead(backend, inputs, state_dtype, plan, do, device) for role, plan in plans.items()}
+    got = {role: [] for role in plans}
+    for _ in range(rounds):
+        for role, plan in plans.items():
+            got[role].append(probe_role(backend, inputs, state_dtype, plan, do, device, ahead[role]))
+    return got
+
+
 def time_roles(backend, inputs: KDAInputs, state_dtype: torch.dtype, device: torch.device, iters: int):
     """``({role: (forward, backward) RoleStages}, (forward, backward) seconds on one device)``: medians
-    over ``iters`` calls after one that warms up (and, on a GPU, one that sizes the probe's sleep), the
-    roles taken in turn within each round so that a machine whose
-    load changes slows them alike (``backend``: a :class:`~kdacp.backends.base.LocalBackend`)."""
+    over ``iters`` rounds of :func:`probe_rounds` (``backend``: a :class:`~kdacp.backends.base.LocalBackend`)."""
     T = inputs.q.shape[1]
     plans = {role: _plan(rank, 3, T) for role, rank in ROLE_RANKS.items()}
     plans["one"] = one_rank_plan(None, 1, T)  # one device: no exchange
-    do = torch.randn_like(inputs.v)
-    got = {role: [] for role in plans}
-    for plan in plans.values():  # warm up (compiling)
-        probe_role(backend, inputs, state_dtype, plan, do, device)
-    ahead = {role: queue_ahead(backend, inputs, state_dtype, plan, do, device) for role, plan in plans.items()}
-    for _ in range(iters):
-        for role, plan in plans.items():
-            got[role].append(probe_role(backend, inputs, state_dtype, plan, do, device, ahead[role]))
+    got = probe_rounds(backend, inputs, state_dtype, plans, torch.randn_like(inputs.v), device, iters)
 
     def median(stages: list[RoleStages]) -> RoleStages:
         return RoleStages(*(statistics.median(getattr(s, n) for s in stages) for n in ("ready", "between", "after")))
