@@ -197,7 +197,7 @@ def test_backward_is_deterministic():
 
 
 def test_backward_tiling_keeps_wide_rows_to_one_wave(monkeypatch):
-    monkeypatch.setattr(sc, "_sm_count", lambda device: 132)  # an H200
+    monkeypatch.setattr(sc, "sm_count", lambda device: 132)  # an H200
     cuda = torch.device("cuda")
     assert sc._bwd_tiles(1, 16384, 4096, cuda) == sc.BWD_TILES          # 64 x 2 programs: one wave
     assert sc._bwd_tiles(1, 16384, 6144, cuda) == sc.BWD_TILES_MANY     # 64 x 3: two

@@ -8,7 +8,7 @@ import torch
 
 from ..caches import SUMMARY_PLANS
 
-__all__ = ["SummaryPlan", "plan_summary", "pick_chunks_per_program"]
+__all__ = ["SummaryPlan", "plan_summary", "pick_chunks_per_program", "sm_count"]
 
 # Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
 # sub-segment shorter than this costs more in transition columns and folding than it gains.
@@ -30,7 +30,8 @@ class SummaryPlan:
     max_subsegments: int
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (4 off a GPU: the interpreter's stand-in)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -43,7 +44,7 @@ def pick_chunks_per_program(bounds, programs_per_subsegment: int, chunk_size: in
     ``serial_programs``: the grid without cutting (when cutting adds transition columns); if that
     already fills the GPU, nothing is cut.
     """
-    sms = _sm_count(device)
+    sms = sm_count(device)
     chunks = [-(-(e - s) // chunk_size) for _, s, e in bounds]
     longest = max(chunks)
     if serial_programs is not None and serial_programs * len(bounds) >= sms:

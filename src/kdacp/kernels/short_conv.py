@@ -22,7 +22,6 @@ not kept: benchmarks/RESULTS.md, tenth session).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..validation import check_cu_seqlens, check_tensor
+from .planning import sm_count
 
 __all__ = ["ShortConvGrads", "causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
 
@@ -332,17 +332,12 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
     return cu_seqlens, n, (n - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _bwd_tiles(B: int, T: int, D: int, device: torch.device) -> ConvTiles:
     """:data:`BWD_TILES` where its grid fits in one wave of one program per SM (or off a GPU), else
     :data:`BWD_TILES_MANY`."""
     wide = BWD_TILES
     programs = B * triton.cdiv(T, wide.rows) * triton.cdiv(D, wide.BD)
-    return wide if device.type != "cuda" or programs <= _sm_count(device) else BWD_TILES_MANY
+    return wide if device.type != "cuda" or programs <= sm_count(device) else BWD_TILES_MANY
 
 
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
