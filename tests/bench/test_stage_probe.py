@@ -94,7 +94,8 @@ def _device_wait(seconds: float) -> None:
 @pytest.mark.gpu
 @gpu
 def test_gpu_stages_are_device_time_of_the_queued_call():
-    probe = StageProbe(torch.device("cuda"))
+    # the sleep covers the host's 6 ms of launches and waits, so the device runs the call queued
+    probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.1)
     probe.start()
     _call(probe, _device_wait, (0.002, 0.004, 0.001))
     stages = probe.finish()
