@@ -43,10 +43,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias)
         # states are float32 (float64 for float64 inputs) whatever initial_state's dtype
         result = cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(q))
-        ctx.call, ctx.saved_type = call, type(result.saved)
-        kept = result.head_states or LocalStates(None)
-        ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new, *tensor_fields(result.saved))
-        ctx.input_dtypes = input_dtypes(inputs)
+        if any(ctx.needs_input_grad):  # nothing to keep for inference (host time, and the saved tensors)
+            ctx.call, ctx.saved_type = call, type(result.saved)
+            kept = result.head_states or LocalStates(None)
+            ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new,
+                                  *tensor_fields(result.saved))
+            ctx.input_dtypes = input_dtypes(inputs)
         return result.o, result.final_state
 
     @staticmethod

@@ -60,6 +60,11 @@ class Span:
     def empty(self) -> bool:
         return self.end <= self.start
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The span's tokens of a token-first ``x [1, T, ...]``: ``x`` itself when the span covers it
+        (no view made: a view costs host time on every stage call), else ``x[:, start:end]``."""
+        return x if self.start == 0 and self.end == x.shape[1] else x[:, self.start:self.end]
+
     def cu_seqlens_host(self) -> torch.Tensor | None:
         """``[n+1]`` int64 on the CPU, or ``None`` for a single segment (the faster unpacked path); for
         launchers that read the boundaries on the host (no device sync)."""

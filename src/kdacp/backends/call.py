@@ -51,7 +51,7 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
         not _wants_gradient(q, k, v, g, beta, A_log, dt_bias) or fla_gated_gdn_backward_supported())
     if gdn:
         g, dt_bias = scalar_gate
-    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    packed = [x if B == 1 else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     return PreparedCall(make_backend(backend_name, options, scalar_gate=gdn), KDAInputs(*packed, A_log, dt_bias), B,

@@ -28,8 +28,7 @@ class TokenSaved:
     and ``dt_bias``: :meth:`narrow` cuts the token ones to a span."""
 
     def narrow(self, span: Span):
-        cut = slice(span.start, span.end)
-        return type(self)(*(t if t is None or name in ("A_log", "dt_bias") else t[:, cut]
+        return type(self)(*(t if t is None or name in ("A_log", "dt_bias") else span.take(t)
                             for name, t in vars(self).items()))
 
 
@@ -177,25 +176,22 @@ class FlaBackend:
         return FlaChunks(saved, p.gc, w, u, kg)
 
     def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool):
-        cut = slice(span.start, span.end)
         # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
-        return state_summary(chunks.kg[:, cut], chunks.w[:, cut], chunks.u[:, cut], chunks.gc[:, cut],
+        return state_summary(span.take(chunks.kg), span.take(chunks.w), span.take(chunks.u), span.take(chunks.gc),
                              chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
                              cu_seqlens=span.cu_seqlens_host())
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
-        cut = slice(span.start, span.end)
         h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
-            k=chunks.kg[:, cut], w=chunks.w[:, cut], u=chunks.u[:, cut], gk=chunks.gc[:, cut],
+            k=span.take(chunks.kg), w=span.take(chunks.w), u=span.take(chunks.u), gk=span.take(chunks.gc),
             initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
             **self._varlen(span, chunks.kg.device))
         return LocalStates(final_state, h, v_new)
 
     def output(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
-        cut = slice(span.start, span.end)
-        o = self.fla.chunk_gla_fwd_o_gk(q=chunks.saved.q[:, cut], v=states.v_new, g=chunks.gc[:, cut],
-                                        A=chunks.saved.Aqk[:, cut], h=states.h, scale=self.options.scale,
+        o = self.fla.chunk_gla_fwd_o_gk(q=span.take(chunks.saved.q), v=states.v_new, g=span.take(chunks.gc),
+                                        A=span.take(chunks.saved.Aqk), h=states.h, scale=self.options.scale,
                                         chunk_size=self.options.chunk_size, **self._varlen(span, chunks.kg.device))
         return o.to(chunks.saved.v.dtype)
 

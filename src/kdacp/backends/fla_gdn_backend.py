@@ -96,24 +96,23 @@ class FlaGDNBackend(FlaBackend):
         return GDNChunks(saved, w, u)
 
     def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool):
-        cut, x = slice(span.start, span.end), chunks.saved
-        return state_summary(x.k[:, cut], chunks.w[:, cut], chunks.u[:, cut], x.gc[:, cut],
+        x = chunks.saved
+        return state_summary(span.take(x.k), span.take(chunks.w), span.take(chunks.u), span.take(x.gc),
                              chunk_size=self.options.chunk_size,
                              output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host(),
                              raw_keys=True)
 
     def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
-        cut = slice(span.start, span.end)
         h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
-            k=chunks.saved.k[:, cut], w=chunks.w[:, cut], u=chunks.u[:, cut], g=chunks.saved.gc[:, cut],
+            k=span.take(chunks.saved.k), w=span.take(chunks.w), u=span.take(chunks.u), g=span.take(chunks.saved.gc),
             initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
             **self._varlen(span, chunks.w.device))
         return LocalStates(final_state, h, v_new)
 
     def output(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
-        cut, x = slice(span.start, span.end), chunks.saved
-        o = self.fla.chunk_fwd_o(q=x.q[:, cut], k=x.k[:, cut], v=states.v_new, h=states.h, g=x.gc[:, cut],
+        x = chunks.saved
+        o = self.fla.chunk_fwd_o(q=span.take(x.q), k=span.take(x.k), v=states.v_new, h=states.h, g=span.take(x.gc),
                                  scale=self.options.scale, chunk_size=self.options.chunk_size,
                                  **self._varlen(span, chunks.w.device))
         return o.to(x.v.dtype)

@@ -40,9 +40,8 @@ class TorchBackend:
         self.options = options
 
     def _span_inputs(self, chunks: KDAInputs, span: Span) -> KDAInputs:
-        cut = slice(span.start, span.end)
-        return KDAInputs(chunks.q[:, cut], chunks.k[:, cut], chunks.v[:, cut], chunks.g[:, cut],
-                         chunks.beta[:, cut], chunks.A_log, chunks.dt_bias)
+        return KDAInputs(span.take(chunks.q), span.take(chunks.k), span.take(chunks.v), span.take(chunks.g),
+                         span.take(chunks.beta), chunks.A_log, chunks.dt_bias)
 
     def _kwargs(self, x: KDAInputs, span: Span) -> dict:
         o = self.options

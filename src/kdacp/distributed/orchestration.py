@@ -34,6 +34,7 @@ with a recording exchange in ``tests/distributed/test_schedule.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -69,9 +70,12 @@ class CPGrads(LocalGrads):
     dinitial_state: torch.Tensor | None
 
 
-def _routes(plan: CPPlan, layouts, state_shape, dtype, device) -> tuple[Route, Route]:
-    """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1)."""
-    P = plan.world_size
+@lru_cache(maxsize=64)
+def _routes(plan: CPPlan, local_length: int, state_shape, dtype, device) -> tuple[Route, Route]:
+    """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1) of
+    ``plan``'s layouts for ``local_length`` tokens per batch row. Routes are frozen and hold no per-call
+    state, so the 64 newest are kept (every layer of a step asks for the same)."""
+    P, layouts = plan.world_size, plan.layouts(local_length)
     through = through_ranks(layouts)
     n = max(max(lay.num_send for lay in layouts), 1)
     shape = (n, *state_shape)
@@ -111,7 +115,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     device = inputs.q.device
     layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
-    route, _ = _routes(plan, layouts, (HV, K, V), state_dtype, device)
+    route, _ = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, device)
     exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
@@ -187,7 +191,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         if dfinal is not None:
             dht_all += dfinal
         dht_all = comm.all_reduce_sum(dht_all, plan.group)
-    _, route = _routes(plan, layouts, (HV, K, V), state_dtype, do.device)
+    _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
     exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 

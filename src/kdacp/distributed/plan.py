@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.distributed as dist
@@ -64,30 +64,30 @@ class RankLayout:
 
     segments: tuple[LocalSegment, ...]
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return self.segments[-1].end
 
-    @property
+    @cached_property
     def num_receive(self) -> int:
         return sum(s.receives for s in self.segments)
 
-    @property
+    @cached_property
     def num_send(self) -> int:
         return sum(s.sends for s in self.segments)
 
-    @property
+    @cached_property
     def through(self) -> bool:
         """Strictly inside a chain: every segment both receives and sends, so the outgoing
         state is affine in the incoming one and the rank needs the transition ``M``."""
         return all(s.receives and s.sends for s in self.segments)
 
-    @property
+    @cached_property
     def head_end(self) -> int:
         """End token of the head."""
         return sum(s.end - s.start for s in self.segments if s.receives)
 
-    @property
+    @cached_property
     def tail_start(self) -> int:
         """First token of the tail."""
         return self.num_tokens - sum(s.end - s.start for s in self.segments if s.sends)
@@ -129,9 +129,11 @@ def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
     return [0] + [c - start for c in cu_seqlens if start < c < end] + [end - start]
 
 
+@lru_cache(maxsize=64)
 def rank_layouts(cu_seqlens: tuple[int, ...] | None, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:
     """Every rank's :class:`RankLayout` for tokens per rank ``lengths``: packed sequences
-    ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time."""
+    ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time. The 64 newest are kept
+    (layouts are frozen; their spans are computed once)."""
     offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
     layouts = []
     for r, L in enumerate(lengths):
@@ -223,11 +225,14 @@ class CPPlan:
         return rank_layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
 
 
+@lru_cache(maxsize=64)
 def one_rank_plan(cu_seqlens: tuple[int, ...] | None, batch_size: int, length: int) -> CPPlan:
     """The plan of a batch one process holds whole, with no process group: ``batch_size`` rows of
     ``length`` tokens, or (``batch_size == 1``) the packed sequences ``cu_seqlens`` of ``length``
     tokens, already validated. :func:`kdacp.chunk_kda` without ``cp`` runs the schedule on it, which
-    then exchanges nothing."""
+    then exchanges nothing. Plans are frozen, so the 64 newest are kept: a training step calls the op
+    once per layer on the same batch, and each call would otherwise rebuild the plan and its layouts'
+    spans on the host."""
     lengths = (length,)
     return CPPlan(rank=0, world_size=1, group=None, strategy="p2p", batch_size=batch_size, cu_seqlens=cu_seqlens,
                   local_lengths=lengths, rank_layouts=rank_layouts(cu_seqlens, batch_size, lengths),
