@@ -18,15 +18,16 @@ def _route(device) -> Route:
     return Route(1, None, (0, 1, 2), (1, 1, 0), (False, True, False), (1, 1, 2, 2), torch.float32, device)
 
 
-def _call(probe: StageProbe, wait, parts_s) -> None:
-    """Work of ``parts_s[0]`` before the send, ``[1]`` until the receive, ``[2]`` after it."""
+def _call(probe: StageProbe, wait, parts_s) -> torch.Tensor:
+    """Work of ``parts_s[0]`` before the send, ``[1]`` until the receive, ``[2]`` after it; returns what
+    the probe handed back at the receive (read it after ``probe.finish()``: reading it syncs the host)."""
     pending = probe.begin(_route(probe.device))
     wait(parts_s[0])
     probe.send(pending, None)
     wait(parts_s[1])
     incoming = probe.receive(pending)
-    assert incoming is not None and not incoming.any()
     wait(parts_s[2])
+    return incoming
 
 
 def test_cpu_stages_are_the_clock_between_the_stamps(monkeypatch):
@@ -37,9 +38,10 @@ def test_cpu_stages_are_the_clock_between_the_stamps(monkeypatch):
 
     def work(seconds):
         clock[0] += seconds
-    _call(probe, work, (0.02, 0.04, 0.03))
+    incoming = _call(probe, work, (0.02, 0.04, 0.03))
     stages = probe.finish()
     assert (stages.ready, stages.between, stages.after) == pytest.approx((0.02, 0.04, 0.03))
+    assert incoming is not None and not incoming.any()
 
 
 class _FakeEvent:
@@ -97,8 +99,9 @@ def test_gpu_stages_are_device_time_of_the_queued_call():
     # the sleep covers the host's 6 ms of launches and waits, so the device runs the call queued
     probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.1)
     probe.start()
-    _call(probe, _device_wait, (0.002, 0.004, 0.001))
+    incoming = _call(probe, _device_wait, (0.002, 0.004, 0.001))
     stages = probe.finish()
+    assert incoming is not None and not incoming.any()
     # the host's 2 ms between launches would double the last stage were it counted
     for got, want in zip((stages.ready, stages.between, stages.after), (0.002, 0.004, 0.001)):
         assert 0.7 * want < got < 1.4 * want, stages
