@@ -96,7 +96,12 @@ def _device_wait(seconds: float) -> None:
 @pytest.mark.gpu
 @gpu
 def test_gpu_stages_are_device_time_of_the_queued_call():
-    # the sleep covers the host's 6 ms of launches and waits, so the device runs the call queued
+    # a warm-up call first, as the suites make (a kernel's first launch loads its module, which may sync);
+    # then the sleep covers the host's 6 ms of launches and waits, so the device runs the call queued
+    warm = StageProbe(torch.device("cuda"))
+    warm.start()
+    _call(warm, _device_wait, (0.0, 0.0, 0.0))
+    warm.finish()
     probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.1)
     probe.start()
     incoming = _call(probe, _device_wait, (0.002, 0.004, 0.001))
