@@ -5,8 +5,9 @@ Where a call is host-bound (the GPU machine's host at 16K tokens: `kdacp bench -
 to back, and both FLA's op and kdacp's take longer on the host than on the device), the ratio of the two
 calls is the ratio of their host times. FLA's stage functions here return empty tensors of the right
 shapes instead of launching kernels (the same stubs for both contenders: kdacp calls FLA's stage
-functions, FLA's op calls them too), and ``backend="fla"`` is let through on CPU tensors; what is left is
-each library's own Python: argument checks, plans, autograd wrappers, views and allocations.
+functions, FLA's op calls them too), ``backend="fla"`` is let through on CPU tensors, and ``torch.zeros``
+allocates without filling (a launch on a GPU, a memset here); what is left is each library's own Python:
+argument checks, plans, autograd wrappers, views and allocations.
 
     PYTHONPATH=/path/to/fla-core python benchmarks/host_overhead.py [--seq-len 16384] [--docs 7] [--profile]
 
@@ -74,6 +75,9 @@ def install_stubs() -> None:
     original = backends.resolve_backend
     backends.resolve_backend = lambda backend, device: "fla" if backend == "fla" else original(backend, device)
     importlib.import_module("kdacp.kda").resolve_backend = backends.resolve_backend
+    # On a GPU a zero fill is one kernel launch; on the CPU it would be a memset of the whole tensor (2 MB
+    # of initial states), which is not host overhead: allocations stay unfilled here, for both contenders.
+    torch.zeros = torch.empty
 
 
 def make_call(T: int, docs: int):
