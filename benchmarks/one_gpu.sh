@@ -33,7 +33,7 @@ elif [ "$part" = 2 ]; then
 elif [ "$part" = 3 ]; then
     step probe_tests 120 python3 -m pytest -q -m gpu tests/bench/test_stage_probe.py
     tail -2 "$out/probe_tests.log"
-    step overhead 240 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 \
+    step overhead 320 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 \
         --batches one_sequence,docs7 --out "$out/overhead"
     step scaling 150 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
         --out "$out/scaling"

@@ -77,3 +77,30 @@ def count_signature_gathers():
         yield gathers
     finally:
         comm.all_gather_signatures = real
+
+
+class _FakeEvent:
+    """A CUDA event on a fake device clock: recorded at the clock's time; done once the device passed it."""
+
+    def __init__(self, clock, enable_timing=False):
+        self.clock, self.t = clock, None
+
+    def record(self):
+        self.t = self.clock["queued"]
+
+    def query(self):
+        return self.clock["device_done"] >= self.t
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def fake_cuda_clock(monkeypatch) -> dict:
+    """A fake device for the timing code's GPU branches on the CPU: ``torch.cuda.Event`` reads a clock
+    that moves as work is queued (``clock["queued"]``, seconds; a sleep of ``c`` cycles adds ``c / 2e9``),
+    and the device has run everything queued only after ``torch.cuda.synchronize()``."""
+    clock = {"queued": 0.0, "device_done": -1.0}
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock, enable_timing))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: clock.update(queued=clock["queued"] + cycles / 2e9))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.update(device_done=clock["queued"]))
+    return clock

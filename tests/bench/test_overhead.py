@@ -88,3 +88,30 @@ def test_usage_errors(tmp_path, capsys):
     assert "--world-size is for" in capsys.readouterr().err
     with pytest.raises(ValueError, match="families must be from"):
         run(families=("gla",), device="cpu")
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_breakdown_gpu_branch_queues_each_round_and_refuses_a_host_sync(monkeypatch, one_thread, host_sync):
+    """The breakdown's GPU branch on a fake device clock (the stages run on the CPU meanwhile): each round
+    is queued behind a sleep; a stage that syncs the host lets the device catch up, which is refused."""
+    from kdacp.bench.overhead import _breakdown, _call, _plans
+    from tests.helpers import fake_cuda_clock
+
+    call, do = _call("kda", "torch", 64, 1, 8, torch.float32, torch.device("cpu"))
+    fake_cuda_clock(monkeypatch)
+    if host_sync:
+        inner = call.backend.state_pass
+
+        def syncing(*args, **kwargs):
+            torch.cuda.synchronize()
+            return inner(*args, **kwargs)
+        monkeypatch.setattr(call.backend, "state_pass", syncing)
+    plans = _plans("one_sequence", 64)
+    with torch.no_grad():
+        if host_sync:
+            with pytest.raises(RuntimeError, match="before the host had queued"):
+                _breakdown(call, do, torch.float32, plans, torch.device("cuda"), warmup=True, rounds=1)
+        else:
+            got = _breakdown(call, do, torch.float32, plans, torch.device("cuda"), warmup=True, rounds=2)
+            assert {"state_summary", "state_gradient_summary", "apply"} <= set(got["through"])
+            assert "state_summary" not in got[("one", "through")]

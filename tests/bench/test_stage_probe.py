@@ -12,6 +12,8 @@ import torch
 from kdacp.bench.stage_probe import StageProbe
 from kdacp.distributed.strategies import Route
 
+from tests.helpers import fake_cuda_clock
+
 
 def _route(device) -> Route:
     # a middle rank of three: it receives and sends
@@ -44,30 +46,11 @@ def test_cpu_stages_are_the_clock_between_the_stamps(monkeypatch):
     assert incoming is not None and not incoming.any()
 
 
-class _FakeEvent:
-    """A CUDA event on a fake device clock: recorded at the clock's time; done once the device passed it."""
-
-    def __init__(self, clock, enable_timing=False):
-        self.clock, self.t = clock, None
-
-    def record(self):
-        self.t = self.clock["queued"]
-
-    def query(self):
-        return self.clock["device_done"] >= self.t
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
 @pytest.mark.parametrize("host_sync", [False, True])
 def test_gpu_branch_on_fake_events(monkeypatch, host_sync):
     """The GPU branch's bookkeeping without a GPU: events read a fake device clock; the device stays
     asleep until the call is queued unless the host syncs inside it."""
-    clock = {"queued": 0.0, "device_done": -1.0}
-    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(clock, enable_timing))
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: clock.update(queued=clock["queued"] + cycles / 2e9))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.update(device_done=clock["queued"]))
+    clock = fake_cuda_clock(monkeypatch)
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: torch.ones(1).new_zeros(a[0]))
     probe = StageProbe(torch.device("cuda"), queue_ahead_s=0.01)
     probe.start()

@@ -1,9 +1,12 @@
 """The shared round-robin timing columns, on CPU in one process."""
 import math
+import time
 
+import pytest
 import torch
 
-from kdacp.bench.timing import timed_columns
+from kdacp.bench.timing import queue_ahead_for, time_queued, timed_columns
+from tests.helpers import fake_cuda_clock
 
 
 def test_timed_columns_ratios_and_missing_names():
@@ -22,3 +25,36 @@ def test_timed_columns_failure_is_reported_and_nan():
                          on_failure=failures.append)
     assert len(failures) == 1 and "kernel failed" in failures[0]
     assert all(math.isnan(v) for v in cols.values())
+
+
+def _work(clock, seconds, host_sync=False):
+    def call():
+        clock["queued"] += seconds  # the call's device work, queued
+        if host_sync:
+            torch.cuda.synchronize()
+    return call
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_queued_timing_is_device_time_and_refuses_a_device_that_caught_up(monkeypatch, host_sync):
+    """The GPU branch on a fake device clock: calls queued behind the sleep are timed by their device
+    work alone; a call that syncs the host lets the device start before all are queued: refused."""
+    clock = fake_cuda_clock(monkeypatch)
+    fns = {"a": _work(clock, 0.002, host_sync), "b": _work(clock, 0.005)}
+    if host_sync:
+        with pytest.raises(RuntimeError, match="before the host had queued"):
+            time_queued(fns, 1, 2, 3, torch.device("cuda"))
+    else:
+        assert time_queued(fns, 1, 2, 3, torch.device("cuda")) == pytest.approx({"a": 2.0, "b": 5.0})
+
+
+def test_queue_ahead_covers_four_times_the_slowest_calls(monkeypatch):
+    fake_cuda_clock(monkeypatch)
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def host(seconds):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+    assert queue_ahead_for([host(0.001), host(0.003)], 5, torch.device("cuda")) == pytest.approx(60.0)
+    assert queue_ahead_for([host(1.0)], 5, torch.device("cuda")) == 2000.0  # capped
+    assert queue_ahead_for([host(1.0)], 5, torch.device("cpu")) == 0.0

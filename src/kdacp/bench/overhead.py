@@ -6,7 +6,8 @@ exchange that moves nothing and hands back ready-made incoming messages (zeros; 
 forms its outgoing ``M x + S``, as ``p2p`` does). Its forward and backward times are divided by one
 device's forward and backward on the same tokens (a one-rank plan of the rank's own segments, the
 documents cut at its edges as sequences of their own), all contenders round-robin in one run
-(:func:`~kdacp.bench.timing.time_round_robin`: CUDA events on a GPU, wall clock on the CPU).
+(:func:`~kdacp.bench.timing.time_queued`: on a GPU device time, each contender's calls queued behind a
+sleep, as the host runs ahead in a training step; wall clock on the CPU).
 
 Rows ``source="overhead"``: ``family, batch, role``, the rank's layout (``receives``, ``sends``:
 segments; ``affine``: the rank needs ``M``), ``<rank|one>_<fwd|bwd>_ms``, ``fwd_ratio``, ``bwd_ratio``
@@ -46,8 +47,8 @@ from kdacp.reference.gates import compute_dtype
 from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS, probe_rounds
-from .timing import time_round_robin
+from .stage_probe import ROLE_RANKS, probe_rounds, sync
+from .timing import queue_ahead_for, sleep_then_mark, time_queued
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
 
@@ -168,20 +169,32 @@ def _step(backend, plan: CPPlan, call, do, state_dtype, exchange):
 def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:
     """``{role: {stage: (calls, median ms)}}`` and ``{("one", role): ...}``: one forward and backward per
     round (after one that warms up, with ``warmup``), every stage timed (:class:`StageTimer`); one device
-    once per distinct plan."""
+    once per distinct plan. On a GPU each round's forward and backward are queued behind a device sleep
+    (:func:`~kdacp.bench.timing.queue_ahead_for`), so a stage's events time its device work, not the host's
+    launch of it where the device would otherwise have run dry (``RuntimeError`` if the device caught up)."""
     timer = StageTimer(device)
     backend, exchange = _TimedBackend(call.backend, timer), ReadyExchange(timer)
     runs = {role: plan for role, (plan, _) in plans.items()}
     for _, one in plans.values():
         runs.setdefault(("one", one.cu_seqlens), one)
+
+    def step(plan):
+        _, bwd = _step(backend, plan, call, do, state_dtype, exchange)  # one forward inside
+        bwd()
+    for _ in range(int(warmup)):
+        for plan in runs.values():
+            step(plan)
+    ahead = {key: queue_ahead_for([lambda p=plan: step(p)], 1, device) for key, plan in runs.items()}
+    timer.totals()  # drop the warm-up's and the sizing's records
     got = {key: [] for key in runs}
-    for i in range(rounds + warmup):
+    for _ in range(rounds):
         for key, plan in runs.items():
-            _, bwd = _step(backend, plan, call, do, state_dtype, exchange)  # one forward inside
-            bwd()
-            totals = timer.totals()
-            if i >= warmup:
-                got[key].append(totals)
+            sync(device)
+            mark = sleep_then_mark(ahead[key]) if device.type == "cuda" else None
+            step(plan)
+            if mark is not None and ahead[key] > 0 and mark.query():
+                raise RuntimeError(f"overhead breakdown: the device started {key!r} before the host had queued it")
+            got[key].append(timer.totals())
     medians = {key: {stage: (runs_[0][stage][0], statistics.median(r[stage][1] for r in runs_)) for stage in runs_[0]}
                for key, runs_ in got.items()}
     return {**{role: medians[role] for role in plans},
@@ -256,7 +269,7 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
                     if key == f"one:{role}":
                         fns[f"{key}:fwd"], fns[f"{key}:bwd"] = _step(call.backend, one, call, do, state_dtype,
                                                                      ReadyExchange())
-                ms = time_round_robin(fns, warmup, rounds, iters, None, dev)
+                ms = time_queued(fns, warmup, rounds, iters, dev)  # device time, however slow the host
                 for role, (_, one) in plans.items():
                     for d in ("fwd", "bwd"):
                         ms[f"one:{role}:{d}"] = ms[f"{first_of[one.cu_seqlens]}:{d}"]

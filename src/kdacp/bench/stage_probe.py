@@ -19,6 +19,8 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
+from .timing import sleep_then_mark
+
 __all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "probe_rounds", "queue_ahead", "sync",
            "time_roles"]
 
@@ -74,9 +76,10 @@ class StageProbe:
 
     def start(self) -> None:
         sync(self.device)
-        if self.cuda and self.queue_ahead_s > 0:
-            torch.cuda._sleep(int(self.queue_ahead_s * 2e9))  # ~2 GHz
-        self.stamp("start")
+        if self.cuda:
+            self.stamps["start"] = sleep_then_mark(self.queue_ahead_s * 1e3)
+        else:
+            self.stamp("start")
 
     def finish(self) -> RoleStages:
         """The stages (seconds) of the call between :meth:`start` and now.

@@ -8,12 +8,52 @@ import traceback
 import torch
 import torch.distributed as dist
 
-__all__ = ["time_round_robin", "timed_columns", "peak_gb", "queued_device_time"]
+__all__ = ["time_round_robin", "time_queued", "timed_columns", "peak_gb", "queued_device_time", "sleep_then_mark",
+           "queue_ahead_for"]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sleep_then_mark(ms: float) -> torch.cuda.Event:
+    """Queue a device sleep of about ``ms`` milliseconds on the current stream and return a timing event
+    recorded after it: work the host queues next runs behind the sleep, so events around it time the
+    device alone. ``mark.query()`` turning true before the host has queued that work means the device
+    caught up (a host sync, or a sleep shorter than the host's time). ``ms <= 0``: the event alone."""
+    if ms > 0:
+        torch.cuda._sleep(int(ms * 2e6))  # ~2 GHz
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
+
+
+def queue_ahead_for(fns, iters: int, device: torch.device) -> float:
+    """The sleep (ms) under which the host queues ``iters`` calls of the slowest of ``fns`` (callables)
+    before the device starts them: four times that many calls' wall time, each timed once between
+    device syncs (so call it warm), at most 2 s; 0 on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    walls = []
+    for fn in fns:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        walls.append(time.perf_counter() - t0)
+    return min(4e3 * iters * max(walls), 2000.0)
+
+
+def time_queued(fns: dict, warmup: int, rounds: int, iters: int, device: torch.device) -> dict:
+    """:func:`time_round_robin` of this process alone, each contender's calls queued behind a device
+    sleep (:func:`queue_ahead_for`, sized after the warm-up): device time per call on a GPU, however slow
+    the host (wall clock on the CPU)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    return time_round_robin(fns, 0, rounds, iters, None, device, queue_ahead_ms=queue_ahead_for(fns.values(), iters,
+                                                                                                 device))
 
 
 def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, device: torch.device,
@@ -25,7 +65,9 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
     back to back (a warm queue), timed by CUDA events (wall clock on CPU) after a barrier, so a
     context-parallel contender never waits for a peer still busy with the previous contender.
     ``queue_ahead_ms`` > 0 (CUDA): the device first sleeps that long, so the host queues the calls ahead
-    of it and the events time the device alone (for calls shorter than their host-side launch cost)."""
+    of it and the events time the device alone (for calls shorter than their host-side launch cost);
+    ``RuntimeError`` if the device started them before the host had queued them all (the time would
+    include the host's)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -36,14 +78,17 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
             if group is not None:
                 dist.barrier(group)
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if queue_ahead_ms > 0:
-                    torch.cuda._sleep(int(queue_ahead_ms * 2e6))  # ~2 GHz
-                start.record()
+                end = torch.cuda.Event(enable_timing=True)
+                start = sleep_then_mark(queue_ahead_ms)
                 for _ in range(iters):
                     fn()
+                caught_up = queue_ahead_ms > 0 and start.query()
                 end.record()
                 _sync(device)
+                if caught_up:
+                    raise RuntimeError(f"time_round_robin: the device started {name!r} before the host had queued "
+                                       f"its {iters} calls (a host sync, or more host time than the "
+                                       f"{queue_ahead_ms:.1f} ms sleep); the time would include the host's")
                 total[name] += start.elapsed_time(end)
             else:
                 t0 = time.perf_counter()
@@ -72,10 +117,8 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
     fn()
     torch.cuda.synchronize()
     one = time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # ~2 GHz: cover four times the host's estimated enqueue time of all calls
-    torch.cuda._sleep(int(min(4 * iters * one, 2.0) * 2e9))
-    start.record()
+    end = torch.cuda.Event(enable_timing=True)
+    start = sleep_then_mark(min(4 * iters * one, 2.0) * 1e3)  # four times the host's estimated enqueue time
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
