@@ -134,3 +134,38 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypa
             made = ([("backward_local", tail), ("state_gradient_summary", tail)] if layout.through
                     else [("backward_local", head), ("backward_states", head)])
             assert backward[1:_index(backward, "send")] == made, backward
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_zero_initial_states_are_passed_as_none(rank, monkeypatch):
+    """Without ``initial_state`` the spans that start on a rank get no initial state (FLA then neither
+    reads nor differentiates one: no zero fill, no ``dh0``); a received state is passed as is; and the
+    results equal those with explicit zero initial states."""
+    cu, lengths = LAYOUTS[0]
+    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange([]))
+    layouts = rank_layouts(cu, 1, lengths)
+    plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
+                  local_lengths=lengths, rank_layouts=layouts)
+    args = KDAInputs(**make_kda_inputs(1, lengths[rank], 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank))
+    do = torch.randn(1, lengths[rank], 1, 16, dtype=torch.float64)
+    got = {}
+    for name, initial in (("none", None), ("zeros", torch.zeros(len(cu) - 1, 1, 16, 16, dtype=torch.float64))):
+        seen = []
+        backend = TorchBackend(KDAOptions(scale=0.25))
+        for stage in ("state_pass", "backward_local"):
+            inner = getattr(backend, stage)
+
+            def record(*a, _inner=inner, _stage=stage, **k):
+                seen.append((_stage, a[1].start, a[2] is None if _stage == "state_pass" else a[3] is None))
+                return _inner(*a, **k)
+            setattr(backend, stage, record)
+        fwd = orchestration.cp_forward(backend, plan, args, initial, False, torch.float64)
+        grads = orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition,
+                                          fwd.head_states, do, None, False, initial is not None)
+        got[name] = (fwd.o, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta)
+        head_end = layouts[rank].head_end
+        for stage, start, passed_none in seen:
+            # only spans that start after the head (segments that start here) can be given none
+            assert passed_none == (name == "none" and start >= head_end), (stage, start, seen)
+    for a, b in zip(got["none"], got["zeros"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

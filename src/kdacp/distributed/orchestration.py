@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
+from ..reference.gates import compute_dtype
 from . import comm
 from .plan import CPPlan, through_ranks
 from .strategies import AffineMessage, Route, StateExchange, make_exchange
@@ -50,14 +51,16 @@ __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
 class CPForward:
     """``o [1, T_local, HV, V]``; ``final_state [N, HV, K, V]`` (every sequence, or ``None``);
     ``saved``: the backend's saved chunk data; ``local_initial [n_seg, HV, K, V]``: the state each
-    local segment started from; ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
+    local segment started from, the received ones first, then those given by ``initial_state``: without
+    it only the received ones (or ``None``), as zero initial states are passed to the backends as none
+    (FLA's op does the same); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
     ``head_states``: the head's state pass (``h``, ``v_new``), kept so that the backward of a rank
     that sends gradients back does not recompute it on the critical path."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
     saved: object
-    local_initial: torch.Tensor
+    local_initial: torch.Tensor | None
     transition: torch.Tensor | None
     head_states: LocalStates | None
 
@@ -106,6 +109,11 @@ def _cat(parts: list, dim: int):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _rows(states: torch.Tensor | None, start: int, end: int | None = None) -> torch.Tensor | None:
+    """``states[start:end]``, or ``None`` (zero states, passed as none) for ``None``."""
+    return None if states is None else states[start:end]
+
+
 def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_state: torch.Tensor | None,
                output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None
                ) -> CPForward:
@@ -123,29 +131,28 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     segments = layout.segments
     chunks = backend.prepare(inputs, layout.whole)
     starting = _sequences(segments[layout.num_receive:])  # the sequences that start on this rank
-    if initial_state is None:
-        known_initial = torch.zeros(len(segments) - layout.num_receive, HV, K, V, dtype=state_dtype, device=device)
-    else:
-        known_initial = initial_state[starting].to(state_dtype).contiguous()
+    n_known = len(segments) - layout.num_receive
+    # zero initial states are passed as none (no fill kernel; FLA then neither reads them nor forms their gradient)
+    known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
     message, transition, tail_states = None, None, None
     through = route.affine[plan.rank]
-    tail, n_between = layout.tail, len(known_initial) - layout.num_send  # segments between head and tail
+    tail, n_between = layout.tail, n_known - layout.num_send  # segments between head and tail
     if through:
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
     elif layout.num_send:  # the tail's pass alone: it ends before a pass that also covers whole sequences
-        tail_states = backend.state_pass(chunks, tail, known_initial[n_between:], True)
+        tail_states = backend.state_pass(chunks, tail, _rows(known_initial, n_between), True)
         message = AffineMessage(tail_states.final_state)
     exchange.send(pending, message)
     between = rest if tail_states is None else layout.span(rest.start, tail.start)
-    between_initial = known_initial if tail_states is None else known_initial[:n_between]
+    between_initial = known_initial if tail_states is None else _rows(known_initial, 0, n_between)
     between_states, between_o, tail_o = None, None, None
     if not between.empty:
         between_states = backend.state_pass(chunks, between, between_initial, output_final_state)
         between_o = backend.output(chunks, between, between_initial, between_states)
     if tail_states is not None:
-        tail_o = backend.output(chunks, tail, known_initial[n_between:], tail_states)
+        tail_o = backend.output(chunks, tail, _rows(known_initial, n_between), tail_states)
     incoming = exchange.receive(pending)
     head_states, head_o = None, None
     if not head.empty:
@@ -161,7 +168,8 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
             final_state = comm.all_reduce_sum(final_state, plan.group)
-    local_initial = _cat([incoming, known_initial if len(known_initial) else None], 0)
+    local_initial = None if incoming is None and known_initial is None else \
+        _cat([incoming, known_initial if n_known else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
 
 
@@ -177,8 +185,8 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``);
     ``exchange`` as for :func:`cp_forward`."""
     T, HV, V = do.shape[1], do.shape[2], do.shape[3]
-    K = local_initial.shape[2]
-    state_dtype = local_initial.dtype
+    K = saved.q.shape[-1]
+    state_dtype = compute_dtype(saved.q)  # the forward's
     layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
     segments = layout.segments
@@ -198,6 +206,10 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     known, tail = layout.before_tail, layout.tail
     n_known = len(segments) - layout.num_send
 
+    def initial(first: int, end: int | None = None):
+        """The initial states of segments ``[first, end)`` (received, or given; ``None`` for zeros)."""
+        return None if first >= layout.num_receive and not has_initial_state else local_initial[first:end]
+
     def local_work(span: Span, initial: torch.Tensor):
         kept = head_states if span == layout.head else None
         return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
@@ -205,12 +217,12 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     def known_pass(span: Span, first: int, end: int):
         """``backward_local`` and ``backward_states`` of the span of segments ``[first, end)`` (they end here)."""
         dht = None if dht_all is None else dht_all[_sequences(segments[first:end])]
-        return backend.backward_states(local_work(span, local_initial[first:end]), dht)
+        return backend.backward_states(local_work(span, initial(first, end)), dht)
 
     head, n_head = layout.head, layout.num_receive
     message, head_states_b, tail_local = None, None, None
     if route.affine[plan.rank]:
-        tail_local = local_work(tail, local_initial[n_known:])
+        tail_local = local_work(tail, initial(n_known))
         message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
     elif n_head:  # the head's pass alone: it ends before a pass that also covers whole sequences
         head_states_b = known_pass(head, 0, n_head)
@@ -221,7 +233,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     if not between.empty:
         between_states = known_pass(between, 0 if head_states_b is None else n_head, n_known)
     if tail_local is None and not tail.empty:
-        tail_local = local_work(tail, local_initial[n_known:])
+        tail_local = local_work(tail, initial(n_known))
     known_grads = [backend.backward_inputs(s) for s in (head_states_b, between_states) if s is not None]
     dS_out = exchange.receive(pending)
     tail_states, tail_grads = None, None
