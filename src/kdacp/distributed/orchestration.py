@@ -39,7 +39,6 @@ from functools import lru_cache
 import torch
 
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
-from ..reference.gates import compute_dtype
 from . import comm
 from .plan import CPPlan, through_ranks
 from .strategies import AffineMessage, Route, StateExchange, make_exchange
@@ -50,17 +49,17 @@ __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
 @dataclass
 class CPForward:
     """``o [1, T_local, HV, V]``; ``final_state [N, HV, K, V]`` (every sequence, or ``None``);
-    ``saved``: the backend's saved chunk data; ``local_initial [n_seg, HV, K, V]``: the state each
-    local segment started from, the received ones first, then those given by ``initial_state``: without
-    it only the received ones (or ``None``), as zero initial states are passed to the backends as none
-    (FLA's op does the same); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
+    ``saved``: the backend's saved chunk data; ``local_initial [n, HV, K, V]``: the states the local
+    segments started from, the received ones first, then those ``initial_state`` gave (without it only
+    the received ones, maybe none: zero initial states are passed to the backends as none, as FLA's op
+    does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
     ``head_states``: the head's state pass (``h``, ``v_new``), kept so that the backward of a rank
     that sends gradients back does not recompute it on the critical path."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
     saved: object
-    local_initial: torch.Tensor | None
+    local_initial: torch.Tensor
     transition: torch.Tensor | None
     head_states: LocalStates | None
 
@@ -168,8 +167,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
             final_state = comm.all_reduce_sum(final_state, plan.group)
-    local_initial = None if incoming is None and known_initial is None else \
-        _cat([incoming, known_initial if n_known else None], 0)
+    if incoming is None and known_initial is None:  # no rows; the empty tensor keeps shape and dtype
+        local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
+    else:
+        local_initial = _cat([incoming, known_initial if n_known else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
 
 
@@ -185,8 +186,8 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``);
     ``exchange`` as for :func:`cp_forward`."""
     T, HV, V = do.shape[1], do.shape[2], do.shape[3]
-    K = saved.q.shape[-1]
-    state_dtype = compute_dtype(saved.q)  # the forward's
+    K = local_initial.shape[2]
+    state_dtype = local_initial.dtype
     layouts = plan.layouts(T // plan.batch_size)
     layout = layouts[plan.rank]
     segments = layout.segments
