@@ -72,3 +72,22 @@ def test_bad_gate_shapes_name_the_argument():
         chunk_gated_delta_rule(**dict(args, dt_bias=torch.zeros(16, dtype=torch.float64)), backend="torch")
     with pytest.raises(ValueError, match="A_log"):
         chunk_gated_delta_rule(**dict(args, A_log=None), backend="torch")
+
+
+def test_dt_bias_is_broadcast_only_where_kda_kernels_run():
+    """The KDA op's checks get a meta stand-in of GDN's ``dt_bias`` over ``K`` (no kernel); the ``torch``
+    backend (the KDA reference) gets the broadcast itself, with its gradient reaching ``dt_bias [HV]``."""
+    from kdacp.backends.call import prepare_call
+    from kdacp.gdn import gdn_as_kda_arguments
+
+    args = gdn_inputs(1, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
+    gate = gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
+    assert gate["dt_bias"].is_meta and tuple(gate["dt_bias"].shape) == (16,)
+    assert gate["dt_bias"].dtype == args["dt_bias"].dtype and gate["scalar_gate"][1] is args["dt_bias"]
+    gate.pop("use_gate_in_kernel")
+    call = prepare_call("torch", args["q"], args["k"], args["v"], beta=args["beta"], scale=None,
+                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=None, safe_gate=False,
+                        **gate)
+    assert torch.equal(call.inputs.dt_bias, args["dt_bias"].repeat_interleave(8))
+    call.inputs.dt_bias.sum().backward()
+    assert torch.equal(args["dt_bias"].grad, torch.full((2,), 8.0, dtype=torch.float64))

@@ -22,8 +22,10 @@ __all__ = ["chunk_gated_delta_rule", "gdn_as_kda_arguments"]
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
     """The KDA op's gate keywords for GDN's ``g [B, T, HV]`` (natural-log decay, or logits with
     ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``), after checking GDN's shapes: ``g [B, T, HV, K]``
-    and ``dt_bias [HV * K]`` broadcast over ``K`` (views), ``A_log``, ``use_gate_in_kernel``, and
-    ``scalar_gate``: GDN's own ``(g, dt_bias)``, which the ``fla`` backend runs FLA's GDN kernels on
+    broadcast over ``K`` (a view), ``dt_bias``: a meta tensor of the broadcast's shape ``[HV * K]`` and
+    dtype, for the KDA op's checks, ``A_log``, ``use_gate_in_kernel``, and ``scalar_gate``: GDN's own
+    ``(g, dt_bias)``, which the ``fla`` backend runs FLA's GDN kernels on, and from which
+    :func:`kdacp.backends.call.prepare_call` broadcasts ``dt_bias`` where KDA kernels run instead
     (:func:`kdacp.kda.check_and_prepare`'s keyword)."""
     for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
         check_tensor(name, x, nd)
@@ -40,7 +42,11 @@ def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
                 raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    g_kda, dt_bias_kda = scalar_gate_as_kda(g, q.shape[-1], dt_bias)
+    K = q.shape[-1]
+    g_kda, _ = scalar_gate_as_kda(g, K)
+    # The KDA op's checks read the broadcast dt_bias [HV * K] by shape and dtype only, so they get a meta
+    # tensor; prepare_call forms the broadcast where KDA kernels run (FLA's GDN kernels read dt_bias [HV]).
+    dt_bias_kda = None if dt_bias is None else dt_bias.new_empty(HV * K, device="meta")
     return dict(g=g_kda, A_log=A_log, dt_bias=dt_bias_kda, use_gate_in_kernel=use_gate_in_kernel,
                 scalar_gate=(g, dt_bias))
 

@@ -66,17 +66,21 @@ def _reference(x: dict, cu, options: KDAOptions):
 def test_prepare_call_runs_gdn_on_the_scalar_gate_with_fla_only(backend):
     """The torch backend gets the broadcast gate and ``dt_bias [HV*K]``; the fla backend GDN's own."""
     from kdacp.backends.call import prepare_call
+    from kdacp.gdn import gdn_as_kda_arguments
     if backend == "fla":
         _fla()
     x = _gdn_case(20, 1, 2, 8, 8, gate_in_kernel=True, dtype=torch.float32, seed=4)
+    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
+    gate.pop("use_gate_in_kernel")
+    call = prepare_call(backend, x["q"], x["k"], x["v"], beta=x["beta"], scale=None, use_qk_l2norm_in_kernel=True,
+                        use_gate_in_kernel=True, lower_bound=None, safe_gate=False, **gate)
     g, dt_bias = scalar_gate_as_kda(x["g"], 8, x["dt_bias"])
-    call = prepare_call(backend, x["q"], x["k"], x["v"], g, x["beta"], scale=None, use_qk_l2norm_in_kernel=True,
-                        use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=dt_bias, lower_bound=None,
-                        safe_gate=False, scalar_gate=(x["g"], x["dt_bias"]))
     want_g, want_dt = (g, dt_bias) if backend == "torch" else (x["g"], x["dt_bias"])
     assert type(call.backend).__name__ == ("TorchBackend" if backend == "torch" else "FlaGDNBackend")
     assert call.inputs.g.shape == want_g.shape and torch.equal(call.inputs.g, want_g)
-    assert call.inputs.dt_bias is want_dt
+    assert torch.equal(call.inputs.dt_bias, want_dt)
+    if backend == "fla":
+        assert call.inputs.dt_bias is x["dt_bias"]  # no broadcast formed
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",

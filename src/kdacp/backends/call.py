@@ -36,9 +36,10 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                  A_log, dt_bias, lower_bound, safe_gate, scalar_gate=None) -> PreparedCall:
     """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved).
 
-    ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)`` of which ``g`` and
-    ``dt_bias`` are the per-channel broadcast; the ``fla`` backend then runs FLA's GDN kernels on it,
-    the ``torch`` backend the KDA reference on the broadcast. Where FLA refuses its GDN backward
+    ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)``, of which ``g`` is the
+    per-channel broadcast (``dt_bias``: a meta stand-in, :func:`kdacp.gdn.gdn_as_kda_arguments`); the
+    ``fla`` backend then runs FLA's GDN kernels on it, the ``torch`` backend the KDA reference on the
+    broadcast (``dt_bias`` broadcast here). Where FLA refuses its GDN backward
     (:func:`~kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`) and a gradient is wanted,
     the ``fla`` backend runs FLA's KDA kernels on the broadcast gate instead (same math, slower).
     """
@@ -48,9 +49,11 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate))
     gdn = scalar_gate is not None and backend_name == "fla" and (
-        not _wants_gradient(q, k, v, g, beta, A_log, dt_bias) or fla_gated_gdn_backward_supported())
+        not _wants_gradient(q, k, v, g, beta, A_log, *scalar_gate) or fla_gated_gdn_backward_supported())
     if gdn:
         g, dt_bias = scalar_gate
+    elif scalar_gate is not None and scalar_gate[1] is not None:
+        dt_bias = scalar_gate[1].repeat_interleave(K)  # GDN's [HV] over K, as the KDA kernels read it
     packed = [x if B == 1 else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if not use_gate_in_kernel:
         A_log = dt_bias = None
