@@ -242,3 +242,35 @@ def test_fla_gdn_where_fla_refuses_its_backward_trains_on_kda_kernels():
         o_fwd, _ = chunk_gated_delta_rule(**{n: t.detach() if isinstance(t, torch.Tensor) else t
                                              for n, t in args.items()}, backend="fla")
     assert rel_err(o_fwd, want["o"]) < 2e-2
+
+
+def _kernels(fn, args: dict, calls: int = 3) -> list:
+    """The CUDA kernel names one warm call of ``fn(**args)`` launches (``torch.profiler``), sorted."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(**args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(**args)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) % calls == 0, names
+    return sorted(names[:len(names) // calls])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cu", [None, [0, 1, 700, 765, 3000, 4096]])
+def test_fla_gdn_forward_launches_flas_kernels_and_no_others(cu):
+    """A forward without initial states on FLA's GDN kernels (no gradient wanted) launches the kernels of
+    FLA's own op and nothing of kdacp's: no zero initial state, no broadcast ``dt_bias``."""
+    fla = _fla()
+    from kdacp.gdn import chunk_gated_delta_rule
+    args = _gpu_inputs(4096, cu, gate_in_kernel=True, seed=15)
+    args = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in args.items() if n != "initial_state"}
+    args["output_final_state"] = False
+    if cu is not None:
+        args["cu_seqlens_cpu"] = args["cu_seqlens"].cpu()
+    with torch.no_grad():
+        ours = _kernels(lambda **a: chunk_gated_delta_rule(**a, backend="fla"), args)
+        theirs = _kernels(fla.chunk_gated_delta_rule, args)
+    assert ours == theirs
