@@ -11,11 +11,13 @@
 #                                       # of the convolution and the layer
 #   bash benchmarks/one_gpu.sh 3 $OUT   # issue 32: the stage probe's GPU tests (device-time stages), then the
 #                                       # per-rank overhead and the scaling model's stages and predictions
+#   bash benchmarks/one_gpu.sh 4 $OUT   # issue 32 item 5: the GDN forward's kernels against FLA's (GPU test), its
+#                                       # host and device time beside FLA's op, and the gdn suite at 16K and 32K
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2, 3 or 4}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -37,7 +39,18 @@ elif [ "$part" = 3 ]; then
         --batches one_sequence,docs7 --out "$out/overhead"
     step scaling 150 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
         --out "$out/scaling"
+elif [ "$part" = 4 ]; then
+    step gdn_kernels_test 120 python3 -m pytest -q -m gpu tests/backends/test_fla_gdn_backend.py \
+        -k launches_flas_kernels
+    tail -1 "$out/gdn_kernels_test.log"
+    step gdn_profile 150 python3 benchmarks/gdn_forward_profile.py --out "$out/gdnprof" --gate-in-kernel \
+        --cases one_sequence,docs7 --modes no_grad --iters 30
+    tail -8 "$out/gdn_profile.log"
+    rm -f "$out"/gdnprof/trace_*  # large; the report keeps their summary
+    step gdn 150 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
+        --out "$out/gdn"
+    grep "^|" "$out/gdn.log" | tail -5
 else
-    echo "part must be 1, 2 or 3, got $part" >&2
+    echo "part must be 1, 2, 3 or 4, got $part" >&2
     exit 2
 fi
