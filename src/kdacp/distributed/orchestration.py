@@ -131,7 +131,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     chunks = backend.prepare(inputs, layout.whole)
     starting = _sequences(segments[layout.num_receive:])  # the sequences that start on this rank
     n_known = len(segments) - layout.num_receive
-    # zero initial states are passed as none (no fill kernel; FLA then neither reads them nor forms their gradient)
+    # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
     message, transition, tail_states = None, None, None
@@ -207,7 +207,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     known, tail = layout.before_tail, layout.tail
     n_known = len(segments) - layout.num_send
 
-    def initial(first: int, end: int | None = None):
+    def initial_of(first: int, end: int | None = None):
         """The initial states of segments ``[first, end)`` (received, or given; ``None`` for zeros)."""
         return None if first >= layout.num_receive and not has_initial_state else local_initial[first:end]
 
@@ -218,12 +218,12 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     def known_pass(span: Span, first: int, end: int):
         """``backward_local`` and ``backward_states`` of the span of segments ``[first, end)`` (they end here)."""
         dht = None if dht_all is None else dht_all[_sequences(segments[first:end])]
-        return backend.backward_states(local_work(span, initial(first, end)), dht)
+        return backend.backward_states(local_work(span, initial_of(first, end)), dht)
 
     head, n_head = layout.head, layout.num_receive
     message, head_states_b, tail_local = None, None, None
     if route.affine[plan.rank]:
-        tail_local = local_work(tail, initial(n_known))
+        tail_local = local_work(tail, initial_of(n_known))
         message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
     elif n_head:  # the head's pass alone: it ends before a pass that also covers whole sequences
         head_states_b = known_pass(head, 0, n_head)
@@ -234,7 +234,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     if not between.empty:
         between_states = known_pass(between, 0 if head_states_b is None else n_head, n_known)
     if tail_local is None and not tail.empty:
-        tail_local = local_work(tail, initial(n_known))
+        tail_local = local_work(tail, initial_of(n_known))
     known_grads = [backend.backward_inputs(s) for s in (head_states_b, between_states) if s is not None]
     dS_out = exchange.receive(pending)
     tail_states, tail_grads = None, None
