@@ -169,3 +169,10 @@ def test_zero_initial_states_are_passed_as_none(rank, monkeypatch):
             assert passed_none == (name == "none" and start >= head_end), (stage, start, seen)
     for a, b in zip(got["none"], got["zeros"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rank_layouts_take_lists_and_reuse_equal_layouts():
+    """Layouts are cached per description (their spans are computed once), whatever sequence type describes it."""
+    a = rank_layouts([0, 5, 100, 130], 1, [40, 50, 40])
+    assert a is rank_layouts((0, 5, 100, 130), 1, (40, 50, 40))
+    assert [lay.num_tokens for lay in a] == [40, 50, 40] and a[1].through

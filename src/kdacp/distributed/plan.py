@@ -129,11 +129,15 @@ def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
     return [0] + [c - start for c in cu_seqlens if start < c < end] + [end - start]
 
 
-@lru_cache(maxsize=64)
-def rank_layouts(cu_seqlens: tuple[int, ...] | None, batch_size: int, lengths: tuple[int, ...]) -> tuple[RankLayout, ...]:
+def rank_layouts(cu_seqlens, batch_size: int, lengths) -> tuple[RankLayout, ...]:
     """Every rank's :class:`RankLayout` for tokens per rank ``lengths``: packed sequences
-    ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time. The 64 newest are kept
-    (layouts are frozen; their spans are computed once)."""
+    ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time (any int sequences).
+    The 64 newest are kept (layouts are frozen; their spans are computed once)."""
+    return _rank_layouts(None if cu_seqlens is None else tuple(cu_seqlens), batch_size, tuple(lengths))
+
+
+@lru_cache(maxsize=64)
+def _rank_layouts(cu_seqlens: tuple | None, batch_size: int, lengths: tuple) -> tuple[RankLayout, ...]:
     offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
     layouts = []
     for r, L in enumerate(lengths):
