@@ -19,7 +19,7 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
-from .timing import sleep_then_mark
+from .timing import queue_ahead_for, sleep_then_mark
 
 __all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "probe_rounds", "queue_ahead", "sync",
            "time_roles"]
@@ -142,14 +142,10 @@ def probe_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPla
 
 def queue_ahead(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
                 device: torch.device) -> float:
-    """The :class:`StageProbe` sleep that lets the host queue a whole direction of ``plan``'s role before
-    the device runs it: four times one warm call's wall time (both directions, device included), at most
-    2 s; 0 on the CPU."""
-    if device.type != "cuda":
-        return 0.0
-    t0 = time.perf_counter()
-    probe_role(backend, inputs, state_dtype, plan, do, device)
-    return min(4 * (time.perf_counter() - t0), 2.0)
+    """The :class:`StageProbe` sleep (seconds) that lets the host queue a whole direction of ``plan``'s role
+    before the device runs it: :func:`~kdacp.bench.timing.queue_ahead_for` of one warm call (both
+    directions, device included); 0 on the CPU."""
+    return queue_ahead_for([lambda: probe_role(backend, inputs, state_dtype, plan, do, device)], 1, device) / 1e3
 
 
 def probe_rounds(backend, inputs: KDAInputs, state_dtype: torch.dtype, plans: dict, do: torch.Tensor,
