@@ -229,14 +229,11 @@ class CPPlan:
         return rank_layouts(self.cu_seqlens, self.batch_size, self.lengths_for(local_length))
 
 
-@lru_cache(maxsize=64)
 def one_rank_plan(cu_seqlens: tuple[int, ...] | None, batch_size: int, length: int) -> CPPlan:
     """The plan of a batch one process holds whole, with no process group: ``batch_size`` rows of
     ``length`` tokens, or (``batch_size == 1``) the packed sequences ``cu_seqlens`` of ``length``
     tokens, already validated. :func:`kdacp.chunk_kda` without ``cp`` runs the schedule on it, which
-    then exchanges nothing. Plans are frozen, so the 64 newest are kept: a training step calls the op
-    once per layer on the same batch, and each call would otherwise rebuild the plan and its layouts'
-    spans on the host."""
+    then exchanges nothing (its layouts come from :func:`rank_layouts`' cache)."""
     lengths = (length,)
     return CPPlan(rank=0, world_size=1, group=None, strategy="p2p", batch_size=batch_size, cu_seqlens=cu_seqlens,
                   local_lengths=lengths, rank_layouts=rank_layouts(cu_seqlens, batch_size, lengths),
