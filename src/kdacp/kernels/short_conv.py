@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..validation import check_cu_seqlens, check_tensor
 from .planning import sm_count
+from .precision import INTERPRET
 
 __all__ = ["ShortConvGrads", "causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
 
@@ -130,18 +131,34 @@ def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr,
 
 
 @triton.jit
-def _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W: tl.constexpr):
+def _sigmoid(x, FAST: tl.constexpr):
+    """``1 / (1 + exp(-x))`` in float32; ``FAST``: the hardware's approximate ``exp2`` and reciprocal with
+    subnormals flushed (four instructions, within a few ulp), else ``tl.sigmoid`` (its subnormal and range
+    fix-ups cost about seven more per element). The interpreter runs no PTX: it takes ``tl.sigmoid``."""
+    if FAST:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+            "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+            "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        out = tl.sigmoid(x)
+    return out
+
+
+@triton.jit
+def _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W: tl.constexpr, MASKED: tl.constexpr):
     """The pre-activation of row ``u`` from its raw taps ``x_j = x[u-j]``, each masked (``tl.where``: a NaN in
-    another sequence stays there) to ``u - j >= start``; also returns the masked taps."""
-    t_1 = tl.where(u - 1 >= start, x_1, 0.)
-    pre = x_0 * w_0 + t_1 * w_1 + b
-    t_2 = tl.zeros_like(t_1)
-    t_3 = tl.zeros_like(t_1)
-    if W > 2:
+    another sequence stays there) to ``u - j >= start`` when ``MASKED`` (else the caller knows every tap is in
+    ``u``'s sequence); also returns the masked taps."""
+    t_1, t_2, t_3 = x_1, x_2, x_3
+    if MASKED:
+        t_1 = tl.where(u - 1 >= start, x_1, 0.)
         t_2 = tl.where(u - 2 >= start, x_2, 0.)
+        t_3 = tl.where(u - 3 >= start, x_3, 0.)
+    pre = x_0 * w_0 + t_1 * w_1 + b
+    if W > 2:
         pre += t_2 * w_2
     if W > 3:
-        t_3 = tl.where(u - 3 >= start, x_3, 0.)
         pre += t_3 * w_3
     return pre, t_1, t_2, t_3
 
@@ -149,17 +166,35 @@ def _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W: tl.constexpr):
 @triton.jit
 def _fwd_row(u, x_0, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt, s_yd,
              w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
-             IS_VARLEN: tl.constexpr):
-    """One forward step at row ``u`` (ascending): moves to ``u``'s sequence, stores ``y[u]`` if ``u < hi``."""
-    if IS_VARLEN:
+             IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+    """One forward step at row ``u`` (ascending): moves to ``u``'s sequence, stores ``y[u]`` if ``u < hi``.
+    Without ``MASKED`` the caller knows ``u`` and its taps lie in the current sequence and ``u < hi``."""
+    if IS_VARLEN and MASKED:
         while (u >= end) & (n < n_seqs - 1):
             n += 1
             start = _first_row(n, cu_seqlens, W, HAS_HALO)
             end = tl.load(cu_seqlens + n + 1).to(tl.int32)
-    out, _, _, _ = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W)
+    out, _, _, _ = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W, MASKED)
     if SILU:
-        out = out * tl.sigmoid(out)
-    tl.store(y + tl.cast(u, tl.int64) * s_yt + cols * s_yd, out.to(y.dtype.element_ty), mask=m_d & (u < hi))
+        out = out * _sigmoid(out, FAST)
+    m_y = m_d & (u < hi) if MASKED else m_d
+    tl.store(y + tl.cast(u, tl.int64) * s_yt + cols * s_yd, out.to(y.dtype.element_ty), mask=m_y)
+    return n, start, end
+
+
+@triton.jit
+def _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt,
+               s_yd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+               IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+    """Forward steps at rows ``u .. u+3`` (``x_a .. x_d``), after rows ``u-1 .. u-3`` (``x_1 .. x_3``)."""
+    n, start, end = _fwd_row(u, x_a, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                             s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    n, start, end = _fwd_row(u + 1, x_b, x_a, x_1, x_2, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                             s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    n, start, end = _fwd_row(u + 2, x_c, x_b, x_a, x_1, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                             s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    n, start, end = _fwd_row(u + 3, x_d, x_c, x_b, x_a, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                             s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
     return n, start, end
 
 
@@ -167,9 +202,10 @@ def _fwd_row(u, x_0, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, co
 def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` walks rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` upward, one row of
-    ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once."""
+    ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once.
+    A group of rows whose taps all lie in one sequence, inside ``[lo, hi)``, runs without masks."""
     tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -189,14 +225,13 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
         x_b = _load_row(x, halo, u + 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_c = _load_row(x, halo, u + 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_d = _load_row(x, halo, u + 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        n, start, end = _fwd_row(u, x_a, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
-                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
-        n, start, end = _fwd_row(u + 1, x_b, x_a, x_1, x_2, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
-                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
-        n, start, end = _fwd_row(u + 2, x_c, x_b, x_a, x_1, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
-                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
-        n, start, end = _fwd_row(u + 3, x_d, x_c, x_b, x_a, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
-                                 s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN)
+        if (u - (W - 1) >= start) & (u + UNROLL_ROWS <= end) & (u + UNROLL_ROWS <= hi):
+            _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                       s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
+        else:
+            n, start, end = _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs,
+                                       hi, cols, m_d, s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO,
+                                       IS_VARLEN, True, FAST)
         x_1, x_2, x_3 = x_d, x_c, x_b
 
 
@@ -204,29 +239,34 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
 def _bwd_row(u, x_0, x_1, x_2, x_3, dy_u, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db,
              dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd,
              w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
-             IS_VARLEN: tl.constexpr):
+             IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
     """One backward step at row ``u`` (descending), with the raw taps ``x_j = x[u-j]``, ``dy[u]`` (zero
     outside ``[0, T)``) and ``g_i = g[u+i]`` of the rows after it: moves to ``u``'s sequence; ``g[u]``;
     ``dx[u] = sum_i weight[W-1-i] g[u+i]`` over ``u+i`` in ``u``'s sequence, stored for ``lo <= u < hi``
     (``dhalo`` for ``u < 0`` when ``halo_rows``); for those rows the ``dweight`` terms ``g[u] x[u-j]`` and
-    ``dbias`` terms ``g[u]`` accumulate. Returns ``g[u]``, the sequence and the sums."""
-    if IS_VARLEN:
+    ``dbias`` terms ``g[u]`` accumulate. Returns ``g[u]``, the sequence and the sums. Without ``MASKED`` the
+    caller knows that ``u``, its taps and the rows ``u+i`` lie in the current sequence and ``lo <= u < hi``."""
+    if IS_VARLEN and MASKED:
         while (u < start) & (n > 0):
             n -= 1
             end = start
             start = _first_row(n, cu_seqlens, W, HAS_HALO)
-    pre, t_1, t_2, t_3 = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W)
+    pre, t_1, t_2, t_3 = _pre(u, start, x_0, x_1, x_2, x_3, w_0, w_1, w_2, w_3, b, W, MASKED)
     g = dy_u
     if SILU:
-        sig = tl.sigmoid(pre)
+        sig = _sigmoid(pre, FAST)
         g = g * sig * (1 + pre * (1 - sig))
-    acc = g * w_0 + tl.where(u + 1 < end, g_1, 0.) * w_1
+    if MASKED:
+        g_1 = tl.where(u + 1 < end, g_1, 0.)
+        g_2 = tl.where(u + 2 < end, g_2, 0.)
+        g_3 = tl.where(u + 3 < end, g_3, 0.)
+    acc = g * w_0 + g_1 * w_1
     if W > 2:
-        acc += tl.where(u + 2 < end, g_2, 0.) * w_2
+        acc += g_2 * w_2
     if W > 3:
-        acc += tl.where(u + 3 < end, g_3, 0.) * w_3
+        acc += g_3 * w_3
     own = (u >= lo) & (u < hi)
-    g_own = tl.where(own, g, 0.)
+    g_own = tl.where(own, g, 0.) if MASKED else g
     db += g_own
     dw_0 += g_own * x_0
     dw_1 += g_own * t_1
@@ -234,11 +274,38 @@ def _bwd_row(u, x_0, x_1, x_2, x_3, dy_u, g_1, g_2, g_3, n, start, end, dw_0, dw
         dw_2 += g_own * t_2
     if W > 3:
         dw_3 += g_own * t_3
-    tl.store(dx + tl.cast(u, tl.int64) * s_gt + cols * s_gd, acc.to(dx.dtype.element_ty), mask=m_d & own)
-    if HAS_HALO:
+    tl.store(dx + tl.cast(u, tl.int64) * s_gt + cols * s_gd, acc.to(dx.dtype.element_ty),
+             mask=m_d & own if MASKED else m_d)
+    if HAS_HALO and MASKED:
         tl.store(dhalo + (u + W - 1) * s_qt + cols * s_qd, acc.to(dhalo.dtype.element_ty),
                  mask=m_d & halo_rows & (u < 0) & (u >= 1 - W))
     return g, n, start, end, dw_0, dw_1, dw_2, dw_3, db
+
+
+@triton.jit
+def _bwd_group(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+               dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+               s_qd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+               IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+    """Backward steps at rows ``u .. u-3`` (``x_0, x_1, x_2`` rows ``u .. u-2``, ``x_a .. x_d`` rows ``u-3 ..
+    u-6``, ``dy_a .. dy_d`` rows ``u .. u-3``, ``g_i = g[u+i]``); returns the four rows' ``g`` (``u`` first)."""
+    g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u - 1, x_1, x_2, x_a, x_b, dy_b, g_a, g_1, g_2, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    g_c, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u - 2, x_2, x_a, x_b, x_c, dy_c, g_b, g_a, g_1, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u - 3, x_a, x_b, x_c, x_d, dy_d, g_c, g_b, g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    return g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db
 
 
 @triton.jit
@@ -246,13 +313,14 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
     with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
     ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
     the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
-    once (plus ``W-1`` rows past the program's end). ``dweight`` and ``dbias`` are per-program float32
-    partial sums reduced once afterwards (deterministic)."""
+    once (plus ``W-1`` rows past the program's end). A group of rows whose taps all lie in one sequence,
+    inside ``[lo, hi)``, runs without masks. ``dweight`` and ``dbias`` are per-program float32 partial sums
+    reduced once afterwards (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
@@ -285,22 +353,17 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         dy_b = _load_row(dy, dy, u - 1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         dy_c = _load_row(dy, dy, u - 2, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         dy_d = _load_row(dy, dy, u - 3, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-        g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-            u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-            W, SILU, HAS_HALO, IS_VARLEN)
-        g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-            u - 1, x_1, x_2, x_a, x_b, dy_b, g_a, g_1, g_2, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-            W, SILU, HAS_HALO, IS_VARLEN)
-        g_c, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-            u - 2, x_2, x_a, x_b, x_c, dy_c, g_b, g_a, g_1, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-            W, SILU, HAS_HALO, IS_VARLEN)
-        g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-            u - 3, x_a, x_b, x_c, x_d, dy_d, g_c, g_b, g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-            cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-            W, SILU, HAS_HALO, IS_VARLEN)
+        # rows u .. u-3 owned, their taps x down to u-3-(W-1) and g up to u+W-1 in the current sequence
+        if (u - (UNROLL_ROWS - 1) - (W - 1) >= start) & (u + W - 1 < end) & (u - (UNROLL_ROWS - 1) >= lo) & (u < hi):
+            g_a, g_b, g_c, g_d, _, _, _, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
+                u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+                dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+                s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
+        else:
+            g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
+                u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+                dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+                s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, True, FAST)
         x_0, x_1, x_2 = x_b, x_c, x_d
         g_1, g_2, g_3 = g_d, g_c, g_b
     part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
@@ -355,7 +418,8 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, **tiles.launch_options())
+                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, FAST=not INTERPRET,
+                      **tiles.launch_options())
     return y
 
 
@@ -382,7 +446,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      **tiles.launch_options())
+                      FAST=not INTERPRET, **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
