@@ -48,7 +48,7 @@ from .batches import cu_seqlens_of, document_lengths
 from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
 from .harness import PlotSpec, markdown_table
 from .stage_probe import ROLE_RANKS, probe_rounds, sync
-from .timing import queue_ahead_for, sleep_then_mark, time_queued
+from .timing import check_queued_ahead, queue_ahead_for, sleep_then_mark, time_queued
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
 
@@ -192,8 +192,8 @@ def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup:
             sync(device)
             mark = sleep_then_mark(ahead[key]) if device.type == "cuda" else None
             step(plan)
-            if mark is not None and ahead[key] > 0 and mark.query():
-                raise RuntimeError(f"overhead breakdown: the device started {key!r} before the host had queued it")
+            if mark is not None:
+                check_queued_ahead(mark, ahead[key], f"overhead breakdown of {key!r}")
             got[key].append(timer.totals())
     medians = {key: {stage: (runs_[0][stage][0], statistics.median(r[stage][1] for r in runs_)) for stage in runs_[0]}
                for key, runs_ in got.items()}

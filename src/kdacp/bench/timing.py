@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["time_round_robin", "time_queued", "timed_columns", "peak_gb", "queued_device_time", "sleep_then_mark",
-           "queue_ahead_for"]
+           "queue_ahead_for", "check_queued_ahead"]
 
 
 def _sync(device: torch.device) -> None:
@@ -27,6 +27,19 @@ def sleep_then_mark(ms: float) -> torch.cuda.Event:
     mark = torch.cuda.Event(enable_timing=True)
     mark.record()
     return mark
+
+
+def check_queued_ahead(mark: torch.cuda.Event, ahead_ms: float, what: str) -> None:
+    """Call right after queueing the work timed behind ``mark = sleep_then_mark(ahead_ms)``.
+
+    Raises:
+        RuntimeError: naming ``what``, if the device already reached ``mark`` (``ahead_ms > 0``): it started
+            the work before the host had queued it all (a host sync inside it, or more host time than the
+            sleep), so the events around it would count host time.
+    """
+    if ahead_ms > 0 and mark.query():
+        raise RuntimeError(f"{what}: the device started it before the host had queued it (a host sync inside it, "
+                           f"or more host time than the {ahead_ms:.1f} ms sleep); its time would include the host's")
 
 
 def queue_ahead_for(fns, iters: int, device: torch.device) -> float:
@@ -82,13 +95,9 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
                 start = sleep_then_mark(queue_ahead_ms)
                 for _ in range(iters):
                     fn()
-                caught_up = queue_ahead_ms > 0 and start.query()
+                check_queued_ahead(start, queue_ahead_ms, f"time_round_robin, {iters} calls of {name!r}")
                 end.record()
                 _sync(device)
-                if caught_up:
-                    raise RuntimeError(f"time_round_robin: the device started {name!r} before the host had queued "
-                                       f"its {iters} calls (a host sync, or more host time than the "
-                                       f"{queue_ahead_ms:.1f} ms sleep); the time would include the host's")
                 total[name] += start.elapsed_time(end)
             else:
                 t0 = time.perf_counter()
