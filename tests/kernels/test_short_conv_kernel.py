@@ -21,6 +21,9 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3 if DEVICE == "cuda" else 8e-3}
 # a step loads), their rows cut by sequence starts, each program's walk crossing them; two column blocks, the
 # second partial, in the first case
 SMALL = sc.ConvTiles(rows=6, BD=32, num_warps=1)
+# two groups of four rows per step, 10 rows per program (not a multiple of 8): the second group's rows run past a
+# program's end and, walking backward, below its first row and the halo's
+SMALL_PAIRS = sc.ConvTiles(rows=10, BD=32, num_warps=1, groups=2)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):
@@ -63,8 +66,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS], ids=["groups1", "groups2"])
 @pytest.mark.parametrize("B,T,D,W,cu,halo", CASES)
-def test_launchers_match_reference(B, T, D, W, cu, halo, tiles=SMALL):
+def test_launchers_match_reference(B, T, D, W, cu, halo, tiles):
     inputs, dy = make(B, T, D, W, halo=halo)
     cu_t = None if cu is None else torch.tensor(cu, device=DEVICE)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu_t, "silu")
@@ -158,6 +162,19 @@ def test_real_sizes_match_reference(D, bias, packed):
     y = sc.causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu)
     grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
     check(inputs, dy, cu, "silu", y, grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_real_sizes_two_groups_per_step(packed):
+    # the launchers with steps of two groups of four rows (a tiling the sweep tries), at real sizes
+    inputs, dy = make(1, 16384, 4096, 4, bias=True, halo=True, dtype=torch.bfloat16, seed=8)
+    cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
+    tiles = sc.ConvTiles(rows=128, BD=1024, num_warps=8, groups=2)
+    args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu, "silu")
+    g = sc.short_conv_bwd(*args, dy, tiles=tiles)
+    check(inputs, dy, cu, "silu", sc.short_conv_fwd(*args, tiles=tiles),
+          {"x": g.dx, "weight": g.dweight, "bias": g.dbias, "halo": g.dhalo})
 
 
 @pytest.mark.gpu

@@ -528,9 +528,10 @@ def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda"):
 
     from kdacp.precompile import precompile
     T_ = short_conv.ConvTiles
-    cases = [(p, T_(rows=r, BD=bd, num_warps=nw, maxnreg=reg)) for p, r, (bd, nw), reg in itertools.product(
-             ("fwd", "bwd"), (32, 64, 128, 256), ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)),
-             (None, 128))]
+    cases = [(p, T_(rows=r, BD=bd, num_warps=nw, maxnreg=reg, groups=gr))
+             for p, r, (bd, nw), reg, gr in itertools.product(
+                 ("fwd", "bwd"), (32, 64, 128, 256), ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)),
+                 (None, 128), (1, 2))]
     inputs = []
     for packed in (False, True):
         x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)

@@ -46,13 +46,15 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 
 @dataclass(frozen=True)
 class ConvTiles:
-    """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``UNROLL`` rows per step (their
-    loads issued together); ``maxnreg`` caps the registers per thread (None: the compiler's choice)."""
+    """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``groups`` groups of ``UNROLL`` rows
+    per step (their loads issued together, 1 or 2); ``maxnreg`` caps the registers per thread (None: the
+    compiler's choice)."""
 
     rows: int
     BD: int
     num_warps: int
     maxnreg: int | None = None
+    groups: int = 1
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
@@ -186,9 +188,9 @@ def _fwd_row(u, x_0, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, co
 
 
 @triton.jit
-def _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt,
-               s_yd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
-               IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+def _fwd_rows(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt,
+              s_yd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+              IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
     """Forward steps at rows ``u .. u+3`` (``x_a .. x_d``), after rows ``u-1 .. u-3`` (``x_1 .. x_3``)."""
     n, start, end = _fwd_row(u, x_a, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
                              s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
@@ -202,14 +204,33 @@ def _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlen
 
 
 @triton.jit
+def _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d, s_yt,
+               s_yd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+               IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
+    """:func:`_fwd_rows` without masks when rows ``u .. u+3`` and their taps lie in the current sequence and
+    below ``hi``, else with them (and the moves to later sequences)."""
+    if (u - (W - 1) >= start) & (u + 4 <= end) & (u + 4 <= hi):
+        _fwd_rows(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
+                  s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
+    else:
+        n, start, end = _fwd_rows(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi,
+                                  cols, m_d, s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, True,
+                                  FAST)
+    return n, start, end
+
+
+@triton.jit
 def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr,
+                GROUPS: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` walks rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` upward, one row of
     ``BD`` channels per step, keeping the last ``W-1`` rows of ``x`` in registers: each row is read once.
-    A group of rows whose taps all lie in one sequence, inside ``[lo, hi)``, runs without masks."""
+    Each step loads ``GROUPS`` groups of four rows, then computes them; a group whose rows and taps lie in
+    one sequence, inside ``[lo, hi)``, runs without masks."""
     tl.static_assert(UNROLL_ROWS == 4)
+    tl.static_assert((GROUPS == 1) | (GROUPS == 2))
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
@@ -223,19 +244,24 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     x_1 = _load_row(x, halo, lo - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, lo - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_3 = _load_row(x, halo, lo - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    for u in range(lo, hi, UNROLL_ROWS):
+    for u in range(lo, hi, UNROLL_ROWS * GROUPS):
         x_a = _load_row(x, halo, u, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_b = _load_row(x, halo, u + 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_c = _load_row(x, halo, u + 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_d = _load_row(x, halo, u + 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        if (u - (W - 1) >= start) & (u + UNROLL_ROWS <= end) & (u + UNROLL_ROWS <= hi):
-            _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi, cols, m_d,
-                       s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
-        else:
-            n, start, end = _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs,
-                                       hi, cols, m_d, s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO,
-                                       IS_VARLEN, True, FAST)
+        if GROUPS == 2:  # the second group's loads in flight while the first computes
+            x_e = _load_row(x, halo, u + 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_f = _load_row(x, halo, u + 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_g = _load_row(x, halo, u + 6, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_h = _load_row(x, halo, u + 7, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+        n, start, end = _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs, hi,
+                                   cols, m_d, s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, FAST)
         x_1, x_2, x_3 = x_d, x_c, x_b
+        if GROUPS == 2:
+            n, start, end = _fwd_group(u + 4, x_e, x_f, x_g, x_h, x_1, x_2, x_3, n, start, end, y, cu_seqlens, n_seqs,
+                                       hi, cols, m_d, s_yt, s_yd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO,
+                                       IS_VARLEN, FAST)
+            x_1, x_2, x_3 = x_h, x_g, x_f
 
 
 @triton.jit
@@ -286,10 +312,10 @@ def _bwd_row(u, x_0, x_1, x_2, x_3, dy_u, g_1, g_2, g_3, n, start, end, dw_0, dw
 
 
 @triton.jit
-def _bwd_group(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
-               dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
-               s_qd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
-               IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+def _bwd_rows(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+              dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+              s_qd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+              IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
     """Backward steps at rows ``u .. u-3`` (``x_0, x_1, x_2`` rows ``u .. u-2``, ``x_a .. x_d`` rows ``u-3 ..
     u-6``, ``dy_a .. dy_d`` rows ``u .. u-3``, ``g_i = g[u+i]``); returns the four rows' ``g`` (``u`` first)."""
     g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
@@ -312,19 +338,43 @@ def _bwd_group(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1
 
 
 @triton.jit
+def _bwd_group(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+               dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+               s_qd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
+               IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
+    """:func:`_bwd_rows` without masks when rows ``u .. u-3`` are owned and their taps (``x`` down to
+    ``u-3-(W-1)``, ``g`` up to ``u+W-1``) lie in the current sequence, else with them (and the moves to
+    earlier sequences)."""
+    if (u - 3 - (W - 1) >= start) & (u + W - 1 < end) & (u - 3 >= lo) & (u < hi):
+        g_a, g_b, g_c, g_d, _, _, _, dw_0, dw_1, dw_2, dw_3, db = _bwd_rows(
+            u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+            dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+            s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
+    else:
+        g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_rows(
+            u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+            dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+            s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, True, FAST)
+    return g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db
+
+
+@triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
-                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr):
+                HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr,
+                GROUPS: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
     with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
     ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
     the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
     once (plus ``W-1`` rows past the program's end). A group of rows whose taps all lie in one sequence,
-    inside ``[lo, hi)``, runs without masks. ``dweight`` and ``dbias`` are per-program float32 partial sums
-    reduced once afterwards (deterministic)."""
+    inside ``[lo, hi)``, runs without masks; each step loads ``GROUPS`` groups of four rows, then computes
+    them. ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards
+    (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
+    tl.static_assert((GROUPS == 1) | (GROUPS == 2))
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
@@ -346,8 +396,8 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     x_0 = _load_row(x, halo, top, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_1 = _load_row(x, halo, top - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, top - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    for k in range(tl.cdiv(top - bottom + 1, UNROLL_ROWS)):
-        u = top - k * UNROLL_ROWS
+    for k in range(tl.cdiv(top - bottom + 1, UNROLL_ROWS * GROUPS)):
+        u = top - k * UNROLL_ROWS * GROUPS
         x_a = _load_row(x, halo, u - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_b = _load_row(x, halo, u - 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
         x_c = _load_row(x, halo, u - 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
@@ -356,19 +406,28 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         dy_b = _load_row(dy, dy, u - 1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         dy_c = _load_row(dy, dy, u - 2, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
         dy_d = _load_row(dy, dy, u - 3, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-        # rows u .. u-3 owned, their taps x down to u-3-(W-1) and g up to u+W-1 in the current sequence
-        if (u - (UNROLL_ROWS - 1) - (W - 1) >= start) & (u + W - 1 < end) & (u - (UNROLL_ROWS - 1) >= lo) & (u < hi):
-            g_a, g_b, g_c, g_d, _, _, _, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
-                u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
-                dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
-                s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, False, FAST)
-        else:
-            g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
-                u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
-                dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
-                s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, True, FAST)
+        if GROUPS == 2:  # the second group's loads in flight while the first computes
+            x_e = _load_row(x, halo, u - 7, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_f = _load_row(x, halo, u - 8, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_g = _load_row(x, halo, u - 9, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            x_h = _load_row(x, halo, u - 10, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
+            dy_e = _load_row(dy, dy, u - 4, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+            dy_f = _load_row(dy, dy, u - 5, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+            dy_g = _load_row(dy, dy, u - 6, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+            dy_h = _load_row(dy, dy, u - 7, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
+            u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
+            dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+            s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, FAST)
         x_0, x_1, x_2 = x_b, x_c, x_d
         g_1, g_2, g_3 = g_d, g_c, g_b
+        if GROUPS == 2:
+            g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
+                u - 4, x_0, x_1, x_2, x_e, x_f, x_g, x_h, dy_e, dy_f, dy_g, dy_h, g_1, g_2, g_3, n, start, end,
+                dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
+                s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, FAST)
+            x_0, x_1, x_2 = x_f, x_g, x_h
+            g_1, g_2, g_3 = g_d, g_c, g_b
     part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
     tl.store(part + (W - 1) * D, dw_0, mask=m_d)
     tl.store(part + (W - 2) * D, dw_1, mask=m_d)
@@ -422,7 +481,7 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
                       HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, FAST=not INTERPRET,
-                      **tiles.launch_options())
+                      GROUPS=tiles.groups, **tiles.launch_options())
     return y
 
 
@@ -449,7 +508,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      FAST=not INTERPRET, **tiles.launch_options())
+                      FAST=not INTERPRET, GROUPS=tiles.groups, **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
