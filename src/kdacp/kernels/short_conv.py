@@ -65,7 +65,7 @@ UNROLL = 4
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02. The backward's takes one SM per program: where
 # its grid is more than one wave the tail wave costs more than the wide rows save (D=6144: 0.282 ms, against
 # 0.253 ms with BWD_TILES_MANY, the fastest of the ninth session's sweep), so such grids take BWD_TILES_MANY.
-FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2)
+FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
 BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16)
 BWD_TILES_MANY = ConvTiles(rows=256, BD=1024, num_warps=8, maxnreg=128)
 
