@@ -18,10 +18,10 @@ results are deterministic). Sequence boundaries are found in the kernel (one bin
 per program, then scalar steps): no host sync, no index tensor. A group of four rows whose taps all lie in one
 sequence and in the program's rows (all but a few per sequence start and program edge) runs without the
 per-tap masks, and the sigmoid takes the hardware's approximate ``exp2`` and reciprocal: the backward was
-bound by instruction issue (offline SASS for sm_90: 992 -> 768 instructions, 0.155 -> 0.141 ms). One H200
-(T=16K, D=4096, bf16): forward 67% and backward 61% of the memory bandwidth, where torch's own copy and add
-reach 85% and 89%. Issuing each step's loads one step ahead raised neither (measured, not kept:
-benchmarks/RESULTS.md, tenth session).
+bound by instruction issue (offline SASS for sm_90: 992 -> 768 instructions, 0.155 -> 0.141 ms). A step may
+load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
+flight, gains (0.086 -> 0.078 ms). One H200 (T=16K, D=4096, bf16): forward 74% and backward 61% of the memory
+bandwidth, where torch's own copy and add reach 85% and 89% (benchmarks/RESULTS.md, twelfth session).
 """
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ class ConvTiles:
 
 UNROLL = 4
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02. The backward's takes one SM per program: where
-# its grid is more than one wave the tail wave costs more than the wide rows save (D=6144: 0.282 ms, against
-# 0.253 ms with BWD_TILES_MANY, the fastest of the ninth session's sweep), so such grids take BWD_TILES_MANY.
+# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02 (twelfth session). The backward's takes one SM
+# per program: where its grid is more than one wave the tail wave costs more than the wide rows save (D=6144:
+# 0.282 ms, against 0.253 ms with BWD_TILES_MANY, the fastest of the ninth session's sweep), so such grids take
+# BWD_TILES_MANY.
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
 BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16)
 BWD_TILES_MANY = ConvTiles(rows=256, BD=1024, num_warps=8, maxnreg=128)
