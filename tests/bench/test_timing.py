@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from kdacp.bench.timing import queue_ahead_for, time_queued, timed_columns
+from kdacp.bench.timing import queue_ahead_for, queued_device_time, time_queued, timed_columns
 from tests.helpers import fake_cuda_clock
 
 
@@ -58,3 +58,15 @@ def test_queue_ahead_covers_four_times_the_slowest_calls(monkeypatch):
     assert queue_ahead_for([host(0.001), host(0.003)], 5, torch.device("cuda")) == pytest.approx(60.0)
     assert queue_ahead_for([host(1.0)], 5, torch.device("cuda")) == 2000.0  # capped
     assert queue_ahead_for([host(1.0)], 5, torch.device("cpu")) == 0.0
+
+
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_queued_device_time_is_device_time_and_refuses_a_device_that_caught_up(monkeypatch, host_sync):
+    clock = fake_cuda_clock(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    call = _work(clock, 0.004, host_sync)
+    if host_sync:
+        with pytest.raises(RuntimeError, match="before the host had queued"):
+            queued_device_time(call, iters=5, warmup=1)
+    else:
+        assert queued_device_time(call, iters=5, warmup=1)[0] == pytest.approx(0.004)

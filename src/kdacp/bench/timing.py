@@ -121,22 +121,16 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
     the sleep ended before the host had queued every call (the figure would then include host time)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    one = time.perf_counter() - t0
+    ahead_ms = queue_ahead_for([fn], iters, torch.device("cuda", torch.cuda.current_device()))
     end = torch.cuda.Event(enable_timing=True)
-    start = sleep_then_mark(min(4 * iters * one, 2.0) * 1e3)  # four times the host's estimated enqueue time
+    start = sleep_then_mark(ahead_ms)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) / iters
-    ahead = not start.query()
+    check_queued_ahead(start, ahead_ms, f"queued_device_time, {iters} calls")
     end.record()
     torch.cuda.synchronize()
-    if not ahead:
-        raise RuntimeError("queued_device_time: the device caught up with the host; the figure would include host time")
     return start.elapsed_time(end) / 1e3 / iters, host
 
 
