@@ -16,7 +16,10 @@ Ratios are over ``fla``; ``max_rel_diff_vs_fla``: ``kdacp`` against ``fla``, out
 Where FLA refuses its GDN backward (Hopper with Triton >= 3.4 and < 3.7.1 without tilelang, as on the
 H200 with Triton 3.6: :func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), neither
 FLA's op nor kdacp's GDN kernels can train there, so every contender is timed forward only and the
-rows say ``pass: forward``.
+rows say ``pass: forward``; each such row is followed by a training row (``pass: forward+backward, KDA
+kernels``): ``kdacp`` (which trains there on FLA's KDA kernels with the gate broadcast over ``K``) against
+``fla_kda``, FLA's own ``chunk_kda`` on the same broadcast gate (the one path FLA trains GDN on there), the
+ratio and ``max_rel_diff_vs_fla`` over ``fla_kda``.
 
     kdacp bench --suite gdn --world-size 1 [--seq-lens 16384,32768] [--batches one_sequence,docs7]
 
@@ -67,6 +70,12 @@ def _broadcast(varlen: dict, **x):
     return chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen, backend="fla")
 
 
+def _fla_kda_broadcast(fla, varlen: dict, **x):
+    """FLA's own ``chunk_kda`` on the GDN gate (and ``dt_bias``) broadcast over ``K``."""
+    g, dt_bias = scalar_gate_as_kda(x.pop("g"), x["q"].shape[-1], x.pop("dt_bias"))
+    return fla.chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen)
+
+
 def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int = 16, v_heads: int = 32,
         head_dim: int = 128, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device: str = "cuda",
         report=None, contenders=CONTENDERS, seed: int = 0) -> list[dict]:
@@ -105,6 +114,20 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                                      lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
             if "kdacp" in fns and "fla" in fns:
                 row["max_rel_diff_vs_fla"] = max_rel_diff(fns["kdacp"](), fns["fla"](), group)
+            rows_here = [row]
+            if not backward and "kdacp" in contenders:
+                train = step_functions({"fla_kda": lambda **a: _fla_kda_broadcast(fla, varlen, **a),
+                                        "kdacp": runs["kdacp"]}, ("fla_kda", "kdacp"), x, do, True)
+                log(f"gdn T={T} {batch}: training, against FLA's chunk_kda on the broadcast gate")
+                trow = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T} train",
+                            **{"pass": "forward+backward, KDA kernels"})
+                trow.update(timed_columns(train, ("fla_kda", "kdacp"), "fla_kda", warmup, rounds, iters, group,
+                                          torch.device("cuda"),
+                                          lambda tb: log(f"gdn T={T} {batch} training failed:\n{tb}")))
+                if trow["kdacp_ms"] == trow["kdacp_ms"]:  # timed (not NaN): both steps run
+                    trow["max_rel_diff_vs_fla"] = max_rel_diff(train["kdacp"](), train["fla_kda"](), group)
+                rows_here.append(trow)
             del x, do
-            record_row(rows, row, report)
+            for r in rows_here:
+                record_row(rows, r, report)
     return rows
