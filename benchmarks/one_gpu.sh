@@ -13,11 +13,14 @@
 #                                       # per-rank overhead and the scaling model's stages and predictions
 #   bash benchmarks/one_gpu.sh 4 $OUT   # issue 32 item 5: the GDN forward's kernels against FLA's (GPU test), its
 #                                       # host and device time beside FLA's op, and the gdn suite at 16K and 32K
+#   bash benchmarks/one_gpu.sh 5 $OUT   # not yet run: the gdn suite with its training rows (kdacp against FLA's
+#                                       # chunk_kda on the broadcast gate), the short convolution by kernel, and
+#                                       # the layer GPU tests not reached in earlier calls
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1, 2, 3 or 4}
+part=${1:?part 1, 2, 3, 4 or 5}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -50,7 +53,16 @@ elif [ "$part" = 4 ]; then
     step gdn 150 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
         --out "$out/gdn"
     grep "^|" "$out/gdn.log" | tail -5
+elif [ "$part" = 5 ]; then
+    step gdn_train 200 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
+        --out "$out/gdn"
+    grep "^|" "$out/gdn_train.log" | tail -9
+    step conv_profile 60 python3 benchmarks/conv_profile.py
+    tail -4 "$out/conv_profile.log"
+    step layer_tests 300 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py \
+        -k "float32_equals_fla_layer or gdn_layer"
+    tail -2 "$out/layer_tests.log"
 else
-    echo "part must be 1, 2, 3 or 4, got $part" >&2
+    echo "part must be 1, 2, 3, 4 or 5, got $part" >&2
     exit 2
 fi
