@@ -91,3 +91,33 @@ def test_dt_bias_is_broadcast_only_where_kda_kernels_run():
     assert torch.equal(call.inputs.dt_bias, args["dt_bias"].repeat_interleave(8))
     call.inputs.dt_bias.sum().backward()
     assert torch.equal(args["dt_bias"].grad, torch.full((2,), 8.0, dtype=torch.float64))
+
+
+def test_the_gdn_call_preparation_dispatches_only_the_gate_broadcast():
+    """Host time: every dispatched op costs microseconds per call on a GPU host. Preparing GDN's arguments for
+    the KDA op dispatches the broadcast view of the gate alone (its ``dt_bias`` stand-in is made once), the
+    state dtype needs no op, and an unbatched output is returned as it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kdacp.backends.call import PreparedCall
+    from kdacp.gdn import gdn_as_kda_arguments
+    from kdacp.reference.gates import compute_dtype
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    args = gdn_inputs(1, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
+    gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])  # the stand-in
+    o = torch.zeros(1, 10, 2, 8)
+    o16 = o.bfloat16()
+    with Ops() as ops:
+        gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
+        assert compute_dtype(args["q"]) == torch.float64 and compute_dtype(o16) == torch.float32
+        assert PreparedCall(None, None, 1, 10, 2, 8).unpack(o) is o
+    assert sorted(ops.names) == ["aten.expand.default", "aten.unsqueeze.default"]

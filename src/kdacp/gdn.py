@@ -12,6 +12,10 @@ FLA's KDA kernels run on the broadcast gate.
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
@@ -46,9 +50,15 @@ def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
     g_kda, _ = scalar_gate_as_kda(g, K)
     # The KDA op's checks read the broadcast dt_bias [HV * K] by shape and dtype only, so they get a meta
     # tensor; prepare_call forms the broadcast where KDA kernels run (FLA's GDN kernels read dt_bias [HV]).
-    dt_bias_kda = None if dt_bias is None else dt_bias.new_empty(HV * K, device="meta")
+    dt_bias_kda = None if dt_bias is None else _meta_stand_in(HV * K, dt_bias.dtype)
     return dict(g=g_kda, A_log=A_log, dt_bias=dt_bias_kda, use_gate_in_kernel=use_gate_in_kernel,
                 scalar_gate=(g, dt_bias))
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_stand_in(numel: int, dtype) -> torch.Tensor:
+    """A meta tensor ``[numel]`` of ``dtype``, made once (a new one per call cost a dispatched op)."""
+    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -28,8 +28,8 @@ class PreparedCall:
     V: int
 
     def unpack(self, o: torch.Tensor) -> torch.Tensor:
-        """``o [1, B*T, HV, V]`` -> ``[B, T, HV, V]``."""
-        return o.view(self.B, self.T, self.HV, self.V)
+        """``o [1, B*T, HV, V]`` -> ``[B, T, HV, V]`` (``o`` itself when ``B == 1``)."""
+        return o if self.B == 1 else o.view(self.B, self.T, self.HV, self.V)
 
 
 def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,

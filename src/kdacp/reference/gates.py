@@ -36,8 +36,9 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32, or float64 when the input is float64."""
-    return torch.promote_types(x.dtype, torch.float32)
+    """float32, or float64 when the input is float64 (a comparison, not ``torch.promote_types``: that is a
+    dispatched op, a few microseconds of host time on every op call)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def prepare_inputs(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
