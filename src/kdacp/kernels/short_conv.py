@@ -61,6 +61,8 @@ class ConvTiles:
 
 
 UNROLL = 4
+# The sigmoid in inline PTX (see _sigmoid): on NVIDIA GPUs; the interpreter and ROCm builds take tl.sigmoid.
+FAST_SIGMOID = not INTERPRET and torch.version.hip is None
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02 (twelfth session). The backward's takes one SM
 # per program: where its grid is more than one wave the tail wave costs more than the wide rows save (D=6144:
@@ -481,7 +483,7 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, FAST=not INTERPRET,
+                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, FAST=FAST_SIGMOID,
                       GROUPS=tiles.groups, **tiles.launch_options())
     return y
 
@@ -509,7 +511,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      FAST=not INTERPRET, GROUPS=tiles.groups, **tiles.launch_options())
+                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
