@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from .caches import META_STAND_INS
 from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
@@ -55,7 +56,7 @@ def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
                 scalar_gate=(g, dt_bias))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=META_STAND_INS)
 def _meta_stand_in(numel: int, dtype) -> torch.Tensor:
     """A meta tensor ``[numel]`` of ``dtype``, made once (a new one per call cost a dispatched op)."""
     return torch.empty(numel, dtype=dtype, device="meta")

@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
+from ..caches import ROUTES
 from . import comm
 from .plan import CPPlan, through_ranks
 from .strategies import AffineMessage, Route, StateExchange, make_exchange
@@ -72,7 +73,7 @@ class CPGrads(LocalGrads):
     dinitial_state: torch.Tensor | None
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=ROUTES)
 def _routes(plan: CPPlan, local_length: int, state_shape, dtype, device) -> tuple[Route, Route]:
     """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1) of
     ``plan``'s layouts for ``local_length`` tokens per batch row. Routes are frozen and hold no per-call

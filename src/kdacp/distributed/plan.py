@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.base import Span
+from ..caches import RANK_LAYOUTS
 from ..validation import check_cu_seqlens
 from . import cost_model
 
@@ -136,7 +137,7 @@ def rank_layouts(cu_seqlens, batch_size: int, lengths) -> tuple[RankLayout, ...]
     return _rank_layouts(None if cu_seqlens is None else tuple(cu_seqlens), batch_size, tuple(lengths))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=RANK_LAYOUTS)
 def _rank_layouts(cu_seqlens: tuple | None, batch_size: int, lengths: tuple) -> tuple[RankLayout, ...]:
     offsets = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
     layouts = []
