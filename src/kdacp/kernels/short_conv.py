@@ -18,7 +18,7 @@ results are deterministic). Sequence boundaries are found in the kernel (one bin
 per program, then scalar steps): no host sync, no index tensor. A group of four rows whose taps all lie in one
 sequence and in the program's rows (all but a few per sequence start and program edge) runs without the
 per-tap masks, and the sigmoid takes the hardware's approximate ``exp2`` and reciprocal: the backward was
-bound by instruction issue (offline SASS for sm_90: 992 -> 768 instructions, 0.155 -> 0.141 ms). A step may
+bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 0.155 -> 0.141 ms). A step may
 load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
 flight, gains (0.086 -> 0.078 ms). One H200 (T=16K, D=4096, bf16): forward 74% and backward 61% of the memory
 bandwidth, where torch's own copy and add reach 85% and 89% (benchmarks/RESULTS.md, twelfth session).
