@@ -27,6 +27,7 @@ ratio and ``max_rel_diff_vs_fla`` over ``fla_kda``.
 """
 from __future__ import annotations
 
+import math
 
 import torch
 import torch.distributed as dist
@@ -124,7 +125,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                 trow.update(timed_columns(train, ("fla_kda", "kdacp"), "fla_kda", warmup, rounds, iters, group,
                                           torch.device("cuda"),
                                           lambda tb: log(f"gdn T={T} {batch} training failed:\n{tb}")))
-                if trow["kdacp_ms"] == trow["kdacp_ms"]:  # timed (not NaN): both steps run
+                if not math.isnan(trow["kdacp_ms"]):  # timed: both steps run
                     trow["max_rel_diff_vs_fla"] = max_rel_diff(train["kdacp"](), train["fla_kda"](), group)
                 rows_here.append(trow)
             del x, do

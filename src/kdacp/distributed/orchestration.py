@@ -77,7 +77,7 @@ class CPGrads(LocalGrads):
 def _routes(plan: CPPlan, local_length: int, state_shape, dtype, device) -> tuple[Route, Route]:
     """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1) of
     ``plan``'s layouts for ``local_length`` tokens per batch row. Routes are frozen and hold no per-call
-    state, so the 64 newest are kept (every layer of a step asks for the same)."""
+    state, so the newest are kept (:data:`~kdacp.caches.ROUTES`; every layer of a step asks for the same)."""
     P, layouts = plan.world_size, plan.layouts(local_length)
     through = through_ranks(layouts)
     n = max(max(lay.num_send for lay in layouts), 1)

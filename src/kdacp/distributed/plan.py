@@ -133,7 +133,7 @@ def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
 def rank_layouts(cu_seqlens, batch_size: int, lengths) -> tuple[RankLayout, ...]:
     """Every rank's :class:`RankLayout` for tokens per rank ``lengths``: packed sequences
     ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time (any int sequences).
-    The 64 newest are kept (layouts are frozen; their spans are computed once)."""
+    The newest are kept (:data:`~kdacp.caches.RANK_LAYOUTS`; layouts are frozen, their spans computed once)."""
     return _rank_layouts(None if cu_seqlens is None else tuple(cu_seqlens), batch_size, tuple(lengths))
 
 
