@@ -2,9 +2,10 @@
 each pass, then time the kernels against FLA's (``kdacp bench --suite kernels --family conv``) and the
 layer against FLA's layer (``kdacp bench --suite layer``, one rank: it runs in this process) with them.
 
-    python benchmarks/conv_round.py OUT_DIR [--seq-lens 16384 65536] [--no-sweep]
+    python benchmarks/conv_round.py OUT_DIR [--seq-lens 16384 65536] [--no-sweep | --passes bwd]
 
-``--no-sweep`` keeps the shipped tilings (``short_conv.FWD_TILES`` / ``BWD_TILES``). The sweep's rows and
+``--no-sweep`` keeps the shipped tilings (``short_conv.FWD_TILES`` / ``BWD_TILES``); ``--passes`` sweeps only
+those passes (the others keep theirs). The sweep's rows and
 the tilings chosen are printed; each bench writes its tables under ``OUT_DIR``.
 """
 from __future__ import annotations
@@ -22,10 +23,12 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     args = parser.parse_args()
     if not args.no_sweep:
-        _, best = sweep_conv()
-        short_conv.FWD_TILES, short_conv.BWD_TILES = best["fwd"], best["bwd"]
+        _, best = sweep_conv(passes=tuple(args.passes))
+        short_conv.FWD_TILES = best.get("fwd", short_conv.FWD_TILES)
+        short_conv.BWD_TILES = best.get("bwd", short_conv.BWD_TILES)
     print(f"tilings: forward {short_conv.FWD_TILES}, backward {short_conv.BWD_TILES}", flush=True)
     status = cli.main(["bench", "--suite", "kernels", "--family", "conv", "--out", os.path.join(args.out, "conv")])
     status |= cli.main(["bench", "--suite", "layer", "--device", "cuda", "--world-size", "1",

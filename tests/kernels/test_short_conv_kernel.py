@@ -6,6 +6,8 @@ the inputs the kernels get (rounded to their dtype), so any gap is the kernels' 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,6 +26,9 @@ SMALL = sc.ConvTiles(rows=6, BD=32, num_warps=1)
 # two groups of four rows per step, 10 rows per program (not a multiple of 8): the second group's rows run past a
 # program's end and, walking backward, below its first row and the halo's
 SMALL_PAIRS = sc.ConvTiles(rows=10, BD=32, num_warps=1, groups=2)
+# the backward loading each step's rows one step ahead: the last step's look-ahead lies below the program's rows
+# (and below row 0 and the halo in the first program)
+SMALL_AHEAD = sc.ConvTiles(rows=6, BD=32, num_warps=1, ahead=True)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):
@@ -66,13 +71,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS], ids=["groups1", "groups2"])
+@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS, SMALL_AHEAD], ids=["groups1", "groups2", "ahead"])
 @pytest.mark.parametrize("B,T,D,W,cu,halo", CASES)
 def test_launchers_match_reference(B, T, D, W, cu, halo, tiles):
     inputs, dy = make(B, T, D, W, halo=halo)
     cu_t = None if cu is None else torch.tensor(cu, device=DEVICE)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu_t, "silu")
-    y = sc.short_conv_fwd(*args, tiles=tiles)
+    y = sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False))
     g = sc.short_conv_bwd(*args, dy, tiles=tiles)
     grads = {"x": g.dx, "weight": g.dweight, "bias": g.dbias} | ({"halo": g.dhalo} if halo else {})
     check(inputs, dy, cu_t, "silu", y, grads)
@@ -145,6 +150,16 @@ def test_bad_input_is_named(change, error, match):
         sc.causal_conv1d(**{n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in args.items()})
 
 
+def test_bad_tiles_are_named():
+    with pytest.raises(ValueError, match="groups must be 1 or 2, got 3"):
+        sc.ConvTiles(rows=8, BD=32, num_warps=1, groups=3)
+    with pytest.raises(ValueError, match="ahead .* needs groups=1, got groups=2"):
+        sc.ConvTiles(rows=8, BD=32, num_warps=1, groups=2, ahead=True)
+    inputs, _ = make(1, 8, 16, 4)
+    with pytest.raises(ValueError, match="tiles.ahead is the backward's option"):
+        sc.short_conv_fwd(inputs["x"], inputs["weight"], None, None, None, "silu", tiles=SMALL_AHEAD)
+
+
 # --- GPU, real sizes -------------------------------------------------------------------------------------
 
 # 16K tokens packed in 13 documents, the first continuing a halo; one of Kimi Linear's q, k, v (32 x 128)
@@ -165,15 +180,18 @@ def test_real_sizes_match_reference(D, bias, packed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [sc.ConvTiles(rows=128, BD=1024, num_warps=8, groups=2),
+                                   sc.ConvTiles(rows=512, BD=1024, num_warps=8, ahead=True)],
+                         ids=["groups2", "ahead"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_real_sizes_two_groups_per_step(packed):
-    # the launchers with steps of two groups of four rows (a tiling the sweep tries), at real sizes
+def test_real_sizes_other_steps(packed, tiles):
+    # the launchers with steps of two groups of four rows, and the backward loading a step ahead (tilings the
+    # sweep tries), at real sizes
     inputs, dy = make(1, 16384, 4096, 4, bias=True, halo=True, dtype=torch.bfloat16, seed=8)
     cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
-    tiles = sc.ConvTiles(rows=128, BD=1024, num_warps=8, groups=2)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu, "silu")
     g = sc.short_conv_bwd(*args, dy, tiles=tiles)
-    check(inputs, dy, cu, "silu", sc.short_conv_fwd(*args, tiles=tiles),
+    check(inputs, dy, cu, "silu", sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False)),
           {"x": g.dx, "weight": g.dweight, "bias": g.dbias, "halo": g.dhalo})
 
 

@@ -519,19 +519,25 @@ def run_conv(T=16384, widths=CONV_WIDTHS, W=4, *, dtype=torch.bfloat16, with_fla
     return rows
 
 
-def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda"):
-    """Time tilings of the forward and backward kernels on one sequence and on 13 documents after a halo
-    (to choose ``FWD_TILES`` / ``BWD_TILES``; compiled in parallel first). Prints and returns
-    ``(pass, tiles, ms one sequence, ms documents, GB/s)`` rows and the fastest tiling of each pass (least
-    summed time)."""
+def conv_tilings(p: str) -> list:
+    """The tilings :func:`sweep_conv` tries for pass ``p`` (``"fwd"`` or ``"bwd"``): rows per program, channels
+    and warps, a register cap or none, one or two groups per step, and for the backward one group loaded a
+    step ahead."""
     import itertools
+    steps = ((1, False), (2, False)) + (((1, True),) if p == "bwd" else ())
+    return [short_conv.ConvTiles(rows=r, BD=bd, num_warps=nw, maxnreg=reg, groups=g, ahead=a)
+            for r, (bd, nw), reg, (g, a) in itertools.product(
+                (32, 64, 128, 256, 512),
+                ((256, 2), (512, 4), (1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16)), (None, 128), steps)]
 
+
+def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda", passes=("fwd", "bwd")):
+    """Time :func:`conv_tilings` of the forward and backward kernels (``passes``) on one sequence and on 13
+    documents after a halo (to choose ``FWD_TILES`` / ``BWD_TILES``; compiled in parallel first). Prints and
+    returns ``(pass, tiles, ms one sequence, ms documents, GB/s)`` rows and the fastest tiling of each pass
+    (least summed time)."""
     from kdacp.precompile import precompile
-    T_ = short_conv.ConvTiles
-    cases = [(p, T_(rows=r, BD=bd, num_warps=nw, maxnreg=reg, groups=gr))
-             for p, r, (bd, nw), reg, gr in itertools.product(
-                 ("fwd", "bwd"), (32, 64, 128, 256), ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)),
-                 (None, 128), (1, 2))]
+    cases = [(p, tiles) for p in passes for tiles in conv_tilings(p)]
     inputs = []
     for packed in (False, True):
         x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)

@@ -48,13 +48,21 @@ MIN_WIDTH, MAX_WIDTH = 2, 4
 class ConvTiles:
     """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``groups`` groups of ``UNROLL`` rows
     per step (their loads issued together, 1 or 2); ``maxnreg`` caps the registers per thread (None: the
-    compiler's choice)."""
+    compiler's choice); ``ahead`` (the backward, one group per step): each step issues the next step's
+    loads before computing its own."""
 
     rows: int
     BD: int
     num_warps: int
     maxnreg: int | None = None
     groups: int = 1
+    ahead: bool = False
+
+    def __post_init__(self):
+        if self.groups not in (1, 2):
+            raise ValueError(f"groups must be 1 or 2, got {self.groups}")
+        if self.ahead and self.groups != 1:
+            raise ValueError(f"ahead loads the next step's one group: it needs groups=1, got groups={self.groups}")
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
@@ -127,15 +135,28 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
-    """Row ``r`` (a scalar) of ``x`` as float32 ``[BD]``: ``halo[W-1+r]`` for ``-(W-1) <= r < 0`` (with a
-    halo), zero outside ``[0, T)`` otherwise."""
-    val = tl.load(x + tl.cast(r, tl.int64) * s_xt + cols * s_xd, mask=m_d & (r >= 0) & (r < T),
-                  other=0.).to(tl.float32)
+def _load_raw(x, r, cols, m_d, T, s_xt, s_xd):
+    """Row ``r`` (a scalar) of ``x`` in ``x``'s dtype ``[BD]``, zero outside ``[0, T)`` and where ``m_d`` is
+    false."""
+    return tl.load(x + tl.cast(r, tl.int64) * s_xt + cols * s_xd, mask=m_d & (r >= 0) & (r < T), other=0.)
+
+
+@triton.jit
+def _with_halo(raw, halo, r, cols, m_d, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """``raw`` (:func:`_load_raw`'s row ``r``) as float32, plus ``halo[W-1+r]`` for ``-(W-1) <= r < 0`` with a
+    halo."""
+    val = raw.to(tl.float32)
     if HAS_HALO:
         val += tl.load(halo + (r + W - 1) * s_ht + cols * s_hd, mask=m_d & (r < 0) & (r >= 1 - W),
                        other=0.).to(tl.float32)
     return val
+
+
+@triton.jit
+def _load_row(x, halo, r, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """Row ``r`` (a scalar) of ``x`` as float32 ``[BD]``: ``halo[W-1+r]`` for ``-(W-1) <= r < 0`` (with a
+    halo), zero outside ``[0, T)`` otherwise."""
+    return _with_halo(_load_raw(x, r, cols, m_d, T, s_xt, s_xd), halo, r, cols, m_d, s_ht, s_hd, W, HAS_HALO)
 
 
 @triton.jit
@@ -362,22 +383,33 @@ def _bwd_group(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1
 
 
 @triton.jit
+def _bwd_raw_group(x, dy, u, cols, m_d, T, s_xt, s_xd, s_yt, s_yd):
+    """The loads of one backward group at row ``u`` in their own dtypes (:func:`_load_raw`): ``x`` rows
+    ``u-3 .. u-6``, then ``dy`` rows ``u .. u-3``."""
+    return (_load_raw(x, u - 3, cols, m_d, T, s_xt, s_xd), _load_raw(x, u - 4, cols, m_d, T, s_xt, s_xd),
+            _load_raw(x, u - 5, cols, m_d, T, s_xt, s_xd), _load_raw(x, u - 6, cols, m_d, T, s_xt, s_xd),
+            _load_raw(dy, u, cols, m_d, T, s_yt, s_yd), _load_raw(dy, u - 1, cols, m_d, T, s_yt, s_yd),
+            _load_raw(dy, u - 2, cols, m_d, T, s_yt, s_yd), _load_raw(dy, u - 3, cols, m_d, T, s_yt, s_yd))
+
+
+@triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr,
-                GROUPS: tl.constexpr):
+                GROUPS: tl.constexpr, AHEAD: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
     with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
     ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
     the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
     once (plus ``W-1`` rows past the program's end). A group of rows whose taps all lie in one sequence,
     inside ``[lo, hi)``, runs without masks; each step loads ``GROUPS`` groups of four rows, then computes
-    them. ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards
-    (deterministic)."""
+    them (``AHEAD``, with one group: each step issues the next step's loads before computing its own).
+    ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
+    tl.static_assert(not (AHEAD and GROUPS == 2))
     i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
@@ -399,16 +431,23 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     x_0 = _load_row(x, halo, top, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_1 = _load_row(x, halo, top - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, top - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-    for k in range(tl.cdiv(top - bottom + 1, UNROLL_ROWS * GROUPS)):
+    n_steps = tl.cdiv(top - bottom + 1, UNROLL_ROWS * GROUPS)
+    if AHEAD:  # the first step's rows; each step then loads the next one's before computing its own
+        r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = _bwd_raw_group(x, dy, top, cols, m_d, T, s_xt, s_xd, s_yt, s_yd)
+    for k in range(n_steps):
         u = top - k * UNROLL_ROWS * GROUPS
-        x_a = _load_row(x, halo, u - 3, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        x_b = _load_row(x, halo, u - 4, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        x_c = _load_row(x, halo, u - 5, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        x_d = _load_row(x, halo, u - 6, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-        dy_a = _load_row(dy, dy, u, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)  # zero for rows < 0
-        dy_b = _load_row(dy, dy, u - 1, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-        dy_c = _load_row(dy, dy, u - 2, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-        dy_d = _load_row(dy, dy, u - 3, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+        if AHEAD:  # masked off after the last step
+            n_a, n_b, n_c, n_d, p_a, p_b, p_c, p_d = _bwd_raw_group(x, dy, u - UNROLL_ROWS, cols,
+                                                                    m_d & (k + 1 < n_steps), T, s_xt, s_xd, s_yt,
+                                                                    s_yd)
+        else:
+            r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = _bwd_raw_group(x, dy, u, cols, m_d, T, s_xt, s_xd, s_yt,
+                                                                    s_yd)
+        x_a = _with_halo(r_a, halo, u - 3, cols, m_d, s_ht, s_hd, W, HAS_HALO)
+        x_b = _with_halo(r_b, halo, u - 4, cols, m_d, s_ht, s_hd, W, HAS_HALO)
+        x_c = _with_halo(r_c, halo, u - 5, cols, m_d, s_ht, s_hd, W, HAS_HALO)
+        x_d = _with_halo(r_d, halo, u - 6, cols, m_d, s_ht, s_hd, W, HAS_HALO)
+        dy_a, dy_b, dy_c, dy_d = q_a.to(tl.float32), q_b.to(tl.float32), q_c.to(tl.float32), q_d.to(tl.float32)
         if GROUPS == 2:  # the second group's loads in flight while the first computes
             x_e = _load_row(x, halo, u - 7, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
             x_f = _load_row(x, halo, u - 8, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
@@ -431,6 +470,8 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
                 s_qd, w_0, w_1, w_2, w_3, b, W, SILU, HAS_HALO, IS_VARLEN, FAST)
             x_0, x_1, x_2 = x_f, x_g, x_h
             g_1, g_2, g_3 = g_d, g_c, g_b
+        if AHEAD:
+            r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = n_a, n_b, n_c, n_d, p_a, p_b, p_c, p_d
     part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
     tl.store(part + (W - 1) * D, dw_0, mask=m_d)
     tl.store(part + (W - 2) * D, dw_1, mask=m_d)
@@ -474,6 +515,8 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
     ``tiles`` default :data:`FWD_TILES`."""
     tiles = tiles or FWD_TILES
+    if tiles.ahead:
+        raise ValueError("tiles.ahead is the backward's option; the forward's steps take groups=2 instead")
     B, T, D = x.shape
     W = weight.shape[1]
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -511,7 +554,7 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, **tiles.launch_options())
+                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, AHEAD=tiles.ahead, **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
