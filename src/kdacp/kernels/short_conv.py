@@ -20,8 +20,10 @@ sequence and in the program's rows (all but a few per sequence start and program
 per-tap masks, and the sigmoid takes the hardware's approximate ``exp2`` and reciprocal: the backward was
 bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 0.155 -> 0.141 ms). A step may
 load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
-flight, gains (0.086 -> 0.078 ms). One H200 (T=16K, D=4096, bf16): forward 74% and backward 61% of the memory
-bandwidth, where torch's own copy and add reach 85% and 89% (benchmarks/RESULTS.md, twelfth session).
+flight, gains (0.086 -> 0.078 ms). The backward instead issues the next step's loads before computing its own
+(``ConvTiles.ahead``; its compute per step is about a load's latency): kernel 129.7 -> 121.5 us. One H200
+(T=16K, D=4096, bf16): forward 74% and backward 65% (one sequence; 70% on 13 documents) of the memory
+bandwidth, where torch's own copy and add reach 85% and 89% (benchmarks/RESULTS.md, thirteenth session).
 """
 from __future__ import annotations
 
@@ -72,13 +74,14 @@ UNROLL = 4
 # The sigmoid in inline PTX (see _sigmoid): on NVIDIA GPUs; the interpreter and ROCm builds take tl.sigmoid.
 FAST_SIGMOID = not INTERPRET and torch.version.hip is None
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02 (twelfth session). The backward's takes one SM
-# per program: where its grid is more than one wave the tail wave costs more than the wide rows save (D=6144:
-# 0.282 ms, against 0.253 ms with BWD_TILES_MANY, the fastest of the ninth session's sweep), so such grids take
-# BWD_TILES_MANY.
+# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02 (forward: twelfth session; backward: thirteenth,
+# loading a step ahead, 0.138 -> 0.134 ms in the sweep). The backward's takes one SM per program: where its grid is
+# more than one wave the tail wave costs more than the wide rows save, so such grids take BWD_TILES_MANY, the
+# fastest of the same sweep at D=6144 (0.195 / 0.209 ms; the ninth session's 256 rows, 1024 channels, 8 warps and
+# at most 128 registers without the step ahead: 0.219 ms one sequence).
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
-BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16)
-BWD_TILES_MANY = ConvTiles(rows=256, BD=1024, num_warps=8, maxnreg=128)
+BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16, ahead=True)
+BWD_TILES_MANY = ConvTiles(rows=512, BD=512, num_warps=4, ahead=True)
 
 
 @triton.jit
