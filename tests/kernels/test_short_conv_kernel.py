@@ -29,6 +29,8 @@ SMALL_PAIRS = sc.ConvTiles(rows=10, BD=32, num_warps=1, groups=2)
 # the backward loading each step's rows one step ahead: the last step's look-ahead lies below the program's rows
 # (and below row 0 and the halo in the first program)
 SMALL_AHEAD = sc.ConvTiles(rows=6, BD=32, num_warps=1, ahead=True)
+# the backward's row loop software-pipelined by Triton (on a GPU; the interpreter runs the loop as written)
+SMALL_STAGES = sc.ConvTiles(rows=6, BD=32, num_warps=1, stages=3)
 
 
 def make(B, T, D, W, *, bias=True, halo=False, dtype=torch.float32, seed=0, device=DEVICE):
@@ -71,13 +73,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS, SMALL_AHEAD], ids=["groups1", "groups2", "ahead"])
+@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS, SMALL_AHEAD, SMALL_STAGES],
+                         ids=["groups1", "groups2", "ahead", "stages3"])
 @pytest.mark.parametrize("B,T,D,W,cu,halo", CASES)
 def test_launchers_match_reference(B, T, D, W, cu, halo, tiles):
     inputs, dy = make(B, T, D, W, halo=halo)
     cu_t = None if cu is None else torch.tensor(cu, device=DEVICE)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu_t, "silu")
-    y = sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False))
+    y = sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False, stages=1))
     g = sc.short_conv_bwd(*args, dy, tiles=tiles)
     grads = {"x": g.dx, "weight": g.dweight, "bias": g.dbias} | ({"halo": g.dhalo} if halo else {})
     check(inputs, dy, cu_t, "silu", y, grads)
@@ -156,8 +159,11 @@ def test_bad_tiles_are_named():
     with pytest.raises(ValueError, match="ahead .* needs groups=1, got groups=2"):
         sc.ConvTiles(rows=8, BD=32, num_warps=1, groups=2, ahead=True)
     inputs, _ = make(1, 8, 16, 4)
-    with pytest.raises(ValueError, match="tiles.ahead is the backward's option"):
-        sc.short_conv_fwd(inputs["x"], inputs["weight"], None, None, None, "silu", tiles=SMALL_AHEAD)
+    with pytest.raises(ValueError, match="stages must be 1 to 4, got 0"):
+        sc.ConvTiles(rows=8, BD=32, num_warps=1, stages=0)
+    for tiles in (SMALL_AHEAD, SMALL_STAGES):
+        with pytest.raises(ValueError, match="tiles.ahead and tiles.stages are the backward's options"):
+            sc.short_conv_fwd(inputs["x"], inputs["weight"], None, None, None, "silu", tiles=tiles)
 
 
 # --- GPU, real sizes -------------------------------------------------------------------------------------
@@ -181,8 +187,9 @@ def test_real_sizes_match_reference(D, bias, packed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [sc.ConvTiles(rows=128, BD=1024, num_warps=8, groups=2),
-                                   sc.ConvTiles(rows=512, BD=1024, num_warps=8, ahead=True)],
-                         ids=["groups2", "ahead"])
+                                   sc.ConvTiles(rows=512, BD=1024, num_warps=8, ahead=True),
+                                   sc.ConvTiles(rows=256, BD=2048, num_warps=16, stages=3)],
+                         ids=["groups2", "ahead", "stages3"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_real_sizes_other_steps(packed, tiles):
     # the launchers with steps of two groups of four rows, and the backward loading a step ahead (tilings the
@@ -191,7 +198,7 @@ def test_real_sizes_other_steps(packed, tiles):
     cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], cu, "silu")
     g = sc.short_conv_bwd(*args, dy, tiles=tiles)
-    check(inputs, dy, cu, "silu", sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False)),
+    check(inputs, dy, cu, "silu", sc.short_conv_fwd(*args, tiles=replace(tiles, ahead=False, stages=1)),
           {"x": g.dx, "weight": g.dweight, "bias": g.dbias, "halo": g.dhalo})
 
 

@@ -51,7 +51,9 @@ class ConvTiles:
     """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``groups`` groups of ``UNROLL`` rows
     per step (their loads issued together, 1 or 2); ``maxnreg`` caps the registers per thread (None: the
     compiler's choice); ``ahead`` (the backward, one group per step): each step issues the next step's
-    loads before computing its own."""
+    loads before computing its own, in registers; ``stages`` (the backward): Triton's software pipelining of
+    the row loop (``tl.range(num_stages=stages)``: ``stages - 1`` steps' loads in flight through shared
+    memory; 1: none)."""
 
     rows: int
     BD: int
@@ -59,12 +61,15 @@ class ConvTiles:
     maxnreg: int | None = None
     groups: int = 1
     ahead: bool = False
+    stages: int = 1
 
     def __post_init__(self):
         if self.groups not in (1, 2):
             raise ValueError(f"groups must be 1 or 2, got {self.groups}")
         if self.ahead and self.groups != 1:
             raise ValueError(f"ahead loads the next step's one group: it needs groups=1, got groups={self.groups}")
+        if not 1 <= self.stages <= 4:
+            raise ValueError(f"stages must be 1 to 4, got {self.stages}")
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
@@ -401,14 +406,15 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr,
-                GROUPS: tl.constexpr, AHEAD: tl.constexpr):
+                GROUPS: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr):
     """Program ``(i_d, i_p, i_b)`` owns rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))`` (and, the first one
     with a halo, the halo's rows ``[-(W-1), 0)``) and walks them downward from ``hi + W - 2`` (the rows whose
     ``g`` its ``dx`` needs), one row of ``BD`` channels per step, keeping the ``g`` of the ``W-1`` rows after
     the current one and its ``W-1`` earlier ``x`` rows in registers: each row of ``x`` and ``dy`` is read
     once (plus ``W-1`` rows past the program's end). A group of rows whose taps all lie in one sequence,
     inside ``[lo, hi)``, runs without masks; each step loads ``GROUPS`` groups of four rows, then computes
-    them (``AHEAD``, with one group: each step issues the next step's loads before computing its own).
+    them (``AHEAD``, with one group: each step issues the next step's loads before computing its own;
+    ``STAGES``: the loop software-pipelined by Triton).
     ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
@@ -437,7 +443,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     n_steps = tl.cdiv(top - bottom + 1, UNROLL_ROWS * GROUPS)
     if AHEAD:  # the first step's rows; each step then loads the next one's before computing its own
         r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = _bwd_raw_group(x, dy, top, cols, m_d, T, s_xt, s_xd, s_yt, s_yd)
-    for k in range(n_steps):
+    for k in tl.range(n_steps, num_stages=STAGES):
         u = top - k * UNROLL_ROWS * GROUPS
         if AHEAD:  # masked off after the last step
             n_a, n_b, n_c, n_d, p_a, p_b, p_c, p_d = _bwd_raw_group(x, dy, u - UNROLL_ROWS, cols,
@@ -518,8 +524,9 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
     ``tiles`` default :data:`FWD_TILES`."""
     tiles = tiles or FWD_TILES
-    if tiles.ahead:
-        raise ValueError("tiles.ahead is the backward's option; the forward's steps take groups=2 instead")
+    if tiles.ahead or tiles.stages != 1:
+        raise ValueError("tiles.ahead and tiles.stages are the backward's options; the forward's steps take "
+                         "groups=2 instead")
     B, T, D = x.shape
     W = weight.shape[1]
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -557,7 +564,8 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
                       HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
-                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, AHEAD=tiles.ahead, **tiles.launch_options())
+                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, AHEAD=tiles.ahead, STAGES=tiles.stages,
+                      **tiles.launch_options())
     dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
     dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)

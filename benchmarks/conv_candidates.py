@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Time chosen short-convolution backward tilings against the shipped ones on one GPU, each output compared
+with the shipped kernel's (the same sums in the same order: expected bitwise equal).
+
+    python benchmarks/conv_candidates.py [--d 4096 6144]
+
+For each ``D`` (T=16K, bf16, W=4; one sequence, and 13 documents after a halo): ``triton.testing.do_bench``
+medians (L2 flushed between calls, as :func:`kdacp.bench.kernels.sweep_conv`), % of 4.8 TB/s over the 3 tensors
+the backward must move, and the largest difference of ``dx`` and ``dweight`` from the shipped tiling's.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from kdacp.bench.kernels import make_conv_inputs
+from kdacp.kernels import short_conv as sc
+from kdacp.precompile import precompile
+
+T_ = sc.ConvTiles
+CANDIDATES = [
+    T_(rows=256, BD=2048, num_warps=16, stages=2), T_(rows=256, BD=2048, num_warps=16, stages=3),
+    T_(rows=256, BD=2048, num_warps=16, stages=4), T_(rows=256, BD=2048, num_warps=16, ahead=True, stages=3),
+    T_(rows=256, BD=2048, num_warps=8, stages=3), T_(rows=256, BD=1024, num_warps=8, stages=3),
+    T_(rows=512, BD=1024, num_warps=8, stages=3), T_(rows=256, BD=1024, num_warps=4, stages=3),
+    T_(rows=512, BD=512, num_warps=4, stages=3), T_(rows=512, BD=512, num_warps=4, stages=2),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, nargs="+", default=[4096, 6144])
+    args = parser.parse_args()
+    T, W = 16384, 4
+    print("| D | batch | tiles | ms | % of 4.8 TB/s | max diff dx | max diff dweight |")
+    print("|---|---|---|---|---|---|---|")
+    for D in args.d:
+        shipped = sc._bwd_tiles(1, T, D, torch.device("cuda"))
+        cases = []
+        for packed in (False, True):
+            x = make_conv_inputs(T, D, W, packed=packed, dtype=torch.bfloat16, device="cuda")
+            halo = x["x"][:, :W - 1].clone() if packed else None
+            cases.append(("13 documents, halo" if packed else "one sequence",
+                          (x["x"], x["weight"], None, halo, x["cu"], "silu"), x["dy"]))
+        tilings = [shipped] + CANDIDATES
+        precompile(lambda: [sc.short_conv_bwd(*a, dy, tiles=t) for t in tilings for _, a, dy in cases], device="cuda")
+        for batch, a, dy in cases:
+            ref = sc.short_conv_bwd(*a, dy, tiles=shipped)
+            for tiles in tilings:
+                out = sc.short_conv_bwd(*a, dy, tiles=tiles)
+                ms = triton.testing.do_bench(lambda: sc.short_conv_bwd(*a, dy, tiles=tiles), warmup=5, rep=40,
+                                             return_mode="median")
+                pct = 100 * 3 * T * D * 2 / (ms * 1e-3) / 4.8e12
+                name = ("shipped " if tiles == shipped else "") + str(tiles).replace("ConvTiles", "")
+                print(f"| {D} | {batch} | {name} | {ms:.4f} | {pct:.1f} | "
+                      f"{(out.dx.float() - ref.dx.float()).abs().max().item():.2e} | "
+                      f"{(out.dweight.float() - ref.dweight.float()).abs().max().item():.2e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
