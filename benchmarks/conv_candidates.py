@@ -37,7 +37,7 @@ def main() -> int:
     print("| D | batch | tiles | ms | % of 4.8 TB/s | max diff dx | max diff dweight |")
     print("|---|---|---|---|---|---|---|")
     for D in args.d:
-        shipped = sc._bwd_tiles(1, T, D, torch.device("cuda"))
+        shipped = sc.default_bwd_tiles(1, T, D, torch.device("cuda"))
         cases = []
         for packed in (False, True):
             x = make_conv_inputs(T, D, W, packed=packed, dtype=torch.bfloat16, device="cuda")

@@ -241,7 +241,7 @@ def test_backward_is_deterministic():
 def test_backward_tiling_keeps_wide_rows_to_one_wave(monkeypatch):
     monkeypatch.setattr(sc, "sm_count", lambda device: 132)  # an H200
     cuda = torch.device("cuda")
-    assert sc._bwd_tiles(1, 16384, 4096, cuda) == sc.BWD_TILES          # 64 x 2 programs: one wave
-    assert sc._bwd_tiles(1, 16384, 6144, cuda) == sc.BWD_TILES_MANY     # 64 x 3: two
-    assert sc._bwd_tiles(2, 16384, 4096, cuda) == sc.BWD_TILES_MANY
-    assert sc._bwd_tiles(1, 65536, 4096, torch.device("cpu")) == sc.BWD_TILES  # off a GPU: no waves
+    assert sc.default_bwd_tiles(1, 16384, 4096, cuda) == sc.BWD_TILES          # 64 x 2 programs: one wave
+    assert sc.default_bwd_tiles(1, 16384, 6144, cuda) == sc.BWD_TILES_MANY     # 64 x 3: two
+    assert sc.default_bwd_tiles(2, 16384, 4096, cuda) == sc.BWD_TILES_MANY
+    assert sc.default_bwd_tiles(1, 65536, 4096, torch.device("cpu")) == sc.BWD_TILES  # off a GPU: no waves

@@ -39,7 +39,7 @@ from ..validation import check_cu_seqlens, check_tensor
 from .planning import sm_count
 from .precision import INTERPRET
 
-__all__ = ["ShortConvGrads", "causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
+__all__ = ["ConvTiles", "ShortConvGrads", "causal_conv1d", "default_bwd_tiles", "short_conv_bwd", "short_conv_fwd"]
 
 ACTIVATIONS = (None, "silu")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -510,7 +510,7 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
     return cu_seqlens, n, (n - 1).bit_length()
 
 
-def _bwd_tiles(B: int, T: int, D: int, device: torch.device) -> ConvTiles:
+def default_bwd_tiles(B: int, T: int, D: int, device: torch.device) -> ConvTiles:
     """:data:`BWD_TILES` where its grid fits in one wave of one program per SM (or off a GPU), else
     :data:`BWD_TILES_MANY`."""
     wide = BWD_TILES
@@ -545,9 +545,9 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
                    tiles: ConvTiles | None = None) -> ShortConvGrads:
     """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
-    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :func:`_bwd_tiles`'s."""
+    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :func:`default_bwd_tiles`'s."""
     B, T, D = x.shape
-    tiles = tiles or _bwd_tiles(B, T, D, x.device)
+    tiles = tiles or default_bwd_tiles(B, T, D, x.device)
     W = weight.shape[1]
     n_programs = triton.cdiv(T, tiles.rows)  # the first also owns the halo's rows
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
