@@ -522,11 +522,11 @@ def run_conv(T=16384, widths=CONV_WIDTHS, W=4, *, dtype=torch.bfloat16, with_fla
 def conv_tilings(p: str) -> list:
     """The tilings :func:`sweep_conv` tries for pass ``p`` (``"fwd"`` or ``"bwd"``): rows per program, channels
     and warps, a register cap or none, one or two groups per step, and for the backward one group loaded a
-    step ahead."""
+    step ahead or the loop software-pipelined in 3 stages."""
     import itertools
-    steps = ((1, False), (2, False)) + (((1, True),) if p == "bwd" else ())
-    return [short_conv.ConvTiles(rows=r, BD=bd, num_warps=nw, maxnreg=reg, groups=g, ahead=a)
-            for r, (bd, nw), reg, (g, a) in itertools.product(
+    steps = ((1, False, 1), (2, False, 1)) + (((1, True, 1), (1, False, 3)) if p == "bwd" else ())
+    return [short_conv.ConvTiles(rows=r, BD=bd, num_warps=nw, maxnreg=reg, groups=g, ahead=a, stages=st)
+            for r, (bd, nw), reg, (g, a, st) in itertools.product(
                 (32, 64, 128, 256, 512),
                 ((256, 2), (512, 4), (1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16)), (None, 128), steps)]
 
