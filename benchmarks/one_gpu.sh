@@ -13,14 +13,16 @@
 #                                       # per-rank overhead and the scaling model's stages and predictions
 #   bash benchmarks/one_gpu.sh 4 $OUT   # issue 32 item 5: the GDN forward's kernels against FLA's (GPU test), its
 #                                       # host and device time beside FLA's op, and the gdn suite at 16K and 32K
-#   bash benchmarks/one_gpu.sh 5 $OUT   # not yet run: the gdn suite with its training rows (kdacp against FLA's
-#                                       # chunk_kda on the broadcast gate), the short convolution by kernel, and
-#                                       # the layer GPU tests not reached in earlier calls
+#   bash benchmarks/one_gpu.sh 5 $OUT   # the gdn suite with its training rows (kdacp against FLA's chunk_kda on
+#                                       # the broadcast gate), the short convolution by kernel, and the layer GPU
+#                                       # tests (thirteenth session: the tests need more than 270 s; the rest ran)
+#   bash benchmarks/one_gpu.sh 6 $OUT   # not yet run: the backward's sweep with 3-stage pipelining, then the
+#                                       # kernels and the layer with its fastest; the conv GPU tests
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1, 2, 3, 4 or 5}
+part=${1:?part 1 to 6}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -59,10 +61,15 @@ elif [ "$part" = 5 ]; then
     grep "^|" "$out/gdn_train.log" | tail -9
     step conv_profile 60 python3 benchmarks/conv_profile.py
     tail -4 "$out/conv_profile.log"
-    step layer_tests 300 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py \
+    step layer_tests 590 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py \
         -k "float32_equals_fla_layer or gdn_layer"
     tail -2 "$out/layer_tests.log"
+elif [ "$part" = 6 ]; then
+    step conv_round 420 python3 benchmarks/conv_round.py "$out/round" --passes bwd --seq-lens 16384 65536
+    grep -E "^tilings" "$out/conv_round.log"
+    step conv_tests 300 python3 -m pytest -q -m gpu tests/kernels/test_short_conv_kernel.py
+    tail -2 "$out/conv_tests.log"
 else
-    echo "part must be 1, 2, 3, 4 or 5, got $part" >&2
+    echo "part must be 1 to 6, got $part" >&2
     exit 2
 fi
