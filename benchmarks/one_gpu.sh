@@ -13,16 +13,17 @@
 #                                       # per-rank overhead and the scaling model's stages and predictions
 #   bash benchmarks/one_gpu.sh 4 $OUT   # issue 32 item 5: the GDN forward's kernels against FLA's (GPU test), its
 #                                       # host and device time beside FLA's op, and the gdn suite at 16K and 32K
-#   bash benchmarks/one_gpu.sh 5 $OUT   # the gdn suite with its training rows (kdacp against FLA's chunk_kda on
-#                                       # the broadcast gate), the short convolution by kernel, and the layer GPU
-#                                       # tests (thirteenth session: the tests need more than 270 s; the rest ran)
+#   bash benchmarks/one_gpu.sh 5 $OUT   # the layer GPU tests against FLA's layer in float32 and GDN's (thirteenth
+#                                       # session: more than 270 s; FLA's float32 kernels have no shipped configs)
 #   bash benchmarks/one_gpu.sh 6 $OUT   # not yet run: the backward's sweep with 3-stage pipelining, then the
-#                                       # kernels and the layer with its fastest; the conv GPU tests
+#                                       # kernels and the layer with its fastest
+#   bash benchmarks/one_gpu.sh 7 $OUT   # the conv GPU tests with the shipped tilings; the gdn suite with its
+#                                       # training rows (thirteenth session: run, RESULTS.md)
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1 to 6}
+part=${1:?part 1 to 7}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -56,20 +57,19 @@ elif [ "$part" = 4 ]; then
         --out "$out/gdn"
     grep "^|" "$out/gdn.log" | tail -5
 elif [ "$part" = 5 ]; then
-    step gdn_train 200 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
-        --out "$out/gdn"
-    grep "^|" "$out/gdn_train.log" | tail -9
-    step conv_profile 60 python3 benchmarks/conv_profile.py
-    tail -4 "$out/conv_profile.log"
     step layer_tests 590 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py \
         -k "float32_equals_fla_layer or gdn_layer"
     tail -2 "$out/layer_tests.log"
 elif [ "$part" = 6 ]; then
-    step conv_round 420 python3 benchmarks/conv_round.py "$out/round" --passes bwd --seq-lens 16384 65536
+    step conv_round 500 python3 benchmarks/conv_round.py "$out/round" --passes bwd --seq-lens 16384 65536
     grep -E "^tilings" "$out/conv_round.log"
+elif [ "$part" = 7 ]; then
     step conv_tests 300 python3 -m pytest -q -m gpu tests/kernels/test_short_conv_kernel.py
     tail -2 "$out/conv_tests.log"
+    step gdn_train 250 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
+        --out "$out/gdn"
+    grep "^|" "$out/gdn_train.log" | tail -9
 else
-    echo "part must be 1 to 6, got $part" >&2
+    echo "part must be 1 to 7, got $part" >&2
     exit 2
 fi
