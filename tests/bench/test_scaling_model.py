@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kdacp.bench.scaling_model import fla_programs, predict, simulate, simulate_shared
+from kdacp.bench.scaling_model import fla_programs, predict, route_path, simulate, simulate_shared
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes, chain_route, programs
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 from kdacp.distributed.plan import STRATEGIES
@@ -53,3 +53,21 @@ def test_bad_arguments():
         predict("p2p", 1, TIMES)
     with pytest.raises(ValueError, match="strategy must be one of"):
         predict("ring", 4, TIMES)
+
+
+def test_route_path_of_a_packed_layout_by_hand():
+    # a packed batch's route: position 0 sends its tail's state (no rank inside a chain), position 1 receives
+    # it, position 2 neither; p2p: position 1 finishes at max(ready + between = 3, 1 + link 0.5) + after 2 = 5
+    stages = [RoleStages(1.0, 3.0, 0.5), RoleStages(1.0, 2.0, 2.0), RoleStages(4.5, 0.0, 0.0)]
+    assert route_path("p2p", (1, 0, 0), (False, False, False), stages, TIMES, LINK) == pytest.approx(5.0)
+    # the receiver's own work ends (0.5) before the message arrives (1 + 0.5): it waits, then its after
+    late = [RoleStages(1.0, 0.0, 0.0), RoleStages(0.25, 0.25, 1.0), RoleStages()]
+    assert route_path("p2p", (1, 0, 0), (False,) * 3, late, TIMES, LINK) == pytest.approx(1.5 + 1.0)
+
+
+def test_predict_is_route_path_on_the_chain():
+    emits, affine = chain_route(4)
+    stages = [TIMES.forward["first"], TIMES.forward["through"], TIMES.forward["through"], TIMES.forward["last"]]
+    for strategy in STRATEGIES:
+        if strategy != "auto":
+            assert predict(strategy, 4, TIMES, LINK).forward_s == route_path(strategy, emits, affine, stages, TIMES, LINK)

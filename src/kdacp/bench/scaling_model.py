@@ -8,10 +8,11 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from kdacp.distributed.cost_model import DEFAULT_LINK, Link, StageTimes, chain_route, deadlock_error, programs
+from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, deadlock_error,
+                                         programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "Prediction", "fla_programs", "predict", "simulate", "simulate_shared"]
+__all__ = ["MODEL_STRATEGIES", "Prediction", "fla_programs", "predict", "route_path", "simulate", "simulate_shared"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 
@@ -123,6 +124,14 @@ def _role(rank: int, P: int) -> str:
     return "first" if rank == 0 else "last" if rank == P - 1 else "through"
 
 
+def route_path(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, link: Link = DEFAULT_LINK,
+               cores: float | None = None) -> float:
+    """The critical path (seconds: the slowest position's finish) of ``strategy`` (``p2p``, ``allgather``,
+    ``scan``) on any one route, ``emits``/``affine`` and ``stages`` by position in the direction states flow
+    (a packed batch's layout, where :func:`predict` takes one sequence's chain)."""
+    return max(simulate(programs(strategy, emits, affine, stages, times), link, cores))
+
+
 def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
             ) -> Prediction:
     """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
@@ -135,10 +144,10 @@ def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK,
     paths = []
     for direction, per_role in (("forward", times.forward), ("backward", times.backward)):
         if strategy == "fla":
-            progs = fla_programs(P, direction, times)
+            paths.append(max(simulate(fla_programs(P, direction, times), link, cores)))
         else:
             ranks = range(P) if direction == "forward" else reversed(range(P))
-            progs = programs(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times)
-        paths.append(max(simulate(progs, link, cores)))
+            paths.append(route_path(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times, link,
+                                    cores))
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return Prediction(strategy, P, paths[0], paths[1], sum(one))

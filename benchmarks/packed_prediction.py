@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""The scaling model's step prediction for each batch of a ``kdacp bench --suite overhead`` run, from the stage
+times it measured per rank role, on the route of the run's own 3-rank plan (which roles send, receive, or hold
+a chain's middle); no GPU needed.
+
+    python benchmarks/packed_prediction.py OVERHEAD_JSON [--link-latency-us 10] [--link-gbps 100]
+
+The scaling suite composes one sequence only. A packed batch whose documents never span a whole rank has
+chains of at most two ranks, so its step does not grow with ``P``: the 3-rank plan's step is the prediction at
+any ``P`` with the same pattern. Prints, per family and batch and strategy, the forward and backward critical
+paths (ms) and the step over one device's on the slowest role's tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from kdacp.bench.scaling_model import route_path
+from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, StageTimes
+
+ORDER = ROLES  # the plan's ranks 0, 1, 2: positions in the forward direction
+HV, K, V, FP32 = 32, 128, 128, 4
+# one M x + S and one composition at this shape, device time on one H200 (benchmarks/RESULTS.md)
+TIMES = StageTimes(apply_s=8.5e-6, compose_s=16.8e-6, copy_s_per_byte=1e-12, state_bytes=HV * K * V * FP32,
+                   summary_bytes=HV * K * (K + V) * FP32)
+
+
+def predictions(rows: list[dict], link: Link) -> list[dict]:
+    """One row per family, batch and strategy of the overhead suite's ``rows``."""
+    roles = {(r["family"], r["batch"], r["role"]): r for r in rows if "rank_fwd_ms" in r}
+    stages = {(r["family"], r["batch"], r["role"], r["direction"]): RoleStages(
+        r["ready_ms"] * 1e-3, r["between_ms"] * 1e-3, r["after_ms"] * 1e-3) for r in rows if "ready_ms" in r}
+    out = []
+    for family, batch in sorted({(f, b) for f, b, _ in roles}):
+        by_role = [roles[(family, batch, role)] for role in ORDER]
+        affine = tuple(bool(r["affine"]) for r in by_role)
+        forward = (tuple(int(r["sends"]) for r in by_role), affine)
+        backward = (tuple(int(r["receives"]) for r in reversed(by_role)), tuple(reversed(affine)))
+        one = max((r["one_fwd_ms"] + r["one_bwd_ms"]) * 1e-3 for r in by_role)
+        for strategy in ("p2p", "allgather", "scan"):
+            fwd = route_path(strategy, *forward, [stages[(family, batch, role, "forward")] for role in ORDER],
+                             TIMES, link)
+            bwd = route_path(strategy, *backward, [stages[(family, batch, role, "backward")] for role in reversed(ORDER)],
+                             TIMES, link)
+            out.append(dict(family=family, batch=batch, strategy=strategy, forward_ms=fwd * 1e3,
+                            backward_ms=bwd * 1e3, one_device_ms=one * 1e3, ratio=(fwd + bwd) / one))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overhead_json")
+    parser.add_argument("--link-latency-us", type=float, default=DEFAULT_LINK.latency_s * 1e6)
+    parser.add_argument("--link-gbps", type=float, default=DEFAULT_LINK.bandwidth / 1e9)
+    args = parser.parse_args()
+    link = Link(latency_s=args.link_latency_us * 1e-6, bandwidth=args.link_gbps * 1e9)
+    with open(args.overhead_json) as f:
+        rows = json.load(f)["rows"]
+    print("| family | batch | strategy | forward ms | backward ms | one device ms | step / one device |")
+    print("|---|---|---|---|---|---|---|")
+    for p in predictions(rows, link):
+        print(f"| {p['family']} | {p['batch']} | {p['strategy']} | {p['forward_ms']:.3f} | {p['backward_ms']:.3f} | "
+              f"{p['one_device_ms']:.3f} | {p['ratio']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
