@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kdacp.layers import GatedDeltaNet
 from kdacp.reference import l2norm, recurrent_gated_delta_rule
-from tests.layers.test_kda_layer import check_against_naive
+from tests.layers.test_kda_layer import check_against_naive, naive_per_sequence
 
 # FLA 0.6.0's GatedDeltaNet(hidden_size=32, head_dim=16, expand_v=1, num_heads=2, num_v_heads=4,
 # conv_size=4), state dict names and shapes read from its source.
@@ -31,30 +31,20 @@ def small_layer(seed=0):
 
 
 def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
-    K, V, W = layer.head_k_dim, layer.head_v_dim, layer.conv_size
-    B, T, _ = x.shape
-    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
-        [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
-    ys, finals = torch.zeros(B, T, layer.hidden_size, dtype=x.dtype), []
-    for n, (b, s, e) in enumerate(bounds):
-        xs = x[b:b + 1, s:e]
+    """GDN's math written out per sequence: the scalar gate, the token-by-token recurrence, the swish-gated norm."""
+    K, V = layer.head_k_dim, layer.head_v_dim
 
-        def conv(proj, mod):
-            return F.silu(F.conv1d(proj(xs).transpose(1, 2), mod.weight, mod.bias, padding=W - 1,
-                                   groups=mod.weight.shape[0])[..., :e - s].transpose(1, 2))
-
-        q, k = conv(layer.q_proj, layer.q_conv1d), conv(layer.k_proj, layer.k_conv1d)
-        v = conv(layer.v_proj, layer.v_conv1d)
+    def mix(xs, q, k, v, initial):
         g = -layer.A_log.exp() * F.softplus(layer.a_proj(xs) + layer.dt_bias)
         beta = torch.sigmoid(layer.b_proj(xs))
         o, S = recurrent_gated_delta_rule(l2norm(q.unflatten(-1, (-1, K))), l2norm(k.unflatten(-1, (-1, K))),
                                           v.unflatten(-1, (-1, V)), g, beta, output_final_state=True,
-                                          initial_state=None if initial_state is None else initial_state[n:n + 1])
+                                          initial_state=initial)
         z = layer.g_proj(xs).unflatten(-1, (-1, V))
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight
-        ys[b, s:e] = layer.o_proj((o * z * torch.sigmoid(z)).flatten(-2))[0]
-        finals.append(S[0])
-    return ys, torch.stack(finals)
+        return o * z * torch.sigmoid(z), S
+
+    return naive_per_sequence(layer, x, cu_seqlens, initial_state, mix)
 
 
 def test_state_dict_matches_fla_names_and_shapes():

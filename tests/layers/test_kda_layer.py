@@ -33,9 +33,11 @@ def small_layer(gate_lower_bound=-5.0, seed=0, **kw):
     return layer
 
 
-def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
-    """The layer's math written out per sequence: F.conv1d, the token-by-token recurrence, explicit norm."""
-    K, V, W, lb = layer.head_k_dim, layer.head_v_dim, layer.conv_size, layer.gate_lower_bound
+def naive_per_sequence(layer, x, cu_seqlens, initial_state, mix):
+    """The naive layers' shared frame, per sequence: q, k, v through their projections, ``F.conv1d`` and SiLU,
+    then ``mix(xs, q, k, v, initial) -> (o [1, t, HV, V] ready for o_proj, final state [1, HV, K, V])``;
+    returns the outputs ``[B, T, hidden]`` and the final states stacked."""
+    W = layer.conv_size
     B, T, _ = x.shape
     bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
         [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
@@ -49,21 +51,29 @@ def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
 
         q, k = conv(layer.q_proj, layer.q_conv1d), conv(layer.k_proj, layer.k_conv1d)
         v = conv(layer.v_proj, layer.v_conv1d)
-        z = layer.f_proj(xs) + layer.dt_bias
-        z = z.unflatten(-1, (-1, K))
+        o, S = mix(xs, q, k, v, None if initial_state is None else initial_state[n:n + 1])
+        ys[b, s:e] = layer.o_proj(o.flatten(-2))[0]
+        finals.append(S[0])
+    return ys, torch.stack(finals)
+
+
+def naive_layer(layer, x, cu_seqlens=None, initial_state=None):
+    """The layer's math written out per sequence: F.conv1d, the token-by-token recurrence, explicit norm."""
+    K, V, lb = layer.head_k_dim, layer.head_v_dim, layer.gate_lower_bound
+
+    def mix(xs, q, k, v, initial):
+        z = (layer.f_proj(xs) + layer.dt_bias).unflatten(-1, (-1, K))
         if lb is None:
             g = -layer.A_log.exp()[:, None] * F.softplus(z)
         else:
             g = lb * torch.sigmoid(layer.A_log.exp()[:, None] * z)
         beta = torch.sigmoid(layer.b_proj(xs))
         o, S = recurrent_kda(l2norm(q.unflatten(-1, (-1, K))), l2norm(k.unflatten(-1, (-1, K))),
-                             v.unflatten(-1, (-1, V)), g, beta, output_final_state=True,
-                             initial_state=None if initial_state is None else initial_state[n:n + 1])
+                             v.unflatten(-1, (-1, V)), g, beta, output_final_state=True, initial_state=initial)
         gate = torch.sigmoid(layer.g_proj(xs).unflatten(-1, (-1, V)))
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight * gate
-        ys[b, s:e] = layer.o_proj(o.flatten(-2))[0]
-        finals.append(S[0])
-    return ys, torch.stack(finals)
+        return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight * gate, S
+
+    return naive_per_sequence(layer, x, cu_seqlens, initial_state, mix)
 
 
 def test_state_dict_matches_fla_names_and_shapes():
