@@ -143,6 +143,19 @@ def _taps(weight, bias, cols, m_d, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
+def _program_block(weight, bias, T, D, rows_per_program, s_wd, s_ww, W: tl.constexpr, BD: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+    """Program ``(i_d, i_p, .)``'s block: its channels ``cols [BD]`` and their mask ``cols < D``, their taps
+    (:func:`_taps`), and its rows ``[lo, hi) = [i_p L, min((i_p+1) L, T))``."""
+    cols = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_d = cols < D
+    w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
+    lo = tl.program_id(1) * rows_per_program
+    hi = tl.minimum(lo + rows_per_program, T)
+    return cols, m_d, w_0, w_1, w_2, w_3, b, lo, hi
+
+
+@triton.jit
 def _load_raw(x, r, cols, m_d, T, s_xt, s_xd):
     """Row ``r`` (a scalar) of ``x`` in ``x``'s dtype ``[BD]``, zero outside ``[0, T)`` and where ``m_d`` is
     false."""
@@ -263,15 +276,12 @@ def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps
     one sequence, inside ``[lo, hi)``, runs without masks."""
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
-    i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b = tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
     y += i_b.to(tl.int64) * s_yb
-    cols = i_d * BD + tl.arange(0, BD)
-    m_d = cols < D
-    w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    lo = i_p * rows_per_program
-    hi = tl.minimum(lo + rows_per_program, T)
+    cols, m_d, w_0, w_1, w_2, w_3, b, lo, hi = _program_block(weight, bias, T, D, rows_per_program, s_wd, s_ww, W,
+                                                             BD, HAS_BIAS)
     n, start, end = _sequence_of(lo, cu_seqlens, n_seqs, search_steps, T, W, HAS_HALO, IS_VARLEN)
     x_1 = _load_row(x, halo, lo - 1, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
     x_2 = _load_row(x, halo, lo - 2, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
@@ -419,17 +429,14 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
     tl.static_assert(not (AHEAD and GROUPS == 2))
-    i_d, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_p, i_b = tl.program_id(1), tl.program_id(2)
     x += i_b.to(tl.int64) * s_xb
     halo += i_b.to(tl.int64) * s_hb
     dy += i_b.to(tl.int64) * s_yb
     dx += i_b.to(tl.int64) * s_gb
     dhalo += i_b.to(tl.int64) * s_qb
-    cols = i_d * BD + tl.arange(0, BD)
-    m_d = cols < D
-    w_0, w_1, w_2, w_3, b = _taps(weight, bias, cols, m_d, s_wd, s_ww, W, BD, HAS_BIAS)
-    lo = i_p * rows_per_program
-    hi = tl.minimum(lo + rows_per_program, T)
+    cols, m_d, w_0, w_1, w_2, w_3, b, lo, hi = _program_block(weight, bias, T, D, rows_per_program, s_wd, s_ww, W,
+                                                             BD, HAS_BIAS)
     top = tl.minimum(hi + W - 1, T) - 1
     halo_rows = HAS_HALO & (i_p == 0)
     bottom = tl.where(halo_rows, 1 - W, lo)
