@@ -411,6 +411,18 @@ def _bwd_raw_group(x, dy, u, cols, m_d, T, s_xt, s_xd, s_yt, s_yd):
 
 
 @triton.jit
+def _bwd_group_f32(r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d, halo, u, cols, m_d, s_ht, s_hd, W: tl.constexpr,
+                   HAS_HALO: tl.constexpr):
+    """:func:`_bwd_raw_group`'s loads at row ``u`` as float32: ``x`` rows ``u-3 .. u-6`` with the halo's
+    (:func:`_with_halo`), then ``dy`` rows ``u .. u-3``."""
+    return (_with_halo(r_a, halo, u - 3, cols, m_d, s_ht, s_hd, W, HAS_HALO),
+            _with_halo(r_b, halo, u - 4, cols, m_d, s_ht, s_hd, W, HAS_HALO),
+            _with_halo(r_c, halo, u - 5, cols, m_d, s_ht, s_hd, W, HAS_HALO),
+            _with_halo(r_d, halo, u - 6, cols, m_d, s_ht, s_hd, W, HAS_HALO),
+            q_a.to(tl.float32), q_b.to(tl.float32), q_c.to(tl.float32), q_d.to(tl.float32))
+
+
+@triton.jit
 def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
@@ -459,20 +471,14 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
         else:
             r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = _bwd_raw_group(x, dy, u, cols, m_d, T, s_xt, s_xd, s_yt,
                                                                     s_yd)
-        x_a = _with_halo(r_a, halo, u - 3, cols, m_d, s_ht, s_hd, W, HAS_HALO)
-        x_b = _with_halo(r_b, halo, u - 4, cols, m_d, s_ht, s_hd, W, HAS_HALO)
-        x_c = _with_halo(r_c, halo, u - 5, cols, m_d, s_ht, s_hd, W, HAS_HALO)
-        x_d = _with_halo(r_d, halo, u - 6, cols, m_d, s_ht, s_hd, W, HAS_HALO)
-        dy_a, dy_b, dy_c, dy_d = q_a.to(tl.float32), q_b.to(tl.float32), q_c.to(tl.float32), q_d.to(tl.float32)
+        x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d = _bwd_group_f32(r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d, halo, u,
+                                                                    cols, m_d, s_ht, s_hd, W, HAS_HALO)
         if GROUPS == 2:  # the second group's loads in flight while the first computes
-            x_e = _load_row(x, halo, u - 7, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-            x_f = _load_row(x, halo, u - 8, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-            x_g = _load_row(x, halo, u - 9, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-            x_h = _load_row(x, halo, u - 10, cols, m_d, T, s_xt, s_xd, s_ht, s_hd, W, HAS_HALO)
-            dy_e = _load_row(dy, dy, u - 4, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-            dy_f = _load_row(dy, dy, u - 5, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-            dy_g = _load_row(dy, dy, u - 6, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
-            dy_h = _load_row(dy, dy, u - 7, cols, m_d, T, s_yt, s_yd, s_yt, s_yd, W, False)
+            e_x, f_x, g_x, h_x, e_dy, f_dy, g_dy, h_dy = _bwd_raw_group(x, dy, u - 4, cols, m_d, T, s_xt, s_xd, s_yt,
+                                                                        s_yd)
+            x_e, x_f, x_g, x_h, dy_e, dy_f, dy_g, dy_h = _bwd_group_f32(e_x, f_x, g_x, h_x, e_dy, f_dy, g_dy, h_dy,
+                                                                        halo, u - 4, cols, m_d, s_ht, s_hd, W,
+                                                                        HAS_HALO)
         g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_group(
             u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
             dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
