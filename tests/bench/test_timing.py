@@ -27,6 +27,22 @@ def test_timed_columns_failure_is_reported_and_nan():
     assert all(math.isnan(v) for v in cols.values())
 
 
+def test_timed_columns_queued_name_device_columns():
+    # queued behind a device sleep (wall clock on the CPU): the gdn suite's device-time columns
+    cols = timed_columns({"fla": lambda: time.sleep(0.002), "kdacp": lambda: time.sleep(0.004)}, ("fla", "kdacp"),
+                         "fla", 1, 2, 2, None, torch.device("cpu"), on_failure=lambda tb: None, queued=True)
+    assert set(cols) == {"fla_device_ms", "kdacp_device_ms", "fla_device_ratio", "kdacp_device_ratio"}
+    assert 2.0 <= cols["fla_device_ms"] < cols["kdacp_device_ms"]
+    assert cols["kdacp_device_ratio"] == cols["kdacp_device_ms"] / cols["fla_device_ms"]
+    failures = []
+    cols = timed_columns({"fla": lambda: None, "kdacp": lambda: 1 / 0}, ("fla", "kdacp"), "fla", 1, 1, 1, None,
+                         torch.device("cpu"), on_failure=failures.append, queued=True)
+    assert len(failures) == 1 and "ZeroDivisionError" in failures[0]
+    assert all(math.isnan(v) for v in cols.values())
+    with pytest.raises(ValueError, match="queued timing runs in this process alone: pass group=None"):
+        timed_columns({}, (), "fla", 1, 1, 1, object(), torch.device("cpu"), on_failure=None, queued=True)
+
+
 def _work(clock, seconds, host_sync=False):
     def call():
         clock["queued"] += seconds  # the call's device work, queued

@@ -13,8 +13,8 @@ step, warm):
   kernels; what ``kdacp.chunk_gated_delta_rule`` ran before the GDN backend).
 
 Ratios are over ``fla``; ``max_rel_diff_vs_fla``: ``kdacp`` against ``fla``, output and every gradient;
-``fla_device_ms`` / ``kdacp_device_ms``: the same two steps' device time, their calls queued ahead of the device
-(the back-to-back columns time the host where a call is host-bound).
+``fla_device_ms`` / ``kdacp_device_ms`` (``kdacp_device_ratio``): the same two steps' device time, their calls
+queued ahead of the device (the back-to-back columns time the host where a call is host-bound, as at 16K tokens).
 Where FLA refuses its GDN backward (Hopper with Triton >= 3.4 and < 3.7.1 without tilelang, as on the
 H200 with Triton 3.6: :func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), neither
 FLA's op nor kdacp's GDN kernels can train there, so every contender is timed forward only and the
@@ -30,7 +30,6 @@ ratio and ``max_rel_diff_vs_fla`` over ``fla_kda``.
 from __future__ import annotations
 
 import math
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from kdacp.reference.gdn import scalar_gate_as_kda
 from .batches import cu_seqlens_of, document_lengths
 from .steps import log, max_rel_diff, record_row, step_functions
 from .harness import PlotSpec
-from .timing import time_queued, timed_columns
+from .timing import timed_columns
 
 MULTI_RANK = True
 PLOTS = {"gdn_ratio": PlotSpec(x="label", y="kdacp_ratio", bars=True,
@@ -78,20 +77,6 @@ def _fla_kda_broadcast(fla, varlen: dict, **x):
     """FLA's own ``chunk_kda`` on the GDN gate (and ``dt_bias``) broadcast over ``K``."""
     g, dt_bias = scalar_gate_as_kda(x.pop("g"), x["q"].shape[-1], x.pop("dt_bias"))
     return fla.chunk_kda(**x, g=g, dt_bias=dt_bias, **OPTIONS, **varlen)
-
-
-def device_columns(fns: dict, warmup: int, rounds: int, iters: int, on_failure,
-                   device: torch.device = torch.device("cuda")) -> dict:
-    """``fla_device_ms``, ``kdacp_device_ms`` and ``kdacp_device_ratio``: the two ops' calls queued behind a
-    device sleep (:func:`~kdacp.bench.timing.time_queued`), so the time is the device's however slow the host
-    (where a call is host-bound, as at 16K tokens, the back-to-back columns time the host; wall clock on the
-    CPU); NaN and ``on_failure(traceback text)`` when timing raises."""
-    try:
-        ms = time_queued({n: fns[n] for n in ("fla", "kdacp")}, warmup, rounds, iters, device)
-    except Exception:  # noqa: BLE001 - reported through on_failure
-        on_failure(traceback.format_exc())
-        ms = {"fla": float("nan"), "kdacp": float("nan")}
-    return dict(fla_device_ms=ms["fla"], kdacp_device_ms=ms["kdacp"], kdacp_device_ratio=ms["kdacp"] / ms["fla"])
 
 
 def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int = 16, v_heads: int = 32,
@@ -132,8 +117,9 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                                      lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
             if "kdacp" in fns and "fla" in fns:
                 row["max_rel_diff_vs_fla"] = max_rel_diff(fns["kdacp"](), fns["fla"](), group)
-                row.update(device_columns(fns, warmup, rounds, iters,
-                                           lambda tb: log(f"gdn T={T} {batch} device time failed:\n{tb}")))
+                row.update(timed_columns({n: fns[n] for n in ("fla", "kdacp")}, ("fla", "kdacp"), "fla", warmup, rounds,
+                                         iters, None, torch.device("cuda"),
+                                         lambda tb: log(f"gdn T={T} {batch} device time failed:\n{tb}"), queued=True))
             rows_here = [row]
             if not backward and "kdacp" in contenders:
                 train = step_functions({"fla_kda": lambda **a: _fla_kda_broadcast(fla, varlen, **a),

@@ -135,17 +135,23 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
 
 
 def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,
-                  device: torch.device, on_failure) -> dict:
+                  device: torch.device, on_failure, queued: bool = False) -> dict:
     """``<name>_ms`` and ``<name>_ratio`` (over ``base``'s time) for every name of ``names``, timed by
-    :func:`time_round_robin` (NaN for a name not in ``fns``). When timing raises, ``on_failure(traceback
-    text)`` is called and every time is NaN: one failing case must not lose the others' figures."""
+    :func:`time_round_robin` (NaN for a name not in ``fns``). ``queued``: this process alone (``group`` must
+    be None), timed by :func:`time_queued` (device time however slow the host), in columns
+    ``<name>_device_ms`` and ``<name>_device_ratio``. When timing raises, ``on_failure(traceback text)`` is
+    called and every time is NaN: one failing case must not lose the others' figures."""
+    if queued and group is not None:
+        raise ValueError("queued timing runs in this process alone: pass group=None")
     try:
-        ms = time_round_robin(fns, warmup, rounds, iters, group, device)
+        ms = (time_queued(fns, warmup, rounds, iters, device) if queued
+              else time_round_robin(fns, warmup, rounds, iters, group, device))
     except Exception:  # noqa: BLE001 - reported through on_failure
         on_failure(traceback.format_exc())
         ms = {}
-    columns = {f"{name}_ms": ms.get(name, float("nan")) for name in names}
-    columns.update({f"{name}_ratio": columns[f"{name}_ms"] / columns[f"{base}_ms"] for name in names})
+    tag = "_device" if queued else ""
+    columns = {f"{name}{tag}_ms": ms.get(name, float("nan")) for name in names}
+    columns.update({f"{name}{tag}_ratio": columns[f"{name}{tag}_ms"] / columns[f"{base}{tag}_ms"] for name in names})
     return columns
 
 
