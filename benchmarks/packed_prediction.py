@@ -16,13 +16,10 @@ import argparse
 import json
 
 from kdacp.bench.scaling_model import route_path
-from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, StageTimes
+from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, exchange_stage_times
 
-ORDER = ROLES  # the plan's ranks 0, 1, 2: positions in the forward direction
-HV, K, V, FP32 = 32, 128, 128, 4
-# one M x + S and one composition at this shape, device time on one H200 (benchmarks/RESULTS.md)
-TIMES = StageTimes(apply_s=8.5e-6, compose_s=16.8e-6, copy_s_per_byte=1e-12, state_bytes=HV * K * V * FP32,
-                   summary_bytes=HV * K * (K + V) * FP32)
+# one message of Kimi Linear's states (32 heads of 128 x 128), the exchange's own products estimated
+TIMES = exchange_stage_times(1, 32, 128, 128)
 
 
 def predictions(rows: list[dict], link: Link) -> list[dict]:
@@ -32,15 +29,15 @@ def predictions(rows: list[dict], link: Link) -> list[dict]:
         r["ready_ms"] * 1e-3, r["between_ms"] * 1e-3, r["after_ms"] * 1e-3) for r in rows if "ready_ms" in r}
     out = []
     for family, batch in sorted({(f, b) for f, b, _ in roles}):
-        by_role = [roles[(family, batch, role)] for role in ORDER]
+        by_role = [roles[(family, batch, role)] for role in ROLES]
         affine = tuple(bool(r["affine"]) for r in by_role)
         forward = (tuple(int(r["sends"]) for r in by_role), affine)
         backward = (tuple(int(r["receives"]) for r in reversed(by_role)), tuple(reversed(affine)))
         one = max((r["one_fwd_ms"] + r["one_bwd_ms"]) * 1e-3 for r in by_role)
         for strategy in ("p2p", "allgather", "scan"):
-            fwd = route_path(strategy, *forward, [stages[(family, batch, role, "forward")] for role in ORDER],
+            fwd = route_path(strategy, *forward, [stages[(family, batch, role, "forward")] for role in ROLES],
                              TIMES, link)
-            bwd = route_path(strategy, *backward, [stages[(family, batch, role, "backward")] for role in reversed(ORDER)],
+            bwd = route_path(strategy, *backward, [stages[(family, batch, role, "backward")] for role in reversed(ROLES)],
                              TIMES, link)
             out.append(dict(family=family, batch=batch, strategy=strategy, forward_ms=fwd * 1e3,
                             backward_ms=bwd * 1e3, one_device_ms=one * 1e3, ratio=(fwd + bwd) / one))
