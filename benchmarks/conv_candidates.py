@@ -15,7 +15,7 @@ import argparse
 import torch
 import triton.testing
 
-from kdacp.bench.kernels import make_conv_inputs
+from kdacp.bench.kernels import conv_sweep_inputs
 from kdacp.kernels import short_conv as sc
 from kdacp.precompile import precompile
 
@@ -38,12 +38,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for D in args.d:
         shipped = sc.default_bwd_tiles(1, T, D, torch.device("cuda"))
-        cases = []
-        for packed in (False, True):
-            x = make_conv_inputs(T, D, W, packed=packed, dtype=torch.bfloat16, device="cuda")
-            halo = x["x"][:, :W - 1].clone() if packed else None
-            cases.append(("13 documents, halo" if packed else "one sequence",
-                          (x["x"], x["weight"], None, halo, x["cu"], "silu"), x["dy"]))
+        cases = conv_sweep_inputs(T, D, W, dtype=torch.bfloat16, device="cuda")
         tilings = [shipped] + CANDIDATES
         precompile(lambda: [sc.short_conv_bwd(*a, dy, tiles=t) for t in tilings for _, a, dy in cases], device="cuda")
         for batch, a, dy in cases:

@@ -531,6 +531,18 @@ def conv_tilings(p: str) -> list:
                 ((256, 2), (512, 4), (1024, 4), (1024, 8), (1024, 16), (2048, 8), (2048, 16)), (None, 128), steps)]
 
 
+def conv_sweep_inputs(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda") -> list[tuple]:
+    """The sweep's two cases, ``(label, launcher arguments (x, weight, bias, halo, cu_seqlens, activation), dy)``:
+    one sequence, and 13 documents after a halo (:func:`make_conv_inputs`; no bias, SiLU)."""
+    cases = []
+    for packed in (False, True):
+        x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)
+        halo = x["x"][:, :W - 1].clone() if packed else None
+        cases.append(("13 documents, halo" if packed else "one sequence",
+                      (x["x"], x["weight"], None, halo, x["cu"], "silu"), x["dy"]))
+    return cases
+
+
 def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda", passes=("fwd", "bwd")):
     """Time :func:`conv_tilings` of the forward and backward kernels (``passes``) on one sequence and on 13
     documents after a halo (to choose ``FWD_TILES`` / ``BWD_TILES``; compiled in parallel first). Prints and
@@ -538,11 +550,7 @@ def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda", pas
     (least summed time)."""
     from kdacp.precompile import precompile
     cases = [(p, tiles) for p in passes for tiles in conv_tilings(p)]
-    inputs = []
-    for packed in (False, True):
-        x = make_conv_inputs(T, D, W, packed=packed, dtype=dtype, device=device)
-        halo = x["x"][:, :W - 1].clone() if packed else None
-        inputs.append(((x["x"], x["weight"], None, halo, x["cu"], "silu"), x["dy"]))
+    inputs = [(args, dy) for _, args, dy in conv_sweep_inputs(T, D, W, dtype=dtype, device=device)]
 
     def call(p, tiles, args, dy):
         return (short_conv.short_conv_fwd(*args, tiles=tiles) if p == "fwd"
