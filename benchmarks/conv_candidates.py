@@ -20,12 +20,11 @@ from kdacp.kernels import short_conv as sc
 from kdacp.precompile import precompile
 
 T_ = sc.ConvTiles
-CANDIDATES = [
-    T_(rows=256, BD=2048, num_warps=16, stages=2), T_(rows=256, BD=2048, num_warps=16, stages=3),
-    T_(rows=256, BD=2048, num_warps=16, stages=4), T_(rows=256, BD=2048, num_warps=16, ahead=True, stages=3),
-    T_(rows=256, BD=2048, num_warps=8, stages=3), T_(rows=256, BD=1024, num_warps=8, stages=3),
-    T_(rows=512, BD=1024, num_warps=8, stages=3), T_(rows=256, BD=1024, num_warps=4, stages=3),
-    T_(rows=512, BD=512, num_warps=4, stages=3), T_(rows=512, BD=512, num_warps=4, stages=2),
+CANDIDATES = [  # the shipped tiling's neighbours, and the thirteenth session's two (step ahead, no pipelining)
+    T_(rows=256, BD=1024, num_warps=4, stages=2), T_(rows=256, BD=1024, num_warps=4, stages=4),
+    T_(rows=128, BD=1024, num_warps=4, stages=3), T_(rows=512, BD=1024, num_warps=4, stages=3),
+    T_(rows=256, BD=512, num_warps=4, stages=3), T_(rows=256, BD=512, num_warps=2, stages=3),
+    T_(rows=256, BD=2048, num_warps=16, ahead=True), T_(rows=512, BD=512, num_warps=4, ahead=True),
 ]
 
 
@@ -37,7 +36,7 @@ def main() -> int:
     print("| D | batch | tiles | ms | % of 4.8 TB/s | max diff dx | max diff dweight |")
     print("|---|---|---|---|---|---|---|")
     for D in args.d:
-        shipped = sc.default_bwd_tiles(1, T, D, torch.device("cuda"))
+        shipped = sc.BWD_TILES
         cases = conv_sweep_inputs(T, D, W, dtype=torch.bfloat16, device="cuda")
         tilings = [shipped] + CANDIDATES
         precompile(lambda: [sc.short_conv_bwd(*a, dy, tiles=t) for t in tilings for _, a, dy in cases], device="cuda")

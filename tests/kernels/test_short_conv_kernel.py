@@ -238,10 +238,14 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
-def test_backward_tiling_keeps_wide_rows_to_one_wave(monkeypatch):
-    monkeypatch.setattr(sc, "sm_count", lambda device: 132)  # an H200
-    cuda = torch.device("cuda")
-    assert sc.default_bwd_tiles(1, 16384, 4096, cuda) == sc.BWD_TILES          # 64 x 2 programs: one wave
-    assert sc.default_bwd_tiles(1, 16384, 6144, cuda) == sc.BWD_TILES_MANY     # 64 x 3: two
-    assert sc.default_bwd_tiles(2, 16384, 4096, cuda) == sc.BWD_TILES_MANY
-    assert sc.default_bwd_tiles(1, 65536, 4096, torch.device("cpu")) == sc.BWD_TILES  # off a GPU: no waves
+@pytest.mark.parametrize("W, bias", [(4, True), (3, False), (2, True)])
+def test_partial_sums_over_many_programs(W, bias):
+    # 2 x 38 programs of 4 rows: more partial-sum rows than one step of the reduction takes, not a multiple of
+    # it, and channels over more than one of its programs (the last one masked)
+    inputs, dy = make(2, 150, 40, W, bias=bias, halo=True, seed=9)
+    args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], None, "silu")
+    assert 2 * 38 > sc._SUM_BR and 40 > sc._SUM_BD
+    y = sc.short_conv_fwd(*args)
+    g = sc.short_conv_bwd(*args, dy, tiles=replace(SMALL, rows=4))
+    check(inputs, dy, None, "silu", y, {"x": g.dx, "weight": g.dweight, "halo": g.dhalo}
+          | ({"bias": g.dbias} if bias else {}))

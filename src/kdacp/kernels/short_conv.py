@@ -36,10 +36,9 @@ import triton
 import triton.language as tl
 
 from ..validation import check_cu_seqlens, check_tensor
-from .planning import sm_count
 from .precision import INTERPRET
 
-__all__ = ["ConvTiles", "ShortConvGrads", "causal_conv1d", "default_bwd_tiles", "short_conv_bwd", "short_conv_fwd"]
+__all__ = ["ConvTiles", "ShortConvGrads", "causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
 
 ACTIVATIONS = (None, "silu")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -79,14 +78,13 @@ UNROLL = 4
 # The sigmoid in inline PTX (see _sigmoid): on NVIDIA GPUs; the interpreter and ROCm builds take tl.sigmoid.
 FAST_SIGMOID = not INTERPRET and torch.version.hip is None
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on one H200, 2026-12-02 (forward: twelfth session; backward: thirteenth,
-# loading a step ahead, 0.138 -> 0.134 ms in the sweep). The backward's takes one SM per program: where its grid is
-# more than one wave the tail wave costs more than the wide rows save, so such grids take BWD_TILES_MANY, the
-# fastest of the same sweep at D=6144 (0.195 / 0.209 ms; the ninth session's 256 rows, 1024 channels, 8 warps and
-# at most 128 registers without the step ahead: 0.219 ms one sequence).
+# after a halo; T=16K, D=4096, bf16, W=4) on one H200 (forward: 2026-12-02, twelfth session; backward: 2026-12-03,
+# fourteenth, the loop pipelined in 3 stages: 0.132 -> 0.124 ms in the sweep, and faster at D=6144 too: the kernels
+# suite 0.191 -> 0.185 ms one sequence; benchmarks/RESULTS.md).
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
-BWD_TILES = ConvTiles(rows=256, BD=2048, num_warps=16, ahead=True)
-BWD_TILES_MANY = ConvTiles(rows=512, BD=512, num_warps=4, ahead=True)
+BWD_TILES = ConvTiles(rows=256, BD=1024, num_warps=4, stages=3)
+# _sum_parts_kernel: rows of partial sums per step and channels per program
+_SUM_BR, _SUM_BD = 32, 32
 
 
 @triton.jit
@@ -423,7 +421,7 @@ def _bwd_group_f32(r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d, halo, u, cols, m_d, s
 
 
 @triton.jit
-def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqlens, T, D, n_seqs, search_steps,
+def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, parts, cu_seqlens, T, D, n_seqs, search_steps,
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
@@ -437,7 +435,8 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     inside ``[lo, hi)``, runs without masks; each step loads ``GROUPS`` groups of four rows, then computes
     them (``AHEAD``, with one group: each step issues the next step's loads before computing its own;
     ``STAGES``: the loop software-pipelined by Triton).
-    ``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (deterministic)."""
+    ``dweight`` and ``dbias`` are per-program float32 partial sums, ``parts [B, programs, W + HAS_BIAS, D]``
+    (the bias's in row ``W``), reduced once afterwards by :func:`_sum_parts_kernel` (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
     tl.static_assert(not (AHEAD and GROUPS == 2))
@@ -494,7 +493,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
             g_1, g_2, g_3 = g_d, g_c, g_b
         if AHEAD:
             r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d = n_a, n_b, n_c, n_d, p_a, p_b, p_c, p_d
-    part = dw_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * W * D + cols
+    part = parts + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * (W + HAS_BIAS) * D + cols
     tl.store(part + (W - 1) * D, dw_0, mask=m_d)
     tl.store(part + (W - 2) * D, dw_1, mask=m_d)
     if W > 2:
@@ -502,7 +501,31 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, dw_part, db_part, cu_seqle
     if W > 3:
         tl.store(part + (W - 4) * D, dw_3, mask=m_d)
     if HAS_BIAS:
-        tl.store(db_part + (i_b * tl.num_programs(1) + i_p).to(tl.int64) * D + cols, db, mask=m_d)
+        tl.store(part + W * D, db, mask=m_d)
+
+
+@triton.jit
+def _sum_parts_kernel(parts, dweight, dbias, R, D, s_wd, s_ww, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      C_PAD: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """``dweight[d, j] = sum_r parts[r, j, d]`` (and ``dbias[d] = sum_r parts[r, W, d]``) for ``BD`` channels,
+    in float32, ``BR`` rows at a time in a fixed order (deterministic), cast to the outputs' dtypes on store.
+    ``parts [R, W + HAS_BIAS, D]`` float32, contiguous."""
+    cols = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_d = cols < D
+    o_c = tl.arange(0, C_PAD)
+    m_cd = (o_c < W + HAS_BIAS)[:, None] & m_d[None, :]
+    tile = o_c[:, None] * D + cols[None, :]
+    acc = tl.zeros((C_PAD, BD), dtype=tl.float32)
+    for r0 in tl.range(0, R, BR, num_stages=3):
+        o_r = r0 + tl.arange(0, BR)
+        block = tl.load(parts + o_r.to(tl.int64)[:, None, None] * (W + HAS_BIAS) * D + tile[None, :, :],
+                        mask=(o_r < R)[:, None, None] & m_cd[None, :, :], other=0.)
+        acc += tl.sum(block, axis=0)
+    tl.store(dweight + cols[None, :] * s_wd + o_c[:, None] * s_ww, acc.to(dweight.dtype.element_ty),
+             mask=(o_c < W)[:, None] & m_d[None, :])
+    if HAS_BIAS:
+        db = tl.sum(tl.where((o_c == W)[:, None], acc, 0.), axis=0)
+        tl.store(dbias + cols, db.to(dbias.dtype.element_ty), mask=m_d)
 
 
 class ShortConvGrads(NamedTuple):
@@ -521,14 +544,6 @@ def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
         return x, 1, 0
     n = cu_seqlens.numel() - 1
     return cu_seqlens, n, (n - 1).bit_length()
-
-
-def default_bwd_tiles(B: int, T: int, D: int, device: torch.device) -> ConvTiles:
-    """:data:`BWD_TILES` where its grid fits in one wave of one program per SM (or off a GPU), else
-    :data:`BWD_TILES_MANY`."""
-    wide = BWD_TILES
-    programs = B * triton.cdiv(T, wide.rows) * triton.cdiv(D, wide.BD)
-    return wide if device.type != "cuda" or programs <= sm_count(device) else BWD_TILES_MANY
 
 
 def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
@@ -558,29 +573,33 @@ def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
                    tiles: ConvTiles | None = None) -> ShortConvGrads:
     """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
-    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :func:`default_bwd_tiles`'s."""
+    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :data:`BWD_TILES`."""
     B, T, D = x.shape
-    tiles = tiles or default_bwd_tiles(B, T, D, x.device)
+    tiles = tiles or BWD_TILES
     W = weight.shape[1]
     n_programs = triton.cdiv(T, tiles.rows)  # the first also owns the halo's rows
     dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if halo is not None else None
     # every program writes its slice of the partial sums: no zero fill needed
-    dw_part = torch.empty(B, n_programs, W, D, dtype=torch.float32, device=x.device)
-    db_part = torch.empty(B, n_programs, D, dtype=torch.float32, device=x.device) if bias is not None else None
+    has_bias = bias is not None
+    parts = torch.empty(B, n_programs, W + has_bias, D, dtype=torch.float32, device=x.device)
     cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
     h = x if halo is None else halo
     q = dx if dhalo is None else dhalo
     grid = (triton.cdiv(D, tiles.BD), n_programs, B)
-    _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, dw_part,
-                      dw_part if db_part is None else db_part, cu, T, D, n_seqs, steps, tiles.rows,
+    _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, parts, cu, T, D, n_seqs, steps,
+                      tiles.rows,
                       *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
                       W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
-                      HAS_HALO=halo is not None, HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None,
+                      HAS_HALO=halo is not None, HAS_BIAS=has_bias, IS_VARLEN=cu_seqlens is not None,
                       FAST=FAST_SIGMOID, GROUPS=tiles.groups, AHEAD=tiles.ahead, STAGES=tiles.stages,
                       **tiles.launch_options())
-    dweight = dw_part.sum((0, 1)).t().to(weight.dtype)
-    dbias = None if db_part is None else db_part.sum((0, 1)).to(bias.dtype)
+    dweight = torch.empty(D, W, dtype=weight.dtype, device=x.device)
+    dbias = torch.empty(D, dtype=bias.dtype, device=x.device) if has_bias else None
+    _sum_parts_kernel[(triton.cdiv(D, _SUM_BD),)](parts, dweight, dweight if dbias is None else dbias,
+                                                   B * n_programs, D, *dweight.stride(), W=W, HAS_BIAS=has_bias,
+                                                   C_PAD=triton.next_power_of_2(W + has_bias), BR=_SUM_BR,
+                                                   BD=_SUM_BD, num_warps=4)
     return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
 
 
