@@ -5,7 +5,7 @@
 
 One sequence, bf16, W=4, SiLU, no bias, shipped tilings; 20 calls of the backward and the forward after 5
 warm-up calls. The backward's pass is the Triton kernel plus the reduction of its float32 ``dweight`` partial
-sums and the cast to the weight's dtype.
+sums, cast to the weight's dtype in the same kernel.
 """
 from __future__ import annotations
 
