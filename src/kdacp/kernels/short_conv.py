@@ -21,9 +21,10 @@ per-tap masks, and the sigmoid takes the hardware's approximate ``exp2`` and rec
 bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 0.155 -> 0.141 ms). A step may
 load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
 flight, gains (0.086 -> 0.078 ms). The backward instead issues the next step's loads before computing its own
-(``ConvTiles.ahead``; its compute per step is about a load's latency): kernel 129.7 -> 121.5 us. One H200
-(T=16K, D=4096, bf16): forward 74% and backward 65% (one sequence; 70% on 13 documents) of the memory
-bandwidth, where torch's own copy and add reach 85% and 89% (benchmarks/RESULTS.md, thirteenth session).
+(``ConvTiles.ahead``: kernel 129.7 -> 121.5 us), or Triton pipelines its loop (``ConvTiles.stages``, the loads
+staged through shared memory: 111 us, shipped). One H200 (T=16K, D=4096, bf16): forward 73% and backward 71%
+(one sequence; 73% on 13 documents) of the memory bandwidth, where torch's own copy and add reach 85% and 89%
+(benchmarks/RESULTS.md, fourteenth session).
 """
 from __future__ import annotations
 
