@@ -22,8 +22,8 @@ bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 
 load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
 flight, gains (0.086 -> 0.078 ms). The backward instead issues the next step's loads before computing its own
 (``ConvTiles.ahead``: kernel 129.7 -> 121.5 us), or Triton pipelines its loop (``ConvTiles.stages``, the loads
-staged through shared memory: 111 us, shipped). One H200 (T=16K, D=4096, bf16): forward 73% and backward 71%
-(one sequence; 73% on 13 documents) of the memory bandwidth, where torch's own copy and add reach 85% and 89%
+staged through shared memory: 111 us, shipped). One H200 (T=16K, D=4096, bf16): forward 74% and backward 71%
+(one sequence; 73% on 13 documents) of the memory bandwidth, where torch's own copy and add reach 86% and 89%
 (benchmarks/RESULTS.md, fourteenth session).
 """
 from __future__ import annotations
@@ -80,10 +80,10 @@ UNROLL = 4
 FAST_SIGMOID = not INTERPRET and torch.version.hip is None
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
 # after a halo; T=16K, D=4096, bf16, W=4) on one H200 (forward: 2026-12-02, twelfth session; backward: 2026-12-03,
-# fourteenth, the loop pipelined in 3 stages: 0.132 -> 0.124 ms in the sweep, and faster at D=6144 too: the kernels
-# suite 0.191 -> 0.185 ms one sequence; benchmarks/RESULTS.md).
+# fourteenth, the loop pipelined in 3 stages; 512 channels on 2 warps tie 1024 on 4 at D=4096 and win at D=6144:
+# the kernels suite 0.118 / 0.115 ms and 0.176 / 0.172 ms, one sequence / 13 documents; benchmarks/RESULTS.md).
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
-BWD_TILES = ConvTiles(rows=256, BD=1024, num_warps=4, stages=3)
+BWD_TILES = ConvTiles(rows=256, BD=512, num_warps=2, stages=3)
 # _sum_parts_kernel: rows of partial sums per step and channels per program
 _SUM_BR, _SUM_BD = 32, 32
 
