@@ -16,10 +16,10 @@
 #   bash benchmarks/one_gpu.sh 5 $OUT   # the layer GPU tests against FLA's layer in float32 and GDN's (thirteenth
 #                                       # session: one passed in 270 s, the rest not reached; what takes the time
 #                                       # was not looked at)
-#   bash benchmarks/one_gpu.sh 6 $OUT   # not yet run: the backward's sweep with 3-stage pipelining, then the
-#                                       # kernels and the layer with its fastest
+#   bash benchmarks/one_gpu.sh 6 $OUT   # the backward's sweep (with 3-stage pipelining), then the kernels and the
+#                                       # layer with its fastest (fourteenth session: run; RESULTS.md)
 #   bash benchmarks/one_gpu.sh 7 $OUT   # the conv GPU tests with the shipped tilings; the gdn suite with its
-#                                       # training rows (thirteenth session: run, RESULTS.md)
+#                                       # training rows and device-time columns (fourteenth session: run)
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
