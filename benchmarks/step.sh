@@ -4,6 +4,7 @@
 step() {
     local name=$1 limit=$2
     shift 2
+    : "${out:?step: set out to the output folder first (logs go to \$out/NAME.log)}"
     local start=$SECONDS
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "$name: rc=$? in $((SECONDS - start)) s"
