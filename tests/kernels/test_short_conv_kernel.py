@@ -239,12 +239,13 @@ def test_backward_is_deterministic():
 
 
 @pytest.mark.parametrize("W, bias", [(4, True), (3, False), (2, True)])
-def test_partial_sums_over_many_programs(W, bias):
-    # 2 x 38 programs of 4 rows: more partial-sum rows than one step of the reduction takes, not a multiple of
-    # it, and channels over more than one of its programs (the last one masked)
-    inputs, dy = make(2, 150, 40, W, bias=bias, halo=True, seed=9)
+def test_partial_sums_over_many_programs(W, bias, monkeypatch):
+    # the reduction made small: 2 x 5 programs of 4 rows give more partial-sum rows than one of its steps takes,
+    # not a multiple of it, and channels over more than one of its programs (the last one masked)
+    monkeypatch.setattr(sc, "_SUM_BR", 4)
+    monkeypatch.setattr(sc, "_SUM_BD", 16)
+    inputs, dy = make(2, 18, 40, W, bias=bias, halo=True, seed=9)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], None, "silu")
-    assert 2 * 38 > sc._SUM_BR and 40 > sc._SUM_BD
     y = sc.short_conv_fwd(*args)
     g = sc.short_conv_bwd(*args, dy, tiles=replace(SMALL, rows=4))
     check(inputs, dy, None, "silu", y, {"x": g.dx, "weight": g.dweight, "halo": g.dhalo}
