@@ -54,3 +54,27 @@ def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():
     o2, final2 = chunk_kda(**dict(args, cu_seqlens=None), cu_seqlens_cpu=cu, output_final_state=True,
                            backend="torch")
     assert torch.equal(o, o2) and torch.equal(final, final2) and final.shape[0] == 3
+
+
+def test_chunk_kda_takes_autograd_only_where_a_gradient_is_wanted(monkeypatch):
+    """Without a gradient to form (no_grad, or no input requiring one) the op runs without its autograd
+    wrapper, with the same outputs; with one, through it (the output then has a graph to the inputs)."""
+    import kdacp.kda as kda_module
+    args = make_kda_inputs(2, 70, 1, 2, 16, 8, gate="safe", initial_state=True, seed=3)
+    o_grad, final_grad = chunk_kda(**args, output_final_state=True, backend="torch")
+    assert o_grad.grad_fn is not None and final_grad.grad_fn is not None
+
+    def refuse(*a, **k):
+        raise AssertionError("ChunkKDAFunction.apply ran without a gradient to form")
+
+    monkeypatch.setattr(kda_module.ChunkKDAFunction, "apply", refuse)
+    with torch.no_grad():
+        o, final = chunk_kda(**args, output_final_state=True, backend="torch")
+    plain = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+    o2, final2 = chunk_kda(**plain, output_final_state=True, backend="torch")
+    for a in (o, o2):
+        assert torch.equal(a, o_grad.detach())
+    for a in (final, final2):
+        assert torch.equal(a, final_grad.detach())
+    with pytest.raises(AssertionError, match="without a gradient"):  # a gradient wanted: the wrapper runs
+        chunk_kda(**args, backend="torch")

@@ -15,7 +15,7 @@ import torch
 
 from .backends import resolve_backend
 from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
-from .backends.call import PreparedCall, input_dtypes, input_gradients, prepare_call
+from .backends.call import PreparedCall, input_dtypes, input_gradients, prepare_call, wants_gradient
 from .distributed.checks import check_cp_call
 from .distributed.orchestration import cp_backward, cp_forward
 from .distributed.plan import CPPlan, one_rank_plan
@@ -63,6 +63,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         return (None, *input_gradients(grads, ctx.input_dtypes), grads.dinitial_state)
 
 
+def _forward(call: _Call, inputs: KDAInputs, initial_state):
+    # states are float32 (float64 for float64 inputs) whatever initial_state's dtype
+    return cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(inputs.q))
+
+
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
                       output_final_state, cp, scalar_gate=None) -> tuple[PreparedCall, CPPlan]:
@@ -96,7 +101,12 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
 def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool):
     """Run a call from :func:`check_and_prepare` on ``plan``; returns what :func:`chunk_kda` returns."""
     call = _Call(plan, prepared.backend, bool(output_final_state), initial_state is not None)
-    o, final_state = ChunkKDAFunction.apply(call, *vars(prepared.inputs).values(), initial_state)
+    tensors = (*vars(prepared.inputs).values(), initial_state)
+    if wants_gradient(*tensors):
+        o, final_state = ChunkKDAFunction.apply(call, *tensors)
+    else:  # nothing to differentiate: no autograd wrapper (its host time, about 10 us a call on a CPU core)
+        result = _forward(call, prepared.inputs, initial_state)
+        o, final_state = result.o, result.final_state
     return prepared.unpack(o), final_state
 
 

@@ -11,7 +11,7 @@ from . import make_backend
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
 from .fla_adapter import fla_gated_gdn_backward_supported
 
-__all__ = ["PreparedCall", "prepare_call", "input_dtypes", "input_gradients"]
+__all__ = ["PreparedCall", "prepare_call", "input_dtypes", "input_gradients", "wants_gradient"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate))
     gdn = scalar_gate is not None and backend_name == "fla" and (
-        not _wants_gradient(q, k, v, g, beta, A_log, *scalar_gate) or fla_gated_gdn_backward_supported())
+        not wants_gradient(q, k, v, g, beta, A_log, *scalar_gate) or fla_gated_gdn_backward_supported())
     if gdn:
         g, dt_bias = scalar_gate
     elif scalar_gate is not None and scalar_gate[1] is not None:
@@ -61,7 +61,8 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                         T, v.shape[2], v.shape[3])
 
 
-def _wants_gradient(*tensors) -> bool:
+def wants_gradient(*tensors) -> bool:
+    """Whether autograd would differentiate through any of ``tensors`` (None allowed) here."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
