@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kdacp import reference
-from kdacp.kda import chunk_kda
+from kdacp.kda import ChunkKDAFunction, chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 
@@ -59,7 +59,6 @@ def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():
 def test_chunk_kda_takes_autograd_only_where_a_gradient_is_wanted(monkeypatch):
     """Without a gradient to form (no_grad, or no input requiring one) the op runs without its autograd
     wrapper, with the same outputs; with one, through it (the output then has a graph to the inputs)."""
-    import kdacp.kda as kda_module
     args = make_kda_inputs(2, 70, 1, 2, 16, 8, gate="safe", initial_state=True, seed=3)
     o_grad, final_grad = chunk_kda(**args, output_final_state=True, backend="torch")
     assert o_grad.grad_fn is not None and final_grad.grad_fn is not None
@@ -67,7 +66,7 @@ def test_chunk_kda_takes_autograd_only_where_a_gradient_is_wanted(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("ChunkKDAFunction.apply ran without a gradient to form")
 
-    monkeypatch.setattr(kda_module.ChunkKDAFunction, "apply", refuse)
+    monkeypatch.setattr(ChunkKDAFunction, "apply", refuse)
     with torch.no_grad():
         o, final = chunk_kda(**args, output_final_state=True, backend="torch")
     plain = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
