@@ -95,6 +95,17 @@ def _rank_counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _sync_intervals(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated numbers of mixer layers between attention layers, each >= 0."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0 such as 0,3, got {text!r}")
+    return values
+
+
 def _scaling_case(args: argparse.Namespace) -> dict:
     """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
     link = {name: value * scale for name, value, scale in (
@@ -105,6 +116,10 @@ def _scaling_case(args: argparse.Namespace) -> dict:
                 backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
         case["world_sizes"] = args.predict_ranks
+    if args.step_layers is not None:
+        case["step_layers"] = args.step_layers
+    if args.sync_every is not None:
+        case["sync_every"] = args.sync_every
     return case
 
 
@@ -226,7 +241,8 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
                   "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
-                  "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",)}
+                  "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
+                  "step_layers": ("scaling",), "sync_every": ("scaling",)}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -482,6 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
                        help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
+    bench.add_argument("--step-layers", type=_positive_int, default=None,
+                       help="scaling suite: token-mixer layers of the step model's training step (default: 36, "
+                            "Qwen3-Next-80B's Gated DeltaNet layers)")
+    bench.add_argument("--sync-every", type=_sync_intervals, default=None,
+                       help="scaling suite: comma-separated mixer layers between attention layers, a step model "
+                            "row each; 0: none (default: 0,3)")
     bench.add_argument("--sleep-check", action="store_true",
                        help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
                             "whose stages sleep (no compute, so no contention for cores)")

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from kdacp.bench.scaling_model import fla_programs, predict, route_path, simulate, simulate_shared
+from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, simulate, simulate_shared,
+                                       step_programs)
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes, chain_route, programs
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 from kdacp.distributed.plan import STRATEGIES
@@ -71,3 +72,59 @@ def test_predict_is_route_path_on_the_chain():
     for strategy in STRATEGIES:
         if strategy != "auto":
             assert predict(strategy, 4, TIMES, LINK).forward_s == route_path(strategy, emits, affine, stages, TIMES, LINK)
+
+
+# ---------------------------------------------------------------------------------------------
+# the training step of several layers (predict_step): ranks go on to their next layer
+
+
+def test_step_by_hand_ranks_fall_into_a_wavefront():
+    # P = 2, p2p, no backward work. Rank 0's layers take 3 each (send at 1, 4, 7; done 9). Rank 1: layer 0 waits
+    # for the state (1 + link 0.5) and ends at 5.5; layer 1's ready ends 6.0 after the state came (4.5): 10.0;
+    # layer 2: 14.5. The loss meets at 14.5; the backward's messages arrive 0.5 later: 15.0. Layer by layer
+    # the forward would be 5.5 each and the backward 0.5 each: 18.
+    step = predict_step("p2p", 2, TIMES, layers=3, link=LINK)
+    assert step.step_s == pytest.approx(15.0) and step.one_device_s == pytest.approx(15.0)
+    assert 3 * predict("p2p", 2, TIMES, LINK).step_s == pytest.approx(18.0)
+
+
+def _random_times(seed: int) -> StageTimes:
+    rng = random.Random(seed)
+
+    def role():
+        return RoleStages(rng.random(), rng.random(), rng.random())
+    return StageTimes(forward={r: role() for r in ("first", "through", "last")},
+                      backward={r: role() for r in ("first", "through", "last")}, one_device=(1.5, 2.5),
+                      apply_s=0.1, compose_s=0.2, copy_s_per_byte=1e-3, state_bytes=10, summary_bytes=30,
+                      fla_summary=(0.4, 0.5), fla_one_device=(1.6, 2.7), fla_fold_s=0.05)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+def test_one_layer_step_and_a_barrier_every_layer_compose_layer_by_layer(P):
+    times, link = _random_times(P), Link(latency_s=0.2, bandwidth=50.0, gather_latency_s=0.1, gather_bandwidth=80.0)
+    for strategy in ("p2p", "allgather", "scan", "fla"):
+        one = predict(strategy, P, times, link)
+        assert predict_step(strategy, P, times, 1, link=link).step_s == pytest.approx(one.step_s), strategy
+        # every rank meeting after each layer leaves nothing to overlap: layers times one layer
+        assert predict_step(strategy, P, times, 4, 1, link).step_s == pytest.approx(4 * one.step_s), strategy
+        free = predict_step(strategy, P, times, 4, 0, link).step_s
+        assert free <= 4 * one.step_s + 1e-9, strategy
+        hybrid = predict_step(strategy, P, times, 4, 2, link)
+        assert free - 1e-9 <= hybrid.step_s <= 4 * one.step_s + 1e-9 and hybrid.one_device_s == pytest.approx(4 * one.one_device_s)
+
+
+@pytest.mark.parametrize("P", [2, 5])
+def test_step_simulators_agree_with_a_core_each(P):
+    times, link = _random_times(10 + P), Link(latency_s=0.2, bandwidth=50.0, gather_latency_s=0.1, gather_bandwidth=80.0)
+    for strategy in ("p2p", "allgather", "scan", "fla"):
+        progs = step_programs(strategy, P, times, 3, 2)
+        assert simulate_shared(progs, link, cores=P) == pytest.approx(simulate_dedicated(progs, link)), strategy
+
+
+def test_step_bad_arguments():
+    with pytest.raises(ValueError, match="layers must be an int >= 1"):
+        predict_step("p2p", 2, TIMES, 0)
+    with pytest.raises(ValueError, match="sync_every must be an int >= 0"):
+        predict_step("p2p", 2, TIMES, 2, -1)
+    with pytest.raises(ValueError, match="P must be an int >= 2"):
+        predict_step("p2p", 1, TIMES, 2)

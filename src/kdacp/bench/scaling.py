@@ -21,7 +21,12 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
 
 Rows: ``source="setup"`` and ``"stages"`` (the calibration), ``"model"`` per ``P`` of ``world_sizes``:
 each strategy's predicted step (forward + backward critical path) in ms and over one device's
-(``<s>_ratio``), and the best of kdacp's three. With ``validate`` (two or more ranks):
+(``<s>_ratio``), and the best of kdacp's three: one layer, each rank waiting for that layer's messages
+as if nothing came after it. ``"step model"`` per ``P`` and ``sync_every``: a training step of
+``step_layers`` token-mixer layers (:func:`~kdacp.bench.scaling_model.predict_step`: a rank goes on to
+its next layer as soon as its own work allows; every rank meets at the loss and, with ``sync_every``,
+at an attention layer after every ``sync_every`` mixer layers), over ``step_layers`` one-device steps.
+With ``validate`` (two or more ranks):
 ``"measured"`` rows, ``chunk_kda`` forward+backward steps of each strategy on the first ``P`` ranks
 for ``P = 2 ..`` the group's size (round-robin, the slowest rank's time of each step, median over
 steps) over a 1-rank group's step, beside ``"model, shared cores"`` rows: the model with the ranks
@@ -30,10 +35,14 @@ which the dedicated-device model would not see). Other jobs on the machine slow 
 measurement by different, changing amounts; the measured rows carry the load average.
 ``sleep_check`` tests the composition where that does not reach: ranks whose stages sleep
 (:class:`SleepBackend`), so they need no core, with real orchestration, exchanges and link
-(``"sleep-stage measured"`` against ``"sleep-stage model"`` rows, a device per rank). ``measured``
-(a ``cp`` suite JSON) adds its rows as ``"measured (cp suite)"``.
+(``"sleep-stage measured"`` against ``"sleep-stage model"`` rows, a device per rank), and the step
+composition (:func:`sleep_step_check`): ``SLEEP_STEP_LAYERS`` layers of ranks sleeping :data:`CHAIN_STAGES`, forwards, the loss's
+all-reduce, backwards (``"sleep-stage step measured"``, with each strategy's error of the step model
+and of the layer-by-layer one, against ``"sleep-stage step model"``). ``measured`` (a ``cp`` suite
+JSON) adds its rows as ``"measured (cp suite)"``.
 
     kdacp bench --suite scaling [--seq-lens 16384] [--link-latency-us 20 --link-bandwidth-gbs 300 ...]
+                                [--step-layers 36 --sync-every 0,3]
 """
 from __future__ import annotations
 
@@ -56,8 +65,8 @@ from kdacp.kda import chunk_kda
 from .calibration import OPTIONS, Calibration, calibration_rows, make_inputs, measure_stages, op_times
 from .harness import PlotSpec, markdown_table
 from .link import measure_link
-from .scaling_model import MODEL_STRATEGIES, predict
-from .sleep_backend import SleepBackend, sleep_inputs
+from .scaling_model import MODEL_STRATEGIES, predict, predict_step
+from .sleep_backend import CHAIN_STAGES, SleepBackend, sleep_inputs
 from .stage_probe import sync, time_roles
 
 MULTI_RANK = True
@@ -67,12 +76,15 @@ PLOTS = {"scaling": PlotSpec(x="P", y=tuple(f"{s}_ratio" for s in MODEL_STRATEGI
                              title="per-rank step / one device\n(lines: model, crosses: measured)", ylabel="ratio")}
 
 WORLD_SIZES = tuple(2 ** i for i in range(1, 11))
+# Qwen3-Next-80B-A3B's default config: 48 layers, an attention layer after every 3 Gated DeltaNet layers.
+STEP_LAYERS, SYNC_EVERY = 36, (0, 3)
+SLEEP_STEP_LAYERS = 4
 
 
 def run(t_local: int | None = None, heads: int | None = None, head_dim: int | None = None, backend: str | None = None,
         world_sizes=WORLD_SIZES, link: dict | None = None, validate: bool = True, sleep_check: bool = False,
         measured: str | None = None, iters: int = 7, cores: int | None = None, group=None, device: str = "cuda",
-        report=None) -> list[dict]:
+        step_layers: int = STEP_LAYERS, sync_every=SYNC_EVERY, report=None) -> list[dict]:
     """Calibrate on this machine and predict (see the module docstring); call on every rank.
 
     Args:
@@ -88,9 +100,12 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
         measured: a ``cp`` suite JSON whose rows at ``t_local`` are drawn as measured points.
         cores: cores the ranks share, for the ``shared cores`` model rows (default: this process's
             CPU affinity on CPU; on CUDA none, a device per rank).
+        step_layers, sync_every: the ``step model`` rows' token-mixer layers per step, and the mixer
+            layers between attention layers (each value a row per ``P``; 0: none).
 
     Raises:
-        ValueError: a ``P`` below 2, or an unknown ``link`` field.
+        ValueError: a ``P`` below 2, an unknown ``link`` field, ``step_layers`` below 1 or a
+            ``sync_every`` value below 0.
     """
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -101,6 +116,11 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
     world_sizes = tuple(world_sizes)
     if any(isinstance(P, bool) or not isinstance(P, int) or P < 2 for P in world_sizes):
         raise ValueError(f"world_sizes must be ints >= 2, got {world_sizes}")
+    sync_every = tuple(sync_every)
+    if isinstance(step_layers, bool) or not isinstance(step_layers, int) or step_layers < 1:
+        raise ValueError(f"step_layers must be an int >= 1, got {step_layers!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sync_every):
+        raise ValueError(f"sync_every must be ints >= 0, got {sync_every}")
     unknown = set(link or {}) - set(Link.__dataclass_fields__)
     if unknown:
         raise ValueError(f"link fields must be among {tuple(Link.__dataclass_fields__)}, got {sorted(unknown)}")
@@ -128,6 +148,10 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
                                 {s: p.one_device_s * 1e3 for s, p in pred.items()}))
         if report is not None:
             report(rows[-1])
+    for P in world_sizes:
+        for every in sync_every:
+            pred = {s: predict_step(s, P, stages, step_layers, every, cal.link) for s in MODEL_STRATEGIES}
+            rows.append(_step_row("step model", P, t_local, pred))
     if validate and P_group > 1:
         rows += _validate(cal, t_local, heads, head_dim, backend, dtype, dev, group, cores, iters, report)
     if sleep_check and P_group > 1:
@@ -192,7 +216,63 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
                 if report is not None:
                     report(rows[-2])
         dist.barrier(group)
+    return rows + sleep_step_check(link, group, iters, report)
+
+
+def sleep_step_check(link: Link = DEFAULT_LINK, group=None, iters: int = 7, report=None,
+                     layers: int = SLEEP_STEP_LAYERS) -> list[dict]:
+    """Training steps of ``layers`` layers of :data:`CHAIN_STAGES` sleepers (forwards, the loss's
+    all-reduce, backwards; real exchanges, slowest rank, median) at ``P = 2 ..`` the group's size,
+    against the step model and the layer-by-layer composition times ``layers``; call on every rank.
+    Rank 0 returns the rows (``<s>_model_err``: the step model over measured, minus one;
+    ``<s>_layer_model_err``: ``layers`` times the one-layer model's), the others none."""
+    rank, P_group = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
+    subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}  # collective: every rank, same order
+    T, dev = 64, torch.device("cpu")
+    backend, inputs = SleepBackend(T, CHAIN_STAGES), sleep_inputs(T)
+    times = None
+    if rank == 0:
+        roles, one = time_roles(backend, inputs, torch.float32, dev, iters)
+        times = StageTimes(forward={r: f for r, (f, _) in roles.items()},
+                           backward={r: b for r, (_, b) in roles.items()}, one_device=one,
+                           **op_times(1, 1, 16, 16, torch.float32, dev, iters))
+    rows = []
+    for P in range(2, P_group + 1):
+        if rank < P:
+            sub = subgroups[P]
+            plans = {s: build_cp_plan(batch_size=1, group=sub, strategy=s) for s in STRATEGIES}
+            do = torch.zeros(1, T, 1, 16)
+
+            def step(plan):
+                outs = [cp_forward(backend, plan, inputs, None, False, torch.float32) for _ in range(layers)]
+                dist.all_reduce(torch.zeros(1), group=sub)  # the loss: every rank meets
+                for out in reversed(outs):
+                    cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do,
+                                None, False, False)
+            ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, sub, dev, iters)
+            if rank == 0:
+                one_ms = layers * sum(times.one_device) * 1e3
+                row = _ratios_row("sleep-stage step measured", P, T, ms, dict.fromkeys(ms, one_ms))
+                pred = {s: predict_step(s, P, times, layers, 0, link) for s in STRATEGIES}
+                row["layers"] = layers
+                for s in STRATEGIES:
+                    row[f"{s}_model_err"] = pred[s].step_s * 1e3 / ms[s] - 1
+                    row[f"{s}_layer_model_err"] = layers * predict(s, P, times, link).step_s * 1e3 / ms[s] - 1
+                rows += [row, _step_row("sleep-stage step model", P, T, pred)]
+                if report is not None:
+                    report(row)
+        dist.barrier(group)
     return rows
+
+
+def _step_row(source: str, P: int, T: int, pred: dict) -> dict:
+    """A row of :class:`~kdacp.bench.scaling_model.StepPrediction` per strategy (one ``P``, one stack)."""
+    first = next(iter(pred.values()))
+    ratios = _ratios_row(source, P, T, {s: p.step_s * 1e3 for s, p in pred.items()},
+                         {s: p.one_device_s * 1e3 for s, p in pred.items()})
+    return dict(source=source, P=P, T_local=T, layers=first.layers, sync_every=first.sync_every, **{
+        k: v for k, v in ratios.items() if k not in ("source", "P", "T_local")})
 
 
 def _compare(kind: str, P: int, T: int, ms: dict, one_ms: float, pred: dict) -> list[dict]:

@@ -1,7 +1,15 @@
 """The scaling benchmark's side of the cost model (:mod:`kdacp.distributed.cost_model`): whole-step
 predictions for one sequence over ``P`` ranks, FLA 0.6.0's scheme, and the simulation of ranks that
 share fewer cores than there are ranks (a CPU running ``P`` processes). Kept out of the runtime
-import path of ``strategy="auto"``, which needs neither."""
+import path of ``strategy="auto"``, which needs neither.
+
+Two compositions: :func:`predict` adds one layer's forward and backward critical paths (each rank
+waits for every message of that layer as if nothing came after it); :func:`predict_step` runs a
+training step of ``layers`` token-mixer layers, where a rank goes on to its next layer as soon as its
+own work allows (kdacp's exchange posts each layer's receive at its start and never blocks a send),
+so the ranks fall into a wavefront: a later rank lags an earlier one by one layer's chain excess, paid
+once per stretch between points where every rank meets (the loss; the attention layers of a hybrid
+model), not once per layer."""
 from __future__ import annotations
 
 import math
@@ -9,10 +17,11 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, deadlock_error,
-                                         programs)
+                                         join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "Prediction", "fla_programs", "predict", "route_path", "simulate", "simulate_shared"]
+__all__ = ["MODEL_STRATEGIES", "Prediction", "StepPrediction", "fla_programs", "predict", "predict_step", "route_path",
+           "simulate", "simulate_shared", "step_programs"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 
@@ -56,8 +65,8 @@ def simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> li
     pc, left = [0] * P, [None] * P
     finish: list[float | None] = [None] * P
     arrivals: dict = defaultdict(deque)
-    joined: list[tuple[float, int]] = []
-    gather_end: float | None = None
+    joined: dict = defaultdict(list)
+    gather_end: dict = {}
     t = 0.0
     while True:
         for i in range(P):  # run every position up to its next compute or blocking op
@@ -81,12 +90,10 @@ def simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> li
                     if not queue or queue[0] > t + _EPS:
                         break
                     queue.popleft()
-                elif kind == "gather":
-                    joined.append((t, op[1]))
-                    if len(joined) == P:
-                        gather_end = max(s for s, _ in joined) + link.all_gather(P, max(b for _, b in joined))
+                elif kind in ("gather", "barrier"):
+                    gather_end.update(join_gather(joined, op[1], t, op[2] if kind == "gather" else None, P, link))
                 elif kind == "wait":
-                    if gather_end is None or gather_end > t + _EPS:
+                    if op[1] not in gather_end or gather_end[op[1]] > t + _EPS:
                         break
                 else:
                     raise ValueError(f"unknown op {op!r}")
@@ -101,8 +108,8 @@ def simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> li
                 op = programs[i][pc[i]]
                 if op[0] == "recv" and arrivals[(op[1], i)]:
                     events.append(arrivals[(op[1], i)][0])
-                elif op[0] == "wait" and gather_end is not None:
-                    events.append(gather_end)
+                elif op[0] == "wait" and op[1] in gather_end:
+                    events.append(gather_end[op[1]])
         if not events:
             raise deadlock_error(finish)
         t_next = min(events)
@@ -111,12 +118,31 @@ def simulate_shared(programs: list[list[tuple]], link: Link, cores: float) -> li
         t = t_next
 
 
-def fla_programs(P: int, direction: str, times: StageTimes) -> list[list[tuple]]:
-    """FLA 0.6.0's all-gather scheme for one sequence over ``P`` ranks, positions in flow order."""
+@dataclass(frozen=True)
+class StepPrediction:
+    """One training step of ``layers`` token-mixer layers (:func:`predict_step`): the slowest rank's
+    finish and one device's step on the same tokens per rank, seconds."""
+
+    strategy: str
+    P: int
+    layers: int
+    sync_every: int
+    step_s: float
+    one_device_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
+
+
+def fla_programs(P: int, direction: str, times: StageTimes, gather_key=0) -> list[list[tuple]]:
+    """FLA 0.6.0's all-gather scheme for one sequence over ``P`` ranks, positions in flow order;
+    ``gather_key`` names its all-gather."""
     k = 0 if direction == "forward" else 1
     nbytes = times.summary_bytes
     return [([("compute", times.fla_summary[k])] if i < P - 1 else [])
-            + [("gather", nbytes), ("wait",), ("compute", i * times.fla_fold_s), ("compute", times.fla_one_device[k])]
+            + [("gather", gather_key, nbytes), ("wait", gather_key), ("compute", i * times.fla_fold_s),
+               ("compute", times.fla_one_device[k])]
             for i in range(P)]
 
 
@@ -132,14 +158,77 @@ def route_path(strategy: str, emits, affine, stages: list[RoleStages], times: St
     return max(simulate(programs(strategy, emits, affine, stages, times), link, cores))
 
 
-def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
-            ) -> Prediction:
-    """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
-    forward and backward critical paths, and one device's step on the same tokens per rank."""
+def _check(strategy: str, P: int) -> None:
     if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"strategy must be one of {MODEL_STRATEGIES}, got {strategy!r}")
     if isinstance(P, bool) or not isinstance(P, int) or P < 2:
         raise ValueError(f"P must be an int >= 2, got {P!r}")
+
+
+def _layer_programs(strategy: str, P: int, direction: str, times: StageTimes, key) -> list[list[tuple]]:
+    """One layer's programs in one direction, by rank (the backward's positions run from the last rank,
+    their messages' peers mapped back to ranks)."""
+    if strategy == "fla":
+        progs = fla_programs(P, direction, times, key)
+    else:
+        emits, affine = chain_route(P)
+        per_role = times.forward if direction == "forward" else times.backward
+        ranks = range(P) if direction == "forward" else reversed(range(P))
+        progs = programs(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times, key)
+    if direction == "forward":
+        return progs
+    flip = [[(o[0], P - 1 - o[1], *o[2:]) if o[0] in ("send", "recv") else o for o in prog] for prog in progs]
+    return flip[::-1]
+
+
+def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0) -> list[list[tuple]]:
+    """Every rank's program of one training step (rank order): the ``layers`` token-mixer layers'
+    forwards in order, a barrier for the loss (every rank joins it: the global token count, as
+    :func:`kdacp.models.batch.global_token_mean_loss` all-reduces), the backwards in reverse order. With
+    ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it, backward), for a
+    hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear and
+    Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled."""
+    progs = [[] for _ in range(P)]
+
+    def barrier(key):
+        for prog in progs:
+            prog += [("barrier", key), ("wait", key)]
+
+    def attention_after(layer: int) -> bool:
+        return bool(sync_every) and (layer + 1) % sync_every == 0 and layer + 1 < layers
+
+    for layer in range(layers):
+        for prog, mine in zip(progs, _layer_programs(strategy, P, "forward", times, ("forward", layer))):
+            prog += mine
+        if attention_after(layer):
+            barrier(("attention forward", layer))
+    barrier("loss")
+    for layer in reversed(range(layers)):
+        if attention_after(layer):
+            barrier(("attention backward", layer))
+        for prog, mine in zip(progs, _layer_programs(strategy, P, "backward", times, ("backward", layer))):
+            prog += mine
+    return progs
+
+
+def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,
+                 link: Link = DEFAULT_LINK, cores: float | None = None) -> StepPrediction:
+    """One sequence split evenly over ``P >= 2`` ranks, a training step of ``layers >= 1`` token-mixer
+    layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
+    _check(strategy, P)
+    for name, value, low in (("layers", layers, 1), ("sync_every", sync_every, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    finish = simulate(step_programs(strategy, P, times, layers, sync_every), link, cores)
+    one = times.fla_one_device if strategy == "fla" else times.one_device
+    return StepPrediction(strategy, P, layers, sync_every, max(finish), layers * sum(one))
+
+
+def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
+            ) -> Prediction:
+    """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
+    forward and backward critical paths, and one device's step on the same tokens per rank."""
+    _check(strategy, P)
     emits, affine = chain_route(P)
     paths = []
     for direction, per_role in (("forward", times.forward), ("backward", times.backward)):

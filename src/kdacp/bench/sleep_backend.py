@@ -8,29 +8,38 @@ import torch
 from kdacp.affine import StateSummary
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 
-__all__ = ["SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
+__all__ = ["CHAIN_STAGES", "SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
 
 # Seconds each stage of SleepBackend sleeps for a whole rank's tokens, ten times an H200's at 16K
 # tokens: the summaries and state passes from issue 3's figures, the other stages a rough split of
 # the rest of the 10.45 ms one-GPU step (issue 4).
 SLEEP_STAGES = dict(prepare=0.015, state_summary=0.004, state_pass=0.004, output=0.008, backward_local=0.020,
                     state_gradient_summary=0.004, backward_states=0.004, backward_inputs=0.035)
+# Stages whose chain dominates: the state passes (what a receiving rank waits for, then runs) are most
+# of a layer, so composing a step layer by layer and as a wavefront (:func:`~kdacp.bench.scaling_model.
+# predict_step`) differ by far more than a measurement's spread.
+CHAIN_STAGES = dict(prepare=0.002, state_summary=0.004, state_pass=0.010, output=0.002, backward_local=0.002,
+                    state_gradient_summary=0.004, backward_states=0.010, backward_inputs=0.002)
 
 
 class SleepBackend:
-    """A :class:`~kdacp.backends.base.LocalBackend` whose stages sleep (:data:`SLEEP_STAGES`, times the
-    span's share of the rank's tokens) and return zeros of the right shapes. Ranks that sleep use no
-    core, so on a CPU shared by more ranks than cores (and by other jobs) they behave as if each had
-    its own device: the orchestration, the exchanges and the link are real, the compute is not."""
+    """A :class:`~kdacp.backends.base.LocalBackend` whose stages sleep (``stages``, default
+    :data:`SLEEP_STAGES`: seconds for the whole rank's ``tokens``, times the span's share of them) and
+    return zeros of the right shapes. Ranks that sleep use no core, so on a CPU shared by more ranks
+    than cores (and by other jobs) they behave as if each had its own device: the orchestration, the
+    exchanges and the link are real, the compute is not."""
 
     name = "sleep"
     dtype = torch.float32
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, stages: dict | None = None):
         self.tokens = tokens
+        self.stages = SLEEP_STAGES if stages is None else stages
+        if set(self.stages) != set(SLEEP_STAGES):
+            raise ValueError(f"stages must give seconds for exactly {sorted(SLEEP_STAGES)}, got {sorted(self.stages)}")
 
     def _sleep(self, stage: str, span) -> None:
-        time.sleep(SLEEP_STAGES[stage] * (span.end - span.start) / self.tokens)
+        time.sleep(self.stages[stage] * (span.end - span.start) / self.tokens)
 
     def _zeros(self, n: int, *shape):
         return torch.zeros(n, *shape, dtype=self.dtype)

@@ -12,8 +12,11 @@ Positions ``i = 0 .. P-1`` follow the direction states flow (forward: rank ``i``
   computing at once share that many cores, each at rate ``min(1, cores / computing)``);
 - ``send(j, bytes)``: does not block; the message arrives at ``j`` ``link.p2p(bytes)`` later;
 - ``recv(j)``: blocks until the next message from ``j`` has arrived;
-- ``gather(bytes)``: joins the one all-gather and goes on; it starts when every position has joined
-  and ends ``link.all_gather(P, bytes)`` later, for all; ``wait``: blocks until it has ended.
+- ``gather(key, bytes)``: joins the all-gather named ``key`` and goes on; it starts when every position
+  has joined it and ends ``link.all_gather(P, bytes)`` later, for all; ``wait(key)``: blocks until it
+  has ended. A program may join several, each under its own key (one per layer of a whole step).
+  ``barrier(key)``: as ``gather`` with no link time (it ends when the last position joins): a point
+  where every rank meets, whatever it costs (a training step's loss, a hybrid model's attention).
 
 Stage times come per rank role (``first``: rank 0, ``through``: strictly inside the chain, ``last``:
 rank P-1) and direction, as the orchestration (:mod:`.orchestration`) runs them: ``ready`` (local
@@ -32,7 +35,7 @@ so after the through ranks' ``ready`` the chain is one hop (link + apply) per th
 
 ``allgather``::
 
-    compute(ready); gather(summary, with M when any rank is through); compute(between); wait;
+    compute(ready); gather(key, summary, with M when any rank is through); compute(between); wait(key);
     compute(stack of P summaries + (chain before i - 1) x apply); compute(after)
 
 ``scan`` (the rounds of :func:`~.strategies.scan_schedule`, ``ceil(log2 P)`` of them)::
@@ -62,7 +65,7 @@ from dataclasses import dataclass, field
 
 from .strategies import scan_schedule
 
-__all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "simulate", "deadlock_error", "chain_route", "programs",
+__all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "simulate", "deadlock_error", "join_gather", "chain_route", "programs",
            "exchange_stage_times", "choose_strategy"]
 
 ROLES = ("first", "through", "last")
@@ -156,8 +159,8 @@ def simulate(programs: list[list[tuple]], link: Link) -> list[float]:
     clock, pc = [0.0] * P, [0] * P
     finish: list[float | None] = [None] * P
     arrivals: dict = defaultdict(deque)
-    joined: list[tuple[float, int]] = []
-    gather_end: float | None = None
+    joined: dict = defaultdict(list)  # gather key -> [(clock, bytes)] of the positions that joined
+    gather_end: dict = {}
     work = deque(range(P))
     while work:
         i = work.popleft()
@@ -175,15 +178,14 @@ def simulate(programs: list[list[tuple]], link: Link) -> list[float]:
                 if not queue:
                     break
                 clock[i] = max(clock[i], queue.popleft())
-            elif kind == "gather":
-                joined.append((clock[i], op[1]))
-                if len(joined) == P:
-                    gather_end = max(s for s, _ in joined) + link.all_gather(P, max(b for _, b in joined))
+            elif kind in ("gather", "barrier"):
+                gather_end.update(join_gather(joined, op[1], clock[i], op[2] if kind == "gather" else None, P, link))
+                if op[1] in gather_end:
                     work.extend(range(P))
             elif kind == "wait":
-                if gather_end is None:
+                if op[1] not in gather_end:
                     break
-                clock[i] = max(clock[i], gather_end)
+                clock[i] = max(clock[i], gather_end[op[1]])
             else:
                 raise ValueError(f"unknown op {op!r}")
             pc[i] += 1
@@ -194,6 +196,17 @@ def simulate(programs: list[list[tuple]], link: Link) -> list[float]:
     return finish
 
 
+def join_gather(joined: dict, key, t: float, nbytes: int | None, P: int, link: Link) -> dict:
+    """Record a position joining the all-gather ``key`` at ``t`` (``nbytes`` None: a barrier, no link
+    time); ``{key: end}`` once all ``P`` have joined, else ``{}``."""
+    joined[key].append((t, nbytes))
+    if len(joined[key]) < P:
+        return {}
+    last = max(s for s, _ in joined[key])
+    sizes = [b for _, b in joined[key] if b is not None]
+    return {key: last + (link.all_gather(P, max(sizes)) if sizes else 0.0)}
+
+
 def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """``(emits, affine)`` by position of one sequence split over ``P`` ranks (either direction)."""
     emits = (1,) * (P - 1) + (0,)
@@ -201,10 +214,11 @@ def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     return emits, affine
 
 
-def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes) -> list[list[tuple]]:
+def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, gather_key=0
+             ) -> list[list[tuple]]:
     """Every position's program for ``strategy`` (``p2p``, ``allgather``, ``scan``) on one route:
     ``emits``/``affine`` by position (as :class:`~.strategies.Route`'s, in its order), ``stages[i]``
-    position ``i``'s local work."""
+    position ``i``'s local work; ``gather_key`` names the all-gather (``allgather``)."""
     P = len(emits)
     state, summary = times.state_bytes, times.summary_bytes
     incoming = [i > 0 and emits[i - 1] > 0 for i in range(P)]
@@ -234,10 +248,10 @@ def programs(strategy: str, emits, affine, stages: list[RoleStages], times: Stag
                 prog += [("compute", times.apply_s), ("send", i + 1, state)]
         elif strategy == "allgather":
             if any(emits):
-                prog.append(("gather", summary if any(affine) else state))
+                prog.append(("gather", gather_key, summary if any(affine) else state))
             prog.append(("compute", s.between))
             if any(emits):
-                prog.append(("wait",))
+                prog.append(("wait", gather_key))
                 stack = P * (summary if any(affine) else state) * times.copy_s_per_byte
                 prog.append(("compute", stack + max(chain[i] - 1, 0) * times.apply_s))
         elif strategy == "scan":
