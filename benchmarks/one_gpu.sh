@@ -20,13 +20,15 @@
 #                                       # layer with its fastest (fourteenth session: run; RESULTS.md)
 #   bash benchmarks/one_gpu.sh 7 $OUT   # the conv GPU tests with the shipped tilings; the gdn suite with its
 #                                       # training rows and device-time columns (fourteenth session: run)
-#   bash benchmarks/one_gpu.sh 8 $OUT   # not yet run: the determinism and 1M-token GPU tests with the short
-#                                       # convolution's pipelined backward and its reduction kernel (fourteenth)
+#   bash benchmarks/one_gpu.sh 8 $OUT   # the determinism and 1M-token GPU tests with the short convolution's
+#                                       # pipelined backward and its reduction kernel (fifteenth session: run)
+#   bash benchmarks/one_gpu.sh 9 $OUT   # issue 32: the scaling suite's stages with the step model's rows (36
+#                                       # mixer layers, none or an attention layer after every 3); the gdn suite
 #
 # Each step has its own time limit, prints one status line and leaves its log under the output folder
 # (and, with ARCHIVE=FILE.tgz set, everything done so far in that one file after each step).
 set -u
-part=${1:?part 1 to 8}
+part=${1:?part 1 to 9}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -77,7 +79,14 @@ elif [ "$part" = 8 ]; then
     tail -1 "$out/determinism.log"
     step long_sequence 380 python3 -m pytest -q -m gpu tests/test_long_sequence_gpu.py
     tail -1 "$out/long_sequence.log"
+elif [ "$part" = 9 ]; then
+    step scaling 200 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
+        --out "$out/scaling"
+    grep -A14 "### step model" "$out/scaling/scaling.md"
+    step gdn 250 python3 -m kdacp.cli bench --suite gdn --device cuda --world-size 1 --seq-lens 16384,32768 \
+        --out "$out/gdn"
+    grep "^|" "$out/gdn.log" | tail -9
 else
-    echo "part must be 1 to 8, got $part" >&2
+    echo "part must be 1 to 9, got $part" >&2
     exit 2
 fi
