@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, simulate, simulate_shared,
-                                       step_programs)
+from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, route_step_path, simulate,
+                                       simulate_shared, step_programs)
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes, chain_route, programs
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 from kdacp.distributed.plan import STRATEGIES
@@ -128,3 +128,21 @@ def test_step_bad_arguments():
         predict_step("p2p", 2, TIMES, 2, -1)
     with pytest.raises(ValueError, match="P must be an int >= 2"):
         predict_step("p2p", 1, TIMES, 2)
+
+
+def test_route_step_path_is_predict_step_on_the_chain_and_route_path_for_one_layer():
+    times, P = _random_times(3), 4
+    emits, affine = chain_route(P)
+    fwd = [times.forward["first"], times.forward["through"], times.forward["through"], times.forward["last"]]
+    bwd = [times.backward["first"], times.backward["through"], times.backward["through"], times.backward["last"]][::-1]
+    for strategy in STRATEGIES:
+        if strategy == "auto":
+            continue
+        step = route_step_path(strategy, (emits, affine), (emits, affine), fwd, bwd, times, 5, 2, LINK)
+        assert step == pytest.approx(predict_step(strategy, P, times, 5, 2, LINK).step_s), strategy
+    # a packed layout (position 0 sends its tail's state to 1; 2 neither): one layer is route_path's two directions
+    route, back = ((1, 0, 0), (False,) * 3), ((0, 1, 0), (False,) * 3)
+    f3, b3 = fwd[:1] + fwd[2:], bwd[:1] + bwd[2:]
+    one = route_path("p2p", *route, f3, times, LINK) + route_path("p2p", *back, b3, times, LINK)
+    assert route_step_path("p2p", route, back, f3, b3, times, 1, 0, LINK) == pytest.approx(one)
+    assert route_step_path("p2p", route, back, f3, b3, times, 6, 0, LINK) <= 6 * one + 1e-9

@@ -21,7 +21,7 @@ from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageT
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
 __all__ = ["MODEL_STRATEGIES", "Prediction", "StepPrediction", "fla_programs", "predict", "predict_step", "route_path",
-           "simulate", "simulate_shared", "step_programs"]
+           "route_step_path", "simulate", "simulate_shared", "step_programs"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 
@@ -165,29 +165,19 @@ def _check(strategy: str, P: int) -> None:
         raise ValueError(f"P must be an int >= 2, got {P!r}")
 
 
-def _layer_programs(strategy: str, P: int, direction: str, times: StageTimes, key) -> list[list[tuple]]:
-    """One layer's programs in one direction, by rank (the backward's positions run from the last rank,
-    their messages' peers mapped back to ranks)."""
-    if strategy == "fla":
-        progs = fla_programs(P, direction, times, key)
-    else:
-        emits, affine = chain_route(P)
-        per_role = times.forward if direction == "forward" else times.backward
-        ranks = range(P) if direction == "forward" else reversed(range(P))
-        progs = programs(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times, key)
+def _by_rank(progs: list[list[tuple]], direction: str) -> list[list[tuple]]:
+    """Programs by position in flow order -> by rank: the backward's positions run from the last rank (their
+    messages' peers mapped back to ranks)."""
     if direction == "forward":
         return progs
+    P = len(progs)
     flip = [[(o[0], P - 1 - o[1], *o[2:]) if o[0] in ("send", "recv") else o for o in prog] for prog in progs]
     return flip[::-1]
 
 
-def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0) -> list[list[tuple]]:
-    """Every rank's program of one training step (rank order): the ``layers`` token-mixer layers'
-    forwards in order, a barrier for the loss (every rank joins it: the global token count, as
-    :func:`kdacp.models.batch.global_token_mean_loss` all-reduces), the backwards in reverse order. With
-    ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it, backward), for a
-    hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear and
-    Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled."""
+def _assemble(layer_programs, P: int, layers: int, sync_every: int) -> list[list[tuple]]:
+    """A training step by rank from ``layer_programs(direction, key)`` (one layer, by rank): see
+    :func:`step_programs`."""
     progs = [[] for _ in range(P)]
 
     def barrier(key):
@@ -198,7 +188,7 @@ def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_ev
         return bool(sync_every) and (layer + 1) % sync_every == 0 and layer + 1 < layers
 
     for layer in range(layers):
-        for prog, mine in zip(progs, _layer_programs(strategy, P, "forward", times, ("forward", layer))):
+        for prog, mine in zip(progs, layer_programs("forward", ("forward", layer))):
             prog += mine
         if attention_after(layer):
             barrier(("attention forward", layer))
@@ -206,9 +196,49 @@ def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_ev
     for layer in reversed(range(layers)):
         if attention_after(layer):
             barrier(("attention backward", layer))
-        for prog, mine in zip(progs, _layer_programs(strategy, P, "backward", times, ("backward", layer))):
+        for prog, mine in zip(progs, layer_programs("backward", ("backward", layer))):
             prog += mine
     return progs
+
+
+def _check_stack(layers: int, sync_every: int) -> None:
+    for name, value, low in (("layers", layers, 1), ("sync_every", sync_every, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0) -> list[list[tuple]]:
+    """Every rank's program of one training step (rank order), one sequence over ``P`` ranks: the
+    ``layers`` token-mixer layers' forwards in order, a barrier for the loss (every rank joins it: the
+    global token count, as :func:`kdacp.models.batch.global_token_mean_loss` all-reduces), the backwards in
+    reverse order. With ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it,
+    backward), for a hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear
+    and Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled."""
+    emits, affine = chain_route(P)
+
+    def layer(direction, key):
+        if strategy == "fla":
+            return _by_rank(fla_programs(P, direction, times, key), direction)
+        per_role = times.forward if direction == "forward" else times.backward
+        ranks = range(P) if direction == "forward" else reversed(range(P))
+        stages = [per_role[_role(r, P)] for r in ranks]
+        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+    return _assemble(layer, P, layers, sync_every)
+
+
+def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleStages],
+                    backward_stages: list[RoleStages], times: StageTimes, layers: int, sync_every: int = 0,
+                    link: Link = DEFAULT_LINK, cores: float | None = None) -> float:
+    """The step of :func:`step_programs` (seconds: the slowest rank's finish) on any one layout's routes:
+    ``forward``/``backward`` ``(emits, affine)`` and ``*_stages`` by position in the direction states
+    flow, as :func:`route_path` takes them (a packed batch's layout)."""
+    _check_stack(layers, sync_every)
+    routes = {"forward": (forward, forward_stages), "backward": (backward, backward_stages)}
+
+    def layer(direction, key):
+        (emits, affine), stages = routes[direction]
+        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+    return max(simulate(_assemble(layer, len(forward[0]), layers, sync_every), link, cores))
 
 
 def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,
@@ -216,9 +246,7 @@ def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_eve
     """One sequence split evenly over ``P >= 2`` ranks, a training step of ``layers >= 1`` token-mixer
     layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
     _check(strategy, P)
-    for name, value, low in (("layers", layers, 1), ("sync_every", sync_every, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    _check_stack(layers, sync_every)
     finish = simulate(step_programs(strategy, P, times, layers, sync_every), link, cores)
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return StepPrediction(strategy, P, layers, sync_every, max(finish), layers * sum(one))
