@@ -68,15 +68,19 @@ def _batches(text: str) -> tuple[str, ...]:
     return names
 
 
-def _lengths(text: str) -> tuple[int, ...]:
+def _int_list(text: str, low: int, what: str) -> tuple[int, ...]:
+    """Comma-separated integers, each at least ``low``; else an argparse error naming ``what`` was expected."""
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
         values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 600,250,900,298, "
-                                         f"got {text!r}")
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return values
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    return _int_list(text, 1, "comma-separated positive integers such as 600,250,900,298")
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -97,13 +101,7 @@ def _rank_counts(text: str) -> tuple[int, ...]:
 
 def _sync_intervals(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated numbers of mixer layers between attention layers, each >= 0."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0 such as 0,3, got {text!r}")
-    return values
+    return _int_list(text, 0, "comma-separated integers >= 0 such as 0,3")
 
 
 def _scaling_case(args: argparse.Namespace) -> dict:
