@@ -42,6 +42,8 @@ def _cases(world_size: int) -> list[dict]:
              gate_shift=-4.0),
         dict(name="packed-many-short", B=1, cu=many_short, uneven=False, gate="safe", init=True, final=True, HV=2,
              scale=0.3),
+        # no initial or final states (a training step): the whole sequences before a tail get zero gradients
+        dict(name="packed-many-short-no-states", B=1, cu=many_short, uneven=True, gate="safe"),
         dict(name="packed-random-cuts-fp32", B=1, cu=[0, 33, 34, 70 * P - 50, 70 * P - 3, 70 * P], uneven=True,
              gate="plain", init=True, final=True, dtype=torch.float32),
     ]

@@ -106,34 +106,50 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
 def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
     for rank in range(len(lengths)):
         layout, _, log = _run(rank, cu, lengths, monkeypatch)
-        tail = (layout.tail.start, layout.tail.end)
+        # the span that holds the tail: every segment after the head (a through rank: its one segment)
+        rest = (0, layout.num_tokens) if layout.through else (layout.after_head.start, layout.after_head.end)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
         # backward, gradients flow from the tail's successor to the head's predecessor
         assert (send is not None) == (layout.num_receive > 0) and (receive is not None) == (layout.num_send > 0)
         if send is not None:
-            assert all(stage != "backward_inputs" and (span != tail or layout.through)
+            assert all(stage != "backward_inputs" and (span != rest or layout.through)
                        for stage, span in log[1:send]), log
         if receive is not None:
-            assert all(span == tail for _, span in log[receive + 1:]), log
-            assert any(stage == "backward_local" and span == tail for stage, span in log[1:receive]), log
-            assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != tail), log
+            # after blocking only the passes that need the message, on the span that holds the tail
+            assert [stage for stage, _ in log[receive + 1:]] == ["backward_states", "backward_inputs"], log
+            assert all(span == rest for _, span in log[receive + 1:]), log
+            assert ("backward_local", rest) in log[1:receive], log
+            assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != rest), log
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
-    """Between the shared ``prepare`` and the send, only the pass over the span the message is about:
-    not one that also covers the rank's whole sequences (the second layout has some on both ranks)."""
+    """Between the shared ``prepare`` and the send, only the pass that makes the message: forward the
+    pass over every segment after the head (the tail and the rank's whole sequences in one launch),
+    backward the head's local work and pass."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
-        whole, head, tail = ((s.start, s.end) for s in (layout.whole, layout.head, layout.tail))
+        whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
         if layout.num_send:
-            made = ("state_summary", head) if layout.through else ("state_pass", tail)
+            made = ("state_summary", head) if layout.through else ("state_pass", rest)
             assert forward[1:_index(forward, "send")] == [("prepare", whole), made], forward
         if layout.num_receive:
-            made = ([("backward_local", tail), ("state_gradient_summary", tail)] if layout.through
+            made = ([("backward_local", head), ("state_gradient_summary", head)] if layout.through
                     else [("backward_local", head), ("backward_states", head)])
             assert backward[1:_index(backward, "send")] == made, backward
+
+
+@pytest.mark.parametrize("cu, lengths", LAYOUTS)
+def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
+    """What one device launches once over the rank's tokens, a rank launches once per span: over the
+    head and over everything after it (not the tail alone and the whole sequences before it apart)."""
+    for rank in range(len(lengths)):
+        layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
+        spans = {(s.start, s.end) for s in (layout.whole, layout.head, layout.after_head)}
+        for log in (forward, backward):
+            assert {span for _, span in log if span is not None} <= spans, log
+            assert len(set(log)) == len(log), log
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])

@@ -1,35 +1,38 @@
 """Forward and backward orchestration of one rank's context-parallel chunk KDA: the rank's schedule.
 
 The spans are the plan's (:class:`~kdacp.distributed.plan.RankLayout`): ``head`` (sequences begun on
-an earlier rank), ``tail`` (sequences continued on a later rank), ``after_head``, ``before_tail``.
-Each direction runs in critical-path order: what a peer waits for first, its message posted the
-moment it exists, then all work that needs no incoming message, and the blocking receive last.
+an earlier rank) and ``rest`` (``after_head``: sequences that start here, the last of which, the tail,
+may continue on a later rank). Each direction runs in critical-path order: what a peer waits for first,
+its message posted the moment it exists, then all work that needs no incoming message, and the
+blocking receive last.
 
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
            through rank: summary(head) -> message (S_ext, M)
-           else: state_pass(tail) -> message (the tail's final states)
+           else: state_pass(rest) -> message (the tail's final states: the pass's last rows)
            send                                          p2p: to rank + 1; allgather: the gather starts
-           state_pass(between), output(between), output(tail)
+           output(rest)
            receive (block) -> state_pass(head), output(head)
 backward:  begin
-           through rank: backward_local(tail), G(tail) -> message (G, M^T)
+           through rank: backward_local(head), G(head) -> message (G, M^T)
            else: backward_local(head), backward_states(head) -> message (the head's initial-state
                  gradients)
            send
-           backward_local(between), backward_states(between), backward_local(tail),
-           backward_inputs(head), backward_inputs(between)
-           receive (block) -> backward_states(tail), backward_inputs(tail)
+           backward_local(rest), backward_inputs(head)
+           receive (block) -> backward_states(rest; the tail's rows from the message), backward_inputs(rest)
 
-``between``: the segments between head and tail (whole sequences; with no message to send, all of
-``after_head`` forward and ``before_tail`` backward). The pass that makes the message covers only
-the span it is about, so a packed rank posts it before the passes over its whole sequences (one
-launch more per direction there; a rank of one sequence launches as before).
+Every stage runs once per span, over all of the span's segments (one varlen launch set), so a packed
+rank runs what one device runs on the same tokens plus the head's launches, and its gradients are joined
+from at most two parts. The sequences whose pass makes no message (whole ones after the head) ride in the
+same launch as the tail's, rather than after a launch of the tail's alone: that posts the forward's
+message later by their share of the pass (its receiver has its own whole sequences to run meanwhile)
+and the backward's tail work waits for the message with them; measured on one H200 (benchmarks/RESULTS.md,
+fifteenth session), a separate tail cost a packed rank about 0.2 ms of split launches and 0.33 ms of
+concatenated gradients per layer, which a training step pays every layer.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
-``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Every stage
-runs once per span, over all of the span's segments (one varlen launch set). The order is tested
-with a recording exchange in ``tests/distributed/test_schedule.py``.
+``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
+tested with a recording exchange in ``tests/distributed/test_schedule.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from functools import lru_cache
 
 import torch
 
-from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates, Span
+from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
 from . import comm
 from .plan import CPPlan, through_ranks
@@ -135,24 +138,17 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, tail_states = None, None, None
-    through = route.affine[plan.rank]
-    tail, n_between = layout.tail, n_known - layout.num_send  # segments between head and tail
-    if through:
+    message, transition, rest_states, rest_o = None, None, None, None
+    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
-    elif layout.num_send:  # the tail's pass alone: it ends before a pass that also covers whole sequences
-        tail_states = backend.state_pass(chunks, tail, _rows(known_initial, n_between), True)
-        message = AffineMessage(tail_states.final_state)
+    elif not rest.empty:  # one launch over every segment after the head; the tail's states are its last rows
+        rest_states = backend.state_pass(chunks, rest, known_initial, output_final_state or layout.num_send > 0)
+        if layout.num_send:
+            message = AffineMessage(rest_states.final_state[-layout.num_send:])
     exchange.send(pending, message)
-    between = rest if tail_states is None else layout.span(rest.start, tail.start)
-    between_initial = known_initial if tail_states is None else _rows(known_initial, 0, n_between)
-    between_states, between_o, tail_o = None, None, None
-    if not between.empty:
-        between_states = backend.state_pass(chunks, between, between_initial, output_final_state)
-        between_o = backend.output(chunks, between, between_initial, between_states)
-    if tail_states is not None:
-        tail_o = backend.output(chunks, tail, _rows(known_initial, n_between), tail_states)
+    if rest_states is not None:
+        rest_o = backend.output(chunks, rest, known_initial, rest_states)
     incoming = exchange.receive(pending)
     head_states, head_o = None, None
     if not head.empty:
@@ -160,10 +156,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         head_o = backend.output(chunks, head, incoming, head_states)
     pending.finish_sends()
 
-    o = _cat([head_o, between_o, tail_o], 1)
+    o = _cat([head_o, rest_o], 1)
     final_state = None
     if output_final_state:
-        local_final = _cat([s and s.final_state for s in (head_states, between_states, tail_states)], 0)
+        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
         # the segments that end here form a prefix
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
@@ -173,6 +169,18 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     else:
         local_initial = _cat([incoming, known_initial if n_known else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
+
+
+def _stack_rows(known: torch.Tensor | None, n_known: int, incoming: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``dht`` rows of a span: ``n_known`` segments that end here (``known``, ``None`` for zeros), then
+    those that continue on the next rank (``incoming``, ``None`` when none do)."""
+    if incoming is None:
+        return known
+    if n_known == 0:
+        return incoming
+    if known is None:
+        known = incoming.new_zeros(n_known, *incoming.shape[1:])
+    return torch.cat([known, incoming], 0)
 
 
 def _add(a, b):
@@ -205,53 +213,47 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    known, tail = layout.before_tail, layout.tail
-    n_known = len(segments) - layout.num_send
+    head, rest = layout.head, layout.after_head
+    n_head, n_known = layout.num_receive, len(segments) - layout.num_send
 
     def initial_of(first: int, end: int | None = None):
         """The initial states of segments ``[first, end)`` (received, or given; ``None`` for zeros)."""
         return None if first >= layout.num_receive and not has_initial_state else local_initial[first:end]
 
-    def local_work(span: Span, initial: torch.Tensor):
-        kept = head_states if span == layout.head else None
-        return backend.backward_local(saved, span, do[:, span.start:span.end], initial, kept)
+    def final_grads(first: int, end: int | None = None):
+        """``dht`` of segments ``[first, end)`` that end here (``None``: zeros, passed as none)."""
+        return None if dht_all is None else dht_all[_sequences(segments[first:end])]
 
-    def known_pass(span: Span, first: int, end: int):
-        """``backward_local`` and ``backward_states`` of the span of segments ``[first, end)`` (they end here)."""
-        dht = None if dht_all is None else dht_all[_sequences(segments[first:end])]
-        return backend.backward_states(local_work(span, initial_of(first, end)), dht)
-
-    head, n_head = layout.head, layout.num_receive
-    message, head_states_b, tail_local = None, None, None
+    # rest_local: the local backward of segments [rest_first, end): every segment after the head, or on a
+    # through rank its one segment (which both receives and sends)
+    message, head_states_b, rest_local, rest_first = None, None, None, n_head
     if route.affine[plan.rank]:
-        tail_local = local_work(tail, initial_of(n_known))
-        message = AffineMessage(backend.state_gradient_summary(tail_local), transition.transpose(-1, -2))
-    elif n_head:  # the head's pass alone: it ends before a pass that also covers whole sequences
-        head_states_b = known_pass(head, 0, n_head)
+        rest_local, rest_first = backend.backward_local(saved, head, do, initial_of(0), head_states), 0
+        message = AffineMessage(backend.state_gradient_summary(rest_local), transition.transpose(-1, -2))
+    elif n_head:  # the head's segments end here: their pass needs nothing from a successor
+        head_local = backend.backward_local(saved, head, do[:, head.start:head.end], initial_of(0, n_head), head_states)
+        head_states_b = backend.backward_states(head_local, final_grads(0, n_head))
         message = AffineMessage(head_states_b.dinitial_state)
     exchange.send(pending, message)
-    between = known if head_states_b is None else layout.span(head.end, known.end)
-    between_states = None
-    if not between.empty:
-        between_states = known_pass(between, 0 if head_states_b is None else n_head, n_known)
-    if tail_local is None and not tail.empty:
-        tail_local = local_work(tail, initial_of(n_known))
-    known_grads = [backend.backward_inputs(s) for s in (head_states_b, between_states) if s is not None]
+    if rest_local is None and not rest.empty:  # one launch set over every segment after the head
+        rest_local = backend.backward_local(saved, rest, do[:, rest.start:rest.end], initial_of(n_head), None)
+    head_grads = None if head_states_b is None else backend.backward_inputs(head_states_b)
     dS_out = exchange.receive(pending)
-    tail_states, tail_grads = None, None
-    if not tail.empty:
-        tail_states = backend.backward_states(tail_local, dS_out)
-        tail_grads = backend.backward_inputs(tail_states)
+    rest_states = rest_grads = None
+    if rest_local is not None:
+        dht = _stack_rows(final_grads(rest_first, n_known), n_known - rest_first, dS_out)
+        rest_states = backend.backward_states(rest_local, dht)
+        rest_grads = backend.backward_inputs(rest_states)
     pending.finish_sends()
 
-    parts: list[LocalGrads] = [g for g in (*known_grads, tail_grads) if g is not None]
+    parts: list[LocalGrads] = [g for g in (head_grads, rest_grads) if g is not None]
     token = {name: _cat([getattr(g, name) for g in parts], 1) for name in ("dq", "dk", "dv", "dg", "dbeta")}
     dA_log = ddt_bias = None
     for g in parts:
         dA_log, ddt_bias = _add(dA_log, g.dA_log), _add(ddt_bias, g.ddt_bias)
     dinitial_state = None
     if has_initial_state:
-        local = _cat([s and s.dinitial_state for s in (head_states_b, between_states, tail_states)], 0)
+        local = _cat([s and s.dinitial_state for s in (head_states_b, rest_states)], 0)
         # the segments that start here form a suffix
         dinitial_state = _by_sequence(plan, segments, local, slice(layout.num_receive, None))
     return CPGrads(**token, dA_log=dA_log, ddt_bias=ddt_bias, dinitial_state=dinitial_state)

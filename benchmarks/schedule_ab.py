@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""A rank's schedule of this tree against an earlier version's (``kdacp.distributed.orchestration``), in one
+process: each rank role of the overhead suite's 3-rank plan, forward + backward with ready-made incoming
+messages, outputs compared and device time alternating.
+
+    git show REV:src/kdacp/distributed/orchestration.py > OLD.py
+    python benchmarks/schedule_ab.py OLD.py [--batch docs7] [--family kda] [--rounds 7]
+
+Prints per role: the largest relative difference between the versions' ``o`` and input gradients (both run
+the same backend kernels on the same tokens), and each version's device ms per forward + backward
+(:func:`kdacp.bench.timing.time_queued`: calls queued behind a device sleep), with one device's beside.
+``--device cpu`` (kdacp's torch backend, tiny sizes) only checks that the script runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import torch
+
+from kdacp.bench.overhead import ReadyExchange, _call, _plans
+from kdacp.bench.timing import time_queued
+from kdacp.distributed import orchestration as new
+
+
+def load(path: str):
+    """The old module as ``kdacp.distributed._orchestration_old`` (its relative imports resolve in the package)."""
+    spec = importlib.util.spec_from_file_location("kdacp.distributed._orchestration_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def step(module, backend, plan, call, do):
+    """Callable of one forward + backward of ``plan``'s rank by ``module``'s schedule; returns ``(o, grads)``."""
+    exchange = ReadyExchange()
+
+    def run():
+        out = module.cp_forward(backend, plan, call.inputs, None, False, torch.float32, exchange=exchange)
+        grads = module.cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do,
+                                   None, False, False, exchange=exchange)
+        return out.o, grads
+    return run
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("old")
+    p.add_argument("--batch", default="docs7")
+    p.add_argument("--family", default="kda", choices=("kda", "gdn"))
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per rank (default 16384; 256 on CPU)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+    old = load(a.old)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    T = a.seq_len or (16384 if cuda else 256)
+    call, do = _call(a.family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
+                     torch.bfloat16 if cuda else torch.float32, device)
+    print(f"| {a.family} {a.batch} role | o rel diff | max grad rel diff | old ms | new ms | new / old | one device ms |")
+    print("|---|---|---|---|---|---|---|")
+    for role, (plan, one) in _plans(a.batch, T).items():
+        fns = {"old": step(old, call.backend, plan, call, do), "new": step(new, call.backend, plan, call, do),
+               "one": step(new, call.backend, one, call, do)}
+        (o_old, g_old), (o_new, g_new) = fns["old"](), fns["new"]()
+        grad_diff = max(rel(getattr(g_new, n), getattr(g_old, n)) for n in ("dq", "dk", "dv", "dg", "dbeta"))
+        ms = time_queued(fns, 1, a.rounds, 3, device)
+        print(f"| {role} | {rel(o_new, o_old):.2e} | {grad_diff:.2e} | {ms['old']:.3f} | {ms['new']:.3f} | "
+              f"{ms['new'] / ms['old']:.3f} | {ms['one']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
