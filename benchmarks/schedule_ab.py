@@ -7,7 +7,9 @@ messages, outputs compared and device time alternating.
     python benchmarks/schedule_ab.py OLD.py [--batch docs7] [--family kda] [--rounds 7]
 
 Prints per role: the largest relative difference between the versions' ``o`` and input gradients (both run
-the same backend kernels on the same tokens), and each version's device ms per forward + backward
+the same backend kernels on the same tokens; with ``--detail`` each gradient's, and each version's against one
+device on the same tokens, which for the first role of a packed batch, whose incoming value is zero, is the
+same computation), and each version's device ms per forward + backward
 (:func:`kdacp.bench.timing.time_queued`: calls queued behind a device sleep), with one device's beside.
 ``--device cpu`` (kdacp's torch backend, tiny sizes) only checks that the script runs.
 """
@@ -57,6 +59,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per rank (default 16384; 256 on CPU)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--detail", action="store_true", help="each gradient's difference, and against one device")
     a = p.parse_args()
     old = load(a.old)
     device = torch.device(a.device)
@@ -71,6 +74,14 @@ def main() -> int:
                "one": step(new, call.backend, one, call, do)}
         (o_old, g_old), (o_new, g_new) = fns["old"](), fns["new"]()
         grad_diff = max(rel(getattr(g_new, n), getattr(g_old, n)) for n in ("dq", "dk", "dv", "dg", "dbeta"))
+        if a.detail:
+            o_one, g_one = fns["one"]()
+            for n in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+                x = {"old": o_old if n == "o" else getattr(g_old, n), "new": o_new if n == "o" else getattr(g_new, n),
+                     "one": o_one if n == "o" else getattr(g_one, n)}
+                print(f"{role} {n}: new vs old {rel(x['new'], x['old']):.2e}, new vs one device "
+                      f"{rel(x['new'], x['one']):.2e}, old vs one device {rel(x['old'], x['one']):.2e}")
+            continue
         ms = time_queued(fns, 1, a.rounds, 3, device)
         print(f"| {role} | {rel(o_new, o_old):.2e} | {grad_diff:.2e} | {ms['old']:.3f} | {ms['new']:.3f} | "
               f"{ms['new'] / ms['old']:.3f} | {ms['one']:.3f} |")
