@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdacp.bench.overhead import ReadyExchange, _call, _plans, _step
+from kdacp.bench.overhead import ReadyExchange, rank_step, role_call, role_plans
 
 
 def kernel_ms(fn, steps: int, device: torch.device) -> dict:
@@ -52,13 +52,13 @@ def main() -> int:
     cuda = device.type == "cuda"
     T = a.seq_len or (16384 if cuda else 256)
     heads, dim = (32, 128) if cuda else (2, 16)
-    call, do = _call(a.family, "fla" if cuda else "torch", T, heads, dim,
+    call, do = role_call(a.family, "fla" if cuda else "torch", T, heads, dim,
                      torch.bfloat16 if cuda else torch.float32, device)
     exchange = ReadyExchange()
-    for role, (plan, one) in _plans(a.batch, T).items():
+    for role, (plan, one) in role_plans(a.batch, T).items():
         got = {}
         for name, pl in (("rank", plan), ("one", one)):
-            fwd, bwd = _step(call.backend, pl, call, do, torch.float32, exchange)
+            fwd, bwd = rank_step(call.backend, pl, call, do, torch.float32, exchange)
             got[name] = kernel_ms(lambda: (fwd(), bwd()), a.steps, device)
         print(f"## {a.family} {a.batch} {role}: rank {sum(got['rank'].values()):.3f} ms, "
               f"one device {sum(got['one'].values()):.3f} ms per forward + backward")

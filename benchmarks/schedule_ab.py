@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from kdacp.bench.overhead import ReadyExchange, _call, _plans
+from kdacp.bench.overhead import ReadyExchange, role_call, role_plans
 from kdacp.bench.timing import time_queued
 from kdacp.distributed import orchestration as new
 
@@ -65,11 +65,11 @@ def main() -> int:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     T = a.seq_len or (16384 if cuda else 256)
-    call, do = _call(a.family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
+    call, do = role_call(a.family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
                      torch.bfloat16 if cuda else torch.float32, device)
     print(f"| {a.family} {a.batch} role | o rel diff | max grad rel diff | old ms | new ms | new / old | one device ms |")
     print("|---|---|---|---|---|---|---|")
-    for role, (plan, one) in _plans(a.batch, T).items():
+    for role, (plan, one) in role_plans(a.batch, T).items():
         fns = {"old": step(old, call.backend, plan, call, do), "new": step(new, call.backend, plan, call, do),
                "one": step(new, call.backend, one, call, do)}
         (o_old, g_old), (o_new, g_new) = fns["old"](), fns["new"]()

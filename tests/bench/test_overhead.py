@@ -96,10 +96,10 @@ def test_usage_errors(tmp_path, capsys):
 def test_breakdown_gpu_branch_queues_each_round_and_refuses_a_host_sync(monkeypatch, one_thread, host_sync):
     """The breakdown's GPU branch on a fake device clock (the stages run on the CPU meanwhile): each round
     is queued behind a sleep; a stage that syncs the host lets the device catch up, which is refused."""
-    from kdacp.bench.overhead import _breakdown, _call, _plans
+    from kdacp.bench.overhead import _breakdown, role_call, role_plans
     from tests.helpers import fake_cuda_clock
 
-    call, do = _call("kda", "torch", 64, 1, 8, torch.float32, torch.device("cpu"))
+    call, do = role_call("kda", "torch", 64, 1, 8, torch.float32, torch.device("cpu"))
     fake_cuda_clock(monkeypatch)
     if host_sync:
         inner = call.backend.state_pass
@@ -108,7 +108,7 @@ def test_breakdown_gpu_branch_queues_each_round_and_refuses_a_host_sync(monkeypa
             torch.cuda.synchronize()
             return inner(*args, **kwargs)
         monkeypatch.setattr(call.backend, "state_pass", syncing)
-    plans = _plans("one_sequence", 64)
+    plans = role_plans("one_sequence", 64)
     with torch.no_grad():
         if host_sync:
             with pytest.raises(RuntimeError, match="before the host had queued"):

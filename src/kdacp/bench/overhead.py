@@ -50,7 +50,7 @@ from .harness import PlotSpec, markdown_table
 from .stage_probe import ROLE_RANKS, probe_rounds, sync
 from .timing import check_queued_ahead, queue_ahead_for, sleep_then_mark, time_queued
 
-__all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "run"]
+__all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "rank_step", "role_call", "role_plans", "run"]
 
 FAMILIES = ("kda", "gdn")
 GDN_OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=None, safe_gate=False)
@@ -130,7 +130,7 @@ class _TimedBackend:
         return lambda *args, **kwargs: self._timer.run(stage, lambda: fn(*args, **kwargs))
 
 
-def _call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device):
+def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device):
     """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family``."""
     x = make_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, dtype, device)
     if family == "kda":
@@ -144,7 +144,7 @@ def _call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: t
     return call, torch.randn_like(x["v"])
 
 
-def _plans(batch: str, T: int) -> dict:
+def role_plans(batch: str, T: int) -> dict:
     """``{role: (plan of its rank in a 3-rank plan, one-rank plan of the same tokens)}``."""
     lengths = document_lengths(batch, 3 * T, median=min(2048, max(T // 4, 1)))
     cu = tuple(cu_seqlens_of(lengths)) if len(lengths) > 1 else None
@@ -158,7 +158,7 @@ def _plans(batch: str, T: int) -> dict:
     return plans
 
 
-def _step(backend, plan: CPPlan, call, do, state_dtype, exchange):
+def rank_step(backend, plan: CPPlan, call, do, state_dtype, exchange):
     """``(forward, backward)`` callables of one rank: the forward runs once here, the backward reuses it."""
     fwd = lambda: cp_forward(backend, plan, call.inputs, None, False, state_dtype, exchange=exchange)  # noqa: E731
     out = fwd()
@@ -179,7 +179,7 @@ def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup:
         runs.setdefault(("one", one.cu_seqlens), one)
 
     def step(plan):
-        _, bwd = _step(backend, plan, call, do, state_dtype, exchange)  # one forward inside
+        _, bwd = rank_step(backend, plan, call, do, state_dtype, exchange)  # one forward inside
         bwd()
     for _ in range(int(warmup)):
         for plan in runs.values():
@@ -256,18 +256,18 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
         raise ValueError(f"families must be from {FAMILIES}, got {unknown[0]!r}")
     rows = []
     for family in families:
-        call, do = _call(family, backend, t_local, heads, head_dim, dtype, dev)
+        call, do = role_call(family, backend, t_local, heads, head_dim, dtype, dev)
         state_dtype = compute_dtype(call.inputs.q)
         with torch.no_grad():
             for batch in batches:
-                plans = _plans(batch, t_local)
+                plans = role_plans(batch, t_local)
                 fns, first_of = {}, {}  # one device timed once per distinct plan (one sequence: one plan)
                 for role, (plan, one) in plans.items():
-                    fns[f"rank:{role}:fwd"], fns[f"rank:{role}:bwd"] = _step(call.backend, plan, call, do,
+                    fns[f"rank:{role}:fwd"], fns[f"rank:{role}:bwd"] = rank_step(call.backend, plan, call, do,
                                                                              state_dtype, ReadyExchange())
                     key = first_of.setdefault(one.cu_seqlens, f"one:{role}")
                     if key == f"one:{role}":
-                        fns[f"{key}:fwd"], fns[f"{key}:bwd"] = _step(call.backend, one, call, do, state_dtype,
+                        fns[f"{key}:fwd"], fns[f"{key}:bwd"] = rank_step(call.backend, one, call, do, state_dtype,
                                                                      ReadyExchange())
                 ms = time_queued(fns, warmup, rounds, iters, dev)  # device time, however slow the host
                 for role, (_, one) in plans.items():
