@@ -33,7 +33,7 @@ def test_named_spans_mean_the_same_tokens_in_both_directions():
     from kdacp.backends.base import Span
     from kdacp.distributed.plan import rank_layouts
     first, middle, last = rank_layouts((0, 5, 100, 130), 1, (40, 50, 40))
-    assert first.head.empty and first.tail == Span(5, 40, (0, 35)) and first.before_tail == Span(0, 5, (0, 5))
+    assert first.head.empty and first.tail == Span(5, 40, (0, 35)) and first.after_head == Span(0, 40, (0, 5, 40))
     assert first.after_head == first.whole == Span(0, 40, (0, 5, 40))
     assert middle.through and middle.head == middle.tail == middle.whole == Span(0, 50, (0, 50))
     assert last.head == Span(0, 10, (0, 10)) and last.after_head == Span(10, 40, (0, 30)) and last.tail.empty

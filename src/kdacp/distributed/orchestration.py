@@ -112,11 +112,6 @@ def _cat(parts: list, dim: int):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _rows(states: torch.Tensor | None, start: int, end: int | None = None) -> torch.Tensor | None:
-    """``states[start:end]``, or ``None`` (zero states, passed as none) for ``None``."""
-    return None if states is None else states[start:end]
-
-
 def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_state: torch.Tensor | None,
                output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None
                ) -> CPForward:

@@ -59,8 +59,8 @@ class RankLayout:
       backward their initial-state gradient is what the previous rank waits for.
     - ``tail``: the segments continued on a later rank. Forward their final state is what the next
       rank waits for; backward they wait for the incoming gradient.
-    - ``after_head`` (everything but the head) and ``before_tail`` (everything but the tail): the
-      work that needs no incoming message, forward and backward respectively.
+    - ``after_head`` (everything but the head): one launch set of the schedule in both directions
+      (:mod:`~kdacp.distributed.orchestration`), its tail the last segment.
     """
 
     segments: tuple[LocalSegment, ...]
@@ -118,10 +118,6 @@ class RankLayout:
     @cached_property
     def after_head(self) -> Span:
         return self.span(self.head_end, self.num_tokens)
-
-    @cached_property
-    def before_tail(self) -> Span:
-        return self.span(0, self.tail_start)
 
 
 def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
