@@ -13,25 +13,16 @@ the versions' outputs in units of the output's bf16 rounding.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 
 import torch
 import triton.testing
 
+from kdacp.bench.harness import load_module_file
 from kdacp.bench.kernels import make_conv_inputs
 from kdacp.kernels import short_conv
 
 PEAK_GBS = 4800.0
-
-
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("short_conv_old", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -39,7 +30,7 @@ def main() -> None:
     p.add_argument("old")
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    versions = {"old": load(a.old), "new": short_conv}
+    versions = {"old": load_module_file(a.old, "short_conv_old"), "new": short_conv}
     print("| D | batch | pass | old ms | new ms | new / old | old % | new % | max diff (bf16 ulps) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for D in (4096, 6144):

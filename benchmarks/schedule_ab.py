@@ -11,28 +11,20 @@ the same backend kernels on the same tokens; with ``--detail`` each gradient's, 
 device on the same tokens, which for the first role of a packed batch, whose incoming value is zero, is the
 same computation), and each version's device ms per forward + backward
 (:func:`kdacp.bench.timing.time_queued`: calls queued behind a device sleep), with one device's beside.
-``--device cpu`` (kdacp's torch backend, tiny sizes) only checks that the script runs.
+``--device cpu`` (kdacp's torch backend, tiny sizes) only checks that the script runs. The old file runs
+against this tree's other modules: a version before 8bd3dac reads ``RankLayout.before_tail`` (removed after
+it), so compare those at 8bd3dac's tree, as RESULTS.md's fifteenth session did.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 
 import torch
 
+from kdacp.bench.harness import load_module_file
 from kdacp.bench.overhead import ReadyExchange, role_call, role_plans
 from kdacp.bench.timing import time_queued
 from kdacp.distributed import orchestration as new
-
-
-def load(path: str):
-    """The old module as ``kdacp.distributed._orchestration_old`` (its relative imports resolve in the package)."""
-    spec = importlib.util.spec_from_file_location("kdacp.distributed._orchestration_old", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def step(module, backend, plan, call, do):
@@ -61,7 +53,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--detail", action="store_true", help="each gradient's difference, and against one device")
     a = p.parse_args()
-    old = load(a.old)
+    old = load_module_file(a.old, "kdacp.distributed._orchestration_old")
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     T = a.seq_len or (16384 if cuda else 256)

@@ -7,15 +7,17 @@ when matplotlib is installed, one PNG per plot spec (one line per series, ``y`` 
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["PlotSpec", "run_context", "markdown_table", "write_results"]
+__all__ = ["PlotSpec", "load_module_file", "run_context", "markdown_table", "write_results"]
 
 
 @dataclass(frozen=True)
@@ -191,3 +193,14 @@ def write_results(suite: str, rows: list[dict], out_dir: str | Path, plots: dict
         if rows and _plot(rows, spec, out / f"{stem}.png", context):
             paths.append(out / f"{stem}.png")
     return paths
+
+
+def load_module_file(path: str, name: str):
+    """The Python file ``path`` imported as module ``name`` (registered in ``sys.modules``): an earlier
+    version of a kdacp module for an A/B benchmark; a dotted ``name`` inside a kdacp package lets the
+    file's relative imports resolve there."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
