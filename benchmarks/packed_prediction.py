@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kdacp.bench.scaling import STEP_LAYERS
 from kdacp.bench.scaling_model import route_path, route_step_path
 from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, exchange_stage_times
 
@@ -24,7 +25,7 @@ from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, 
 TIMES = exchange_stage_times(1, 32, 128, 128)
 
 
-def predictions(rows: list[dict], link: Link, layers: int = 36) -> list[dict]:
+def predictions(rows: list[dict], link: Link, layers: int = STEP_LAYERS) -> list[dict]:
     """One row per family, batch and strategy of the overhead suite's ``rows``."""
     roles = {(r["family"], r["batch"], r["role"]): r for r in rows if "rank_fwd_ms" in r}
     stages = {(r["family"], r["batch"], r["role"], r["direction"]): RoleStages(
@@ -54,7 +55,7 @@ def main() -> int:
     parser.add_argument("overhead_json")
     parser.add_argument("--link-latency-us", type=float, default=DEFAULT_LINK.latency_s * 1e6)
     parser.add_argument("--link-gbps", type=float, default=DEFAULT_LINK.bandwidth / 1e9)
-    parser.add_argument("--step-layers", type=int, default=36)
+    parser.add_argument("--step-layers", type=int, default=STEP_LAYERS)
     args = parser.parse_args()
     link = Link(latency_s=args.link_latency_us * 1e-6, bandwidth=args.link_gbps * 1e9)
     with open(args.overhead_json) as f:

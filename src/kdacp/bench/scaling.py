@@ -36,10 +36,10 @@ measurement by different, changing amounts; the measured rows carry the load ave
 ``sleep_check`` tests the composition where that does not reach: ranks whose stages sleep
 (:class:`SleepBackend`), so they need no core, with real orchestration, exchanges and link
 (``"sleep-stage measured"`` against ``"sleep-stage model"`` rows, a device per rank), and the step
-composition (:func:`sleep_step_check`): ``SLEEP_STEP_LAYERS`` layers of ranks sleeping :data:`CHAIN_STAGES`, forwards, the loss's
-all-reduce, backwards (``"sleep-stage step measured"``, with each strategy's error of the step model
-and of the layer-by-layer one, against ``"sleep-stage step model"``). ``measured`` (a ``cp`` suite
-JSON) adds its rows as ``"measured (cp suite)"``.
+composition (:func:`sleep_step_check`): ``SLEEP_STEP_LAYERS`` layers of ranks sleeping
+:data:`CHAIN_STAGES`, forwards, the loss's all-reduce, backwards (``"sleep-stage step measured"``, with
+each strategy's error of the step model and of the layer-by-layer one, against ``"sleep-stage step
+model"``). ``measured`` (a ``cp`` suite JSON) adds its rows as ``"measured (cp suite)"``.
 
     kdacp bench --suite scaling [--seq-lens 16384] [--link-latency-us 20 --link-bandwidth-gbs 300 ...]
                                 [--step-layers 36 --sync-every 0,3]
@@ -65,7 +65,7 @@ from kdacp.kda import chunk_kda
 from .calibration import OPTIONS, Calibration, calibration_rows, make_inputs, measure_stages, op_times
 from .harness import PlotSpec, markdown_table
 from .link import measure_link
-from .scaling_model import MODEL_STRATEGIES, predict, predict_step
+from .scaling_model import MODEL_STRATEGIES, check_stack, predict, predict_step
 from .sleep_backend import CHAIN_STAGES, SleepBackend, sleep_inputs
 from .stage_probe import sync, time_roles
 
@@ -117,10 +117,8 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
     if any(isinstance(P, bool) or not isinstance(P, int) or P < 2 for P in world_sizes):
         raise ValueError(f"world_sizes must be ints >= 2, got {world_sizes}")
     sync_every = tuple(sync_every)
-    if isinstance(step_layers, bool) or not isinstance(step_layers, int) or step_layers < 1:
-        raise ValueError(f"step_layers must be an int >= 1, got {step_layers!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sync_every):
-        raise ValueError(f"sync_every must be ints >= 0, got {sync_every}")
+    for every in sync_every:
+        check_stack(step_layers, every)
     unknown = set(link or {}) - set(Link.__dataclass_fields__)
     if unknown:
         raise ValueError(f"link fields must be among {tuple(Link.__dataclass_fields__)}, got {sorted(unknown)}")
@@ -195,9 +193,7 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
     T, dev = 64, torch.device("cpu")
     backend, inputs = SleepBackend(T), sleep_inputs(T)
-    roles, one = time_roles(backend, inputs, torch.float32, dev, iters) if rank == 0 else (None, None)
-    times = StageTimes(forward={r: f for r, (f, _) in roles.items()}, backward={r: b for r, (_, b) in roles.items()},
-                       one_device=one, **op_times(1, 1, 16, 16, torch.float32, dev, iters)) if rank == 0 else None
+    times = _sleeper_times(backend, inputs, iters) if rank == 0 else None
     subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}
     rows = []
     for P in range(2, P_group + 1):
@@ -212,7 +208,7 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
             ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, subgroups[P], dev, iters)
             if rank == 0:
                 pred = {s: predict(s, P, times, link) for s in STRATEGIES}
-                rows += _compare("sleep-stage", P, T, ms, sum(one) * 1e3, pred)
+                rows += _compare("sleep-stage", P, T, ms, sum(times.one_device) * 1e3, pred)
                 if report is not None:
                     report(rows[-2])
         dist.barrier(group)
@@ -231,12 +227,7 @@ def sleep_step_check(link: Link = DEFAULT_LINK, group=None, iters: int = 7, repo
     subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}  # collective: every rank, same order
     T, dev = 64, torch.device("cpu")
     backend, inputs = SleepBackend(T, CHAIN_STAGES), sleep_inputs(T)
-    times = None
-    if rank == 0:
-        roles, one = time_roles(backend, inputs, torch.float32, dev, iters)
-        times = StageTimes(forward={r: f for r, (f, _) in roles.items()},
-                           backward={r: b for r, (_, b) in roles.items()}, one_device=one,
-                           **op_times(1, 1, 16, 16, torch.float32, dev, iters))
+    times = _sleeper_times(backend, inputs, iters) if rank == 0 else None
     rows = []
     for P in range(2, P_group + 1):
         if rank < P:
@@ -264,6 +255,15 @@ def sleep_step_check(link: Link = DEFAULT_LINK, group=None, iters: int = 7, repo
                     report(row)
         dist.barrier(group)
     return rows
+
+
+def _sleeper_times(backend: SleepBackend, inputs, iters: int) -> StageTimes:
+    """:class:`StageTimes` of sleeping ranks: each role's stages and one device measured by the probe,
+    on this process alone (CPU), with the exchange's own products of one small message."""
+    dev = torch.device("cpu")
+    roles, one = time_roles(backend, inputs, torch.float32, dev, iters)
+    return StageTimes(forward={r: f for r, (f, _) in roles.items()}, backward={r: b for r, (_, b) in roles.items()},
+                      one_device=one, **op_times(1, 1, 16, 16, torch.float32, dev, iters))
 
 
 def _step_row(source: str, P: int, T: int, pred: dict) -> dict:

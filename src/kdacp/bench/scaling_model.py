@@ -20,8 +20,8 @@ from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageT
                                          join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "Prediction", "StepPrediction", "fla_programs", "predict", "predict_step", "route_path",
-           "route_step_path", "simulate", "simulate_shared", "step_programs"]
+__all__ = ["MODEL_STRATEGIES", "Prediction", "StepPrediction", "check_stack", "fla_programs", "predict", "predict_step",
+           "route_path", "route_step_path", "simulate", "simulate_shared", "step_programs"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 
@@ -201,10 +201,27 @@ def _assemble(layer_programs, P: int, layers: int, sync_every: int) -> list[list
     return progs
 
 
-def _check_stack(layers: int, sync_every: int) -> None:
+def check_stack(layers: int, sync_every: int) -> None:
+    """``ValueError`` naming the argument unless ``layers >= 1`` and ``sync_every >= 0`` are ints."""
     for name, value, low in (("layers", layers, 1), ("sync_every", sync_every, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _chain_stages(times: StageTimes, P: int, direction: str) -> list[RoleStages]:
+    """Each position's stages of one sequence over ``P`` ranks, in the direction states flow."""
+    per_role = times.forward if direction == "forward" else times.backward
+    ranks = range(P) if direction == "forward" else reversed(range(P))
+    return [per_role[_role(r, P)] for r in ranks]
+
+
+def _route_layer(strategy: str, routes: dict, times: StageTimes):
+    """``layer(direction, key)``: one layer's programs by rank, ``routes[direction] = ((emits, affine),
+    stages)`` by position in the direction states flow."""
+    def layer(direction, key):
+        (emits, affine), stages = routes[direction]
+        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+    return layer
 
 
 def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0) -> list[list[tuple]]:
@@ -214,15 +231,12 @@ def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_ev
     reverse order. With ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it,
     backward), for a hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear
     and Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled."""
-    emits, affine = chain_route(P)
-
-    def layer(direction, key):
-        if strategy == "fla":
+    if strategy == "fla":
+        def layer(direction, key):
             return _by_rank(fla_programs(P, direction, times, key), direction)
-        per_role = times.forward if direction == "forward" else times.backward
-        ranks = range(P) if direction == "forward" else reversed(range(P))
-        stages = [per_role[_role(r, P)] for r in ranks]
-        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+    else:
+        routes = {d: (chain_route(P), _chain_stages(times, P, d)) for d in ("forward", "backward")}
+        layer = _route_layer(strategy, routes, times)
     return _assemble(layer, P, layers, sync_every)
 
 
@@ -232,12 +246,9 @@ def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleS
     """The step of :func:`step_programs` (seconds: the slowest rank's finish) on any one layout's routes:
     ``forward``/``backward`` ``(emits, affine)`` and ``*_stages`` by position in the direction states
     flow, as :func:`route_path` takes them (a packed batch's layout)."""
-    _check_stack(layers, sync_every)
-    routes = {"forward": (forward, forward_stages), "backward": (backward, backward_stages)}
-
-    def layer(direction, key):
-        (emits, affine), stages = routes[direction]
-        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+    check_stack(layers, sync_every)
+    layer = _route_layer(strategy, {"forward": (forward, forward_stages), "backward": (backward, backward_stages)},
+                         times)
     return max(simulate(_assemble(layer, len(forward[0]), layers, sync_every), link, cores))
 
 
@@ -246,7 +257,7 @@ def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_eve
     """One sequence split evenly over ``P >= 2`` ranks, a training step of ``layers >= 1`` token-mixer
     layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
     _check(strategy, P)
-    _check_stack(layers, sync_every)
+    check_stack(layers, sync_every)
     finish = simulate(step_programs(strategy, P, times, layers, sync_every), link, cores)
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return StepPrediction(strategy, P, layers, sync_every, max(finish), layers * sum(one))
@@ -259,12 +270,10 @@ def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK,
     _check(strategy, P)
     emits, affine = chain_route(P)
     paths = []
-    for direction, per_role in (("forward", times.forward), ("backward", times.backward)):
+    for direction in ("forward", "backward"):
         if strategy == "fla":
             paths.append(max(simulate(fla_programs(P, direction, times), link, cores)))
         else:
-            ranks = range(P) if direction == "forward" else reversed(range(P))
-            paths.append(route_path(strategy, emits, affine, [per_role[_role(r, P)] for r in ranks], times, link,
-                                    cores))
+            paths.append(route_path(strategy, emits, affine, _chain_stages(times, P, direction), times, link, cores))
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return Prediction(strategy, P, paths[0], paths[1], sum(one))
