@@ -150,6 +150,8 @@ def run(t_local: int | None = None, heads: int | None = None, head_dim: int | No
         for every in sync_every:
             pred = {s: predict_step(s, P, stages, step_layers, every, cal.link) for s in MODEL_STRATEGIES}
             rows.append(_step_row("step model", P, t_local, pred))
+            if report is not None:
+                report(rows[-1])
     if validate and P_group > 1:
         rows += _validate(cal, t_local, heads, head_dim, backend, dtype, dev, group, cores, iters, report)
     if sleep_check and P_group > 1:
