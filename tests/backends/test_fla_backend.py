@@ -31,6 +31,8 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
         states = backend.backward_states(local, dht)
         grads = dict(dinitial_state=states.dinitial_state, **vars(backend.backward_inputs(states)))
         results.update({name + suffix: g for name, g in grads.items()})
+    # the pass over the first segment alone (the head's message), from the backward over the whole span
+    results["dinitial_state_first"] = backend.backward_states(local, dht[:1], segments=1).dinitial_state
     return results
 
 

@@ -64,3 +64,30 @@ def test_strided_inputs_and_state_gradients_reach_fla_contiguous():
     # the recorder's own stand-ins for intermediate results are not under test
     strided -= {("chunk_gated_delta_rule_bwd_dhu", a) for a in ("q", "k", "w", "gk", "do", "dv")}
     assert not strided, f"strided tensors reached FLA: {sorted(strided)}"
+
+
+def test_a_prefix_of_a_backward_is_its_first_segments():
+    """``backward_states(..., segments=n)`` runs on ``local`` cut to its first ``n`` segments: token rows of the
+    prefix, ``h`` of its chunks, ``n`` initial states, FLA's packed-sequence arguments of the prefix."""
+    from kdacp.backends.fla_backend import FlaBackward, FlaSaved
+    backend = FlaBackend.__new__(FlaBackend)
+    backend.options = KDAOptions(scale=1.0, chunk_size=4)
+    cu, T, HV, K = (0, 6, 9, 20), 20, 2, 4  # 2 + 1 + 3 chunks of 4
+    tok = lambda: torch.randn(1, T, HV, K)  # noqa: E731
+    saved = FlaSaved(*(tok() for _ in range(4)), None, tok(), tok(), tok(), None, None, torch.randn(HV), None)
+    span = Span(10, 30, cu)
+    local = FlaBackward(saved, span, backend._varlen(span, torch.device("cpu")), tok(), torch.randn(3, HV, K, K),
+                        *(tok() for _ in range(3)), tok(), torch.randn(1, 6, HV, K, K), *(tok() for _ in range(3)))
+    part = backend._prefix(local, 2)
+    assert part.span == Span(10, 19, (0, 6, 9))
+    assert part.varlen["cu_seqlens"].tolist() == [0, 6, 9]
+    assert part.varlen["chunk_indices"].tolist() == [[0, 0], [0, 1], [1, 0]]
+    assert torch.equal(part.h, local.h[:, :3]) and torch.equal(part.initial_state, local.initial_state[:2])
+    for name in ("do", "gc", "w", "qg", "kg", "v_new", "dAqk", "dv_local"):
+        assert torch.equal(getattr(part, name), getattr(local, name)[:, :9]), name
+    for name in ("q", "k", "v", "beta", "gc", "Aqk", "Akk"):
+        assert torch.equal(getattr(part.saved, name), getattr(saved, name)[:, :9]), name
+    assert part.saved.A_log is saved.A_log and part.saved.g is None
+    assert backend._prefix(local, 3) is local
+    one = backend._prefix(local, 1)  # one segment: FLA's unpacked path
+    assert one.varlen == dict(cu_seqlens=None, chunk_indices=None) and one.h.shape[1] == 2

@@ -50,6 +50,27 @@ def test_gradient_summary_and_transition_give_the_input_gradient(gate):
     assert rel_err(M.transpose(-1, -2) @ dht + G, dh0) < 1e-10
 
 
+@pytest.mark.parametrize("initial", [True, False])
+def test_a_pass_over_the_first_segments_equals_the_pass_over_their_span(initial):
+    """``backward_states(local, dht, segments=n)``: the pass of ``local``'s first ``n`` segments alone, as if
+    ``local`` had been made over their span."""
+    backend, chunks = _setup("safe")
+    span, head = Span(0, T, (0, CUT, T)), Span(0, CUT, (0, CUT))
+    gen = torch.Generator().manual_seed(8)
+    h0 = torch.randn(2, HV, K, V, dtype=torch.float64, generator=gen) if initial else None
+    do = torch.randn(1, T, HV, V, dtype=torch.float64, generator=gen)
+    dht = torch.randn(2, HV, K, V, dtype=torch.float64, generator=gen)
+    got = backend.backward_states(backend.backward_local(chunks, span, do, h0), dht[:1], segments=1)
+    want = backend.backward_states(backend.backward_local(chunks, head, do[:, :CUT], h0 if h0 is None else h0[:1]),
+                                   dht[:1])
+    assert got.span == head
+    for a, b in zip((got.dinitial_state, *vars(got.grads).values()), (want.dinitial_state, *vars(want.grads).values())):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    whole = backend.backward_states(backend.backward_local(chunks, span, do, h0), dht)
+    if initial:  # the prefix's dht alone reaches its initial state, not the later segment's
+        assert rel_err(got.dinitial_state, whole.dinitial_state[:1]) < 1e-12
+
+
 def test_backward_stages_hand_on_values():
     """``backward_states`` returns a new, immutable record that ``backward_inputs`` takes; no stage
     changes an earlier stage's result (for FLA's records too, checked without a GPU)."""

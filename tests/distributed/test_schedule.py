@@ -54,14 +54,17 @@ class RecordingBackend:
             spans = [a for a in args if hasattr(a, "cu_seqlens") and hasattr(a, "start")]
             local_span = getattr(args[0], "span", None) if args else None
             span = spans[0] if spans else local_span
+            if span is not None and kwargs.get("segments") is not None:  # a pass over a prefix of the span
+                span = span.prefix(kwargs["segments"])
             if span is not None:  # the stages that do work on a span (not to_saved)
                 self.log.append((stage, (span.start, span.end)))
             return fn(*args, **kwargs)
         return call
 
 
-# (cu_seqlens, tokens per rank): a chain through a middle rank; packed documents cut at a rank edge
-LAYOUTS = [((0, 5, 100, 130), (40, 50, 40)), ((0, 30, 45, 60, 64), (32, 32))]
+# (cu_seqlens, tokens per rank): a chain through a middle rank; packed documents cut at a rank edge; a
+# rank whose head and tail are different documents
+LAYOUTS = [((0, 5, 100, 130), (40, 50, 40)), ((0, 30, 45, 60, 64), (32, 32)), ((0, 20, 50, 80, 96), (32, 32, 32))]
 
 
 def _run(rank: int, cu, lengths, monkeypatch):
@@ -106,28 +109,25 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
 def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
     for rank in range(len(lengths)):
         layout, _, log = _run(rank, cu, lengths, monkeypatch)
-        # the span that holds the tail: every segment after the head (a through rank: its one segment)
-        rest = (0, layout.num_tokens) if layout.through else (layout.after_head.start, layout.after_head.end)
+        whole = (0, layout.num_tokens)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
         # backward, gradients flow from the tail's successor to the head's predecessor
         assert (send is not None) == (layout.num_receive > 0) and (receive is not None) == (layout.num_send > 0)
         if send is not None:
-            assert all(stage != "backward_inputs" and (span != rest or layout.through)
-                       for stage, span in log[1:send]), log
+            assert all(stage != "backward_inputs" for stage, _ in log[1:send]), log
         if receive is not None:
-            # after blocking only the passes that need the message, on the span that holds the tail
-            assert [stage for stage, _ in log[receive + 1:]] == ["backward_states", "backward_inputs"], log
-            assert all(span == rest for _, span in log[receive + 1:]), log
-            assert ("backward_local", rest) in log[1:receive], log
-            assert all(i < receive for i, (stage, span) in enumerate(log) if span is not None and span != rest), log
+            # after blocking only the passes that need the message, over the whole rank
+            assert log[receive + 1:] == [("backward_states", whole), ("backward_inputs", whole)], log
+            assert ("backward_local", whole) in log[1:receive], log
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
     """Between the shared ``prepare`` and the send, only the pass that makes the message: forward the
     pass over every segment after the head (the tail and the rank's whole sequences in one launch),
-    backward the head's local work and pass."""
+    backward the local work over the whole rank, then the summary (a through rank), the pass over the
+    whole rank (no tail: nothing to wait for), or the head's own pass (a tail that waits)."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
         whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
@@ -135,20 +135,25 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypa
             made = ("state_summary", head) if layout.through else ("state_pass", rest)
             assert forward[1:_index(forward, "send")] == [("prepare", whole), made], forward
         if layout.num_receive:
-            made = ([("backward_local", head), ("state_gradient_summary", head)] if layout.through
-                    else [("backward_local", head), ("backward_states", head)])
-            assert backward[1:_index(backward, "send")] == made, backward
+            made = (("state_gradient_summary", whole) if layout.through else ("backward_states", whole)
+                    if layout.num_send == 0 else ("backward_states", head))
+            assert backward[1:_index(backward, "send")] == [("backward_local", whole), made], backward
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
-    """What one device launches once over the rank's tokens, a rank launches once per span: over the
-    head and over everything after it (not the tail alone and the whole sequences before it apart)."""
+    """What one device launches once over the rank's tokens, a rank launches once per span: forward over
+    the head and over everything after it (not the tail alone and the whole sequences before it apart),
+    backward over the whole rank (and the head's own pass for the message), so that no gradients are
+    joined from parts."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
-        spans = {(s.start, s.end) for s in (layout.whole, layout.head, layout.after_head)}
+        whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
+        assert {span for _, span in forward if span is not None} <= {whole, head, rest}, forward
+        assert {span for _, span in backward if span is not None} <= {whole, head}, backward
+        assert [e for e in backward if e[0] in ("backward_local", "backward_inputs")] == [
+            ("backward_local", whole), ("backward_inputs", whole)], backward
         for log in (forward, backward):
-            assert {span for _, span in log if span is not None} <= spans, log
             assert len(set(log)) == len(log), log
 
 

@@ -60,6 +60,11 @@ class Span:
     def empty(self) -> bool:
         return self.end <= self.start
 
+    def prefix(self, segments: int) -> "Span":
+        """The span of this span's first ``segments`` segments."""
+        cu = self.cu_seqlens[:segments + 1]
+        return Span(self.start, self.start + cu[-1], cu)
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The span's tokens of a token-first ``x [1, T, ...]``: ``x`` itself when the span covers it
         (no view made: a view costs host time on every stage call), else ``x[:, start:end]``."""
@@ -149,10 +154,11 @@ class LocalBackend(Protocol):
         """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
         state's gradient is zero."""
 
-    def backward_states(self, local, dht: torch.Tensor | None) -> BackwardStates:
+    def backward_states(self, local, dht: torch.Tensor | None, segments: int | None = None) -> BackwardStates:
         """The gradient state pass of ``local`` (from :meth:`backward_local`) given the final-state
         gradient ``dht [n, HV, K, V]`` (or ``None``: zero); its ``dinitial_state [n, HV, K, V]``
-        is the initial-state gradient."""
+        is the initial-state gradient. ``segments``: the pass over only the first ``segments`` of
+        ``local``'s segments (``n = segments``; the result is of that prefix of the span)."""
 
     def backward_inputs(self, states: BackwardStates) -> LocalGrads:
         """The input gradients of ``states.span``, from :meth:`backward_states`'s result."""

@@ -11,7 +11,7 @@ reused when the caller keeps them.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -220,7 +220,27 @@ class FlaBackend:
                                       self.options.scale, chunk_size=self.options.chunk_size,
                                       cu_seqlens=local.span.cu_seqlens_host())
 
-    def backward_states(self, local: FlaBackward, dht: torch.Tensor | None) -> FlaBackwardStates:
+    def _prefix(self, local, segments: int | None):
+        """``local`` (a :class:`FlaBackward` or the GDN one) cut to its first ``segments`` segments, as views:
+        token-first tensors to the prefix's tokens, ``h`` to its chunks, ``initial_state`` to its rows."""
+        if segments is None or segments == local.span.num_segments:
+            return local
+        span = local.span.prefix(segments)
+        rows = Span(0, span.end - span.start, span.cu_seqlens)  # the prefix within local's own tensors
+        C = self.options.chunk_size
+        n_chunks = sum(-(-(b - a) // C) for a, b in zip(span.cu_seqlens, span.cu_seqlens[1:]))
+        cut = {}
+        for f in fields(local):
+            t = getattr(local, f.name)
+            if f.name in ("span", "varlen") or t is None:
+                continue
+            cut[f.name] = (t.narrow(rows) if f.name == "saved" else t[:segments] if f.name == "initial_state"
+                           else t[:, :n_chunks] if f.name == "h" else rows.take(t))
+        return replace(local, span=span, varlen=self._varlen(span, local.do.device), **cut)
+
+    def backward_states(self, local: FlaBackward, dht: torch.Tensor | None,
+                        segments: int | None = None) -> FlaBackwardStates:
+        local = self._prefix(local, segments)
         dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.qg, k=local.kg, w=local.w, gk=local.gc, h0=local.initial_state,
             dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv_local,

@@ -140,7 +140,9 @@ class FlaGDNBackend(FlaBackend):
                                       self.options.scale, chunk_size=self.options.chunk_size,
                                       cu_seqlens=local.span.cu_seqlens_host(), raw_keys=True)
 
-    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None) -> FlaBackwardStates:
+    def backward_states(self, local: GDNBackward, dht: torch.Tensor | None,
+                        segments: int | None = None) -> FlaBackwardStates:
+        local = self._prefix(local, segments)
         dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
             q=local.saved.q, k=local.saved.k, w=local.w, g=local.saved.gc, h0=local.initial_state,
             dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,

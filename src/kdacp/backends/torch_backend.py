@@ -88,8 +88,13 @@ class TorchBackend:
         dv_local = reference.chunk_dv_local(inter.Aqk, local.do, scale, C, cu)
         return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, local.do, dv_local, scale, C, cu)
 
-    def backward_states(self, local: TorchBackward, dht: torch.Tensor | None) -> TorchBackwardStates:
+    def backward_states(self, local: TorchBackward, dht: torch.Tensor | None,
+                        segments: int | None = None) -> TorchBackwardStates:
         """Differentiates the reference chunked form once; the input gradients wait in the result."""
+        if segments is not None:
+            span = local.span.prefix(segments)
+            local = TorchBackward(local.saved, span, local.do[:, :span.end - span.start],
+                                  None if local.initial_state is None else local.initial_state[:segments])
         x = self._span_inputs(local.saved, local.span)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_() for t in

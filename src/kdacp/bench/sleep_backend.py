@@ -75,7 +75,8 @@ class SleepBackend:
         self._sleep("state_gradient_summary", local)
         return self._zeros(local.num_segments, self.HV, self.K, self.V)
 
-    def backward_states(self, local, dht) -> BackwardStates:
+    def backward_states(self, local, dht, segments=None) -> BackwardStates:
+        local = local if segments is None else local.prefix(segments)
         self._sleep("backward_states", local)
         return BackwardStates(local, self._zeros(local.num_segments, self.HV, self.K, self.V))
 

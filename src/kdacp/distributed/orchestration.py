@@ -14,21 +14,24 @@ forward:   begin (post the receive)
            output(rest)
            receive (block) -> state_pass(head), output(head)
 backward:  begin
-           through rank: backward_local(head), G(head) -> message (G, M^T)
-           else: backward_local(head), backward_states(head) -> message (the head's initial-state
-                 gradients)
+           backward_local(whole)                         one launch set over the rank's tokens
+           through rank: G(whole) -> message (G, M^T)
+           no tail: backward_states(whole) -> message (its head rows: the head's initial-state gradients)
+           else: backward_states(head) -> message (the head's initial-state gradients)
            send
-           backward_local(rest), backward_inputs(head)
-           receive (block) -> backward_states(rest; the tail's rows from the message), backward_inputs(rest)
+           receive (block) -> backward_states(whole; the tail's rows from the message)
+           backward_inputs(whole)
 
-Every stage runs once per span, over all of the span's segments (one varlen launch set), so a packed
-rank runs what one device runs on the same tokens plus the head's launches, and its gradients are joined
-from at most two parts. The sequences whose pass makes no message (whole ones after the head) ride in the
-same launch as the tail's, rather than after a launch of the tail's alone: that posts the forward's
-message later by their share of the pass (its receiver has its own whole sequences to run meanwhile)
-and the backward's tail work waits for the message with them; measured on one H200 (benchmarks/RESULTS.md,
-fifteenth session), a separate tail cost a packed rank about 0.2 ms of split launches and 0.33 ms of
-concatenated gradients per layer, which a training step pays every layer.
+Every stage runs once per span, over all of the span's segments (one varlen launch set): forward over
+the head and over the rest, backward over the whole rank, so a packed rank's input gradients come from
+one launch set and are not joined from parts (a join copied 0.33 ms of gradients per layer at 16K tokens,
+32 heads of 128, on one H200: benchmarks/RESULTS.md, fifteenth session). The backward's extra work is
+the head's own gradient state pass, only on a rank whose tail waits for a message; a rank without a
+tail sends its head's rows of the whole pass instead (later, by the rest's share of that pass: its
+receiver first runs its own local work). The sequences whose forward pass makes no message (whole ones
+after the head) ride in the same launch as the tail's, rather than after a launch of the tail's alone:
+that posts the forward's message later by their share of the pass (its receiver has its own whole
+sequences to run meanwhile); a separate tail cost a packed rank about 0.2 ms of split launches.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
@@ -57,8 +60,8 @@ class CPForward:
     segments started from, the received ones first, then those ``initial_state`` gave (without it only
     the received ones, maybe none: zero initial states are passed to the backends as none, as FLA's op
     does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
-    ``head_states``: the head's state pass (``h``, ``v_new``), kept so that the backward of a rank
-    that sends gradients back does not recompute it on the critical path."""
+    ``head_states``: the head's state pass (``h``, ``v_new``) where the head is the whole rank, kept so that
+    the backward, which sends gradients back, does not recompute it on the critical path; else ``None``."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
@@ -150,6 +153,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         head_states = backend.state_pass(chunks, head, incoming, output_final_state)
         head_o = backend.output(chunks, head, incoming, head_states)
     pending.finish_sends()
+    kept = head_states if rest.empty else None  # the backward's one state recompute is over the whole rank
 
     o = _cat([head_o, rest_o], 1)
     final_state = None
@@ -163,7 +167,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
     else:
         local_initial = _cat([incoming, known_initial if n_known else None], 0)
-    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, head_states)
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
 
 
 def _stack_rows(known: torch.Tensor | None, n_known: int, incoming: torch.Tensor | None) -> torch.Tensor | None:
@@ -208,47 +212,34 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    head, rest = layout.head, layout.after_head
     n_head, n_known = layout.num_receive, len(segments) - layout.num_send
-
-    def initial_of(first: int, end: int | None = None):
-        """The initial states of segments ``[first, end)`` (received, or given; ``None`` for zeros)."""
-        return None if first >= layout.num_receive and not has_initial_state else local_initial[first:end]
-
-    def final_grads(first: int, end: int | None = None):
-        """``dht`` of segments ``[first, end)`` that end here (``None``: zeros, passed as none)."""
-        return None if dht_all is None else dht_all[_sequences(segments[first:end])]
-
-    # rest_local: the local backward of segments [rest_first, end): every segment after the head, or on a
-    # through rank its one segment (which both receives and sends)
-    message, head_states_b, rest_local, rest_first = None, None, None, n_head
-    if route.affine[plan.rank]:
-        rest_local, rest_first = backend.backward_local(saved, head, do, initial_of(0), head_states), 0
-        message = AffineMessage(backend.state_gradient_summary(rest_local), transition.transpose(-1, -2))
-    elif n_head:  # the head's segments end here: their pass needs nothing from a successor
-        head_local = backend.backward_local(saved, head, do[:, head.start:head.end], initial_of(0, n_head), head_states)
-        head_states_b = backend.backward_states(head_local, final_grads(0, n_head))
-        message = AffineMessage(head_states_b.dinitial_state)
+    # one launch set over the whole rank; without given initial states, the segments that start here
+    # start from zero (passed as none when no segment receives one)
+    initial = local_initial
+    if not has_initial_state and 0 < n_head < len(segments):
+        initial = _cat([local_initial, local_initial.new_zeros(len(segments) - n_head, HV, K, V)], 0)
+    elif not has_initial_state and n_head == 0:
+        initial = None
+    local = backend.backward_local(saved, layout.whole, do, initial, head_states)
+    final_grads = None if dht_all is None else dht_all[_sequences(segments[:n_known])]
+    message, states = None, None
+    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
+        message = AffineMessage(backend.state_gradient_summary(local), transition.transpose(-1, -2))
+    elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
+        states = backend.backward_states(local, final_grads)
+        if n_head:
+            message = AffineMessage(states.dinitial_state[:n_head])
+    elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
+        head_dht = None if final_grads is None else final_grads[:n_head]
+        message = AffineMessage(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
     exchange.send(pending, message)
-    if rest_local is None and not rest.empty:  # one launch set over every segment after the head
-        rest_local = backend.backward_local(saved, rest, do[:, rest.start:rest.end], initial_of(n_head), None)
-    head_grads = None if head_states_b is None else backend.backward_inputs(head_states_b)
     dS_out = exchange.receive(pending)
-    rest_states = rest_grads = None
-    if rest_local is not None:
-        dht = _stack_rows(final_grads(rest_first, n_known), n_known - rest_first, dS_out)
-        rest_states = backend.backward_states(rest_local, dht)
-        rest_grads = backend.backward_inputs(rest_states)
+    if states is None:
+        states = backend.backward_states(local, _stack_rows(final_grads, n_known, dS_out))
+    grads = backend.backward_inputs(states)
     pending.finish_sends()
 
-    parts: list[LocalGrads] = [g for g in (head_grads, rest_grads) if g is not None]
-    token = {name: _cat([getattr(g, name) for g in parts], 1) for name in ("dq", "dk", "dv", "dg", "dbeta")}
-    dA_log = ddt_bias = None
-    for g in parts:
-        dA_log, ddt_bias = _add(dA_log, g.dA_log), _add(ddt_bias, g.ddt_bias)
     dinitial_state = None
-    if has_initial_state:
-        local = _cat([s and s.dinitial_state for s in (head_states_b, rest_states)], 0)
-        # the segments that start here form a suffix
-        dinitial_state = _by_sequence(plan, segments, local, slice(layout.num_receive, None))
-    return CPGrads(**token, dA_log=dA_log, ddt_bias=ddt_bias, dinitial_state=dinitial_state)
+    if has_initial_state:  # the segments that start here form a suffix
+        dinitial_state = _by_sequence(plan, segments, states.dinitial_state, slice(n_head, None))
+    return CPGrads(**vars(grads), dinitial_state=dinitial_state)
