@@ -99,10 +99,13 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
         if send is not None:
             # nothing the receiver does not need comes first: no output, nothing on the waiting head
             assert all(stage != "output" and (span != head or layout.through) for stage, span in log[1:send]), log
-        if receive is not None:
-            # all independent work is done before blocking: after it, only the head's work
+        if receive is not None and layout.num_send and not layout.through:
+            # a tail: all independent work is done before blocking, after it only the head's work
             assert all(span == head for _, span in log[receive + 1:]), log
-            assert all(span != head or layout.through or stage == "prepare" for stage, span in log[1:receive]), log
+            assert all(span != head or stage == "prepare" for stage, span in log[1:receive]), log
+        elif receive is not None:  # no tail to send from (or a through rank): one pass over the whole rank
+            whole = (0, layout.num_tokens)
+            assert log[receive + 1:] == [("state_pass", whole), ("output", whole)], log
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
@@ -143,9 +146,9 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypa
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
     """What one device launches once over the rank's tokens, a rank launches once per span: forward over
-    the head and over everything after it (not the tail alone and the whole sequences before it apart),
-    backward over the whole rank (and the head's own pass for the message), so that no gradients are
-    joined from parts."""
+    the head and over everything after it where a tail sends (not the tail alone and the whole sequences
+    before it apart), else over the whole rank; backward over the whole rank (and the head's own pass for
+    the message), so that no outputs or gradients are joined from parts."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
         whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
@@ -153,6 +156,9 @@ def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
         assert {span for _, span in backward if span is not None} <= {whole, head}, backward
         assert [e for e in backward if e[0] in ("backward_local", "backward_inputs")] == [
             ("backward_local", whole), ("backward_inputs", whole)], backward
+        if not layout.num_send or layout.through:  # nothing splits the forward either
+            assert [e for e in forward if e[0] in ("state_pass", "output")] == [
+                ("state_pass", whole), ("output", whole)], forward
         for log in (forward, backward):
             assert len(set(log)) == len(log), log
 

@@ -8,11 +8,11 @@ blocking receive last.
 
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
-           through rank: summary(head) -> message (S_ext, M)
-           else: state_pass(rest) -> message (the tail's final states: the pass's last rows)
+           through rank: summary(whole) -> message (S_ext, M)
+           a tail: state_pass(rest) -> message (the tail's final states: the pass's last rows)
            send                                          p2p: to rank + 1; allgather: the gather starts
-           output(rest)
-           receive (block) -> state_pass(head), output(head)
+           a tail: output(rest)
+           receive (block) -> a tail: state_pass(head), output(head); else: state_pass(whole), output(whole)
 backward:  begin
            backward_local(whole)                         one launch set over the rank's tokens
            through rank: G(whole) -> message (G, M^T)
@@ -22,16 +22,20 @@ backward:  begin
            receive (block) -> backward_states(whole; the tail's rows from the message)
            backward_inputs(whole)
 
-Every stage runs once per span, over all of the span's segments (one varlen launch set): forward over
-the head and over the rest, backward over the whole rank, so a packed rank's input gradients come from
-one launch set and are not joined from parts (a join copied 0.33 ms of gradients per layer at 16K tokens,
-32 heads of 128, on one H200: benchmarks/RESULTS.md, fifteenth session). The backward's extra work is
-the head's own gradient state pass, only on a rank whose tail waits for a message; a rank without a
-tail sends its head's rows of the whole pass instead (later, by the rest's share of that pass: its
-receiver first runs its own local work). The sequences whose forward pass makes no message (whole ones
-after the head) ride in the same launch as the tail's, rather than after a launch of the tail's alone:
-that posts the forward's message later by their share of the pass (its receiver has its own whole
-sequences to run meanwhile); a separate tail cost a packed rank about 0.2 ms of split launches.
+Every stage runs once per span, over all of the span's segments (one varlen launch set). Only a rank
+with a tail splits its forward, over the rest (whose pass makes the message) and the head (which waits);
+every other rank runs its forward, and every rank its backward, as one launch set over its tokens, what
+one device runs on them, so that its outputs and input gradients are not joined from parts (a join copied
+0.33 ms of gradients per layer at 16K tokens, 32 heads of 128, on one H200: benchmarks/RESULTS.md,
+fifteenth session). The cost is in when messages leave: a rank without a tail waits for its head's
+states before its whole pass, and sends its head's state gradients with the whole backward pass (its
+receiver first runs its own local work); in a training step ranks run ahead of each other as a wavefront
+(:func:`kdacp.bench.scaling_model.predict_step`), so such a wait is paid once per stretch of layers, not
+per layer. The backward's extra work is the head's own gradient state pass, only on a rank whose tail
+waits for a message. The sequences whose forward pass makes no message (whole ones after the head) ride
+in the same launch as the tail's, rather than after a launch of the tail's alone: that posts the message
+later by their share of the pass (its receiver has its own whole sequences to run meanwhile); a separate
+tail cost a packed rank about 0.2 ms of split launches.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
@@ -57,9 +61,9 @@ __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
 class CPForward:
     """``o [1, T_local, HV, V]``; ``final_state [N, HV, K, V]`` (every sequence, or ``None``);
     ``saved``: the backend's saved chunk data; ``local_initial [n, HV, K, V]``: the states the local
-    segments started from, the received ones first, then those ``initial_state`` gave (without it only
-    the received ones, maybe none: zero initial states are passed to the backends as none, as FLA's op
-    does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
+    segments started from, the received ones first, then those ``initial_state`` gave (without it zeros,
+    or no rows at all where no segment receives: zero initial states are then passed to the backends as
+    none, as FLA's op does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
     ``head_states``: the head's state pass (``h``, ``v_new``) where the head is the whole rank, kept so that
     the backward, which sends gradients back, does not recompute it on the critical path; else ``None``."""
 
@@ -140,34 +144,46 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
-    elif not rest.empty:  # one launch over every segment after the head; the tail's states are its last rows
-        rest_states = backend.state_pass(chunks, rest, known_initial, output_final_state or layout.num_send > 0)
-        if layout.num_send:
-            message = AffineMessage(rest_states.final_state[-layout.num_send:])
+    elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
+        rest_states = backend.state_pass(chunks, rest, known_initial, True)
+        message = AffineMessage(rest_states.final_state[-layout.num_send:])
     exchange.send(pending, message)
     if rest_states is not None:
         rest_o = backend.output(chunks, rest, known_initial, rest_states)
     incoming = exchange.receive(pending)
-    head_states, head_o = None, None
-    if not head.empty:
-        head_states = backend.state_pass(chunks, head, incoming, output_final_state)
-        head_o = backend.output(chunks, head, incoming, head_states)
+    local_initial = _initial_states(incoming, known_initial if n_known else None, n_known)
+    kept = None
+    if rest_states is None:  # no pass made a message: one pass over the whole rank
+        states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
+        o = backend.output(chunks, layout.whole, local_initial, states)
+        local_final = states.final_state
+        kept = states if rest.empty and not head.empty else None  # the head is the whole rank
+    else:  # the head waited for its incoming states
+        head_states = None if head.empty else backend.state_pass(chunks, head, incoming, output_final_state)
+        head_o = None if head.empty else backend.output(chunks, head, incoming, head_states)
+        o = _cat([head_o, rest_o], 1)
+        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0) if output_final_state else None
     pending.finish_sends()
-    kept = head_states if rest.empty else None  # the backward's one state recompute is over the whole rank
 
-    o = _cat([head_o, rest_o], 1)
     final_state = None
-    if output_final_state:
-        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0)
-        # the segments that end here form a prefix
+    if output_final_state:  # the segments that end here form a prefix
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
             final_state = comm.all_reduce_sum(final_state, plan.group)
-    if incoming is None and known_initial is None:  # no rows; the empty tensor keeps shape and dtype
+    if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
-    else:
-        local_initial = _cat([incoming, known_initial if n_known else None], 0)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
+
+
+def _initial_states(incoming: torch.Tensor | None, known: torch.Tensor | None, n_known: int) -> torch.Tensor | None:
+    """The initial states of a rank's segments: the ``incoming`` ones (``None`` when none receive), then the
+    ``n_known`` that start here (``known``, ``None`` for zeros: zero rows when some segment receives, else
+    ``None`` for all)."""
+    if incoming is None or n_known == 0:
+        return known if incoming is None else incoming
+    if known is None:
+        known = incoming.new_zeros(n_known, *incoming.shape[1:])
+    return torch.cat([incoming, known], 0)
 
 
 def _stack_rows(known: torch.Tensor | None, n_known: int, incoming: torch.Tensor | None) -> torch.Tensor | None:
@@ -213,14 +229,9 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     pending = exchange.begin(route)
 
     n_head, n_known = layout.num_receive, len(segments) - layout.num_send
-    # one launch set over the whole rank; without given initial states, the segments that start here
-    # start from zero (passed as none when no segment receives one)
-    initial = local_initial
-    if not has_initial_state and 0 < n_head < len(segments):
-        initial = _cat([local_initial, local_initial.new_zeros(len(segments) - n_head, HV, K, V)], 0)
-    elif not has_initial_state and n_head == 0:
-        initial = None
-    local = backend.backward_local(saved, layout.whole, do, initial, head_states)
+    # one launch set over the whole rank
+    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
+                                   head_states)
     final_grads = None if dht_all is None else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
