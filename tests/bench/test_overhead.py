@@ -74,12 +74,14 @@ def test_packed_gdn_roles_split_their_spans(one_thread):
     assert all(r["family"] == "gdn" and r["batch"] == "lognormal" for r in rows)
     # documents cut at both edges: the middle rank receives and sends, but holds more than one chain
     assert [(r["receives"], r["sends"], r["affine"]) for r in overhead] == [(0, 1, False), (1, 1, False), (1, 0, False)]
-    # a rank with a head launches each stage twice (head, rest); without one, as one device does
-    assert all(r["calls"] == r["one_calls"] == 1 for r in _stages(rows, "first").values()), _stages(rows, "first")
-    for role, split in (("through", "state_pass"), ("last", "output")):
-        stage = _stages(rows, role)[split]
-        assert (stage["calls"], stage["one_calls"]) == (2, 1), stage  # the head apart from the rest
-        assert "state_summary" not in _stages(rows, role)
+    # a rank with a head and a tail splits its forward (the rest's pass makes the message, the head waits) and
+    # runs its head's gradient pass for the message besides the whole one; the others launch as one device does
+    for role in ("first", "last"):
+        assert all(r["calls"] == r["one_calls"] == 1 for r in _stages(rows, role).values()), _stages(rows, role)
+    through = _stages(rows, "through")
+    for split in ("state_pass", "output", "backward_states"):
+        assert (through[split]["calls"], through[split]["one_calls"]) == (2, 1), through[split]
+    assert "state_summary" not in through and through["backward_inputs"]["calls"] == 1
     assert "| gdn | lognormal | through | state_pass | 2 |" in markdown(rows)
 
 
