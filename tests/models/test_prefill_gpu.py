@@ -20,7 +20,17 @@ from tests.helpers import rel_err
 from tests.models.cp_common import VOCAB
 from tests.models.test_parallelize_gpu import GPU_TOL, HEAD_SHAPES, _family
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+def _transformers_too_old() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    from kdacp.models.prefill import MIN_TRANSFORMERS
+    return Version(transformers.__version__) < Version(MIN_TRANSFORMERS)
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(_transformers_too_old(), reason="prefill needs transformers >= 5.24 (it raises ImportError on "
+                                 "older ones)")]
 
 T, PIECES = 200, (70, 64, 66)
 
