@@ -29,8 +29,8 @@ def _transformers_too_old() -> bool:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(_transformers_too_old(), reason="prefill needs transformers >= 5.24 (it raises ImportError on "
-                                 "older ones)")]
+              pytest.mark.skipif(_transformers_too_old(),
+                                 reason="prefill needs transformers >= 5.24 (it raises ImportError on older ones)")]
 
 T, PIECES = 200, (70, 64, 66)
 
