@@ -187,18 +187,25 @@ def _validate(cal: Calibration, t_local, heads, head_dim, backend, dtype, dev, g
     return rows
 
 
+def _prefix_groups(group) -> dict:
+    """``{P: process group of the group's first P ranks}`` for ``P = 2 ..`` the group's size; a collective:
+    call on every rank of ``group``, in the same order."""
+    P_group = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
+    return {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}
+
+
 def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
     """The composition alone: :class:`SleepBackend` ranks, stages and one device measured by the probe,
     the link as calibrated; measured ``cp_forward`` + ``cp_backward`` steps (real exchanges, slowest
     rank, median) at ``P = 2 ..`` the group's size against the model with a device per rank."""
-    rank, P_group = dist.get_rank(group), dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
+    rank = dist.get_rank(group)
     T, dev = 64, torch.device("cpu")
     backend, inputs = SleepBackend(T), sleep_inputs(T)
     times = _sleeper_times(backend, inputs, iters) if rank == 0 else None
-    subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}
+    subgroups = _prefix_groups(group)
     rows = []
-    for P in range(2, P_group + 1):
+    for P in subgroups:
         if rank < P:
             plans = {s: build_cp_plan(batch_size=1, group=subgroups[P], strategy=s) for s in STRATEGIES}
             do = torch.zeros(1, T, 1, 16)
@@ -214,24 +221,24 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
                 if report is not None:
                     report(rows[-2])
         dist.barrier(group)
-    return rows + sleep_step_check(link, group, iters, report)
+    return rows + sleep_step_check(link, group, iters, report, subgroups=subgroups)
 
 
 def sleep_step_check(link: Link = DEFAULT_LINK, group=None, iters: int = 7, report=None,
-                     layers: int = SLEEP_STEP_LAYERS) -> list[dict]:
+                     layers: int = SLEEP_STEP_LAYERS, subgroups: dict | None = None) -> list[dict]:
     """Training steps of ``layers`` layers of :data:`CHAIN_STAGES` sleepers (forwards, the loss's
     all-reduce, backwards; real exchanges, slowest rank, median) at ``P = 2 ..`` the group's size,
-    against the step model and the layer-by-layer composition times ``layers``; call on every rank.
-    Rank 0 returns the rows (``<s>_model_err``: the step model over measured, minus one;
-    ``<s>_layer_model_err``: ``layers`` times the one-layer model's), the others none."""
-    rank, P_group = dist.get_rank(group), dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P_group))
-    subgroups = {P: new_cp_group(ranks[:P]) for P in range(2, P_group + 1)}  # collective: every rank, same order
+    against the step model and the layer-by-layer composition times ``layers``; call on every rank
+    (``subgroups``: the groups of the first ``P`` ranks, if already made). Rank 0 returns the rows
+    (``<s>_model_err``: the step model over measured, minus one; ``<s>_layer_model_err``: ``layers``
+    times the one-layer model's), the others none."""
+    rank = dist.get_rank(group)
+    subgroups = subgroups or _prefix_groups(group)
     T, dev = 64, torch.device("cpu")
     backend, inputs = SleepBackend(T, CHAIN_STAGES), sleep_inputs(T)
     times = _sleeper_times(backend, inputs, iters) if rank == 0 else None
     rows = []
-    for P in range(2, P_group + 1):
+    for P in subgroups:
         if rank < P:
             sub = subgroups[P]
             plans = {s: build_cp_plan(batch_size=1, group=sub, strategy=s) for s in STRATEGIES}
