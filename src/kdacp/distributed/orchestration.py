@@ -151,7 +151,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     if rest_states is not None:
         rest_o = backend.output(chunks, rest, known_initial, rest_states)
     incoming = exchange.receive(pending)
-    local_initial = _initial_states(incoming, known_initial if n_known else None, n_known)
+    local_initial = _rows([(incoming, layout.num_receive), (known_initial if n_known else None, n_known)])
     kept = None
     if rest_states is None:  # no pass made a message: one pass over the whole rank
         states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
@@ -175,31 +175,14 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
 
 
-def _initial_states(incoming: torch.Tensor | None, known: torch.Tensor | None, n_known: int) -> torch.Tensor | None:
-    """The initial states of a rank's segments: the ``incoming`` ones (``None`` when none receive), then the
-    ``n_known`` that start here (``known``, ``None`` for zeros: zero rows when some segment receives, else
-    ``None`` for all)."""
-    if incoming is None or n_known == 0:
-        return known if incoming is None else incoming
-    if known is None:
-        known = incoming.new_zeros(n_known, *incoming.shape[1:])
-    return torch.cat([incoming, known], 0)
-
-
-def _stack_rows(known: torch.Tensor | None, n_known: int, incoming: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``dht`` rows of a span: ``n_known`` segments that end here (``known``, ``None`` for zeros), then
-    those that continue on the next rank (``incoming``, ``None`` when none do)."""
-    if incoming is None:
-        return known
-    if n_known == 0:
-        return incoming
-    if known is None:
-        known = incoming.new_zeros(n_known, *incoming.shape[1:])
-    return torch.cat([known, incoming], 0)
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
+def _rows(parts: list) -> torch.Tensor | None:
+    """The state rows of consecutive groups of a rank's segments, ``parts`` ``[(rows or None, n)]`` in order:
+    ``None`` stands for ``n`` zero rows where another group has rows; ``None`` when no group has any (zero
+    states are passed to the backends as none)."""
+    like = next((t for t, _ in parts if t is not None), None)
+    if like is None:
+        return None
+    return _cat([like.new_zeros(n, *like.shape[1:]) if t is None and n else t for t, n in parts], 0)
 
 
 def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch.Tensor,
@@ -232,7 +215,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     # one launch set over the whole rank
     local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
                                    head_states)
-    final_grads = None if dht_all is None else dht_all[_sequences(segments[:n_known])]
+    final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
         message = AffineMessage(backend.state_gradient_summary(local), transition.transpose(-1, -2))
@@ -246,7 +229,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange.send(pending, message)
     dS_out = exchange.receive(pending)
     if states is None:
-        states = backend.backward_states(local, _stack_rows(final_grads, n_known, dS_out))
+        states = backend.backward_states(local, _rows([(final_grads, n_known), (dS_out, layout.num_send)]))
     grads = backend.backward_inputs(states)
     pending.finish_sends()
 

@@ -59,8 +59,8 @@ class RankLayout:
       backward their initial-state gradient is what the previous rank waits for.
     - ``tail``: the segments continued on a later rank. Forward their final state is what the next
       rank waits for; backward they wait for the incoming gradient.
-    - ``after_head`` (everything but the head): one launch set of the schedule in both directions
-      (:mod:`~kdacp.distributed.orchestration`), its tail the last segment.
+    - ``after_head`` (everything but the head): on a rank with a tail, the forward's state pass that
+      makes the tail's message, its last rows (:mod:`~kdacp.distributed.orchestration`).
     """
 
     segments: tuple[LocalSegment, ...]
