@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdacp.bench.overhead import ReadyExchange, rank_step, role_call, role_plans
+from kdacp.bench.overhead import ReadyExchange, device_role_call, rank_step, role_plans
 
 
 def kernel_ms(fn, steps: int, device: torch.device) -> dict:
@@ -49,11 +49,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
     device = torch.device(a.device)
-    cuda = device.type == "cuda"
-    T = a.seq_len or (16384 if cuda else 256)
-    heads, dim = (32, 128) if cuda else (2, 16)
-    call, do = role_call(a.family, "fla" if cuda else "torch", T, heads, dim,
-                     torch.bfloat16 if cuda else torch.float32, device)
+    T, call, do = device_role_call(a.family, device, a.seq_len)
     exchange = ReadyExchange()
     for role, (plan, one) in role_plans(a.batch, T).items():
         got = {}

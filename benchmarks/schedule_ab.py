@@ -22,7 +22,7 @@ import argparse
 import torch
 
 from kdacp.bench.harness import load_module_file
-from kdacp.bench.overhead import ReadyExchange, role_call, role_plans
+from kdacp.bench.overhead import ReadyExchange, device_role_call, role_plans
 from kdacp.bench.timing import time_queued
 from kdacp.distributed import orchestration as new
 
@@ -55,10 +55,7 @@ def main() -> int:
     a = p.parse_args()
     old = load_module_file(a.old, "kdacp.distributed._orchestration_old")
     device = torch.device(a.device)
-    cuda = device.type == "cuda"
-    T = a.seq_len or (16384 if cuda else 256)
-    call, do = role_call(a.family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
-                     torch.bfloat16 if cuda else torch.float32, device)
+    T, call, do = device_role_call(a.family, device, a.seq_len)
     print(f"| {a.family} {a.batch} role | o rel diff | max grad rel diff | old ms | new ms | new / old | one device ms |")
     print("|---|---|---|---|---|---|---|")
     for role, (plan, one) in role_plans(a.batch, T).items():

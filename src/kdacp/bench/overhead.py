@@ -50,7 +50,8 @@ from .harness import PlotSpec, markdown_table
 from .stage_probe import ROLE_RANKS, probe_rounds, sync
 from .timing import check_queued_ahead, queue_ahead_for, sleep_then_mark, time_queued
 
-__all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "markdown", "rank_step", "role_call", "role_plans", "run"]
+__all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "device_role_call", "markdown", "rank_step", "role_call", "role_plans",
+           "run"]
 
 FAMILIES = ("kda", "gdn")
 GDN_OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=None, safe_gate=False)
@@ -142,6 +143,17 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)
         call = prepare_call(backend, **leaves, **gate, scale=None, **GDN_OPTIONS)
     return call, torch.randn_like(x["v"])
+
+
+def device_role_call(family: str, device: torch.device, T: int | None = None):
+    """``(T, PreparedCall, do)`` of :func:`role_call` at the benchmark scripts' size for ``device``: on a GPU
+    ``T`` tokens (default 16384), 32 heads of 128, bf16, the ``fla`` backend; on the CPU (a check that a
+    script runs) ``T`` tokens (default 256), 2 heads of 16, float32, the ``torch`` backend."""
+    cuda = device.type == "cuda"
+    T = T or (16384 if cuda else 256)
+    call, do = role_call(family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
+                         torch.bfloat16 if cuda else torch.float32, device)
+    return T, call, do
 
 
 def role_plans(batch: str, T: int) -> dict:
