@@ -100,7 +100,11 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
         if send is not None:
             # nothing the receiver does not need comes first: no output, nothing on the waiting head
             assert all(stage != "output" and (span != head or layout.through) for stage, span in log[1:send]), log
-        if receive is not None:  # after blocking, one pass and one output over the whole rank, nothing else
+        if receive is not None and layout.num_send and not layout.through:
+            # a tail: all independent work is done before blocking, after it only the head's work
+            assert all(span == head for _, span in log[receive + 1:]), log
+            assert all(span != head or stage == "prepare" for stage, span in log[1:receive]), log
+        elif receive is not None:  # no tail to send from (or a through rank): one pass over the whole rank
             whole = (0, layout.num_tokens)
             assert log[receive + 1:] == [("state_pass", whole), ("output", whole)], log
 
@@ -125,16 +129,14 @@ def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
     """Between the shared ``prepare`` and the send, only the pass that makes the message: forward the
-    summary (a through rank), the pass over the whole rank (a tail and no head: the tail and the rank's whole
-    sequences in one launch) or the tail's own pass (a tail and a head, which waits); backward the local work
-    over the whole rank, then the summary (a through rank), the pass over the whole rank (no tail: nothing to
-    wait for), or the head's own pass (a tail that waits)."""
+    pass over every segment after the head (the tail and the rank's whole sequences in one launch),
+    backward the local work over the whole rank, then the summary (a through rank), the pass over the
+    whole rank (no tail: nothing to wait for), or the head's own pass (a tail that waits)."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
-        whole, head, tail = ((s.start, s.end) for s in (layout.whole, layout.head, layout.tail))
+        whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
         if layout.num_send:
-            made = (("state_summary", head) if layout.through else ("state_pass", whole)
-                    if layout.num_receive == 0 else ("state_pass", tail))
+            made = ("state_summary", head) if layout.through else ("state_pass", rest)
             assert forward[1:_index(forward, "send")] == [("prepare", whole), made], forward
         if layout.num_receive:
             made = (("state_gradient_summary", whole) if layout.through else ("backward_states", whole)
@@ -144,19 +146,20 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypa
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
 def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
-    """What one device launches once over the rank's tokens, a rank launches once over its tokens too: the
-    forward's outputs and state pass over the whole rank (and the tail's own pass for the message on a rank whose
-    head waits), the backward's stages over the whole rank (and the head's own pass for the message on a rank
-    whose tail waits), so that no outputs or gradients are joined from parts."""
+    """What one device launches once over the rank's tokens, a rank launches once per span: forward over
+    the head and over everything after it where a tail sends (not the tail alone and the whole sequences
+    before it apart), else over the whole rank; backward over the whole rank (and the head's own pass for
+    the message), so that no outputs or gradients are joined from parts."""
     for rank in range(len(lengths)):
         layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
-        whole, head, tail = ((s.start, s.end) for s in (layout.whole, layout.head, layout.tail))
-        both = layout.num_receive and layout.num_send and not layout.through  # a head and a tail
-        assert [e for e in forward if e[0] in ("state_pass", "output")] == (
-            [("state_pass", tail)] if both else []) + [("state_pass", whole), ("output", whole)], forward
+        whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
+        assert {span for _, span in forward if span is not None} <= {whole, head, rest}, forward
         assert {span for _, span in backward if span is not None} <= {whole, head}, backward
         assert [e for e in backward if e[0] in ("backward_local", "backward_inputs")] == [
             ("backward_local", whole), ("backward_inputs", whole)], backward
+        if not layout.num_send or layout.through:  # nothing splits the forward either
+            assert [e for e in forward if e[0] in ("state_pass", "output")] == [
+                ("state_pass", whole), ("output", whole)], forward
         for log in (forward, backward):
             assert len(set(log)) == len(log), log
 

@@ -1,18 +1,18 @@
 """Forward and backward orchestration of one rank's context-parallel chunk KDA: the rank's schedule.
 
 The spans are the plan's (:class:`~kdacp.distributed.plan.RankLayout`): ``head`` (sequences begun on
-an earlier rank), ``tail`` (the sequence continued on a later rank) and ``whole``. Each direction runs in
-critical-path order: what a peer waits for first, its message posted the moment it exists, then all work
-that needs no incoming message, and the blocking receive last.
+an earlier rank) and ``rest`` (``after_head``: sequences that start here, the last of which, the tail,
+may continue on a later rank). Each direction runs in critical-path order: what a peer waits for first,
+its message posted the moment it exists, then all work that needs no incoming message, and the
+blocking receive last.
 
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
            through rank: summary(whole) -> message (S_ext, M)
-           a tail, no head: state_pass(whole) -> message (the tail's final states: the pass's last rows)
-           a tail and a head: state_pass(tail) -> message (the tail's own pass)
+           a tail: state_pass(rest) -> message (the tail's final states: the pass's last rows)
            send                                          p2p: to rank + 1; allgather: the gather starts
-           a tail, no head: output(whole)
-           receive (block) -> unless done: state_pass(whole), output(whole)
+           a tail: output(rest)
+           receive (block) -> a tail: state_pass(head), output(head); else: state_pass(whole), output(whole)
 backward:  begin
            backward_local(whole)                         one launch set over the rank's tokens
            through rank: G(whole) -> message (G, M^T)
@@ -22,19 +22,20 @@ backward:  begin
            receive (block) -> backward_states(whole; the tail's rows from the message)
            backward_inputs(whole)
 
-Every rank runs its outputs, state passes and input gradients as one launch set over its tokens, what one
-device runs on them, so that nothing is joined from parts (a join copied 0.33 ms of gradients per layer at
-16K tokens, 32 heads of 128, on one H200: benchmarks/RESULTS.md, fifteenth session). Where a message and a
-wait fall on different segments of one rank, the segments the message needs run their own pass first, once
-more than one device runs them: the tail's state pass forward (on a rank that also has a head), the head's
-gradient state pass backward (on a rank that also has a tail). The cost is in when messages leave: a rank
-without a tail waits for its head's states before its whole pass, and sends its head's state gradients with
-the whole backward pass (its receiver first runs its own local work); in a training step ranks run ahead of
-each other as a wavefront (:func:`kdacp.bench.scaling_model.predict_step`), so such a wait is paid once per
-stretch of layers, not per layer. On a rank without a head, the whole sequences before the tail ride in the
-tail's launch, rather than after a launch of the tail's alone: that posts the message later by their share
-of the pass (its receiver has its own whole sequences to run meanwhile); a separate tail cost a packed rank
-about 0.2 ms of split launches.
+Every stage runs once per span, over all of the span's segments (one varlen launch set). Only a rank
+with a tail splits its forward, over the rest (whose pass makes the message) and the head (which waits);
+every other rank runs its forward, and every rank its backward, as one launch set over its tokens, what
+one device runs on them, so that its outputs and input gradients are not joined from parts (a join copied
+0.33 ms of gradients per layer at 16K tokens, 32 heads of 128, on one H200: benchmarks/RESULTS.md,
+fifteenth session). The cost is in when messages leave: a rank without a tail waits for its head's
+states before its whole pass, and sends its head's state gradients with the whole backward pass (its
+receiver first runs its own local work); in a training step ranks run ahead of each other as a wavefront
+(:func:`kdacp.bench.scaling_model.predict_step`), so such a wait is paid once per stretch of layers, not
+per layer. The backward's extra work is the head's own gradient state pass, only on a rank whose tail
+waits for a message. The sequences whose forward pass makes no message (whole ones after the head) ride
+in the same launch as the tail's, rather than after a launch of the tail's alone: that posts the message
+later by their share of the pass (its receiver has its own whole sequences to run meanwhile); a separate
+tail cost a packed rank about 0.2 ms of split launches.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
@@ -131,7 +132,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     exchange = exchange or make_exchange(plan.strategy)
     pending = exchange.begin(route)
 
-    head = layout.head
+    head, rest = layout.head, layout.after_head
     segments = layout.segments
     chunks = backend.prepare(inputs, layout.whole)
     starting = _sequences(segments[layout.num_receive:])  # the sequences that start on this rank
@@ -139,27 +140,29 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, states, o = None, None, None, None
+    message, transition, rest_states, rest_o = None, None, None, None
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
         summary = backend.state_summary(chunks, head, with_transition=True)
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
-    elif layout.num_send and head.empty:  # nothing waits: the whole pass makes the message (its last rows)
-        states = backend.state_pass(chunks, layout.whole, known_initial, True)
-        message = AffineMessage(states.final_state[-layout.num_send:])
-    elif layout.num_send:  # the head waits: the tail's own pass makes the message, the whole pass comes after
-        tail_initial = None if known_initial is None else known_initial[-layout.num_send:]
-        message = AffineMessage(backend.state_pass(chunks, layout.tail, tail_initial, True).final_state)
+    elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
+        rest_states = backend.state_pass(chunks, rest, known_initial, True)
+        message = AffineMessage(rest_states.final_state[-layout.num_send:])
     exchange.send(pending, message)
-    if states is not None:
-        o = backend.output(chunks, layout.whole, known_initial, states)
+    if rest_states is not None:
+        rest_o = backend.output(chunks, rest, known_initial, rest_states)
     incoming = exchange.receive(pending)
     local_initial = _rows([(incoming, layout.num_receive), (known_initial if n_known else None, n_known)])
     kept = None
-    if states is None:  # one pass over the whole rank, from the incoming states
+    if rest_states is None:  # no pass made a message: one pass over the whole rank
         states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
         o = backend.output(chunks, layout.whole, local_initial, states)
-        kept = states if head == layout.whole else None  # the head is the whole rank
-    local_final = states.final_state
+        local_final = states.final_state
+        kept = states if rest.empty and not head.empty else None  # the head is the whole rank
+    else:  # the head waited for its incoming states
+        head_states = None if head.empty else backend.state_pass(chunks, head, incoming, output_final_state)
+        head_o = None if head.empty else backend.output(chunks, head, incoming, head_states)
+        o = _cat([head_o, rest_o], 1)
+        local_final = _cat([s and s.final_state for s in (head_states, rest_states)], 0) if output_final_state else None
     pending.finish_sends()
 
     final_state = None
