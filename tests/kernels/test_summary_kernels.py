@@ -96,13 +96,14 @@ def test_state_gradient_summary_matches_reference(B, T, HV, K, V, dtype, L):
     assert torch.equal(low["dv"], dv_before)
 
 
-# (T, K, V, dtype, config): the transposed-state layout and both bf16 piece counts (the pieces only
-# differ on a GPU; the interpreter computes bf16 inputs in float32)
+# (T, K, V, dtype, config): both state layouts and both bf16 piece counts (the pieces only differ on a
+# GPU; the interpreter computes bf16 inputs in float32)
 LAYOUTS = [
     (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=True, chunks_per_program=1)),
     (100, 128, 64, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=3)),
     (200, 64, 128, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=2, chunks_per_program=2)),
-    (200, 64, 64, torch.bfloat16, kn.SummaryConfig(bf16_pieces=3, chunks_per_program=1, num_warps=2)),
+    (200, 64, 64, torch.bfloat16, kn.SummaryConfig(v_first=False, bf16_pieces=3, chunks_per_program=1, num_warps=2)),
+    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=False, chunks_per_program=1)),
 ]
 
 
@@ -435,7 +436,7 @@ def test_raw_keys_v_first_head_range_and_segment(variant):
     seg = {n: t[:, s:e, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}
     w_hf = low["w"].transpose(1, 2).contiguous()
     S, M = kn.state_summary(low["k"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
-                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
+                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=False))
     S_ref, M_ref = ref_summary(seg)
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
@@ -484,7 +485,7 @@ def test_scalar_gate_head_range_segment_and_v_first(variant):
     S_ref, M_ref = ref_summary(seg)
     w_hf = low["w"].transpose(1, 2).contiguous()
     S, M = kn.state_summary(low["kg"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
-                            segment=(s, e), config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
+                            segment=(s, e), config=kn.SummaryConfig(chunks_per_program=1, v_first=False))
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,

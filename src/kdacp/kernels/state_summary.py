@@ -11,6 +11,8 @@ per chunk and head.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +27,13 @@ from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load
 __all__ = ["state_summary", "transition"]
 
 _OUTPUTS = ("both", "state", "transition")
-# Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md).
-DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_pieces=2, v_first=False)
+# Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md, seventeenth session): with
+# gated keys the transposed tile feeds both products' state operand from registers (0.375 ms against 0.433 ms
+# for [K, BV], whose state pieces go through shared memory; two stages keep two programs on an SM); with raw
+# keys, whose gate scales v_new in the loop, it is not faster (0.460 against 0.454 ms, scalar gate) or slower
+# (0.673 against 0.475 ms, a zero-stride gate view).
+DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_pieces=2, v_first=True)
+RAW_KEYS_DEFAULT = replace(DEFAULT_CONFIG, v_first=False)
 
 
 @triton.jit
@@ -111,7 +118,8 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
         _state_summary_kernel, (kg, w, u if has_s else kg, gc),
         (*token_strides(kg), *token_strides(w, w_head_first), *(token_strides(u) if has_s else (0, 0, 0)),
          *gate_strides(gc), dims.head_start, dims.HV, dims.key_group),
-        dims, chunk_size=chunk_size, config=(config or SummaryConfig()).resolved(DEFAULT_CONFIG),
+        dims, chunk_size=chunk_size,
+        config=(config or SummaryConfig()).resolved(RAW_KEYS_DEFAULT if raw_keys else DEFAULT_CONFIG),
         a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
         constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys))
     return StateSummary(S, M)

@@ -1,0 +1,236 @@
+"""Forward and backward orchestration of one rank's context-parallel chunk KDA: the rank's schedule.
+
+The spans are the plan's (:class:`~kdacp.distributed.plan.RankLayout`): ``head`` (sequences begun on
+an earlier rank), ``tail`` (the sequence continued on a later rank) and ``whole``. Each direction runs in
+critical-path order: what a peer waits for first, its message posted the moment it exists, then all work
+that needs no incoming message, and the blocking receive last.
+
+forward:   begin (post the receive)
+           prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
+           through rank: summary(whole) -> message (S_ext, M)
+           a tail, no head: state_pass(whole) -> message (the tail's final states: the pass's last rows)
+           a tail and a head: state_pass(tail) -> message (the tail's own pass)
+           send                                          p2p: to rank + 1; allgather: the gather starts
+           a tail, no head: output(whole)
+           receive (block) -> unless done: state_pass(whole), output(whole)
+backward:  begin
+           backward_local(whole)                         one launch set over the rank's tokens
+           through rank: G(whole) -> message (G, M^T)
+           no tail: backward_states(whole) -> message (its head rows: the head's initial-state gradients)
+           else: backward_states(head) -> message (the head's initial-state gradients)
+           send
+           receive (block) -> backward_states(whole; the tail's rows from the message)
+           backward_inputs(whole)
+
+Every rank runs its outputs, state passes and input gradients as one launch set over its tokens, what one
+device runs on them, so that nothing is joined from parts (a join copied 0.33 ms of gradients per layer at
+16K tokens, 32 heads of 128, on one H200: benchmarks/RESULTS.md, fifteenth session). Where a message and a
+wait fall on different segments of one rank, the segments the message needs run their own pass first, once
+more than one device runs them: the tail's state pass forward (on a rank that also has a head), the head's
+gradient state pass backward (on a rank that also has a tail). The cost is in when messages leave: a rank
+without a tail waits for its head's states before its whole pass, and sends its head's state gradients with
+the whole backward pass (its receiver first runs its own local work); in a training step ranks run ahead of
+each other as a wavefront (:func:`kdacp.bench.scaling_model.predict_step`), so such a wait is paid once per
+stretch of layers, not per layer. On a rank without a head, the whole sequences before the tail ride in the
+tail's launch, rather than after a launch of the tail's alone: that posts the message later by their share
+of the pass (its receiver has its own whole sequences to run meanwhile); a separate tail cost a packed rank
+about 0.2 ms of split launches.
+
+A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
+``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
+tested with a recording exchange in ``tests/distributed/test_schedule.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
+from ..caches import ROUTES
+from . import comm
+from .plan import CPPlan, through_ranks
+from .strategies import AffineMessage, Route, StateExchange, make_exchange
+
+__all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
+
+
+@dataclass
+class CPForward:
+    """``o [1, T_local, HV, V]``; ``final_state [N, HV, K, V]`` (every sequence, or ``None``);
+    ``saved``: the backend's saved chunk data; ``local_initial [n, HV, K, V]``: the states the local
+    segments started from, the received ones first, then those ``initial_state`` gave (without it zeros,
+    or no rows at all where no segment receives: zero initial states are then passed to the backends as
+    none, as FLA's op does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
+    ``head_states``: the head's state pass (``h``, ``v_new``) where the head is the whole rank, kept so that
+    the backward, which sends gradients back, does not recompute it on the critical path; else ``None``."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    saved: object
+    local_initial: torch.Tensor
+    transition: torch.Tensor | None
+    head_states: LocalStates | None
+
+
+@dataclass
+class CPGrads(LocalGrads):
+    """A rank's gradients: :class:`LocalGrads` over all ``T_local`` tokens, plus
+    ``dinitial_state [N, HV, K, V]`` (rows of sequences that start on this rank; else zero) or ``None``."""
+
+    dinitial_state: torch.Tensor | None
+
+
+@lru_cache(maxsize=ROUTES)
+def _routes(plan: CPPlan, local_length: int, state_shape, dtype, device) -> tuple[Route, Route]:
+    """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1) of
+    ``plan``'s layouts for ``local_length`` tokens per batch row. Routes are frozen and hold no per-call
+    state, so the newest are kept (:data:`~kdacp.caches.ROUTES`; every layer of a step asks for the same)."""
+    P, layouts = plan.world_size, plan.layouts(local_length)
+    through = through_ranks(layouts)
+    n = max(max(lay.num_send for lay in layouts), 1)
+    shape = (n, *state_shape)
+    forward = Route(plan.rank, plan.group, tuple(range(P)), tuple(lay.num_send for lay in layouts), through,
+                    shape, dtype, device)
+    backward = Route(plan.rank, plan.group, tuple(reversed(range(P))), tuple(lay.num_receive for lay in layouts),
+                     through, shape, dtype, device)
+    return forward, backward
+
+
+def _sequences(segments) -> slice:
+    """The global sequences of ``segments`` (consecutive in a :class:`RankLayout`) as a slice."""
+    return slice(segments[0].sequence, segments[-1].sequence + 1) if segments else slice(0, 0)
+
+
+def _by_sequence(plan: CPPlan, segments, local: torch.Tensor, kept: slice) -> torch.Tensor:
+    """``[N, HV, K, V]``: the states ``local[kept]`` of ``segments[kept]`` at their sequences' rows, zeros
+    elsewhere; ``local`` itself on one rank, where every sequence lies, in order."""
+    if plan.world_size == 1:
+        return local
+    out = local.new_zeros(plan.num_sequences, *local.shape[1:])
+    out[_sequences(segments[kept])] = local[kept]
+    return out
+
+
+def _cat(parts: list, dim: int):
+    parts = [p for p in parts if p is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_state: torch.Tensor | None,
+               output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None
+               ) -> CPForward:
+    """Run one rank's forward; see the module docstring for the order of stages. ``exchange``: default
+    the plan's strategy's (:mod:`kdacp.bench.scaling` passes a probe that times the stages)."""
+    T, HV, V, K = inputs.v.shape[1], inputs.v.shape[2], inputs.v.shape[3], inputs.q.shape[3]
+    device = inputs.q.device
+    layouts = plan.layouts(T // plan.batch_size)
+    layout = layouts[plan.rank]
+    route, _ = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, device)
+    exchange = exchange or make_exchange(plan.strategy)
+    pending = exchange.begin(route)
+
+    head = layout.head
+    segments = layout.segments
+    chunks = backend.prepare(inputs, layout.whole)
+    starting = _sequences(segments[layout.num_receive:])  # the sequences that start on this rank
+    n_known = len(segments) - layout.num_receive
+    # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
+    known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
+
+    message, transition, states, o = None, None, None, None
+    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
+        summary = backend.state_summary(chunks, head, with_transition=True)
+        message, transition = AffineMessage(summary.state, summary.transition), summary.transition
+    elif layout.num_send and head.empty:  # nothing waits: the whole pass makes the message (its last rows)
+        states = backend.state_pass(chunks, layout.whole, known_initial, True)
+        message = AffineMessage(states.final_state[-layout.num_send:])
+    elif layout.num_send:  # the head waits: the tail's own pass makes the message, the whole pass comes after
+        tail_initial = None if known_initial is None else known_initial[-layout.num_send:]
+        message = AffineMessage(backend.state_pass(chunks, layout.tail, tail_initial, True).final_state)
+    exchange.send(pending, message)
+    if states is not None:
+        o = backend.output(chunks, layout.whole, known_initial, states)
+    incoming = exchange.receive(pending)
+    local_initial = _rows([(incoming, layout.num_receive), (known_initial if n_known else None, n_known)])
+    kept = None
+    if states is None:  # one pass over the whole rank, from the incoming states
+        states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
+        o = backend.output(chunks, layout.whole, local_initial, states)
+        kept = states if head == layout.whole else None  # the head is the whole rank
+    local_final = states.final_state
+    pending.finish_sends()
+
+    final_state = None
+    if output_final_state:  # the segments that end here form a prefix
+        final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
+        if plan.world_size > 1:
+            final_state = comm.all_reduce_sum(final_state, plan.group)
+    if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
+        local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
+
+
+def _rows(parts: list) -> torch.Tensor | None:
+    """The state rows of consecutive groups of a rank's segments, ``parts`` ``[(rows or None, n)]`` in order:
+    ``None`` stands for ``n`` zero rows where another group has rows; ``None`` when no group has any (zero
+    states are passed to the backends as none)."""
+    like = next((t for t, _ in parts if t is not None), None)
+    if like is None:
+        return None
+    return _cat([like.new_zeros(n, *like.shape[1:]) if t is None and n else t for t, n in parts], 0)
+
+
+def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch.Tensor,
+                transition: torch.Tensor | None, head_states: LocalStates | None, do: torch.Tensor,
+                dfinal: torch.Tensor | None, output_final_state: bool, has_initial_state: bool,
+                exchange: StateExchange | None = None) -> CPGrads:
+    """Run one rank's backward, mirroring :func:`cp_forward`; ``do [1, T_local, HV, V]``,
+    ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``);
+    ``exchange`` as for :func:`cp_forward`."""
+    T, HV, V = do.shape[1], do.shape[2], do.shape[3]
+    K = local_initial.shape[2]
+    state_dtype = local_initial.dtype
+    layouts = plan.layouts(T // plan.batch_size)
+    layout = layouts[plan.rank]
+    segments = layout.segments
+    dht_all = None
+    if output_final_state and plan.world_size == 1:
+        dht_all = dfinal
+    elif output_final_state:
+        # The final states were replicated to every rank; their gradients add up at the owners.
+        dht_all = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
+        if dfinal is not None:
+            dht_all += dfinal
+        dht_all = comm.all_reduce_sum(dht_all, plan.group)
+    _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
+    exchange = exchange or make_exchange(plan.strategy)
+    pending = exchange.begin(route)
+
+    n_head, n_known = layout.num_receive, len(segments) - layout.num_send
+    # one launch set over the whole rank
+    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
+                                   head_states)
+    final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
+    message, states = None, None
+    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
+        message = AffineMessage(backend.state_gradient_summary(local), transition.transpose(-1, -2))
+    elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
+        states = backend.backward_states(local, final_grads)
+        if n_head:
+            message = AffineMessage(states.dinitial_state[:n_head])
+    elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
+        head_dht = None if final_grads is None else final_grads[:n_head]
+        message = AffineMessage(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
+    exchange.send(pending, message)
+    dS_out = exchange.receive(pending)
+    if states is None:
+        states = backend.backward_states(local, _rows([(final_grads, n_known), (dS_out, layout.num_send)]))
+    grads = backend.backward_inputs(states)
+    pending.finish_sends()
+
+    dinitial_state = None
+    if has_initial_state:  # the segments that start here form a suffix
+        dinitial_state = _by_sequence(plan, segments, states.dinitial_state, slice(n_head, None))
+    return CPGrads(**vars(grads), dinitial_state=dinitial_state)
