@@ -436,7 +436,7 @@ def test_raw_keys_v_first_head_range_and_segment(variant):
     seg = {n: t[:, s:e, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}
     w_hf = low["w"].transpose(1, 2).contiguous()
     S, M = kn.state_summary(low["k"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
-                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=False))
+                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
     S_ref, M_ref = ref_summary(seg)
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
