@@ -99,7 +99,7 @@ def test_state_gradient_summary_matches_reference(B, T, HV, K, V, dtype, L):
 # (T, K, V, dtype, config): both state layouts and both bf16 piece counts (the pieces only differ on a
 # GPU; the interpreter computes bf16 inputs in float32)
 LAYOUTS = [
-    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=True, chunks_per_program=1)),
+    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=True, chunks_per_program=1, max_registers=168)),
     (100, 128, 64, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=3)),
     (200, 64, 128, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=2, chunks_per_program=2)),
     (200, 64, 64, torch.bfloat16, kn.SummaryConfig(v_first=False, bf16_pieces=3, chunks_per_program=1, num_warps=2)),
@@ -135,7 +135,8 @@ def test_other_chunk_sizes(chunk_size, T, L):
 
 
 @pytest.mark.parametrize("field,value", [("block_v", 48), ("bf16_pieces", 1), ("num_warps", 3), ("v_first", 1),
-                                         ("num_stages", 0), ("chunks_per_program", 2.0)])
+                                         ("num_stages", 0), ("chunks_per_program", 2.0), ("max_registers", 16),
+                                         ("max_registers", 256), ("max_registers", 168.0)])
 def test_bad_summary_config_raises(field, value):
     with pytest.raises(ValueError, match=f"SummaryConfig.{field} must be"):
         kn.SummaryConfig(**{field: value})
@@ -166,6 +167,22 @@ def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
     with pytest.raises(OutOfResources):
         launch_fitting_stages(kernel, (1,), (), {}, 4, 2)
     assert kernel.tried == [2, 1]
+
+
+def test_launch_passes_the_register_limit_to_triton():
+    from kdacp.kernels.stages import launch_fitting_stages
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **options):
+                seen.append(options)
+            return launch
+
+    launch_fitting_stages(Kernel(), (1,), (), {"BT": 64}, 4, 2, max_registers=168)
+    launch_fitting_stages(Kernel(), (1,), (), {"BT": 64}, 4, 2)
+    assert seen == [{"BT": 64, "maxnreg": 168}, {"BT": 64}]
 
 
 def test_head_range_and_head_first_w_without_copies():

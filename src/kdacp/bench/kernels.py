@@ -183,6 +183,8 @@ def _sweep_cases(which):
                   ("both", C(chunks_per_program=128, num_warps=2)),
                   ("both", C(chunks_per_program=128, num_warps=2, block_v=32)),
                   ("both", C(chunks_per_program=128, num_warps=8, v_first=True))]
+        # three programs per SM (shared memory allows it transposed) need at most 170 registers
+        cases += [("both", C(v_first=True, max_registers=r, chunks_per_program=L)) for r in (160, 168) for L in (64, 86)]
         cases += [("transition", C(chunks_per_program=L, v_first=vf)) for vf in (False, True) for L in (64, 128)]
         cases += [("state", C(v_first=vf)) for vf in (False, True)]
         cases += [("state", C(bf16_pieces=3))]

@@ -21,6 +21,8 @@ class SummaryConfig:
             or 2 (~16 bits per product, faster).
         v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
             operand of every product.
+        max_registers: registers per thread the compiler may use (Triton's ``maxnreg``, 24 to 255):
+            fewer let more programs share an SM, at the cost of spills. ``None``: the compiler's choice.
     """
 
     block_v: int | None = None
@@ -29,6 +31,7 @@ class SummaryConfig:
     num_stages: int | None = None
     bf16_pieces: int | None = None
     v_first: bool | None = None
+    max_registers: int | None = None
 
     def __post_init__(self):
         allowed = {"block_v": (16, 32, 64), "num_warps": (1, 2, 4, 8, 16), "bf16_pieces": (2, 3),
@@ -41,6 +44,9 @@ class SummaryConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"SummaryConfig.{name} must be a positive int or None, got {value!r}")
+        value = self.max_registers
+        if value is not None and (type(value) is not int or not 24 <= value <= 255):
+            raise ValueError(f"SummaryConfig.max_registers must be an int from 24 to 255 or None, got {value!r}")
 
     def resolved(self, default: "SummaryConfig") -> "SummaryConfig":
         """This config with its ``None`` fields taken from ``default``."""

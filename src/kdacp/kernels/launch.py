@@ -62,6 +62,6 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         kernel, grid, (*inputs, ws, plan.work, *scalars),
         dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(inputs[0].dtype),
              NSPLIT=config.bf16_pieces, VF=config.v_first, **(constants or {})),
-        config.num_warps, config.num_stages)
+        config.num_warps, config.num_stages, config.max_registers)
     return fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=a_cols, want_a=a_cols > 0, want_t=want_t,
                           reverse=reverse, block_v=block_v)
