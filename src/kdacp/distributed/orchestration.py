@@ -8,7 +8,7 @@ blocking receive last.
 
 forward:   begin (post the receive)
            prepare(whole)                                gates, L2 norm, intra-chunk WY: one launch set
-           through rank: summary(whole) -> message (S_ext, M)
+           through rank: summary(head, which is the whole rank) -> message (S_ext, M)
            a tail: state_pass(rest) -> message (the tail's final states: the pass's last rows)
            send                                          p2p: to rank + 1; allgather: the gather starts
            a tail: output(rest)
