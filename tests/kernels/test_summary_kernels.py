@@ -229,6 +229,51 @@ def test_packed_sequences_and_segments(L):
     assert rel_err(G1, ref_grad(seg)) < TOL
 
 
+@pytest.mark.parametrize("L,raw", [(3, False), (5, False), (None, False), (2, True)])
+def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
+    """``parts=True``: the kernel's sub-segment summaries, unfolded, and :func:`affine.entry_states`
+    from them are the float64 states at each sub-segment's first token (from a random initial state),
+    and the parts compose to the summary; the last sub-segment is partial (T = 300). ``raw``: GDN's raw
+    keys, two value heads on one key head, scalar gate (64-token chunks); else 16-token chunks."""
+    T = 300
+    if raw:
+        C = 64
+        low, _ = make_gdn(1, T, 1, 2, 64, 64, torch.float32)
+        x, k = gated_from_raw(low), low["k"]
+    else:
+        C = 16
+        low, x = make(1, T, 2, 64, 64, torch.float32, chunk_size=C)
+        k = low["kg"]
+    out = kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, config=cfg(L), raw_keys=raw, parts=True)
+    n = len(out.starts)
+    assert out.starts[0] == 0 and all(s % C == 0 for s in out.starts) and list(out.starts) == sorted(set(out.starts))
+    assert out.parts.state.shape[0] == out.parts.transition.shape[0] == n > 1
+    if L is not None:
+        assert n == -(-(-(-T // C)) // L)
+
+    def truth(end):
+        return ref_summary({f: t[:, :end] for f, t in x.items()}, chunk_size=C)
+
+    S0 = torch.randn(2, 64, 64, dtype=torch.float64)
+    entering = affine.entry_states(out.parts, S0.float())
+    assert entering.shape == (n, 2, 64, 64)
+    for j, start in enumerate(out.starts):
+        expected = S0 if start == 0 else truth(start).transition[0] @ S0 + truth(start).state[0]
+        assert rel_err(entering[j], expected) < TOL, j
+    S_all, M_all = truth(T)
+    assert rel_err(out.summary.state, S_all) < TOL and rel_err(out.summary.transition, M_all) < TOL
+    with pytest.raises(ValueError, match="output='both'"):
+        kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, output="state", raw_keys=raw, parts=True)
+
+
+def test_summary_parts_need_one_sequence():
+    low, _ = make(2, 64, 2, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match="one sequence, got 2"):
+        kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=True)
+    with pytest.raises(TypeError, match="parts must be a bool"):
+        kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=1)
+
+
 def test_compose_and_apply_match_reference_in_float32_under_autocast():
     low, x = make(1, 256, 2, 64, 64, torch.float32)
     halves = [{n: t[:, a:b] for n, t in low.items()} for a, b in ((0, 128), (128, 256))]

@@ -20,7 +20,8 @@ import torch
 
 from .product import affine_product
 
-__all__ = ["StateSummary", "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]
+__all__ = ["StateSummary", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
+           "compose_state_summaries", "entry_states"]
 
 
 class StateSummary(NamedTuple):
@@ -29,6 +30,18 @@ class StateSummary(NamedTuple):
 
     state: torch.Tensor | None
     transition: torch.Tensor | None
+
+
+class SummaryParts(NamedTuple):
+    """One sequence's summary and the summaries of consecutive pieces of it: ``summary`` (``S_ext
+    [1, HV, K, V]``, ``M [1, HV, K, K]``); ``parts`` (``[n, HV, K, V]``, ``[n, HV, K, K]``), each piece's
+    summary from its own first token; ``starts``: each piece's first token, relative to the sequence's
+    (host ints, ``starts[0] == 0``). A state pass over the pieces in parallel starts each from
+    :func:`entry_states`."""
+
+    summary: StateSummary
+    parts: StateSummary
+    starts: tuple[int, ...]
 
 
 def _check_pair(name_a, a, name_b, b, b_last):
@@ -95,3 +108,15 @@ def compose_state_summaries(first, second) -> StateSummary:
     _check_pair("second M", M2, "first S_ext", S1, None)
     _check_pair("second M", M2, "second S_ext", S2, S1.shape[-1])
     return StateSummary(*_products(M2, S1, S2, M1))
+
+
+def entry_states(parts: StateSummary, initial: torch.Tensor) -> torch.Tensor:
+    """``[n, HV, K, V]``: the state entering each of ``n`` consecutive pieces (``parts`` as in
+    :class:`SummaryParts`) when the first starts from ``initial [HV, K, V]`` (or ``[1, HV, K, V]``):
+    ``initial``, then ``M_j S_j + S_ext_j`` piece by piece (``n - 1`` products, in sequence)."""
+    S = initial.reshape(parts.state.shape[1:])
+    states = [S]
+    for j in range(parts.state.shape[0] - 1):
+        S = apply_state_summary(parts.state[j], parts.transition[j], S)
+        states.append(S)
+    return torch.stack(states)

@@ -29,7 +29,7 @@ def gate_strides(gc: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: int, config: SummaryConfig,
-                   a_cols: int, want_t: bool, reverse: bool, constants: dict | None = None):
+                   a_cols: int, want_t: bool, reverse: bool, constants: dict | None = None, parts: bool = False):
     """Run ``kernel(*inputs, ws, work, *scalars, K=, V=, BT=, BV=, NCOL=, SPLIT_BF16=, NSPLIT=, VF=,
     **constants)`` over the sub-segments of ``dims.bounds`` and fold them per sequence.
 
@@ -41,9 +41,13 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         a_cols: columns of the additive part (``V``, or 0 for a transition alone).
         want_t: the transition is an output (every sub-segment then walks its ``K`` columns).
         reverse: chunks run backward (the gradient), sub-segments fold from the last.
+        parts: also return every sub-segment's own summary, unfolded.
 
     Returns:
-        ``(A [N, HV, K, a_cols] or None, T [N, HV, K, K] or None)`` float32.
+        ``(A [N, HV, K, a_cols] or None, T [N, HV, K, K] or None, parts)`` float32; ``parts`` is ``None``,
+        or with ``parts`` ``(A_p [NW, HV, K, a_cols], T_p [NW, HV, K, K] or None, starts)``: each
+        sub-segment's summary from its own first token (views of one workspace), ``starts`` their first
+        tokens (host ints, in order).
     """
     device = inputs[0].device
     K, V, HV = dims.K, dims.V, dims.HV
@@ -63,5 +67,9 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(inputs[0].dtype),
              NSPLIT=config.bf16_pieces, VF=config.v_first, **(constants or {})),
         config.num_warps, config.num_stages, config.max_registers)
-    return fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=a_cols, want_a=a_cols > 0, want_t=want_t,
+    A, T = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=a_cols, want_a=a_cols > 0, want_t=want_t,
                           reverse=reverse, block_v=block_v)
+    kept = None
+    if parts:
+        kept = (ws[..., :a_cols], ws[..., a_cols:] if ncol > a_cols else None, plan.starts)
+    return A, T, kept

@@ -158,7 +158,7 @@ def state_gradient_summary(qg, kg, w, gc, do, dv, scale, *, chunk_size: int = 64
                                 head_start=head_start, num_heads=num_heads, w_head_first=w_head_first,
                                 cu_seqlens=cu_seqlens, segment=segment, dv=dv,
                                 raw=("qg", "kg") if raw_keys else ())
-    G, _ = launch_summary(
+    G, _, _ = launch_summary(
         _state_gradient_kernel, (qg, kg, w, gc, do, dv),
         (*token_strides(qg), *token_strides(kg), *token_strides(w, w_head_first), *gate_strides(gc),
          *token_strides(do), *token_strides(dv), float(scale), dims.head_start, dims.HV, dims.key_group),

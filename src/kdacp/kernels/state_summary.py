@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..affine import StateSummary
+from ..affine import StateSummary, SummaryParts
 from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
@@ -112,22 +112,27 @@ def _state_summary_kernel(
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
-def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, config):
+def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, config, parts=False):
     has_s = output != "transition"
-    S, M = launch_summary(
+    S, M, kept = launch_summary(
         _state_summary_kernel, (kg, w, u if has_s else kg, gc),
         (*token_strides(kg), *token_strides(w, w_head_first), *(token_strides(u) if has_s else (0, 0, 0)),
          *gate_strides(gc), dims.head_start, dims.HV, dims.key_group),
         dims, chunk_size=chunk_size,
         config=(config or SummaryConfig()).resolved(RAW_KEYS_DEFAULT if raw_keys else DEFAULT_CONFIG),
         a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
-        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys))
+        constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys),
+        parts=parts)
+    if parts:
+        first = kept[2][0]
+        return SummaryParts(StateSummary(S, M), StateSummary(kept[0], kept[1]), tuple(s - first for s in kept[2]))
     return StateSummary(S, M)
 
 
 def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
                   num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
-                  raw_keys: bool = False, config: SummaryConfig | None = None) -> StateSummary:
+                  raw_keys: bool = False, config: SummaryConfig | None = None,
+                  parts: bool = False) -> StateSummary | SummaryParts:
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
@@ -154,10 +159,15 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
         segment: ``(start, end)`` token offsets with ``B == 1``: summarise that one segment, chunked
             from ``start``.
         config: tiling, see :class:`SummaryConfig`.
+        parts: with ``output="both"`` and one sequence: return :class:`~kdacp.affine.SummaryParts`,
+            the summary and those of the sub-segments the kernel cut the sequence into (no extra work:
+            they are the kernel's own, before folding), from which a state pass can run over the
+            sub-segments in parallel.
 
     Returns:
         ``StateSummary(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
-        ``N`` is ``B``, the number of sequences with ``cu_seqlens``, or 1 with ``segment``.
+        ``N`` is ``B``, the number of sequences with ``cu_seqlens``, or 1 with ``segment``. With
+        ``parts``: :class:`~kdacp.affine.SummaryParts`.
 
     Raises:
         TypeError, ValueError: on a bad argument (before any kernel runs); NotImplementedError for K=256.
@@ -165,13 +175,18 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
     if output not in _OUTPUTS:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
     values = {} if output == "transition" else {"u": u}
-    if not isinstance(raw_keys, bool):
-        raise TypeError(f"raw_keys must be a bool, got {type(raw_keys).__name__}")
+    for name, flag in (("raw_keys", raw_keys), ("parts", parts)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if parts and output != "both":
+        raise ValueError(f"parts=True needs output='both', got output={output!r}")
     dims = check_summary_inputs({"kg": kg, "w": w}, values, gc, chunk_size=chunk_size, head_start=head_start,
                                 num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens,
                                 segment=segment, raw=("kg",) if raw_keys else ())
+    if parts and len(dims.bounds) != 1:
+        raise ValueError(f"parts=True summarises one sequence, got {len(dims.bounds)} (batch rows or cu_seqlens)")
     return _launch(kg, w, u, gc, dims, chunk_size=chunk_size, output=output, w_head_first=w_head_first,
-                   raw_keys=raw_keys, config=config)
+                   raw_keys=raw_keys, config=config, parts=parts)
 
 
 def transition(kg, w, gc, *, chunk_size: int = 64, head_start: int = 0, num_heads: int | None = None,
