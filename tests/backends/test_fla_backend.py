@@ -36,7 +36,29 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
     return results
 
 
-# H = HV = 32, K = V = 128, bf16 as in kdacp.bench.cp: FLA autotunes every kernel per head
+def assert_pieces_pass_matches_whole(backend, x: KDAInputs, T: int, h0):
+    """A through rank's forward: the state pass over the summary's pieces at once, each from
+    :func:`~kdacp.affine.entry_states`, then the output over the whole span, against the pass along the
+    whole span from ``h0 [1, HV, K, V]`` (both bf16 through the same kernels; the pieces' entry states come
+    from the float32 summaries, the whole pass's from its own float32 state chain)."""
+    from kdacp.affine import entry_states
+    span = Span(0, T, (0, T))
+    chunks = backend.prepare(x, span)
+    pieces = backend.state_summary(chunks, span, True, parts=True)
+    assert len(pieces.starts) > 1, pieces.starts  # the GPU-sized grid cuts this segment
+    cut = backend.state_pass(chunks, span.cut(pieces.starts), entry_states(pieces, h0), True)
+    whole = backend.state_pass(chunks, span, h0, True)
+    assert cut.h.shape == whole.h.shape and cut.v_new.shape == whole.v_new.shape
+    o_cut, o_whole = backend.output(chunks, span, h0, cut), backend.output(chunks, span, h0, whole)
+    for name, a, b in (("h", cut.h, whole.h), ("v_new", cut.v_new, whole.v_new), ("o", o_cut, o_whole),
+                       ("final_state", cut.final_state[-1:], whole.final_state)):
+        assert rel_err(a, b) < 2e-3, (name, rel_err(a, b))
+    # the mechanism is seen: every piece from h0 instead is another pass
+    wrong = backend.state_pass(chunks, span.cut(pieces.starts), h0.expand(len(pieces.starts), -1, -1, -1), True)
+    assert rel_err(wrong.h, whole.h) > 1e-2
+
+
+# H = HV = 32, K = V = 128, bf16 as in kdacp.bench.cp# H = HV = 32, K = V = 128, bf16 as in kdacp.bench.cp: FLA autotunes every kernel per head
 # shape and dtype, which takes minutes on a cold machine, so all GPU tests share one.
 H, HV, K, V = 32, 32, 128, 128
 
@@ -100,3 +122,17 @@ def test_varlen_arguments_equal_fla_s_own():
     # kept across calls and backends: the same tensors again, so FLA's caches keyed by them hit
     again = FlaBackend(KDAOptions(scale=1.0))._varlen(Span(0, 1000, cu), torch.device("cuda"))
     assert all(again[n] is got[n] for n in got)
+
+
+def test_pieces_state_pass_matches_the_whole_pass():
+    _fla()
+    from kdacp.backends.fla_backend import FlaBackend
+    T = 4096
+    args = make_kda_inputs(1, T, H, HV, K, V, gate="default", dtype=torch.bfloat16, requires_grad=False,
+                           device="cuda", seed=3, gate_shift=-4.0)
+    options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0)
+    x = KDAInputs(*(args.get(n) for n in ("q", "k", "v", "g", "beta")),
+                  *(args[n].float() if n in args else None for n in ("A_log", "dt_bias")))
+    h0 = torch.randn(1, HV, K, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    assert_pieces_pass_matches_whole(FlaBackend(options), x, T, h0)

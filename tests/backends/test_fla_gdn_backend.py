@@ -274,3 +274,16 @@ def test_fla_gdn_forward_launches_flas_kernels_and_no_others(cu):
         ours = _kernels(lambda **a: chunk_gated_delta_rule(**a, backend="fla"), args)
         theirs = _kernels(fla.chunk_gated_delta_rule, args)
     assert ours == theirs
+
+
+@pytest.mark.gpu
+def test_pieces_state_pass_matches_the_whole_pass():
+    _fla()
+    from kdacp.backends.fla_gdn_backend import FlaGDNBackend
+    from tests.backends.test_fla_backend import assert_pieces_pass_matches_whole
+    T = 4096
+    x = {n: t.cuda() for n, t in _gdn_case(T, H, HV, K, V, gate_in_kernel=True, dtype=torch.bfloat16, seed=13).items()}
+    options = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    inputs = KDAInputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    h0 = torch.randn(1, HV, K, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(14))
+    assert_pieces_pass_matches_whole(FlaGDNBackend(options), inputs, T, h0)

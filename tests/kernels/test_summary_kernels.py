@@ -255,7 +255,8 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
         return ref_summary({f: t[:, :end] for f, t in x.items()}, chunk_size=C)
 
     S0 = torch.randn(2, 64, 64, dtype=torch.float64)
-    entering = affine.entry_states(out.parts, S0.float())
+    assert out.counts == (n,)
+    entering = affine.entry_states(out, S0[None].float())
     assert entering.shape == (n, 2, 64, 64)
     for j, start in enumerate(out.starts):
         expected = S0 if start == 0 else truth(start).transition[0] @ S0 + truth(start).state[0]
@@ -266,10 +267,25 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
         kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, output="state", raw_keys=raw, parts=True)
 
 
-def test_summary_parts_need_one_sequence():
-    low, _ = make(2, 64, 2, 64, 64, torch.float32)
-    with pytest.raises(ValueError, match="one sequence, got 2"):
-        kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=True)
+def test_summary_parts_of_packed_sequences():
+    """Packed sequences: each one's pieces follow each other, ``counts`` says how many are whose, and the
+    states entering them are those of each sequence from its own initial state."""
+    low, x = make(1, CU[-1], 2, 64, 64, torch.float32, cu=CU)
+    cu = torch.tensor(CU, dtype=torch.int64)
+    out = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(1), parts=True)
+    chunks = [-(-(e - s) // 64) for s, e in zip(CU[:-1], CU[1:])]
+    assert out.counts == tuple(chunks)
+    assert out.starts == tuple(s + 64 * j for s, n in zip(CU[:-1], chunks) for j in range(n))
+    S0 = torch.randn(len(CU) - 1, 2, 64, 64, dtype=torch.float64)
+    entering = affine.entry_states(out, S0.float())
+    for j, start in enumerate(out.starts):
+        n = next(i for i in range(len(CU) - 1) if CU[i] <= start < CU[i + 1])
+        seg = {f: t[:, CU[n]:start] for f, t in x.items()}
+        expected = S0[n] if start == CU[n] else ref_summary(seg).transition[0] @ S0[n] + ref_summary(seg).state[0]
+        assert rel_err(entering[j], expected) < TOL, j
+    with pytest.raises(ValueError, match="one packed row"):
+        kn.state_summary(low["kg"].expand(2, -1, -1, -1), low["w"].expand(2, -1, -1, -1),
+                         low["u"].expand(2, -1, -1, -1), low["gc"].expand(2, -1, -1, -1), parts=True)
     with pytest.raises(TypeError, match="parts must be a bool"):
         kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=1)
 

@@ -33,15 +33,16 @@ class StateSummary(NamedTuple):
 
 
 class SummaryParts(NamedTuple):
-    """One sequence's summary and the summaries of consecutive pieces of it: ``summary`` (``S_ext
-    [1, HV, K, V]``, ``M [1, HV, K, K]``); ``parts`` (``[n, HV, K, V]``, ``[n, HV, K, K]``), each piece's
-    summary from its own first token; ``starts``: each piece's first token, relative to the sequence's
-    (host ints, ``starts[0] == 0``). A state pass over the pieces in parallel starts each from
-    :func:`entry_states`."""
+    """Sequences' summaries and those of consecutive pieces of each: ``summary`` (``S_ext [N, HV, K, V]``,
+    ``M [N, HV, K, K]``); ``parts`` (``[n, HV, K, V]``, ``[n, HV, K, K]``), each piece's summary from its
+    own first token, sequence by sequence; ``starts``: each piece's first token, relative to the first
+    sequence's (host ints, increasing); ``counts``: pieces per sequence. A state pass over all pieces at
+    once starts each from :func:`entry_states`."""
 
     summary: StateSummary
     parts: StateSummary
     starts: tuple[int, ...]
+    counts: tuple[int, ...]
 
 
 def _check_pair(name_a, a, name_b, b, b_last):
@@ -110,13 +111,16 @@ def compose_state_summaries(first, second) -> StateSummary:
     return StateSummary(*_products(M2, S1, S2, M1))
 
 
-def entry_states(parts: StateSummary, initial: torch.Tensor) -> torch.Tensor:
-    """``[n, HV, K, V]``: the state entering each of ``n`` consecutive pieces (``parts`` as in
-    :class:`SummaryParts`) when the first starts from ``initial [HV, K, V]`` (or ``[1, HV, K, V]``):
-    ``initial``, then ``M_j S_j + S_ext_j`` piece by piece (``n - 1`` products, in sequence)."""
-    S = initial.reshape(parts.state.shape[1:])
-    states = [S]
-    for j in range(parts.state.shape[0] - 1):
-        S = apply_state_summary(parts.state[j], parts.transition[j], S)
+def entry_states(parts: SummaryParts, initial: torch.Tensor) -> torch.Tensor:
+    """``[n, HV, K, V]``: the state entering each piece of ``parts`` when each sequence starts from its row
+    of ``initial [N, HV, K, V]``: that row, then ``M_j S + S_ext_j`` piece by piece (``n - N`` products,
+    in sequence within each sequence)."""
+    states, first = [], 0
+    for row, count in enumerate(parts.counts):
+        S = initial[row]
         states.append(S)
+        for j in range(first, first + count - 1):
+            S = apply_state_summary(parts.parts.state[j], parts.parts.transition[j], S)
+            states.append(S)
+        first += count
     return torch.stack(states)

@@ -65,6 +65,16 @@ class Span:
         cu = self.cu_seqlens[:segments + 1]
         return Span(self.start, self.start + cu[-1], cu)
 
+    def cut(self, starts: tuple[int, ...]) -> "Span":
+        """This span with its segments cut into pieces beginning at ``starts`` (token offsets from its
+        first token, increasing, holding every segment's own first token)."""
+        length = self.end - self.start
+        if list(starts) != sorted(set(starts)) or not set(self.cu_seqlens[:-1]) <= set(starts) \
+                or starts[-1] >= length:
+            raise ValueError(f"cannot cut a span of {length} tokens with segments at {self.cu_seqlens} at {starts}: "
+                             f"expected increasing offsets below {length} that include every segment's start")
+        return Span(self.start, self.end, (*starts, length))
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The span's tokens of a token-first ``x [1, T, ...]``: ``x`` itself when the span covers it
         (no view made: a view costs host time on every stage call), else ``x[:, start:end]``."""
@@ -134,8 +144,11 @@ class LocalBackend(Protocol):
 
     def prepare(self, inputs: KDAInputs, span: Span): ...
 
-    def state_summary(self, chunks, span: Span, with_transition: bool):
-        """``StateSummary(state=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``."""
+    def state_summary(self, chunks, span: Span, with_transition: bool, parts: bool = False):
+        """``StateSummary(state=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``. ``parts`` (with
+        the transition): :class:`~kdacp.affine.SummaryParts`, the summaries and those of consecutive
+        pieces of each segment, so that the state pass can run over all pieces at once
+        (``span.cut(parts.starts)``) from :func:`~kdacp.affine.entry_states`."""
 
     def state_pass(self, chunks, span: Span, initial_state: torch.Tensor, output_final_state: bool) -> LocalStates:
         """The states of ``span`` from ``initial_state [n, HV, K, V]``."""

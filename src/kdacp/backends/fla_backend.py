@@ -175,11 +175,11 @@ class FlaBackend:
                          None if o.use_gate_in_kernel else p.gc, Aqk, Akk, p.q_rstd, p.k_rstd, x.A_log, x.dt_bias)
         return FlaChunks(saved, p.gc, w, u, kg)
 
-    def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool):
+    def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool, parts: bool = False):
         # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
         return state_summary(span.take(chunks.kg), span.take(chunks.w), span.take(chunks.u), span.take(chunks.gc),
                              chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
-                             cu_seqlens=span.cu_seqlens_host())
+                             cu_seqlens=span.cu_seqlens_host(), parts=parts)
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
+from ..affine import SummaryParts
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 
 __all__ = ["TorchBackend"]
@@ -57,23 +58,45 @@ class TorchBackend:
         """The (detached) raw inputs of all local tokens: every stage recomputes from them."""
         return KDAInputs(*(None if t is None else t.detach() for t in vars(inputs).values()))
 
-    def state_summary(self, chunks: KDAInputs, span: Span, with_transition: bool) -> reference.StateSummary:
+    def state_summary(self, chunks: KDAInputs, span: Span, with_transition: bool, parts: bool = False):
         inter = self._intermediates(chunks, span)
-        cu = span.cu_seqlens_tensor(chunks.q.device)
-        summary = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, self.options.chunk_size, cu)
-        return summary if with_transition else summary._replace(transition=None)
+        C = self.options.chunk_size
+
+        def summarise(cu):
+            return reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, C, cu)
+
+        summary = summarise(span.cu_seqlens_tensor(chunks.q.device))
+        if not parts:
+            return summary if with_transition else summary._replace(transition=None)
+        # each segment in two pieces, cut at a chunk boundary near its middle (one piece for one chunk)
+        starts, counts = [], []
+        for bos, eos in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]):
+            n_chunks = -(-(eos - bos) // C)
+            cuts = (bos,) if n_chunks < 2 else (bos, bos + C * (n_chunks // 2))
+            starts += cuts
+            counts.append(len(cuts))
+        pieces = summarise(torch.tensor((*starts, span.cu_seqlens[-1]), dtype=torch.int64, device=chunks.q.device))
+        return SummaryParts(summary, pieces, tuple(starts), tuple(counts))
 
     def state_pass(self, chunks: KDAInputs, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
+        """The final states, and ``h``, ``v_new`` as :class:`reference.ChunkIntermediates` holds them."""
         x = self._span_inputs(chunks, span)
-        _, final_state = reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
-                                             output_final_state=output_final_state, **self._kwargs(x, span))
-        return LocalStates(final_state)
+        inter = reference.chunk_kda_intermediates(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
+                                                  **self._kwargs(x, span))
+        return LocalStates(inter.final_state if output_final_state else None, inter.h, inter.v_new)
 
     def output(self, chunks: KDAInputs, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
-        x = self._span_inputs(chunks, span)
-        return reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
-                                   **self._kwargs(x, span))[0]
+        """From the state pass's ``h`` and ``v_new`` (which may have run over the span cut into more
+        segments at chunk boundaries), as the kernel backends do; without them, from ``initial_state``."""
+        if states is None or states.h is None:
+            x = self._span_inputs(chunks, span)
+            return reference.chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=initial_state,
+                                       **self._kwargs(x, span))[0]
+        inter = self._intermediates(chunks, span)
+        o = reference.chunk_output(inter.qg, inter.Aqk, states.v_new, states.h, self.options.scale,
+                                   self.options.chunk_size, span.cu_seqlens_tensor(chunks.q.device))
+        return o.to(chunks.v.dtype)
 
     def to_saved(self, chunks: KDAInputs) -> KDAInputs:
         return chunks

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kdacp.affine import StateSummary
+from kdacp.affine import StateSummary, SummaryParts
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 
 __all__ = ["CHAIN_STAGES", "SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
@@ -50,11 +50,13 @@ class SleepBackend:
         self.HV, self.V = inputs.v.shape[2:]
         return None
 
-    def state_summary(self, chunks, span, with_transition: bool) -> StateSummary:
+    def state_summary(self, chunks, span, with_transition: bool, parts: bool = False):
+        """Zero summaries; ``parts``: one piece per segment (its state pass then runs as one, as timed)."""
         self._sleep("state_summary", span)
         n = span.num_segments
-        return StateSummary(self._zeros(n, self.HV, self.K, self.V),
-                            self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+        summary = StateSummary(self._zeros(n, self.HV, self.K, self.V),
+                               self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+        return SummaryParts(summary, summary, span.cu_seqlens[:-1], (1,) * n) if parts else summary
 
     def state_pass(self, chunks, span, initial_state, output_final_state: bool) -> LocalStates:
         self._sleep("state_pass", span)

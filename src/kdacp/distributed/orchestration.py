@@ -13,6 +13,8 @@ forward:   begin (post the receive)
            send                                          p2p: to rank + 1; allgather: the gather starts
            a tail: output(rest)
            receive (block) -> a tail: state_pass(head), output(head); else: state_pass(whole), output(whole)
+                              (a through rank: the pass over its summary's pieces at once, each piece from
+                              the state entering it, ``M_j S_j + S_ext_j`` of the pieces before it)
 backward:  begin
            backward_local(whole)                         one launch set over the rank's tokens
            through rank: G(whole) -> message (G, M^T)
@@ -38,7 +40,11 @@ later by their share of the pass (its receiver has its own whole sequences to ru
 tail cost a packed rank about 0.2 ms of split launches.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
-``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). The order is
+``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Its summary kernel
+cuts the rank into pieces walked in parallel; their own summaries, kept, give the state entering each
+piece once ``S_in`` arrives, so that its state pass, the work after the message, runs over the pieces at
+once rather than along the whole rank (FLA's state kernel has one program per head and 64 columns: 64 at
+32 heads of 128, half an H200). The order is
 tested with a recording exchange in ``tests/distributed/test_schedule.py``.
 """
 from __future__ import annotations
@@ -48,6 +54,7 @@ from functools import lru_cache
 
 import torch
 
+from ..affine import entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
 from . import comm
@@ -140,9 +147,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, rest_states, rest_o = None, None, None, None
+    message, transition, rest_states, rest_o, pieces = None, None, None, None, None
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
-        summary = backend.state_summary(chunks, head, with_transition=True)
+        pieces = backend.state_summary(chunks, head, with_transition=True, parts=True)
+        summary = pieces.summary
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
     elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
         rest_states = backend.state_pass(chunks, rest, known_initial, True)
@@ -153,7 +161,16 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     incoming = exchange.receive(pending)
     local_initial = _rows([(incoming, layout.num_receive), (known_initial if n_known else None, n_known)])
     kept = None
-    if rest_states is None:  # no pass made a message: one pass over the whole rank
+    if pieces is not None and len(pieces.starts) > len(pieces.counts):
+        # a through rank: its pass runs over the summary's pieces at once, each from the state entering it
+        states = backend.state_pass(chunks, head.cut(pieces.starts), entry_states(pieces, incoming),
+                                    output_final_state)
+        o = backend.output(chunks, layout.whole, local_initial, states)
+        # each segment's final state is its last piece's
+        last = [sum(pieces.counts[:i + 1]) - 1 for i in range(len(pieces.counts))]
+        local_final = None if states.final_state is None else states.final_state[last]
+        kept = states
+    elif rest_states is None:  # no pass made a message: one pass over the whole rank
         states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
         o = backend.output(chunks, layout.whole, local_initial, states)
         local_final = states.final_state

@@ -45,9 +45,9 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
 
     Returns:
         ``(A [N, HV, K, a_cols] or None, T [N, HV, K, K] or None, parts)`` float32; ``parts`` is ``None``,
-        or with ``parts`` ``(A_p [NW, HV, K, a_cols], T_p [NW, HV, K, K] or None, starts)``: each
-        sub-segment's summary from its own first token (views of one workspace), ``starts`` their first
-        tokens (host ints, in order).
+        or with ``parts`` ``(A_p [NW, HV, K, a_cols], T_p [NW, HV, K, K] or None, plan)``: each
+        sub-segment's summary from its own first token (views of one workspace), and the
+        :class:`.planning.SummaryPlan` (their first tokens and the count per sequence).
     """
     device = inputs[0].device
     K, V, HV = dims.K, dims.V, dims.HV
@@ -71,5 +71,5 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
                           reverse=reverse, block_v=block_v)
     kept = None
     if parts:
-        kept = (ws[..., :a_cols], ws[..., a_cols:] if ncol > a_cols else None, plan.starts)
+        kept = (ws[..., :a_cols], ws[..., a_cols:] if ncol > a_cols else None, plan)
     return A, T, kept

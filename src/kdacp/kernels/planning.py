@@ -22,7 +22,7 @@ class SummaryPlan:
 
     ``work [NW, 4]`` int64 rows ``(batch row, first token, end token, needs transition)`` of every
     sub-segment, in sequence order; ``seqs [N, 2]`` int64 rows ``(first work row, count)``; ``starts``:
-    every sub-segment's first token, on the host.
+    every sub-segment's first token, ``counts`` the sub-segments of each sequence, on the host.
     """
 
     work: torch.Tensor
@@ -30,6 +30,7 @@ class SummaryPlan:
     num_work: int
     max_subsegments: int
     starts: tuple[int, ...]
+    counts: tuple[int, ...]
 
 
 def sm_count(device: torch.device) -> int:
@@ -83,4 +84,5 @@ def _plan_cached(bounds, chunk_size, chunks_per_program, reverse, transition_eve
     max_sub = max(c for _, c in seqs)
     return SummaryPlan(work=torch.tensor(work, dtype=torch.int64, device=device),
                        seqs=torch.tensor(seqs, dtype=torch.int64, device=device),
-                       num_work=len(work), max_subsegments=max_sub, starts=tuple(row[1] for row in work))
+                       num_work=len(work), max_subsegments=max_sub, starts=tuple(row[1] for row in work),
+                       counts=tuple(c for _, c in seqs))

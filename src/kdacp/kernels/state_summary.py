@@ -124,8 +124,9 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
         constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys),
         parts=parts)
     if parts:
-        first = kept[2][0]
-        return SummaryParts(StateSummary(S, M), StateSummary(kept[0], kept[1]), tuple(s - first for s in kept[2]))
+        plan = kept[2]
+        return SummaryParts(StateSummary(S, M), StateSummary(kept[0], kept[1]),
+                            tuple(s - plan.starts[0] for s in plan.starts), plan.counts)
     return StateSummary(S, M)
 
 
@@ -159,10 +160,10 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
         segment: ``(start, end)`` token offsets with ``B == 1``: summarise that one segment, chunked
             from ``start``.
         config: tiling, see :class:`SummaryConfig`.
-        parts: with ``output="both"`` and one sequence: return :class:`~kdacp.affine.SummaryParts`,
-            the summary and those of the sub-segments the kernel cut the sequence into (no extra work:
+        parts: with ``output="both"`` and ``B == 1``: return :class:`~kdacp.affine.SummaryParts`, the
+            summaries and those of the sub-segments the kernel cut each sequence into (no extra work:
             they are the kernel's own, before folding), from which a state pass can run over the
-            sub-segments in parallel.
+            sub-segments at once.
 
     Returns:
         ``StateSummary(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
@@ -183,8 +184,8 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
     dims = check_summary_inputs({"kg": kg, "w": w}, values, gc, chunk_size=chunk_size, head_start=head_start,
                                 num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens,
                                 segment=segment, raw=("kg",) if raw_keys else ())
-    if parts and len(dims.bounds) != 1:
-        raise ValueError(f"parts=True summarises one sequence, got {len(dims.bounds)} (batch rows or cu_seqlens)")
+    if parts and dims.B != 1:
+        raise ValueError(f"parts=True needs one packed row (B == 1), got B={dims.B}")
     return _launch(kg, w, u, gc, dims, chunk_size=chunk_size, output=output, w_head_first=w_head_first,
                    raw_keys=raw_keys, config=config, parts=parts)
 

@@ -24,7 +24,7 @@ from ..validation import check_kda_inputs
 from ..sequences import sequence_bounds
 from .gates import prepare_inputs
 
-__all__ = ["ChunkIntermediates", "chunk_kda", "chunk_kda_intermediates", "chunk_bounds"]
+__all__ = ["ChunkIntermediates", "chunk_kda", "chunk_kda_intermediates", "chunk_bounds", "chunk_output"]
 
 _LN2 = math.log(2.0)
 # Bound on the [chunks, C, C, HV, K] pairwise-gate tensor built at once (elements).
@@ -113,6 +113,29 @@ def _sequence_state_pass(kg, w, u, gc, S):
     return torch.stack(h), torch.stack(v_new), S
 
 
+def _chunk_outputs(qg, h, Aqk, v_new, scale):
+    """``o [NT, C, HV, V]`` of one sequence's chunks from ``qg [NT, C, HV, K]``, the states before each
+    chunk ``h [NT, HV, K, V]``, ``Aqk [NT, C, HV, C]`` and ``v_new [NT, C, HV, V]``."""
+    return scale * (torch.einsum("nchk,nhkv->nchv", qg, h) + torch.einsum("nihj,njhv->nihv", Aqk, v_new))
+
+
+def chunk_output(qg, Aqk, v_new, h, scale, chunk_size=64, cu_seqlens=None) -> torch.Tensor:
+    """``o [B, T, HV, V]`` from the state-independent ``qg [B, T, HV, K]``, ``Aqk [B, T, HV, C]`` and a
+    state pass's ``v_new [B, T, HV, V]`` and ``h [B, NT, HV, K, V]`` (as :class:`ChunkIntermediates`),
+    in their promoted dtype: what the output stage computes from a state pass made elsewhere."""
+    dtype = torch.promote_types(torch.promote_types(qg.dtype, h.dtype), v_new.dtype)
+    B, T = qg.shape[:2]
+    o = qg.new_zeros(B, T, v_new.shape[2], v_new.shape[3], dtype=dtype)
+    first_chunk = [0] * B
+    for b, bos, eos in sequence_bounds(B, T, cu_seqlens):
+        parts = [_pad_chunks(x[b, bos:eos].to(dtype), chunk_size) for x in (qg, Aqk, v_new)]
+        n = parts[0].shape[0]
+        states = h[b, first_chunk[b]:first_chunk[b] + n].to(dtype)
+        first_chunk[b] += n
+        o[b, bos:eos] = _chunk_outputs(parts[0], states, parts[1], parts[2], scale).reshape(-1, *o.shape[2:])[:eos - bos]
+    return o
+
+
 def chunk_kda_intermediates(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
                             dt_bias=None, lower_bound=None, chunk_size=64) -> ChunkIntermediates:
@@ -133,7 +156,7 @@ def chunk_kda_intermediates(q, k, v, g, beta, scale=None, initial_state=None, cu
                                                 ge[b, bos:eos], be[b, bos:eos], chunk_size)
         S0 = qe.new_zeros(dims.HV, dims.K, dims.V) if initial_state is None else initial_state[n].to(qe.dtype)
         h, v_new, S = _sequence_state_pass(kg, w, u, gc, S0)
-        o = scale * (torch.einsum("nchk,nhkv->nchv", qg, h) + torch.einsum("nihj,njhv->nihv", Aqk, v_new))
+        o = _chunk_outputs(qg, h, Aqk, v_new, scale)
         for name, x in (("gc", gc), ("qg", qg), ("kg", kg), ("w", w), ("u", u), ("Aqk", Aqk),
                         ("v_new", v_new), ("o", o)):
             fields[name][b].append(x.reshape(-1, *x.shape[2:])[:L])
