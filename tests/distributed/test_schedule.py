@@ -45,7 +45,8 @@ class RecordingExchange:
 class RecordingBackend:
     def __init__(self, log: list):
         self.inner, self.log = TorchBackend(KDAOptions(scale=0.25)), log
-        self.name, self.options = "recording", self.inner.options
+        self.name, self.options, self.parallel_pieces = "recording", self.inner.options, self.inner.parallel_pieces
+        self.spans = []
 
     def __getattr__(self, stage):
         fn = getattr(self.inner, stage)
@@ -58,6 +59,7 @@ class RecordingBackend:
                 span = span.prefix(kwargs["segments"])
             if span is not None:  # the stages that do work on a span (not to_saved)
                 self.log.append((stage, (span.start, span.end)))
+                self.spans.append((stage, span))
             return fn(*args, **kwargs)
         return call
 
@@ -204,3 +206,22 @@ def test_rank_layouts_take_lists_and_reuse_equal_layouts():
     a = rank_layouts([0, 5, 100, 130], 1, [40, 50, 40])
     assert a is rank_layouts((0, 5, 100, 130), 1, (40, 50, 40))
     assert [lay.num_tokens for lay in a] == [40, 50, 40] and a[1].through
+
+
+@pytest.mark.parametrize("parallel_pieces", [True, False])
+def test_through_rank_runs_its_pass_in_pieces_only_where_the_backend_gains(parallel_pieces, monkeypatch):
+    """One sequence over three ranks of 200 tokens (four 64-token chunks each): the through rank's pass
+    after the message runs over its summary's pieces (the torch backend cuts a segment in two) where the
+    backend says its state kernel gains from it, else along the whole rank."""
+    log: list = []
+    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
+    lengths = (200, 200, 200)
+    plan = CPPlan(rank=1, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
+                  local_lengths=lengths, rank_layouts=rank_layouts(None, 1, lengths))
+    backend = RecordingBackend(log)
+    backend.parallel_pieces = parallel_pieces
+    args = make_kda_inputs(1, 200, 1, 1, 16, 16, gate="plain", requires_grad=False, seed=1)
+    orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+    passes = [span for stage, span in backend.spans if stage == "state_pass"]
+    assert len(passes) == 1 and (passes[0].start, passes[0].end) == (0, 200)
+    assert passes[0].cu_seqlens == ((0, 128, 200) if parallel_pieces else (0, 200))

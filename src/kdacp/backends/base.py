@@ -141,6 +141,11 @@ class LocalBackend(Protocol):
 
     name: str
     options: KDAOptions
+    # Whether a through rank runs its state pass over its summary's pieces at once, each from the state
+    # entering it (``state_summary(parts=True)``), rather than along its whole segment: only where the
+    # backend's state kernel is faster so (measured on one H200 at 16K tokens, 32 heads of 128: FLA's GDN
+    # state kernel 0.311 -> 0.206 ms in two pieces; FLA's KDA kernel 0.421 -> 0.422 ms; benchmarks/RESULTS.md).
+    parallel_pieces: bool
 
     def prepare(self, inputs: KDAInputs, span: Span): ...
 

@@ -131,6 +131,7 @@ def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> d
 
 class FlaBackend:
     name = "fla"
+    parallel_pieces = False  # FLA's KDA state kernel is no faster in pieces
 
     def __init__(self, options: KDAOptions):
         self.options = options

@@ -120,11 +120,11 @@ class StageTimer:
 
 
 class _TimedBackend:
-    """A backend whose stage calls :class:`StageTimer` times (attributes other than calls pass through)."""
+    """A backend whose stage calls :class:`StageTimer` times (its other attributes are copied)."""
 
     def __init__(self, inner, timer: StageTimer):
         self._inner, self._timer = inner, timer
-        self.name, self.options = inner.name, inner.options
+        self.name, self.options, self.parallel_pieces = inner.name, inner.options, inner.parallel_pieces
 
     def __getattr__(self, stage):
         fn = getattr(self._inner, stage)

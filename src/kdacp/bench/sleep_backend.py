@@ -30,6 +30,7 @@ class SleepBackend:
     exchanges and the link are real, the compute is not."""
 
     name = "sleep"
+    parallel_pieces = False  # its stages sleep the times of the FLA backend's
     dtype = torch.float32
 
     def __init__(self, tokens: int, stages: dict | None = None):

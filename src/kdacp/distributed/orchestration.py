@@ -13,8 +13,8 @@ forward:   begin (post the receive)
            send                                          p2p: to rank + 1; allgather: the gather starts
            a tail: output(rest)
            receive (block) -> a tail: state_pass(head), output(head); else: state_pass(whole), output(whole)
-                              (a through rank: the pass over its summary's pieces at once, each piece from
-                              the state entering it, ``M_j S_j + S_ext_j`` of the pieces before it)
+                              (a through rank whose backend gains from it: the pass over its summary's
+                              pieces at once, each from the state entering it)
 backward:  begin
            backward_local(whole)                         one launch set over the rank's tokens
            through rank: G(whole) -> message (G, M^T)
@@ -41,10 +41,10 @@ tail cost a packed rank about 0.2 ms of split launches.
 
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Its summary kernel
-cuts the rank into pieces walked in parallel; their own summaries, kept, give the state entering each
-piece once ``S_in`` arrives, so that its state pass, the work after the message, runs over the pieces at
-once rather than along the whole rank (FLA's state kernel has one program per head and 64 columns: 64 at
-32 heads of 128, half an H200). The order is
+cuts the rank into pieces walked in parallel; where the backend's state kernel gains from it
+(``backend.parallel_pieces``), their own summaries, kept, give the state entering each piece once ``S_in``
+arrives, and the state pass, the work after the message, runs over the pieces at once rather than along
+the whole rank. The order is
 tested with a recording exchange in ``tests/distributed/test_schedule.py``.
 """
 from __future__ import annotations
@@ -149,8 +149,9 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
 
     message, transition, rest_states, rest_o, pieces = None, None, None, None, None
     if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
-        pieces = backend.state_summary(chunks, head, with_transition=True, parts=True)
-        summary = pieces.summary
+        summary = backend.state_summary(chunks, head, with_transition=True, parts=backend.parallel_pieces)
+        if backend.parallel_pieces:
+            pieces, summary = summary, summary.summary
         message, transition = AffineMessage(summary.state, summary.transition), summary.transition
     elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
         rest_states = backend.state_pass(chunks, rest, known_initial, True)
