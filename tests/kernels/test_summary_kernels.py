@@ -254,7 +254,7 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
     def truth(end):
         return ref_summary({f: t[:, :end] for f, t in x.items()}, chunk_size=C)
 
-    S0 = torch.randn(2, 64, 64, dtype=torch.float64)
+    S0 = torch.randn(2, 64, 64, dtype=torch.float64, device=DEVICE)
     assert out.counts == (n,)
     entering = affine.entry_states(out, S0[None].float())
     assert entering.shape == (n, 2, 64, 64)
@@ -276,7 +276,7 @@ def test_summary_parts_of_packed_sequences():
     chunks = [-(-(e - s) // 64) for s, e in zip(CU[:-1], CU[1:])]
     assert out.counts == tuple(chunks)
     assert out.starts == tuple(s + 64 * j for s, n in zip(CU[:-1], chunks) for j in range(n))
-    S0 = torch.randn(len(CU) - 1, 2, 64, 64, dtype=torch.float64)
+    S0 = torch.randn(len(CU) - 1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
     entering = affine.entry_states(out, S0.float())
     for j, start in enumerate(out.starts):
         n = next(i for i in range(len(CU) - 1) if CU[i] <= start < CU[i + 1])
