@@ -36,8 +36,9 @@ def _cases(world_size: int) -> list[dict]:
     many_short = list(range(0, 30 * P, 7)) + [30 * P]  # several whole sequences per rank
     return [
         dict(name="one-sequence", B=1, cu=None, T=50 * P, uneven=False, gate="plain"),
-        # three chunks per rank: a through rank's state pass runs over its summary's pieces at once
-        dict(name="one-sequence-pieces", B=1, cu=None, T=150 * P, uneven=False, gate="default", init=True,
+        # three chunks per rank and batch row: a through rank's state pass runs over its summary's pieces at
+        # once (two per segment), each from the state entering it; each row's final state is its last piece's
+        dict(name="batch-rows-pieces", B=2, cu=None, T=150 * P, uneven=False, gate="default", init=True,
              final=True, gate_shift=-4.0),
         dict(name="batch-rows-uneven", B=2, cu=None, T=45 * P + 3, uneven=True, gate="default", init=True, final=True),
         # a slowly fading gate: the through ranks' transitions weigh on the result
