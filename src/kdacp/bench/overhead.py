@@ -120,14 +120,15 @@ class StageTimer:
 
 
 class _TimedBackend:
-    """A backend whose stage calls :class:`StageTimer` times (its other attributes are copied)."""
+    """A backend whose stage calls :class:`StageTimer` times (attributes other than calls pass through)."""
 
     def __init__(self, inner, timer: StageTimer):
         self._inner, self._timer = inner, timer
-        self.name, self.options, self.parallel_pieces = inner.name, inner.options, inner.parallel_pieces
 
     def __getattr__(self, stage):
         fn = getattr(self._inner, stage)
+        if not callable(fn):
+            return fn
         return lambda *args, **kwargs: self._timer.run(stage, lambda: fn(*args, **kwargs))
 
 

@@ -124,8 +124,8 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
         constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys),
         parts=parts)
     if parts:
-        plan = kept[2]
-        return SummaryParts(StateSummary(S, M), StateSummary(kept[0], kept[1]),
+        S_parts, M_parts, plan = kept
+        return SummaryParts(StateSummary(S, M), StateSummary(S_parts, M_parts),
                             tuple(s - plan.starts[0] for s in plan.starts), plan.counts)
     return StateSummary(S, M)
 
