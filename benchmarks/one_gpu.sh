@@ -48,7 +48,7 @@ elif [ "$part" = 3 ]; then
     tail -2 "$out/probe_tests.log"
     step overhead 320 python3 -m kdacp.cli bench --suite overhead --device cuda --seq-lens 16384 \
         --batches one_sequence,docs7 --out "$out/overhead"
-    step scaling 150 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
+    step scaling 240 python3 -m kdacp.cli bench --suite scaling --device cuda --world-size 1 --seq-lens 16384 \
         --out "$out/scaling"
 elif [ "$part" = 4 ]; then
     step gdn_kernels_test 120 python3 -m pytest -q -m gpu tests/backends/test_fla_gdn_backend.py \
