@@ -1,4 +1,4 @@
-"""The cost of FSDP2 around ``kdacp.parallelize`` on one GPU (issue 29): the 346M Kimi Linear of
+"""The cost of FSDP2 around ``kdacp.parallelize`` on one GPU: the 346M Kimi Linear of
 ``benchmarks/train_curve.py`` (bf16 weights, AdamW) at 16K tokens, one training step (the model's own
 ``.loss``, backward, optimizer step) under ``parallelize`` alone and under ``parallelize`` + ``fully_shard``
 on every decoder layer and the root over the same one-rank mesh: FSDP2's default (the layers' parameters
@@ -13,8 +13,8 @@ AdamW runs fused by default (one kernel for all parameters: torchtitan's default
 torch's default, launches one per operation and, on FSDP2's sharded parameters, dispatches each through DTensor).
 All models are built from the same seed and timed in alternation (one step of each, round robin, after the
 warm-up steps that compile and tune), each step ending in a device synchronisation. Prints the median step
-time of each, their ratios and whether they are within 1.02x (on 2026-12-02 the ``parallelize`` step took
-0.279 s on one H200; transformers' own model with FLA's kernels 0.370 s).
+time of each, their ratios and whether they are within 1.02x. Current figures: benchmarks/RESULTS.md,
+"Model training step".
 """
 from __future__ import annotations
 

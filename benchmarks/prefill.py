@@ -1,4 +1,4 @@
-"""Prefill of one long prompt (issue 33): ``kdacp.models.prefill`` of the 346M Kimi Linear of
+"""Prefill of one long prompt: ``kdacp.models.prefill`` of the 346M Kimi Linear of
 benchmarks/train_curve.py on P GPUs, against transformers' own forward with FLA's kernels on one GPU.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/prefill.py OUT_DIR \\

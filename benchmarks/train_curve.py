@@ -1,4 +1,4 @@
-"""Training curves (issue 17): a Kimi Linear model of a few hundred million parameters under
+"""Training curves: a Kimi Linear model of a few hundred million parameters under
 ``kdacp.parallelize`` on P GPUs against the same model on one GPU, from the same seed.
 
     python benchmarks/train_curve.py OUT_DIR [--world-sizes 1 2] [--steps 50] [--seq-lens 65536] [--plain]

@@ -150,13 +150,13 @@ def _running(pid: int) -> bool:
 
 
 def _start_launcher(tmp_path) -> tuple[subprocess.Popen, list[int]]:
-    """The launcher in a session of its own (as a shell's foreground job), once both ranks are inside
+    """The launcher as the leader of a new process group (as a shell's foreground job), once both ranks are inside
     their function; returns it and its child processes. Its output goes to files: workers left behind
     would hold pipes open."""
     env = dict(os.environ, KDACP_TEST_DIR=str(tmp_path))
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=out, stderr=err, text=True, env=env,
-                                start_new_session=True)
+                                preexec_fn=os.setsid)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
         assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]

@@ -207,7 +207,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     timeout = args.timeout if args.timeout is not None else (1800.0 if device == "cuda" else 300.0)
     if device == "cuda" and show:
-        # Measured on 2 H200s before kdacp shipped FLA configurations: 127 s for the first step.
+        # Without tuned configurations FLA autotunes each new shape in the first step: minutes on a GPU.
         print("kdacp demo: on a GPU the first step includes compiling the Triton kernels and FLA's autotuning "
               "of any kernel shape without a tuned configuration (kdacp ships the H200's); the whole "
               "command's time and what it went to are printed at the end", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Compile a step's Triton kernels in parallel before it first runs.
 
 A fresh machine spends the first training step compiling Triton kernels one at a time (kdacp's and
-FLA's: 20 distinct kernels for ``kdacp demo``'s Kimi Linear model, 24 s on an H200 host; 5.8 s with
-this, benchmarks/RESULTS.md). Triton compiles a kernel the first time it is launched, so the step's host
+FLA's: 20 distinct kernels for ``kdacp demo``'s Kimi Linear model; benchmarks/RESULTS.md, "Demo cold
+start"). Triton compiles a kernel the first time it is launched, so the step's host
 thread waits on each compilation in turn.
 :func:`precompile` runs the step once as a *dry run*: each launch of a kernel not yet compiled is
 skipped and its compilation (with its C launcher) is handed to a pool of threads; Triton's compiler

@@ -148,9 +148,8 @@ def load_fla() -> SimpleNamespace:
 def fla_gated_gdn_backward_supported() -> bool:
     """Whether FLA's GDN backward can run here: FLA 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` (its
     own words: wrong results, FLA issue #640) on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, unless
-    tilelang is installed, in which case FLA runs tilelang's kernel instead. Seen on an H200 with
-    Triton 3.6 on 2026-12-01. Loads FLA first; answered once per process (it asked the file system
-    for tilelang on every call: 35-40 us of each GDN call's host time on the H200 machine)."""
+    tilelang is installed, in which case FLA runs tilelang's kernel instead. Loads FLA first; answered
+    once per process (FLA asks the file system for tilelang on every call, tens of microseconds)."""
     load_fla()
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1

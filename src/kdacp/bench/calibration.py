@@ -41,7 +41,7 @@ def op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: 
     maps, the stack per byte. On CUDA the two products are timed as device time behind a busy queue
     (:func:`~kdacp.bench.timing.queued_device_time`): a rank reaches the exchange with its local
     kernels still running, so the host has queued the product before its input arrives, and the
-    critical path holds only its device time (``benchmarks/affine_products.py`` shows the host's)."""
+    critical path holds only its device time (the host's time per product is larger and hidden)."""
     wire = torch.finfo(state_dtype).bits // 8
     msg = AffineMessage(torch.randn(n, HV, K, V, device=device, dtype=state_dtype),
                         torch.randn(n, HV, K, K, device=device, dtype=state_dtype))

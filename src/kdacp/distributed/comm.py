@@ -28,8 +28,7 @@ def new_group(ranks=None, timeout=None):
 
     On NCCL its communication streams get high priority: a state message posted right after the
     kernel that computes it then starts at once instead of queueing behind the next large compute
-    kernel's blocks (on 2 H200s this took a context-parallel step from 1.15-1.29x to 1.05x the
-    one-GPU time; ``benchmarks/RESULTS.md``). Collective: every rank of the default group calls
+    kernel's blocks (``benchmarks/RESULTS.md``, "Op on two GPUs"). Collective: every rank of the default group calls
     it, in the same order.
     """
     timeout = _timeout(timeout)

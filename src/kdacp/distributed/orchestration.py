@@ -27,9 +27,8 @@ backward:  begin
 Every stage runs once per span, over all of the span's segments (one varlen launch set). Only a rank
 with a tail splits its forward, over the rest (whose pass makes the message) and the head (which waits);
 every other rank runs its forward, and every rank its backward, as one launch set over its tokens, what
-one device runs on them, so that its outputs and input gradients are not joined from parts (a join copied
-0.33 ms of gradients per layer at 16K tokens, 32 heads of 128, on one H200: benchmarks/RESULTS.md,
-fifteenth session). The cost is in when messages leave: a rank without a tail waits for its head's
+one device runs on them, so that its outputs and input gradients are not joined from parts (a join copies
+every input gradient once more, per layer). The cost is in when messages leave: a rank without a tail waits for its head's
 states before its whole pass, and sends its head's state gradients with the whole backward pass (its
 receiver first runs its own local work); in a training step ranks run ahead of each other as a wavefront
 (:func:`kdacp.bench.scaling_model.predict_step`), so such a wait is paid once per stretch of layers, not

@@ -22,9 +22,8 @@ bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 
 load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
 flight, gains (0.086 -> 0.078 ms). The backward instead issues the next step's loads before computing its own
 (``ConvTiles.ahead``: kernel 129.7 -> 121.5 us), or Triton pipelines its loop (``ConvTiles.stages``, the loads
-staged through shared memory: 111 us, shipped). One H200 (T=16K, D=4096, bf16): forward 74% and backward 71%
-(one sequence; 73% on 13 documents) of the memory bandwidth, where torch's own copy and add reach 86% and 89%
-(benchmarks/RESULTS.md, fourteenth session).
+staged through shared memory: 111 us, shipped). Both passes reach about three quarters of the memory
+bandwidth that torch's own copy and add reach (benchmarks/RESULTS.md, "Short convolution").
 """
 from __future__ import annotations
 
@@ -79,9 +78,8 @@ UNROLL = 4
 # The sigmoid in inline PTX (see _sigmoid): on NVIDIA GPUs; the interpreter and ROCm builds take tl.sigmoid.
 FAST_SIGMOID = not INTERPRET and torch.version.hip is None
 # The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on one H200 (forward: 2026-12-02, twelfth session; backward: 2026-12-03,
-# fourteenth, the loop pipelined in 3 stages; 512 channels on 2 warps tie 1024 on 4 at D=4096 and win at D=6144:
-# the kernels suite 0.118 / 0.115 ms and 0.176 / 0.172 ms, one sequence / 13 documents; benchmarks/RESULTS.md).
+# after a halo; T=16K, D=4096, bf16, W=4) on an H200; the backward's loop pipelined in 3 stages; 512 channels on
+# 2 warps tie 1024 on 4 at D=4096 and win at D=6144 (benchmarks/RESULTS.md, "Short convolution").
 FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
 BWD_TILES = ConvTiles(rows=256, BD=512, num_warps=2, stages=3)
 # _sum_parts_kernel: rows of partial sums per step and channels per program

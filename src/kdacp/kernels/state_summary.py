@@ -27,13 +27,12 @@ from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load
 __all__ = ["state_summary", "transition"]
 
 _OUTPUTS = ("both", "state", "transition")
-# Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md, seventeenth session): with
-# gated keys the transposed tile feeds both products' state operand from registers (0.375 ms against 0.433 ms
-# for [K, BV], whose state pieces go through shared memory; two stages keep two programs on an SM); with raw
-# keys, whose gate scales v_new in the loop, it is not faster (0.460 against 0.454 ms, scalar gate) or slower
-# (0.673 against 0.475 ms, a zero-stride gate view). The same walk written in Gluon (asynchronous wgmma, TMA
-# tiles; nineteenth session) took 0.345 ms against 0.373: not adopted. The two-piece products alone keep the
-# tensor cores busy 0.15 ms of either kernel's run (Nsight Compute), about half of it.
+# With gated keys the transposed tile (v_first) feeds both products' state operand from registers, where [K, BV]
+# sends its state pieces through shared memory (13% faster at bf16, T=16K, 32 heads, K=V=128; two stages keep two
+# programs on an SM). With raw keys, whose gate scales v_new in the loop, the transposed tile is not faster, so
+# they keep [K, BV]. The walk is a serial chain of dependent products, not bound by tensor-core work: the
+# two-piece products keep the tensor cores busy about half of the run (benchmarks/RESULTS.md, "Summary kernels";
+# a Gluon version of the walk, 7.5% faster, is kept out: commit 5fffd72).
 DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_pieces=2, v_first=True)
 RAW_KEYS_DEFAULT = replace(DEFAULT_CONFIG, v_first=False)
 

@@ -243,8 +243,7 @@ def _cudnn_attend(scale: float | None):
 def _fast_lower_right(module, query, key, value, n: int, scale: float | None):
     """:func:`split_lower_right` on cuDNN for sdpa on a GPU (``[B, n, H, Dv]``, sdpa's output layout), or None
     where cuDNN's attention is not available for these tensors. sdpa's own lower-right mask
-    (``causal_lower_right``) runs on PyTorch's memory-efficient kernel: 3.3x slower for a 512K prompt's second
-    piece of 256K on one H200 (2026-12-02)."""
+    (``causal_lower_right``) runs on PyTorch's memory-efficient kernel, several times slower for long pieces."""
     if not (query.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
         return None
     groups = getattr(module, "num_key_value_groups", 1)
