@@ -1,0 +1,202 @@
+"""kdacp's Gated DeltaNet in Megatron-Core 0.19.2 (:mod:`kdacp.integrations.megatron`) against Megatron's own
+``GatedDeltaNet`` at cp = 1, on real ranks (gloo, float32): outputs, the input gradient and every parameter
+gradient, on unpacked rows and on THD-packed documents cut across ranks, each rank holding Megatron's zigzag
+shard; and a ``GPTModel`` of two such layers at cp = P against cp = 1.
+
+Megatron's GDN calls FLA's CUDA kernels; on CPU its reference runs with plain-PyTorch stand-ins of the same
+contracts: Megatron's own ``torch_chunk_gated_delta_rule`` per document, ``F.conv1d`` per document, and FLA's
+L2 norm formula. Skipped without megatron-core (``python .ci/install_megatron.py``).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's fused functions are torch.compile'd
+pytest.importorskip("megatron.core", reason="needs megatron-core: python .ci/install_megatron.py")
+
+from tests.helpers import rel_err  # noqa: E402
+from tests.multiprocess import run_ranks  # noqa: E402
+
+TOL = 1e-5
+S = 128                       # global tokens of a row
+ROWS = 2                      # unpacked rows
+DOCUMENTS = (40, 8, 56, 24)   # THD: each divides by 2 x 4; on 2 ranks 56 crosses, on 4 ranks 40 and 56 do
+SHAPE = dict(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_conv_kernel_dim=4)  # cp = 4 > 2 key heads
+
+
+def _megatron_cpu():
+    """Megatron on CPU in this process: no torch.compile (a rank may start from a server that imported torch)."""
+    import torch._dynamo
+    torch._dynamo.config.disable = True
+
+
+def config(P: int, num_layers: int = 1):
+    from kdacp.integrations.megatron import KdacpTransformerConfig
+    return KdacpTransformerConfig(
+        num_layers=num_layers, num_attention_heads=2, ffn_hidden_size=64, use_cpu_initialization=True,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=[1] * num_layers,
+        normalization="RMSNorm", activation_func=F.silu, gated_linear_unit=True, params_dtype=torch.float32,
+        context_parallel_size=P, hidden_dropout=0.0, attention_dropout=0.0, **SHAPE)
+
+
+def megatron_reference_kernels():
+    """Plain-PyTorch stand-ins for the FLA functions Megatron's GDN calls (its CUDA-only kernels)."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    def l2norm(x, dim=-1, eps=1e-6):  # FLA's l2norm
+        return x * torch.rsqrt(x.square().sum(dim, keepdim=True) + eps)
+
+    def documents(T, cu_seqlens):
+        cu = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+        return list(zip(cu, cu[1:]))
+
+    def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None):
+        W, parts = weight.shape[-1], []
+        for s, e in documents(x.shape[1], cu_seqlens):
+            y = F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=weight.shape[0])
+            parts.append(F.silu(y[..., :e - s]).transpose(1, 2))
+        return torch.cat(parts, 1), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        assert initial_state is None and not output_final_state and not use_qk_l2norm_in_kernel
+        return torch.cat([common.torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e],
+                                                              beta[:, s:e])[0]
+                          for s, e in documents(q.shape[1], cu_seqlens)], 1), None
+
+    common.HAVE_FLA, common.l2norm = True, l2norm
+    gdn.causal_conv1d, gdn.chunk_gated_delta_rule = causal_conv1d, chunk_gated_delta_rule
+
+
+def long_memory_gates(module, generator):
+    """Decays near 1 (``-exp(A_log) softplus(.)`` about -0.01 a token), so that state crosses rank edges."""
+    with torch.no_grad():
+        module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.05, 0.3, generator=generator).log())
+        module.dt_bias.copy_(torch.empty_like(module.dt_bias).uniform_(-3, -1, generator=generator))
+
+
+def zigzag_index(P: int, rank: int, cu_seqlens) -> torch.Tensor:
+    """Global token indices of ``rank``'s zigzag shard: per document ``2P`` chunks, chunks ``rank`` and
+    ``2P-1-rank`` (Megatron's THD layout; for one document, its per-sequence one)."""
+    parts = []
+    for s, e in zip(cu_seqlens, cu_seqlens[1:]):
+        c = (e - s) // (2 * P)
+        parts += [torch.arange(s + rank * c, s + (rank + 1) * c),
+                  torch.arange(s + (2 * P - 1 - rank) * c, s + (2 * P - rank) * c)]
+    return torch.cat(parts)
+
+
+def single_rank_groups():
+    """This rank's one-rank group (every rank creates all of them, in one order)."""
+    own = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == dist.get_rank():
+            own = group
+    return own
+
+
+def build_gdn(module_class, cfg, tp, cp):
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kdacp.integrations import megatron as km
+    spec = km.get_gated_delta_net_module_spec(cfg, LocalSpecProvider())
+    spec.module = module_class
+    if module_class is not km.KdacpGatedDeltaNet:
+        spec.params = {}
+    with km.cpu_stand_ins():
+        return build_module(spec, config=cfg, layer_number=1, pg_collection=ProcessGroupCollection(tp=tp, cp=cp))
+
+
+def _packed_params(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = torch.tensor(cu, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(DOCUMENTS),
+                           max_seqlen_kv=max(DOCUMENTS))
+
+
+def _run(module, x, weight, packed_seq_params):
+    """Output and the gradients of ``sum(out * weight)``: input and parameters."""
+    module.zero_grad()
+    x = x.detach().requires_grad_(True)
+    out, bias = module(x, None, packed_seq_params=packed_seq_params)
+    assert bias is None
+    (out * weight).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _errors(module, ref, index, x, weight, psp, P):
+    out, dx, grads = _run(module, x[index], weight[index], psp)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"output": rel_err(out, ref[0][index]), "input grad": rel_err(dx, ref[1][index]),
+            **{n: rel_err(g, ref[2][n]) for n, g in grads.items()}}
+
+
+def _layer_worker(rank, P, check_removal, results):
+    _megatron_cpu()
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from kdacp.distributed.strategies import P2PExchange
+    from kdacp.integrations import megatron as km
+    from kdacp.layers import context_parallel
+    megatron_reference_kernels()
+    own = single_rank_groups()
+    torch.manual_seed(0)
+    reference = build_gdn(GatedDeltaNet, config(1), own, own)
+    long_memory_gates(reference, torch.Generator().manual_seed(1))
+    ours = build_gdn(km.KdacpGatedDeltaNet, config(P), own, dist.group.WORLD)
+    ours.load_state_dict(reference.state_dict())  # same keys and shapes, strictly
+    g = torch.Generator().manual_seed(2)
+    cases = {"rows": (torch.randn(S, ROWS, 32, generator=g), torch.randn(S, ROWS, 32, generator=g), None,
+                      (0, S)),
+             "thd": (torch.randn(S, 1, 32, generator=g), torch.randn(S, 1, 32, generator=g),
+                     _packed_params([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()]), None)}
+    for case, (x, weight, psp, cu) in cases.items():
+        cu = cu if psp is None else tuple(psp.cu_seqlens_q.tolist())
+        ref = _run(reference, x, weight, psp)
+        index = zigzag_index(P, rank, cu)
+        errs = _errors(ours, ref, index, x, weight, psp, P)
+        name, worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst < TOL, f"{case}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
+        if rank == 0:
+            results.append((case, "kdacp", name, worst))
+        if not check_removal:
+            continue
+        # Each mechanism removed in turn: the relayout (zigzag shards taken as contiguous), the state exchange
+        # and the halo (messages still flow, their content zeroed). Each leaves the tolerance.
+        removals = (("relayout", km, "_move", lambda real: lambda x, route, group: x.clone()),
+                    ("state exchange", P2PExchange, "receive", _zeros_of),
+                    ("halo", context_parallel, "shift_right", _zeros_of))
+        for what, owner, attr, broken in removals:
+            real = getattr(owner, attr)
+            setattr(owner, attr, broken(real))
+            try:
+                errs = _errors(ours, ref, index, x, weight, psp, P)
+            finally:
+                setattr(owner, attr, real)
+            name, worst = max(errs.items(), key=lambda kv: kv[1])
+            assert worst > 100 * TOL, f"{case}: removing the {what} went unnoticed at cp={P}"
+            if rank == 0:
+                results.append((case, f"without {what}", name, worst))
+
+
+def _zeros_of(fn):
+    return lambda *args, **kwargs: (lambda out: None if out is None else torch.zeros_like(out))(fn(*args, **kwargs))
+
+
+@pytest.mark.parametrize("P", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_layer_matches_megatron_gdn(P):
+    results = torch.multiprocessing.get_context("spawn").Manager().list()
+    run_ranks(_layer_worker, P, P == 2, results, timeout_s=600)
+    print(list(results))
+    assert len(results) == (8 if P == 2 else 2)
