@@ -200,3 +200,83 @@ def test_layer_matches_megatron_gdn(P):
     run_ranks(_layer_worker, P, P == 2, results, timeout_s=600)
     print(list(results))
     assert len(results) == (8 if P == 2 else 2)
+
+
+VOCAB, STEPS, LR = 64, 3, 0.5
+
+
+def _gpt(cfg, pg, state=None):
+    """A ``GPTModel`` of kdacp GDN layers (Megatron's hybrid spec, MLPs dense), seeded, or loading ``state``."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import GPTModel
+
+    from kdacp.integrations import megatron as km
+    torch.manual_seed(0)
+    with km.cpu_stand_ins():
+        model = GPTModel(config=cfg, transformer_layer_spec=km.get_hybrid_block_spec(cfg, LocalSpecProvider()),
+                         vocab_size=VOCAB, max_sequence_length=S, position_embedding_type="none", pg_collection=pg)
+    if state is None:
+        g = torch.Generator().manual_seed(1)
+        for module in model.modules():
+            if isinstance(module, km.KdacpGatedDeltaNet):
+                long_memory_gates(module, g)
+    else:
+        model.load_state_dict(state)
+    return model
+
+
+def _train(model, tokens, labels, psp, total, group):
+    """``STEPS`` SGD steps on the mean token loss over ``total`` tokens (gradients summed over ``group``, as
+    Megatron's DDP does over dp x cp); the losses and the first step's gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, first = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(tokens, None, None, labels=labels, packed_seq_params=psp).sum() / total
+        loss.backward()
+        loss = loss.detach()
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+        losses.append(loss)
+        first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    return torch.stack(losses), first
+
+
+def _gpt_worker(rank, P, results):
+    _megatron_cpu()
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    own = single_rank_groups()
+    parallel_state.initialize_model_parallel(context_parallel_size=P)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    one = ProcessGroupCollection.use_mpu_process_groups()
+    one.cp = own
+    reference = _gpt(config(1, num_layers=2), one)
+    ours = _gpt(config(P, num_layers=2), pg, reference.state_dict())
+    g = torch.Generator().manual_seed(3)
+    cu = (0, *torch.tensor(DOCUMENTS).cumsum(0).tolist())
+    for case, rows, psp in (("rows", ROWS, None), ("thd", 1, _packed_params(cu))):
+        tokens, labels = (torch.randint(0, VOCAB, (rows, S), generator=g) for _ in range(2))
+        state = reference.state_dict()
+        ref_losses, ref_grads = _train(reference, tokens, labels, psp, labels.numel(), None)
+        reference.load_state_dict(state)
+        index = zigzag_index(P, rank, cu if psp is not None else (0, S))
+        losses, grads = _train(ours, tokens[:, index], labels[:, index], psp, labels.numel(), pg.cp)
+        ours.load_state_dict(state)
+        errs = {"losses": rel_err(losses, ref_losses), **{n: rel_err(g, ref_grads[n]) for n, g in grads.items()}}
+        name, worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst < TOL, f"GPTModel {case}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
+        if rank == 0:
+            results.append((case, name, worst))
+
+
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gpt_model_matches_one_rank(P):
+    """Two kdacp GDN layers in a GPTModel: three SGD steps at cp = P equal cp = 1 (losses, first gradients)."""
+    results = torch.multiprocessing.get_context("spawn").Manager().list()
+    run_ranks(_gpt_worker, P, results, timeout_s=600)
+    print(list(results))
+    assert len(results) == 2
