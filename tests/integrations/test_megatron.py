@@ -280,3 +280,100 @@ def test_gpt_model_matches_one_rank(P):
     run_ranks(_gpt_worker, P, results, timeout_s=600)
     print(list(results))
     assert len(results) == 2
+
+
+@pytest.mark.parametrize("P, documents", [(2, (128,)), (3, (24, 6, 42)), (4, (40, 8, 56, 24)), (5, (10, 30, 60))])
+def test_zigzag_routes_make_contiguous_shards(P, documents):
+    """The routes of every rank, played as messages, turn Megatron's zigzag shards into contiguous ones."""
+    from kdacp.integrations.megatron import _zigzag_route
+    cu = (0, *torch.tensor(documents).cumsum(0).tolist())
+    T = cu[-1] // P
+    zigzag = [zigzag_index(P, r, cu) for r in range(P)]       # global token of each local position
+    routes = [_zigzag_route(cu, P, r, torch.device("cpu")) for r in range(P)]
+    contiguous = [torch.full((T,), -1) for _ in range(P)]
+    for src in range(P):
+        for dst in range(P):
+            assert len(routes[src].send[dst]) == len(routes[dst].recv[src])
+            contiguous[dst][routes[dst].recv[src]] = zigzag[src][routes[src].send[dst]]
+    assert torch.equal(torch.cat(contiguous), torch.arange(cu[-1]))
+    back = [torch.full((T,), -1) for _ in range(P)]
+    for src in range(P):  # the inverse route
+        for dst in range(P):
+            back[dst][routes[dst].inverse().recv[src]] = contiguous[src][routes[src].inverse().send[dst]]
+    assert all(torch.equal(b, z) for b, z in zip(back, zigzag))
+
+
+def test_config_allows_cp_past_the_head_count():
+    from megatron.core.transformer import TransformerConfig
+
+    from kdacp.integrations.megatron import KdacpTransformerConfig
+    cfg = config(4)  # 2 key heads, cp = 4
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.context_parallel_size) == (2, 4, 4)
+    fields = {f: getattr(cfg, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "linear_attention_freq",
+                                           "experimental_attention_variant", *SHAPE)}
+    with pytest.raises(AssertionError, match="linear_num_key_heads"):
+        TransformerConfig(context_parallel_size=4, **fields)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=4"):
+        KdacpTransformerConfig(tensor_model_parallel_size=4, **fields)
+
+
+def test_refusals_name_the_setting():
+    """What kdacp's GDN does not run is refused at construction or before any exchange, naming the setting."""
+    from types import SimpleNamespace
+
+    from kdacp.integrations import megatron as km
+
+    class Group:
+        def __init__(self, size):
+            self._size = size
+
+        def size(self):
+            return self._size
+
+    good = dict(sequence_parallel=False, activation_func=F.silu, recompute_granularity=None, recompute_modules=[],
+                fp8=None, linear_num_key_heads=2, linear_num_value_heads=4)
+    pg = SimpleNamespace(tp=Group(2), cp=Group(8))
+    km._check_supported(SimpleNamespace(**good), pg)
+    cases = [(dict(sequence_parallel=True), "sequence_parallel=True"), (dict(activation_func=F.gelu), "activation_func"),
+             (dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]), "gdn_norm_out"),
+             (dict(fp8="hybrid"), "fp8")]
+    for change, message in cases:
+        with pytest.raises(NotImplementedError, match=message):
+            km._check_supported(SimpleNamespace(**{**good, **change}), pg)
+    with pytest.raises(ValueError, match="pg_collection"):
+        km._check_supported(SimpleNamespace(**good), None)
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    module = SimpleNamespace(cp_size=2)
+    cu = torch.tensor([0, 8, 14, 32], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match=r"lengths \[6, 18\] do not divide by 4"):
+        km.KdacpGatedDeltaNet._global_cu_seqlens(module, psp, 1, 32)
+    with pytest.raises(ValueError, match="b == 1"):
+        km.KdacpGatedDeltaNet._global_cu_seqlens(module, psp, 2, 32)
+    with pytest.raises(ValueError, match="global token count 64"):
+        km.KdacpGatedDeltaNet._global_cu_seqlens(module, psp, 1, 64)
+
+
+def test_hybrid_specs_swap_the_gdn_mixers():
+    """Megatron's hybrid layer specs with kdacp's GDN mixers, with an input norm where the backend fuses none
+    (Megatron's local one). With attention layers (Qwen3-Next: one in four) Megatron's hybrid stack needs
+    Transformer Engine's spec, which the local backend has not: refused by name."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from kdacp.integrations import megatron as km
+    cfg = config(2, num_layers=4)
+    specs = km.get_hybrid_layer_specs(cfg, LocalSpecProvider(), strategy="scan")
+    assert len(specs) == 4
+    for spec in specs:
+        mixer = spec.submodules.self_attention
+        assert mixer.module is km.KdacpGatedDeltaNet and mixer.params["strategy"] == "scan"
+        assert mixer.submodules.in_proj is not None and spec.submodules.input_layernorm is not IdentityOp
+    assert len(km.get_hybrid_block_spec(cfg, LocalSpecProvider(), pp_rank=0).layer_specs) == 4
+    cfg.linear_attention_freq = 4
+    with pytest.raises(NotImplementedError, match="Transformer Engine"):
+        km.get_hybrid_layer_specs(cfg, LocalSpecProvider())
+    cfg.experimental_attention_variant = None
+    with pytest.raises(ValueError, match="experimental_attention_variant"):
+        km.get_hybrid_layer_specs(cfg, LocalSpecProvider())

@@ -397,11 +397,17 @@ def get_hybrid_layer_specs(config: TransformerConfig, backend: BackendSpecProvid
 
     Raises:
         ValueError: ``config.experimental_attention_variant`` is not ``"gated_delta_net"``.
+        NotImplementedError: attention layers with a backend other than Transformer Engine's (Megatron's
+            hybrid stack builds them from Transformer Engine's spec only).
     """
     if config.experimental_attention_variant != "gated_delta_net":
         raise ValueError(f"hybrid GDN specs need experimental_attention_variant='gated_delta_net', "
                          f"got {config.experimental_attention_variant!r}")
     backend = _spec_provider(config) if backend is None else backend
+    if backend.column_parallel_layer_norm_linear() is None and 0 in mcore_specs.get_linear_attention_pattern(config):
+        raise NotImplementedError(f"linear_attention_freq={config.linear_attention_freq!r} has attention layers: "
+                                  f"Megatron builds them for its hybrid stack from Transformer Engine's spec only, "
+                                  f"got {type(backend).__name__}")
     gdn = get_gated_delta_net_module_spec(config, backend, strategy=strategy, kdacp_backend=kdacp_backend)
     rms_norm = config.normalization == "RMSNorm"
     with _fla_check_skipped():  # Megatron's GDN spec is only read here, never built
