@@ -5,7 +5,7 @@ shard; and a ``GPTModel`` of two such layers at cp = P against cp = 1.
 
 Megatron's GDN calls FLA's CUDA kernels; on CPU its reference runs with plain-PyTorch stand-ins of the same
 contracts: Megatron's own ``torch_chunk_gated_delta_rule`` per document, ``F.conv1d`` per document, and FLA's
-L2 norm formula. Skipped without megatron-core (``python .ci/install_megatron.py``).
+L2 norm formula. Skipped without megatron-core (see the skip reason for the install line).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's fused functions are torch.compile'd
-pytest.importorskip("megatron.core", reason="needs megatron-core: python .ci/install_megatron.py")
+pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip install -e '.[megatron]' (Python >= 3.12) or, on 3.11, "
+                    "pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
 from tests.helpers import rel_err  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
