@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's fused functions are torch.compile'd
-pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip install -e '.[megatron]' (Python >= 3.12) or, on 3.11, "
-                    "pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
+pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip install -e '.[megatron]' (Python "
+                    ">= 3.12) or, on 3.11, pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
 from tests.helpers import rel_err  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
@@ -378,3 +378,65 @@ def test_hybrid_specs_swap_the_gdn_mixers():
     cfg.experimental_attention_variant = None
     with pytest.raises(ValueError, match="experimental_attention_variant"):
         km.get_hybrid_layer_specs(cfg, LocalSpecProvider())
+
+
+def tp_shard(name: str, full: torch.Tensor, module, t: int, tp: int) -> torch.Tensor:
+    """TP rank ``t``'s part of the one-rank parameter (or gradient) ``name`` of a GDN: ``in_proj`` and ``conv1d``
+    split per section (q, k, v, z, beta, alpha / q, k, v), ``A_log``, ``dt_bias`` and ``out_proj`` by heads."""
+    qk, v, hv = module.qk_dim, module.v_dim, module.num_value_heads
+    sections = {"in_proj.weight": [qk, qk, v, v, hv, hv], "conv1d.weight": [qk, qk, v]}.get(name)
+    if sections is not None:
+        return torch.cat([part.chunk(tp)[t] for part in full.split(sections)])
+    if name in ("A_log", "dt_bias"):
+        return full.chunk(tp)[t]
+    if name == "out_proj.weight":
+        return full.chunk(tp, dim=1)[t]
+    return full  # out_norm.weight: replicated
+
+
+def _tp_worker(rank, world_size, tp, results):
+    """Ranks ``c*tp ... c*tp+tp-1`` form TP group ``c``; ranks with one TP index form a CP group."""
+    _megatron_cpu()
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from kdacp.integrations import megatron as km
+    megatron_reference_kernels()
+    P = world_size // tp
+    own = single_rank_groups()
+    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(P)]
+    cp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
+    t, c = rank % tp, rank // tp
+    torch.manual_seed(0)
+    reference = build_gdn(GatedDeltaNet, config(1), own, own)
+    long_memory_gates(reference, torch.Generator().manual_seed(1))
+    cfg = config(P)
+    cfg.tensor_model_parallel_size = tp
+    ours = build_gdn(km.KdacpGatedDeltaNet, cfg, tp_groups[c], cp_groups[t])
+    ours.load_state_dict({n: tp_shard(n, p, reference, t, tp) for n, p in reference.state_dict().items()})
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(S, 1, 32, generator=g), torch.randn(S, 1, 32, generator=g)
+    cu = (0, *torch.tensor(DOCUMENTS).cumsum(0).tolist())
+    psp = _packed_params(list(cu))
+    ref = _run(reference, x, weight, psp)
+    index = zigzag_index(P, c, cu)
+    out, dx, grads = _run(ours, x[index], weight[index], psp)
+    errs = {"output": rel_err(out, ref[0][index]), "input grad": rel_err(dx, ref[1][index])}
+    for n, grad in grads.items():
+        dist.all_reduce(grad, group=cp_groups[t])
+        if n == "out_norm.weight":  # shared by all heads: each TP rank holds its own heads' share (as Megatron's)
+            dist.all_reduce(grad, group=tp_groups[c])
+        errs[n] = rel_err(grad, tp_shard(n, ref[2][n], reference, t, tp))
+    name, worst = max(errs.items(), key=lambda kv: kv[1])
+    assert worst < TOL, f"tp={tp}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
+    if rank == 0:
+        results.append((name, worst))
+
+
+@pytest.mark.slow  # four ranks
+def test_tensor_parallel_heads_match_megatron_gdn():
+    """tp = 2 x cp = 2 on THD-packed documents: each TP rank's heads, outputs and gradients, equal the one-rank
+    Megatron GDN's."""
+    results = torch.multiprocessing.get_context("spawn").Manager().list()
+    run_ranks(_tp_worker, 4, 2, results, timeout_s=600)
+    print(list(results))
+    assert len(results) == 1
