@@ -135,7 +135,7 @@ def _run(module, x, weight, packed_seq_params):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def _errors(module, ref, index, x, weight, psp, P):
+def _errors(module, ref, index, x, weight, psp):
     out, dx, grads = _run(module, x[index], weight[index], psp)
     for g in grads.values():
         dist.all_reduce(g)
@@ -166,7 +166,7 @@ def _layer_worker(rank, P, check_removal, results):
         cu = cu if psp is None else tuple(psp.cu_seqlens_q.tolist())
         ref = _run(reference, x, weight, psp)
         index = zigzag_index(P, rank, cu)
-        errs = _errors(ours, ref, index, x, weight, psp, P)
+        errs = _errors(ours, ref, index, x, weight, psp)
         name, worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst < TOL, f"{case}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
         if rank == 0:
@@ -182,7 +182,7 @@ def _layer_worker(rank, P, check_removal, results):
             real = getattr(owner, attr)
             setattr(owner, attr, broken(real))
             try:
-                errs = _errors(ours, ref, index, x, weight, psp, P)
+                errs = _errors(ours, ref, index, x, weight, psp)
             finally:
                 setattr(owner, attr, real)
             name, worst = max(errs.items(), key=lambda kv: kv[1])
@@ -335,7 +335,8 @@ def test_refusals_name_the_setting():
                 fp8=None, linear_num_key_heads=2, linear_num_value_heads=4)
     pg = SimpleNamespace(tp=Group(2), cp=Group(8))
     km._check_supported(SimpleNamespace(**good), pg)
-    cases = [(dict(sequence_parallel=True), "sequence_parallel=True"), (dict(activation_func=F.gelu), "activation_func"),
+    cases = [(dict(sequence_parallel=True), "sequence_parallel=True"),
+             (dict(activation_func=F.gelu), "activation_func"),
              (dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]), "gdn_norm_out"),
              (dict(fp8="hybrid"), "fp8")]
     for change, message in cases:
