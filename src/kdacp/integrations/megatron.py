@@ -1,0 +1,461 @@
+"""kdacp's Gated DeltaNet as a drop-in module for Megatron-Core 0.19.2's layer specs.
+
+:class:`KdacpGatedDeltaNet` subclasses Megatron's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet``: the
+same constructor, parameters, state-dict and ``sharded_state_dict`` keys (its projections, norm and
+checkpointing are Megatron's own code), and a forward that runs kdacp's halo'd short convolution and
+kdacp's :func:`~kdacp.gdn.chunk_gated_delta_rule` with state passing over ``pg_collection.cp``. Megatron's
+own forward turns the sequence shards into head shards (an all-to-all, so ``cp`` must divide the key and
+value head counts); kdacp's needs no head split, so any ``cp`` degree runs, on unpacked ``[s, b, h]``
+batches and on packed ones (``PackedSeqParams``, ``qkv_format="thd"``, documents cut across ranks).
+
+Swap it into a spec where Megatron's ``GatedDeltaNet`` sits: :func:`get_gated_delta_net_module_spec` (one
+layer's mixer) or :func:`get_hybrid_layer_specs` / :func:`get_hybrid_block_spec` (Megatron's Qwen3-Next /
+Qwen3.5 hybrid stack of GDN and attention layers, ``linear_attention_freq``, with kdacp's GDN). A model
+whose ``cp`` exceeds the GDN head count needs :class:`KdacpTransformerConfig`, since Megatron's
+``TransformerConfig`` asserts that the heads divide by ``tp x cp``.
+
+Token layout: Megatron gives each rank a zigzag shard (``2P`` chunks, rank ``r`` holding chunks ``r`` and
+``2P-1-r``; for THD batches per document). kdacp's state exchange runs on contiguous shards, so the module
+moves its input to the contiguous layout and its output back (:func:`zigzag_to_contiguous`, a point-to-point
+exchange whose cost its docstring states) around the whole mixer.
+
+Supported: tensor parallelism on the head dimension (Megatron's sharding of ``in_proj``, ``conv1d``, ``A_log``,
+``dt_bias`` and ``out_proj``) without sequence parallelism. Refused by name, before any rank blocks:
+sequence parallelism with ``tp > 1``, inference, activations other than SiLU, ``gdn_norm_out`` recompute,
+FP8, THD batches with ``b > 1`` or documents whose length does not divide by ``2 x cp``.
+
+On CPU (tests, the example), Megatron-Core needs :func:`cpu_stand_ins` around model construction.
+Megatron-Core 0.19.2 has no Kimi Delta Attention layer; a KDA twin would subclass the same way with
+:func:`~kdacp.kda.chunk_kda` as :attr:`KdacpGatedDeltaNet.op` and a ``[HV, K]`` gate.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as mcore_specs
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import common as mcore_gdn_common
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from ..backends import resolve_backend
+from ..gdn import chunk_gated_delta_rule
+from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
+from ..layers.short_conv import causal_conv1d
+
+__all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "contiguous_to_zigzag", "cpu_stand_ins",
+           "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs",
+           "zigzag_to_contiguous"]
+
+CACHED_LAYOUTS = 8  # zigzag routes kept (one per batch shape / packing; a few batches in flight)
+
+
+@dataclasses.dataclass
+class KdacpTransformerConfig(TransformerConfig):
+    """Megatron's ``TransformerConfig`` whose Gated DeltaNet check asks what kdacp's GDN needs: key and value
+    heads divisible by ``tensor_model_parallel_size`` only (Megatron's own GDN also splits heads over ``cp``).
+
+    Raises:
+        ValueError: ``linear_num_key_heads`` or ``linear_num_value_heads`` not divisible by the TP size.
+    """
+
+    def __post_init__(self):
+        gdn = self.experimental_attention_variant == "gated_delta_net" and self.linear_num_key_heads is not None \
+            and self.linear_num_value_heads is not None
+        if not gdn:
+            return super().__post_init__()
+        tp, cp = self.tensor_model_parallel_size, self.context_parallel_size
+        H, HV = self.linear_num_key_heads, self.linear_num_value_heads
+        if H % tp or HV % tp:
+            raise ValueError(f"kdacp's GDN shards heads over tensor_model_parallel_size={tp} only: needs "
+                             f"linear_num_key_heads % {tp} == 0 and linear_num_value_heads % {tp} == 0, "
+                             f"got {H} and {HV}")
+        # Megatron's check (heads % (tp * cp)) is the only reader of the head counts in __post_init__: it
+        # sees them scaled by tp * cp, which keeps their ratio and every other check as they are.
+        self.linear_num_key_heads, self.linear_num_value_heads = H * tp * cp, HV * tp * cp
+        try:
+            super().__post_init__()
+        finally:
+            self.linear_num_key_heads, self.linear_num_value_heads = H, HV
+
+
+# --- Megatron's zigzag shards <-> kdacp's contiguous shards --------------------------------------------------
+# Deleted once kdacp's plan takes Megatron's zigzag layout natively.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """Where this rank's tokens go in one relayout: ``send[q]`` the local positions (dim 0) sent to group
+    rank ``q`` and ``recv[q]`` the local positions filled from rank ``q``, both in global token order
+    (entry ``me``: the tokens that stay)."""
+
+    send: tuple[torch.Tensor, ...]
+    recv: tuple[torch.Tensor, ...]
+
+    def inverse(self) -> _Route:
+        return _Route(self.recv, self.send)
+
+
+def _zigzag_pieces(cu_seqlens: tuple[int, ...], P: int):
+    """``(global_start, length, rank, local_start)`` of every zigzag piece: document ``[s, e)`` cut into
+    ``2P`` chunks of ``c = (e - s) / 2P``, chunk ``j`` held by rank ``j`` (``j < P``) or ``2P-1-j``, at
+    local offset ``s / P`` (its first chunk) or ``s / P + c`` (its second)."""
+    for s, e in zip(cu_seqlens, cu_seqlens[1:]):
+        c = (e - s) // (2 * P)
+        for j in range(2 * P):
+            first = j < P
+            yield s + j * c, c, (j if first else 2 * P - 1 - j), s // P + (0 if first else c)
+
+
+@functools.lru_cache(maxsize=CACHED_LAYOUTS)
+def _zigzag_route(cu_seqlens: tuple[int, ...], P: int, rank: int, device: torch.device) -> _Route:
+    """The route from Megatron's zigzag shards of the documents ``cu_seqlens`` (global, ``[N+1]``) to
+    contiguous shards (rank ``q`` holding tokens ``[q T, (q+1) T)``, ``T = cu_seqlens[-1] / P``)."""
+    T = cu_seqlens[-1] // P
+    send, recv = [[] for _ in range(P)], [[] for _ in range(P)]
+    for start, length, owner, local in _zigzag_pieces(cu_seqlens, P):
+        end = start + length
+        while start < end:  # a piece may straddle contiguous shards
+            dst = start // T
+            stop = min(end, (dst + 1) * T)
+            if owner == rank:
+                send[dst].append(range(local, local + stop - start))
+            if dst == rank:
+                recv[owner].append(range(start - dst * T, stop - dst * T))
+            local += stop - start
+            start = stop
+
+    def index(ranges):
+        return torch.tensor([i for r in ranges for i in r], dtype=torch.int64, device=device)
+    return _Route(tuple(map(index, send)), tuple(map(index, recv)))
+
+
+def _move(x: torch.Tensor, route: _Route, group) -> torch.Tensor:
+    """``x [T, ...]`` relaid along dim 0 by ``route``: one send and one receive per peer that shares tokens."""
+    rank = dist.get_rank(group)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ops, received = [], []
+    for q, (send, recv) in enumerate(zip(route.send, route.recv)):
+        if q == rank:
+            out.index_copy_(0, recv, x.index_select(0, send))
+            continue
+        if len(send):
+            ops.append(dist.P2POp(dist.isend, x.index_select(0, send), dist.get_global_rank(group, q), group))
+        if len(recv):
+            buffer = x.new_empty((len(recv), *x.shape[1:]))
+            ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, q), group))
+            received.append((recv, buffer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for recv, buffer in received:
+        out.index_copy_(0, recv, buffer)
+    return out
+
+
+class _Relayout(torch.autograd.Function):
+    """A permutation of tokens across ranks; its adjoint is the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, route: _Route, group) -> torch.Tensor:
+        ctx.route, ctx.group = route, group
+        return _move(x, route, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _move(grad, ctx.route.inverse(), ctx.group), None, None
+
+
+def zigzag_to_contiguous(x: torch.Tensor, cu_seqlens: tuple[int, ...], group) -> torch.Tensor:
+    """This rank's zigzag shard ``x [T, ...]`` (Megatron's CP layout, dim 0 the local tokens) -> its
+    contiguous shard (rank ``r`` holding global tokens ``[r T, (r+1) T)``); differentiable.
+
+    ``cu_seqlens``: the global document boundaries (``(0, P T)`` for unpacked rows, each row cut alike; every
+    document's length divisible by ``2P``).
+
+    Cost: each rank sends and receives at most ``T`` tokens of ``x.shape[1:]`` elements (exactly those not
+    already on their contiguous rank: for one document rank 0 keeps ``T/2``, and at ``P = 2`` every rank keeps
+    half), in one batch of point-to-point messages to at most four peers per document piece. Around a
+    :class:`KdacpGatedDeltaNet` (input and output, ``b x hidden_size`` elements a token): at most
+    ``2 T b hidden_size`` elements sent per rank and layer in the forward, as many in the backward.
+    """
+    return _Relayout.apply(x, _zigzag_route(cu_seqlens, dist.get_world_size(group), dist.get_rank(group),
+                                            x.device), group)
+
+
+def contiguous_to_zigzag(x: torch.Tensor, cu_seqlens: tuple[int, ...], group) -> torch.Tensor:
+    """The inverse of :func:`zigzag_to_contiguous` (same arguments, same cost)."""
+    route = _zigzag_route(cu_seqlens, dist.get_world_size(group), dist.get_rank(group), x.device)
+    return _Relayout.apply(x, route.inverse(), group)
+
+
+# --- the module ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _context(group, strategy: str):
+    """One kdacp context per CP group and strategy, shared by every layer: its plan memo holds each batch's
+    plan once, not once per layer."""
+    return ContextParallel("state", group, strategy=strategy)
+
+
+@contextlib.contextmanager
+def _fla_check_skipped():
+    """Megatron's GDN constructor refuses to build without FLA; kdacp's module calls none of Megatron's FLA
+    functions (kdacp's backend chooses FLA's kernels where CUDA and FLA are present)."""
+    have = mcore_gdn_common.HAVE_FLA
+    mcore_gdn_common.HAVE_FLA = True
+    try:
+        yield
+    finally:
+        mcore_gdn_common.HAVE_FLA = have
+
+
+def _check_supported(config: TransformerConfig, pg_collection) -> None:
+    """Raise before any rank blocks on what :class:`KdacpGatedDeltaNet` does not run."""
+    if pg_collection is None:
+        raise ValueError("KdacpGatedDeltaNet needs pg_collection (its tp and cp process groups)")
+    tp = pg_collection.tp.size()
+    if config.sequence_parallel and tp > 1:
+        raise NotImplementedError(f"sequence_parallel=True with tensor_model_parallel_size={tp}: kdacp's GDN "
+                                  "relays out whole hidden states between Megatron's zigzag and contiguous "
+                                  "shards; set sequence_parallel=False or tensor_model_parallel_size=1")
+    if config.activation_func.__name__ not in ("silu", "swish"):
+        raise NotImplementedError(f"activation_func={config.activation_func.__name__}: the GDN convolution and "
+                                  "output gate run SiLU; set activation_func=torch.nn.functional.silu")
+    if config.recompute_granularity == "selective" and "gdn_norm_out" in config.recompute_modules:
+        raise NotImplementedError("recompute_modules contains 'gdn_norm_out': kdacp's GDN does not recompute its "
+                                  "output norm; remove it")
+    if config.fp8:
+        raise NotImplementedError(f"fp8={config.fp8!r}: kdacp's GDN runs in the parameters' dtype; set fp8=None")
+    H, HV = config.linear_num_key_heads, config.linear_num_value_heads
+    if H % tp or HV % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide linear_num_key_heads={H} and "
+                         f"linear_num_value_heads={HV}")
+
+
+class KdacpGatedDeltaNet(GatedDeltaNet):
+    """Megatron's ``GatedDeltaNet`` (same constructor, parameters and checkpoint keys) running kdacp's short
+    convolution and recurrence, with state passing over ``pg_collection.cp`` at any CP degree.
+
+    Args:
+        config, submodules, layer_number, bias, conv_bias, conv_init, use_qk_l2norm, A_init_range,
+            pg_collection, name, cp_comm_type: Megatron's (``cp_comm_type`` ignored, as Megatron's GDN does).
+        strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
+        backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA where FLA is installed, PyTorch on CPU).
+
+    Forward (Megatron's contract): ``hidden_states [s, b, hidden_size]``, this rank's zigzag shard of ``s * cp``
+    tokens; ``packed_seq_params`` with ``qkv_format="thd"`` (``b == 1``; ``cu_seqlens_q_padded`` or
+    ``cu_seqlens_q`` the global document boundaries, each length divisible by ``2 * cp``). Returns
+    ``(out [s, b, hidden_size], out_bias)`` as ``out_proj`` gives them.
+
+    Raises:
+        NotImplementedError: settings kdacp's GDN does not run (the module docstring lists them).
+        ValueError: batches whose layout it cannot take (named in the message).
+    """
+
+    op = staticmethod(chunk_gated_delta_rule)
+
+    def __init__(self, config: TransformerConfig, submodules: GatedDeltaNetSubmodules, layer_number: int = None,
+                 bias: bool = False, conv_bias: bool = False, conv_init: float | None = None,
+                 use_qk_l2norm: bool = True, A_init_range: tuple[float, float] = (1, 16), pg_collection=None, *,
+                 name: str | None = None, cp_comm_type: str | None = None, strategy: str = "p2p",
+                 backend: str = "auto"):
+        _check_supported(config, pg_collection)
+        with _fla_check_skipped():
+            super().__init__(config, submodules, layer_number, bias, conv_bias, conv_init, use_qk_l2norm,
+                             A_init_range, pg_collection, name=name, cp_comm_type=cp_comm_type)
+        self.strategy, self.backend = strategy, backend
+        cp = pg_collection.cp
+        self.context = SINGLE_DEVICE if cp.size() == 1 else _context(cp, strategy)
+
+    def _setup_variant_attrs(self):
+        super()._setup_variant_attrs()
+        self.gated_delta_rule = self.op
+        # kdacp keeps every head on its rank: the sections of in_proj's output are not divided by cp.
+        self.feat_dim_split = (self.qk_dim_local_tp * 2 + self.v_dim_local_tp, self.v_dim_local_tp,
+                               self.num_v_heads_local_tp, self.num_v_heads_local_tp)
+
+    def extra_repr(self) -> str:
+        return f"context={self.context!r}, backend={self.backend!r}"
+
+    def _global_cu_seqlens(self, packed_seq_params: PackedSeqParams | None, batch: int,
+                           total: int) -> torch.Tensor | None:
+        """The global document boundaries of a THD batch (None for unpacked rows), checked against its layout."""
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return None
+        if batch != 1:
+            raise ValueError(f"a THD batch (packed_seq_params.qkv_format='thd') has b == 1, got b={batch}")
+        padded = packed_seq_params.cu_seqlens_q_padded
+        cu = padded if padded is not None else packed_seq_params.cu_seqlens_q
+        if cu is None:
+            raise ValueError("packed_seq_params.qkv_format='thd' needs cu_seqlens_q (or cu_seqlens_q_padded)")
+        values = cu.tolist()
+        if values[0] != 0 or values[-1] != total:
+            raise ValueError(f"packed_seq_params' cu_seqlens must run from 0 to the global token count {total} "
+                             f"(this rank's s={total // self.cp_size} x cp={self.cp_size}), got {values}")
+        step = 2 * self.cp_size if self.cp_size > 1 else 1
+        bad = [e - s for s, e in zip(values, values[1:]) if (e - s) % step]
+        if bad:
+            raise ValueError(f"Megatron's zigzag layout cuts each document into 2 x cp={step} chunks: document "
+                             f"lengths {bad} do not divide by {step} (pad them: cu_seqlens_q_padded)")
+        return cu
+
+    def _relayout(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, to_contiguous: bool) -> torch.Tensor:
+        if self.cp_size == 1:
+            return x
+        cu = (0, x.shape[0] * self.cp_size) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+        move = zigzag_to_contiguous if to_contiguous else contiguous_to_zigzag
+        return move(x, cu, self.pg_collection.cp)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, inference_context=None,
+                packed_seq_params: PackedSeqParams | None = None, sequence_len_offset=None, *,
+                inference_params=None, **kwargs):
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("kdacp's GDN runs training and prefill without an inference context; "
+                                      "got inference_context")
+        T, B, _ = hidden_states.shape
+        cu = self._global_cu_seqlens(packed_seq_params, B, T * self.cp_size)
+        if self.cp_size > 1 and cu is None and T % 2:
+            raise ValueError(f"Megatron's zigzag layout gives each rank two equal chunks: s={T} must be even")
+        x = self._relayout(hidden_states, cu, to_contiguous=True)
+        qkvzba, _ = self.in_proj(x)                                                    # [T, B, C / tp]
+        qkv, gate, beta, alpha = torch.split(qkvzba.transpose(0, 1), self.feat_dim_split, dim=-1)
+        qkv = self._causal_conv(qkv, T, cu)
+        q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
+        q, k = (t.unflatten(-1, (-1, self.key_head_dim)) for t in (q, k))               # [B, T, H / tp, K]
+        v = v.unflatten(-1, (-1, self.value_head_dim))                                  # [B, T, HV / tp, V]
+        # g: raw logits, turned into -exp(A_log) softplus(g + dt_bias) inside kdacp's op (in float32)
+        o, _ = self.context.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
+                                       cu_seqlens=cu, backend=self.backend, use_gate_in_kernel=True,
+                                       A_log=self.A_log, dt_bias=self.dt_bias,
+                                       use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+        norm = self._apply_gated_norm(o, gate.reshape(B, T, -1, self.value_head_dim))  # [B T HV / tp, V]
+        out, out_bias = self.out_proj(norm.reshape(B, T, -1).transpose(0, 1).contiguous())
+        return self._relayout(out, cu, to_contiguous=False), out_bias
+
+    def _causal_conv(self, x: torch.Tensor, T: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """``silu(depthwise causal conv)`` of this rank's contiguous tokens ``x [B, T, D]``, each document's
+        taps reaching back onto the previous rank where it began there."""
+        conv = self.context.conv_context(T, cu_seqlens)
+        weight = self.conv1d.weight  # looked up per call: wrappers may replace parameters after build
+        halo = conv.left_halos([x], weight.shape[-1] - 1)[0]
+        return causal_conv1d(x, weight[:, 0], self.conv1d.bias, halo=halo, cu_seqlens=conv.cu_seqlens,
+                             cu_seqlens_cpu=conv.cu_seqlens_cpu,
+                             fused=resolve_backend(self.backend, x.device) == "fla")
+
+
+# --- specs --------------------------------------------------------------------------------------------------
+
+
+def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
+                                    strategy: str = "p2p", kdacp_backend: str = "auto") -> ModuleSpec:
+    """Megatron's GDN mixer spec (``get_gated_delta_net_module_spec``) with :class:`KdacpGatedDeltaNet`.
+
+    Args:
+        config: the model's config.
+        backend: Megatron's spec provider (default: Transformer Engine's where ``config.transformer_impl`` is
+            ``"transformer_engine"``, else :class:`~megatron.core.models.backends.LocalSpecProvider`). Where it
+            has no fused layer-norm + linear (the local one), ``in_proj`` is a plain column-parallel linear and
+            ``metainfo["fuse_input_layernorm"]`` is False: the layer then needs its own input norm, which
+            :func:`get_hybrid_layer_specs` gives it.
+        strategy, kdacp_backend: :class:`KdacpGatedDeltaNet`'s ``strategy`` and ``backend``.
+    """
+    backend = _spec_provider(config) if backend is None else backend
+    spec = mcore_specs.get_gated_delta_net_module_spec(config=config, backend=backend)
+    submodules = spec.submodules
+    fused = submodules.in_proj is not None
+    if not fused:
+        submodules = dataclasses.replace(submodules, in_proj=backend.column_parallel_linear())
+    return ModuleSpec(module=KdacpGatedDeltaNet, submodules=submodules,
+                      params={**spec.params, "strategy": strategy, "backend": kdacp_backend},
+                      metainfo={**spec.metainfo, "fuse_input_layernorm": fused})
+
+
+def _spec_provider(config: TransformerConfig) -> BackendSpecProvider:
+    if config.transformer_impl == "transformer_engine":
+        return mcore_specs._get_backend_spec_provider(config)
+    return LocalSpecProvider()
+
+
+def get_hybrid_layer_specs(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
+                           strategy: str = "p2p", kdacp_backend: str = "auto") -> list[ModuleSpec]:
+    """Megatron's Qwen3-Next / Qwen3.5 layer specs (``get_transformer_layer_with_experimental_attention_variant_
+    spec``: GDN and attention layers after ``config.linear_attention_freq``, dense or MoE MLPs after
+    ``config.moe_layer_freq``), every GDN mixer replaced by :func:`get_gated_delta_net_module_spec`'s.
+
+    Raises:
+        ValueError: ``config.experimental_attention_variant`` is not ``"gated_delta_net"``.
+        NotImplementedError: attention layers with a backend other than Transformer Engine's (Megatron's
+            hybrid stack builds them from Transformer Engine's spec only).
+    """
+    if config.experimental_attention_variant != "gated_delta_net":
+        raise ValueError(f"hybrid GDN specs need experimental_attention_variant='gated_delta_net', "
+                         f"got {config.experimental_attention_variant!r}")
+    backend = _spec_provider(config) if backend is None else backend
+    if backend.column_parallel_layer_norm_linear() is None and 0 in mcore_specs.get_linear_attention_pattern(config):
+        raise NotImplementedError(f"linear_attention_freq={config.linear_attention_freq!r} has attention layers: "
+                                  f"Megatron builds them for its hybrid stack from Transformer Engine's spec only, "
+                                  f"got {type(backend).__name__}")
+    gdn = get_gated_delta_net_module_spec(config, backend, strategy=strategy, kdacp_backend=kdacp_backend)
+    rms_norm = config.normalization == "RMSNorm"
+    with _fla_check_skipped():  # Megatron's GDN spec is only read here, never built
+        layers = mcore_specs.get_transformer_layer_with_experimental_attention_variant_spec(config, backend)
+    specs = []
+    for layer in layers:
+        if layer.submodules.self_attention.module is GatedDeltaNet:
+            norm = IdentityOp if gdn.metainfo["fuse_input_layernorm"] else backend.layer_norm(rms_norm=rms_norm)
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+                layer.submodules, self_attention=gdn, input_layernorm=norm))
+        specs.append(layer)
+    return specs
+
+
+def get_hybrid_block_spec(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
+                          vp_stage: int | None = None, pp_rank: int | None = None, strategy: str = "p2p",
+                          kdacp_backend: str = "auto") -> TransformerBlockSubmodules:
+    """The ``transformer_layer_spec`` of a ``GPTModel`` (Megatron's ``get_transformer_block_with_experimental_
+    attention_variant_spec``) built from :func:`get_hybrid_layer_specs`: this pipeline stage's layers and the
+    final norm."""
+    backend = _spec_provider(config) if backend is None else backend
+    specs = get_hybrid_layer_specs(config, backend, strategy=strategy, kdacp_backend=kdacp_backend)
+    if config.pipeline_model_parallel_layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in ids],
+                                      layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm"))
+
+
+# --- CPU runs -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cpu_stand_ins():
+    """What Megatron-Core 0.19.2 needs to build and run a model on CPU (tests, the example with gloo), for the
+    duration of the block: ``torch.cuda.current_device()`` (where Megatron creates GDN parameters and some
+    buffers) answers the CPU, and the model-parallel RNG tracker, if not yet made, is Megatron's inference
+    tracker (its ``fork`` leaves the CUDA RNG alone). Build with ``use_cpu_initialization=True``; set
+    ``TORCHDYNAMO_DISABLE=1`` before importing Megatron (its fused functions are compiled on first call)."""
+    if not mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        mcore_random.initialize_rng_tracker(inference_rng_tracker=True)
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device
