@@ -148,11 +148,16 @@ class _PrefillConv:
     rank continues the cached convolution input, and the layer's last ``W`` input tokens recorded."""
 
     def __init__(self, base, view: PrefillCache, layer_idx: int):
+        if len(base.ranges) != 1:
+            raise ValueError(f"kdacp.models.prefill runs the contiguous layout; layer {layer_idx}'s rank holds "
+                             f"{len(base.ranges)} ranges")
         self.base, self.view, self.layer_idx = base, view, layer_idx
-        self.cu_seqlens, self.cu_seqlens_cpu = base.cu_seqlens, base.cu_seqlens_cpu
+        self.local_cu_seqlens, self.local_cu_seqlens_cpu = base.local_cu_seqlens, base.local_cu_seqlens_cpu
+        self.range_starts = base.range_starts
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
-        halos = self.base.left_halos(xs, width)
+        # one range: each halo [B, 1, W-1, C]
+        halos = [None if h is None else h[:, 0] for h in self.base.left_halos(xs, width)]
         past = self.view.conv_state(self.layer_idx)
         if self.view.rank == 0 and past is not None and width:
             # [B, C, W] -> its last W-1 tokens [B, W-1, C], split as xs' channels (q|k|v: the model's order)
@@ -182,8 +187,8 @@ class LayerPrefill:
             raise AttributeError(name)
         return getattr(self.__dict__["cp"], name)
 
-    def conv_context(self, T: int, cu_seqlens: torch.Tensor | None):
-        return _PrefillConv(self.cp.conv_context(T, cu_seqlens), self.view, self.layer_idx)
+    def context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None):
+        return _PrefillConv(self.cp.context(B, T, cu_seqlens, device), self.view, self.layer_idx)
 
     def initial_state(self, cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
         """``[N, HV, K, V]`` float32: the cached state for the prompt (sequence 0), zeros for the padding's
