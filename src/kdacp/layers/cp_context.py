@@ -132,6 +132,31 @@ class CPContext:
             local += e - s
         return tuple(starts)
 
+    @cached_property
+    def attention_pieces(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``(local_start, local_end, key_start, key_end)`` of each piece of this rank's tokens that lies in one
+        range and one document: its queries (local tokens) attend causally the global keys
+        ``[key_start, key_end)`` (the document's start up to the piece's last token), the queries being the
+        last ``local_end - local_start`` of those keys."""
+        return _attention_pieces(self.layout, self.cu_seqlens, self.rank)
+
+    @cached_property
+    def attention_work(self) -> tuple[int, ...]:
+        """Causal query-key pairs of each rank's tokens (every rank's, from the layout): the per-rank FLOPs of
+        softmax attention over the gathered keys, up to a constant."""
+        return tuple(sum((e - a) * (a - k + 1 + e - k) // 2 for a, e, k, _ in _global_pieces(self.layout, self.cu_seqlens, r))
+                     for r in range(self.layout.world_size))
+
+    @cached_property
+    def gather_index(self) -> torch.Tensor:
+        """``[num_tokens]`` int64 on the device: where global token ``g`` sits among every rank's local tokens
+        laid end to end, each rank's padded to ``max(layout.local_lengths)`` (an all-gather's layout)."""
+        L = max(self.layout.local_lengths)
+        where = torch.empty(self.layout.num_tokens, dtype=torch.int64)
+        for r in range(self.layout.world_size):
+            where[self.layout.local_token_index(r)] = r * L + torch.arange(self.layout.local_lengths[r])
+        return _to_device(where, self.token_index.device)
+
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
         """The ``width`` tokens before each of this rank's ranges, of each ``x [B, T_local, C_i]``:
         ``[B, R, width, C_i]`` (``R`` ranges), zero where a token belongs to another document (or there is
@@ -146,6 +171,22 @@ class CPContext:
         halo = recv.new_zeros(recv.shape[0], route.num_ranges * width, recv.shape[-1])
         halo = halo.index_copy(1, route.recv_slots, recv).unflatten(1, (route.num_ranges, width))
         return list(halo.split([x.shape[-1] for x in xs], dim=-1))
+
+
+def _global_pieces(layout: TokenLayout, cu_seqlens, rank: int) -> list[tuple[int, int, int, int]]:
+    """``(start, end, document_start, local_start)`` of each piece of ``rank``'s ranges cut at document edges."""
+    bounds = [0, layout.num_tokens] if cu_seqlens is None else list(cu_seqlens)
+    pieces, local = [], 0
+    for s, e in layout.ranges[rank]:
+        cuts = [s] + [c for c in bounds if s < c < e] + [e]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            pieces.append((a, b, bounds[bisect.bisect_right(bounds, a) - 1], local + a - s))
+        local += e - s
+    return pieces
+
+
+def _attention_pieces(layout: TokenLayout, cu_seqlens, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    return tuple((ls, ls + b - a, d, b) for a, b, d, ls in _global_pieces(layout, cu_seqlens, rank))
 
 
 def _global_tokens(layout, cu_seqlens, local_length: int, world_size: int) -> int:
