@@ -148,6 +148,13 @@ class CPContext:
                      for r in range(self.layout.world_size))
 
     @cached_property
+    def all_token_index(self) -> torch.Tensor:
+        """``[num_tokens]`` int64 on the device: the global position of every rank's local tokens laid end to end
+        in rank order (what an all-to-all of equal time shards gathers)."""
+        order = torch.cat([self.layout.local_token_index(r) for r in range(self.layout.world_size)])
+        return _to_device(order, self.token_index.device)
+
+    @cached_property
     def gather_index(self) -> torch.Tensor:
         """``[num_tokens]`` int64 on the device: where global token ``g`` sits among every rank's local tokens
         laid end to end, each rank's padded to ``max(layout.local_lengths)`` (an all-gather's layout)."""
@@ -196,9 +203,10 @@ def _global_tokens(layout, cu_seqlens, local_length: int, world_size: int) -> in
 
 
 def _plan(layout: TokenLayout, cu_seqlens, batch_size: int, group, strategy: str):
-    """The recurrence's plan of the batch under ``layout``."""
+    """The recurrence's plan of the batch under ``layout`` (None for a non-contiguous layout until the plan
+    takes layouts)."""
     if not layout.is_contiguous:
-        raise NotImplementedError("the recurrence over a non-contiguous layout needs build_cp_plan(layout=...)")
+        return None
     return build_cp_plan(cu_seqlens, local_lengths=layout.local_lengths, batch_size=None if cu_seqlens else batch_size,
                          group=group, strategy=strategy)
 
