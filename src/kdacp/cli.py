@@ -14,6 +14,7 @@ from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .demo import DTYPES, hybrid_ulysses_size, rank_count
 from .distributed.plan import STRATEGY_CHOICES
+from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES
 from .workers import Stopped, WorkerError, launch, under_torchrun
 
@@ -240,7 +241,7 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
                   "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
-                  "step_layers": ("scaling",), "sync_every": ("scaling",)}
+                  "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",)}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -277,7 +278,8 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
         cases = [_scaling_case(args)]
     elif args.suite == "overhead":
         cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
-                      backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"))]
+                      backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"),
+                      summary_precision=args.summary_precision)]
     elif args.suite == "gdn":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
@@ -463,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or "
                             "GDN (the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
                             "convolution against FLA's) (default: kda; overhead: both)")
+    bench.add_argument("--summary-precision", default=None, choices=[p.value for p in SummaryPrecision],
+                       help="overhead suite: the summary kernels' precision policy (default: the dtype's; the "
+                            "kernels suite times every policy)")
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")

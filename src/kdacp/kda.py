@@ -19,6 +19,7 @@ from .backends.call import PreparedCall, input_dtypes, input_gradients, prepare_
 from .distributed.checks import check_cp_call
 from .distributed.orchestration import cp_backward, cp_forward
 from .distributed.plan import CPPlan, one_rank_plan
+from .kernels.precision import resolve_precision
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
 
@@ -70,14 +71,14 @@ def _forward(call: _Call, inputs: KDAInputs, initial_state):
 
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
-                      output_final_state, cp, scalar_gate=None) -> tuple[PreparedCall, CPPlan]:
+                      output_final_state, cp, summary_precision=None, scalar_gate=None) -> tuple[PreparedCall, CPPlan]:
     """Check :func:`chunk_kda`'s arguments (on every rank of ``cp.group`` alike under ``cp``) and return
     the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``, or the one-rank
     plan of the call's own batch). ``scalar_gate``: GDN's own gate, see
     :func:`~kdacp.backends.call.prepare_call`. Raises as :func:`chunk_kda`."""
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                   safe_gate=safe_gate)
+                   safe_gate=safe_gate, summary_precision=summary_precision)
     if cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
@@ -89,6 +90,7 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
                                      A_log=A_log if use_gate_in_kernel else None,
                                      dt_bias=dt_bias if use_gate_in_kernel else None))
         name = resolve_backend(backend, q.device)
+        resolve_precision(summary_precision, q.dtype, name="summary_precision")
         plan = one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
     else:
         name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
@@ -113,7 +115,7 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None):
+              check_finite=False, cp=None, summary_precision=None):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
 
@@ -145,6 +147,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             A_log/dt_bias gradients), no other sequence's.
         cp: the :class:`~kdacp.distributed.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
             ``None`` for one device.
+        summary_precision: how the ``fla`` backend's summary kernels (the state exchange of ``cp``) round
+            their float32 state products with bf16 inputs: ``"exact"`` (float32-faithful), ``"two_piece"``,
+            ``"mixed"`` or ``"one_piece"`` (FLA's own state pass's precision), see
+            :class:`kdacp.kernels.SummaryPrecision`; ``None``: the default for the inputs' dtype (fp16 and
+            float32 inputs always run float32 products; the ``torch`` backend computes summaries in float32).
+            Under ``cp`` every rank must pass the same value.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
@@ -159,5 +167,5 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         safe_gate=safe_gate, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
-        check_finite=check_finite, output_final_state=output_final_state, cp=cp)
+        check_finite=check_finite, output_final_state=output_final_state, cp=cp, summary_precision=summary_precision)
     return run_prepared(prepared, plan, initial_state, output_final_state)

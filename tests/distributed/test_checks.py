@@ -33,3 +33,29 @@ def _dtype_errors(rank: int, world_size: int) -> None:
 
 def test_dtype_errors_name_the_dtypes():
     run_ranks(_dtype_errors, 2, timeout_s=120)
+
+
+def _precision_errors(rank: int, world_size: int) -> None:
+    args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=0)
+    plan = build_cp_plan(batch_size=1)
+    # ranks that ask for different summary precisions are told which asked for what
+    ranked = "exact" if rank == 0 else "one_piece"
+    with pytest.raises(ValueError, match=r"disagree on summary_precision: values by rank \[exact, one_piece\]"):
+        chunk_kda(**args, backend="torch", cp=plan, summary_precision=ranked)
+    # an unknown name on one rank: that rank names it, the others stop instead of waiting
+    bad = "bf16" if rank == 0 else None
+    match = "summary_precision must be one of" if rank == 0 else "rank\\(s\\) \\[0\\] rejected their inputs"
+    with pytest.raises(ValueError, match=match):
+        chunk_kda(**args, backend="torch", cp=plan, summary_precision=bad)
+    o, _ = chunk_kda(**args, backend="torch", cp=plan, summary_precision="exact")
+    assert o.shape == args["v"].shape
+
+
+def test_summary_precision_is_checked_across_ranks():
+    run_ranks(_precision_errors, 2, timeout_s=120)
+
+
+def test_summary_precision_is_checked_on_one_device():
+    args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=0)
+    with pytest.raises(ValueError, match="summary_precision must be one of"):
+        chunk_kda(**args, backend="torch", summary_precision="fast")

@@ -15,6 +15,9 @@ from tests.helpers import make_kda_inputs, rel_err
 
 FIELDS = ("qg", "kg", "w", "u", "gc", "Aqk")
 TOL = 1e-5  # float32 rounding along the chunk chain (measured ~1e-7 .. 1e-6)
+# the policy the tests below hold bf16 inputs to (fp16/fp32 inputs run float32 products under any);
+# every policy against its own emulation: test_precision_policies_match_their_emulation
+PINNED = "two_piece"
 SCALE = 0.125
 # the small cases run on the GPU too where there is one (there they exercise the bf16 split products,
 # which the interpreter cannot: it sends bf16 inputs through float32)
@@ -73,15 +76,17 @@ CASES = [
 def test_state_summary_modes_match_reference(B, T, HV, K, V, dtype, L):
     low, x = make(B, T, HV, K, V, dtype)
     S_ref, M_ref = ref_summary(x)
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(L))
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(L), precision=PINNED)
     assert S.dtype == M.dtype == torch.float32
     assert S.shape == (B, HV, K, V) and M.shape == (B, HV, K, K)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
-    S_only, none = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", config=cfg(L))
+    S_only, none = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", config=cfg(L),
+                                    precision=PINNED)
     assert none is None and rel_err(S_only, S_ref) < TOL
-    none, M_only = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="transition", config=cfg(L))
+    none, M_only = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="transition", config=cfg(L),
+                                    precision=PINNED)
     assert none is None and rel_err(M_only, M_ref) < TOL
-    M_t = kn.transition(low["kg"], low["w"], low["gc"], config=cfg(L))
+    M_t = kn.transition(low["kg"], low["w"], low["gc"], config=cfg(L), precision=PINNED)
     assert rel_err(M_t, ref.transition(x["kg"], x["w"], x["gc"])) < TOL
 
 
@@ -90,33 +95,34 @@ def test_state_gradient_summary_matches_reference(B, T, HV, K, V, dtype, L):
     low, x = make(B, T, HV, K, V, dtype)
     dv_before = low["dv"].clone()
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  config=cfg(L))
+                                  config=cfg(L), precision=PINNED)
     assert G.dtype == torch.float32 and G.shape == (B, HV, K, V)
     assert rel_err(G, ref_grad(x)) < TOL
     assert torch.equal(low["dv"], dv_before)
 
 
-# (T, K, V, dtype, config): both state layouts and both bf16 piece counts (the pieces only differ on a
-# GPU; the interpreter computes bf16 inputs in float32)
+# (T, K, V, dtype, config, precision): both state layouts and two piece counts (exact policies; the
+# others are tested against their own emulation below)
 LAYOUTS = [
-    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=True, chunks_per_program=1, max_registers=168)),
-    (100, 128, 64, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=3)),
-    (200, 64, 128, torch.bfloat16, kn.SummaryConfig(v_first=True, bf16_pieces=2, chunks_per_program=2)),
-    (200, 64, 64, torch.bfloat16, kn.SummaryConfig(v_first=False, bf16_pieces=3, chunks_per_program=1, num_warps=2)),
-    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=False, chunks_per_program=1)),
+    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=True, chunks_per_program=1, max_registers=168), None),
+    (100, 128, 64, torch.bfloat16, kn.SummaryConfig(v_first=True), "exact"),
+    (200, 64, 128, torch.bfloat16, kn.SummaryConfig(v_first=True, chunks_per_program=2), "two_piece"),
+    (200, 64, 64, torch.bfloat16, kn.SummaryConfig(v_first=False, chunks_per_program=1, num_warps=2), "exact"),
+    (150, 64, 64, torch.float32, kn.SummaryConfig(v_first=False, chunks_per_program=1), "exact"),
 ]
 
 
-@pytest.mark.parametrize("T,K,V,dtype,config", LAYOUTS)
-def test_layouts_and_precisions(T, K, V, dtype, config):
+@pytest.mark.parametrize("T,K,V,dtype,config,precision", LAYOUTS)
+def test_layouts_and_precisions(T, K, V, dtype, config, precision):
     low, x = make(1, T, 2, K, V, dtype)
     S_ref, M_ref = ref_summary(x)
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=config)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=config, precision=precision)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
-    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", config=config)
+    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", config=config,
+                                 precision=precision)
     assert rel_err(S_only, S_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  config=config)
+                                  config=config, precision=precision)
     assert rel_err(G, ref_grad(x)) < TOL
 
 
@@ -124,17 +130,18 @@ def test_layouts_and_precisions(T, K, V, dtype, config):
 def test_other_chunk_sizes(chunk_size, T, L):
     low, x = make(1, T, 2, 64, 64, torch.float32, chunk_size=chunk_size)
     S_ref, M_ref = ref_summary(x, chunk_size=chunk_size)
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=chunk_size, config=cfg(L))
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=chunk_size, config=cfg(L),
+                            precision=PINNED)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  chunk_size=chunk_size, config=cfg(L))
+                                  chunk_size=chunk_size, config=cfg(L), precision=PINNED)
     assert rel_err(G, ref_grad(x, chunk_size=chunk_size)) < TOL
     # the chunking matters: the same inputs read at chunk size 64 (other last chunks) give another summary
     if chunk_size != 64:
-        assert rel_err(kn.state_summary(low["kg"], low["w"], low["u"], low["gc"]).state, S_ref) > 1e-3
+        assert rel_err(kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], precision=PINNED).state, S_ref) > 1e-3
 
 
-@pytest.mark.parametrize("field,value", [("block_v", 48), ("bf16_pieces", 1), ("num_warps", 3), ("v_first", 1),
+@pytest.mark.parametrize("field,value", [("block_v", 48), ("num_warps", 3), ("v_first", 1),
                                          ("num_stages", 0), ("chunks_per_program", 2.0), ("max_registers", 16),
                                          ("max_registers", 256), ("max_registers", 168.0)])
 def test_bad_summary_config_raises(field, value):
@@ -191,17 +198,17 @@ def test_head_range_and_head_first_w_without_copies():
     sel = {n: t[:, :, hs:hs + nh] for n, t in x.items()}
     w_hf = low["w"].transpose(1, 2).contiguous()  # [B, HV, T, K]
     S, M = kn.state_summary(low["kg"], w_hf, low["u"], low["gc"], head_start=hs, num_heads=nh, w_head_first=True,
-                            config=cfg(1))
+                            config=cfg(1), precision=PINNED)
     S_ref, M_ref = ref_summary(sel)
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], w_hf, low["gc"], low["do"], low["dv"], SCALE,
-                                  head_start=hs, num_heads=nh, w_head_first=True, config=cfg(1))
+                                  head_start=hs, num_heads=nh, w_head_first=True, config=cfg(1), precision=PINNED)
     assert rel_err(G, ref_grad(sel)) < TOL
     # strided views (a head slice of the tensors) work too
     views = {n: t[:, :, hs:hs + nh] for n, t in low.items()}
     assert not views["kg"].is_contiguous()
-    S2, M2 = kn.state_summary(views["kg"], views["w"], views["u"], views["gc"])
+    S2, M2 = kn.state_summary(views["kg"], views["w"], views["u"], views["gc"], precision=PINNED)
     assert rel_err(S2, S_ref) < TOL and rel_err(M2, M_ref) < TOL
 
 
@@ -213,19 +220,19 @@ def test_packed_sequences_and_segments(L):
     low, x = make(1, CU[-1], 2, 64, 64, torch.float32, cu=CU)
     cu = torch.tensor(CU, dtype=torch.int64)
     S_ref, M_ref = ref_summary(x, cu)
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(L))
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(L), precision=PINNED)
     assert S.shape == (len(CU) - 1, 2, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  cu_seqlens=cu, config=cfg(L))
+                                  cu_seqlens=cu, config=cfg(L), precision=PINNED)
     assert rel_err(G, ref_grad(x, cu)) < TOL
     s, e = CU[1], CU[2]
     seg = {n: t[:, s:e] for n, t in x.items()}
-    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], segment=(s, e), config=cfg(L))
+    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], segment=(s, e), config=cfg(L), precision=PINNED)
     assert S1.shape == (1, 2, 64, 64)
     assert rel_err(S1, S_ref[1:2]) < TOL and rel_err(M1, M_ref[1:2]) < TOL
     G1 = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                   segment=(s, e), config=cfg(L))
+                                   segment=(s, e), config=cfg(L), precision=PINNED)
     assert rel_err(G1, ref_grad(seg)) < TOL
 
 
@@ -244,7 +251,8 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
         C = 16
         low, x = make(1, T, 2, 64, 64, torch.float32, chunk_size=C)
         k = low["kg"]
-    out = kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, config=cfg(L), raw_keys=raw, parts=True)
+    out = kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, config=cfg(L), raw_keys=raw, parts=True,
+                           precision=PINNED)
     n = len(out.starts)
     assert out.starts[0] == 0 and all(s % C == 0 for s in out.starts) and list(out.starts) == sorted(set(out.starts))
     assert out.parts.state.shape[0] == out.parts.transition.shape[0] == n > 1
@@ -264,7 +272,8 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
     S_all, M_all = truth(T)
     assert rel_err(out.summary.state, S_all) < TOL and rel_err(out.summary.transition, M_all) < TOL
     with pytest.raises(ValueError, match="output='both'"):
-        kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, output="state", raw_keys=raw, parts=True)
+        kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, output="state", raw_keys=raw, parts=True,
+                         precision=PINNED)
 
 
 def test_summary_parts_of_packed_sequences():
@@ -272,7 +281,8 @@ def test_summary_parts_of_packed_sequences():
     states entering them are those of each sequence from its own initial state."""
     low, x = make(1, CU[-1], 2, 64, 64, torch.float32, cu=CU)
     cu = torch.tensor(CU, dtype=torch.int64)
-    out = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(1), parts=True)
+    out = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], cu_seqlens=cu, config=cfg(1), parts=True,
+                           precision=PINNED)
     chunks = [-(-(e - s) // 64) for s, e in zip(CU[:-1], CU[1:])]
     assert out.counts == tuple(chunks)
     assert out.starts == tuple(s + 64 * j for s, n in zip(CU[:-1], chunks) for j in range(n))
@@ -285,15 +295,15 @@ def test_summary_parts_of_packed_sequences():
         assert rel_err(entering[j], expected) < TOL, j
     with pytest.raises(ValueError, match="one packed row"):
         kn.state_summary(low["kg"].expand(2, -1, -1, -1), low["w"].expand(2, -1, -1, -1),
-                         low["u"].expand(2, -1, -1, -1), low["gc"].expand(2, -1, -1, -1), parts=True)
+                         low["u"].expand(2, -1, -1, -1), low["gc"].expand(2, -1, -1, -1), parts=True, precision=PINNED)
     with pytest.raises(TypeError, match="parts must be a bool"):
-        kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=1)
+        kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], parts=1, precision=PINNED)
 
 
 def test_compose_and_apply_match_reference_in_float32_under_autocast():
     low, x = make(1, 256, 2, 64, 64, torch.float32)
     halves = [{n: t[:, a:b] for n, t in low.items()} for a, b in ((0, 128), (128, 256))]
-    first, second = (kn.state_summary(h["kg"], h["w"], h["u"], h["gc"]) for h in halves)
+    first, second = (kn.state_summary(h["kg"], h["w"], h["u"], h["gc"], precision=PINNED) for h in halves)
     S_ref, M_ref = ref_summary(x)
     S_in = torch.randn(1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
     dS_out = torch.randn(1, 2, 64, 64, dtype=torch.float64, device=DEVICE)
@@ -307,7 +317,7 @@ def test_compose_and_apply_match_reference_in_float32_under_autocast():
     assert rel_err(out, ref.apply_state_summary(S_ref, M_ref, S_in)) < TOL
     assert rel_err(dS_in, ref.apply_state_gradient_summary(G1.double(), M_ref, dS_out)) < TOL
     # the kernel's folded summary equals the composition of its halves
-    S_k, M_k = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(2))
+    S_k, M_k = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], config=cfg(2), precision=PINNED)
     assert rel_err(S_k, S) < TOL and rel_err(M_k, M) < TOL
 
 
@@ -351,20 +361,20 @@ def test_bad_inputs_raise_before_running(case):
     args = dict(kg=low["kg"], w=low["w"], u=low["u"], gc=low["gc"])
     args.update(change)
     with pytest.raises(exc, match=match):
-        kn.state_summary(**args)
+        kn.state_summary(**args, precision=PINNED)
 
 
 def test_bad_gradient_inputs():
     low, _ = make(1, 70, 2, 64, 64, torch.float32)
     a = [low[n] for n in ("qg", "kg", "w", "gc", "do", "dv")]
     with pytest.raises(TypeError, match="scale must be a float"):
-        kn.state_gradient_summary(*a, None)
+        kn.state_gradient_summary(*a, None, precision=PINNED)
     with pytest.raises(TypeError, match="do must have the dtype of qg"):
-        kn.state_gradient_summary(*a[:4], a[4].half(), a[5], SCALE)
+        kn.state_gradient_summary(*a[:4], a[4].half(), a[5], SCALE, precision=PINNED)
     with pytest.raises(ValueError, match="dv must have shape"):
-        kn.state_gradient_summary(*a[:5], a[5][:, :10], SCALE)
+        kn.state_gradient_summary(*a[:5], a[5][:, :10], SCALE, precision=PINNED)
     with pytest.raises(ValueError, match="w must have shape"):
-        kn.state_gradient_summary(*a[:2], a[2][:, :, :1], *a[3:], SCALE)
+        kn.state_gradient_summary(*a[:2], a[2][:, :, :1], *a[3:], SCALE, precision=PINNED)
 
 
 # ------------------------------------------------------------------------------- scalar gate (GDN)
@@ -433,20 +443,22 @@ def test_scalar_gate_summaries_match_reference(B, T, H, HV, K, V, dtype, L, cu, 
     gc = gate_variant(low["gc"], variant, K)
     kg, w, u = low["kg"], low["w"], low["u"]
     S_ref, M_ref = ref_summary(x, cu)
-    S, M = kn.state_summary(kg, w, u, gc, cu_seqlens=cu, config=cfg(L))
+    S, M = kn.state_summary(kg, w, u, gc, cu_seqlens=cu, config=cfg(L), precision=PINNED)
     N = B if cu is None else len(cu) - 1
     assert S.shape == (N, HV, K, V) and M.shape == (N, HV, K, K)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
-    S_only, _ = kn.state_summary(kg, w, u, gc, output="state", cu_seqlens=cu, config=cfg(L))
+    S_only, _ = kn.state_summary(kg, w, u, gc, output="state", cu_seqlens=cu, config=cfg(L), precision=PINNED)
     assert rel_err(S_only, S_ref) < TOL
-    assert rel_err(kn.transition(kg, w, gc, cu_seqlens=cu, config=cfg(L)), M_ref) < TOL
-    G = kn.state_gradient_summary(low["qg"], kg, w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L))
+    assert rel_err(kn.transition(kg, w, gc, cu_seqlens=cu, config=cfg(L), precision=PINNED), M_ref) < TOL
+    G = kn.state_gradient_summary(low["qg"], kg, w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L),
+                                  precision=PINNED)
     G_ref = ref_grad(x, cu)
     assert G.shape == (N, HV, K, V) and rel_err(G, G_ref) < TOL
     # the gate is read: without it M is another, and so are S_ext and G past one chunk
     zero = torch.zeros_like(gc)
-    S0, M0 = kn.state_summary(kg, w, u, zero, cu_seqlens=cu, config=cfg(L))
-    G0 = kn.state_gradient_summary(low["qg"], kg, w, zero, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L))
+    S0, M0 = kn.state_summary(kg, w, u, zero, cu_seqlens=cu, config=cfg(L), precision=PINNED)
+    G0 = kn.state_gradient_summary(low["qg"], kg, w, zero, low["do"], low["dv"], SCALE, cu_seqlens=cu, config=cfg(L),
+                                   precision=PINNED)
     assert rel_err(M0, M_ref) > 1e-3
     if T > 64:
         assert rel_err(S0, S_ref) > 1e-3 and rel_err(G0, G_ref) > 1e-3
@@ -488,19 +500,19 @@ def test_raw_keys_are_gated_in_the_kernel(B, T, H, HV, K, V, dtype, L, cu, varia
     q, k, w, u = low["q"], low["k"], low["w"], low["u"]
     assert k.shape[2] == H < HV or H == HV
     tol = RAW_TOL[dtype]
-    S, M = kn.state_summary(k, w, u, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L))
+    S, M = kn.state_summary(k, w, u, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L), precision=PINNED)
     S_ref, M_ref = ref_summary(x, cu)
     assert rel_err(S, S_ref) < tol and rel_err(M, M_ref) < tol
-    assert rel_err(kn.transition(k, w, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L)), M_ref) < tol
+    assert rel_err(kn.transition(k, w, gc, cu_seqlens=cu, raw_keys=True, config=cfg(L), precision=PINNED), M_ref) < tol
     G = kn.state_gradient_summary(q, k, w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu, raw_keys=True,
-                                  config=cfg(L))
+                                  config=cfg(L), precision=PINNED)
     G_ref = ref_grad(x, cu)
     assert rel_err(G, G_ref) < tol
     # not gated (the pre-gated path fed raw keys repeated over the value heads) is far off
     rep = {n: t.repeat_interleave(HV // H, dim=2) for n, t in (("q", q), ("k", k))}
-    S_ungated, _ = kn.state_summary(rep["k"], w, u, gc, cu_seqlens=cu, config=cfg(L))
+    S_ungated, _ = kn.state_summary(rep["k"], w, u, gc, cu_seqlens=cu, config=cfg(L), precision=PINNED)
     G_ungated = kn.state_gradient_summary(rep["q"], rep["k"], w, gc, low["do"], low["dv"], SCALE, cu_seqlens=cu,
-                                          config=cfg(L))
+                                          config=cfg(L), precision=PINNED)
     assert rel_err(S_ungated, S_ref) > 10 * tol and rel_err(G_ungated, G_ref) > 10 * tol
 
 
@@ -514,18 +526,19 @@ def test_raw_keys_v_first_head_range_and_segment(variant):
     seg = {n: t[:, s:e, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}
     w_hf = low["w"].transpose(1, 2).contiguous()
     S, M = kn.state_summary(low["k"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
-                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=True))
+                            segment=(s, e), raw_keys=True, config=kn.SummaryConfig(chunks_per_program=1, v_first=True),
+                                                                                   precision=PINNED)
     S_ref, M_ref = ref_summary(seg)
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["q"], low["k"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
                                   num_heads=nh, w_head_first=True, segment=(s, e), raw_keys=True,
-                                  config=kn.SummaryConfig(v_first=True, block_v=16))
+                                  config=kn.SummaryConfig(v_first=True, block_v=16), precision=PINNED)
     assert rel_err(G, ref_grad(seg)) < TOL
     # the same with the [K, BV] tile, whose update reads q and the head-first w as one stacked tile
     G = kn.state_gradient_summary(low["q"], low["k"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
                                   num_heads=nh, w_head_first=True, segment=(s, e), raw_keys=True,
-                                  config=kn.SummaryConfig(chunks_per_program=1))
+                                  config=kn.SummaryConfig(chunks_per_program=1), precision=PINNED)
     assert rel_err(G, ref_grad(seg)) < TOL
 
 
@@ -537,7 +550,7 @@ def test_raw_keys_gradient_other_chunk_sizes(chunk_size):
     cu = torch.tensor(GDN_CU, dtype=torch.int64)
     x = gated_from_raw(low, cu, chunk_size)
     G = kn.state_gradient_summary(low["q"], low["k"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  chunk_size=chunk_size, cu_seqlens=cu, raw_keys=True)
+                                  chunk_size=chunk_size, cu_seqlens=cu, raw_keys=True, precision=PINNED)
     assert rel_err(G, ref_grad(x, cu, chunk_size)) < TOL
 
 
@@ -545,13 +558,13 @@ def test_raw_keys_checks_name_the_problem():
     low, _ = make_gdn(1, 150, 1, 2, 64, 64, torch.float32)
     k, w, u, gc = low["k"], low["w"], low["u"], low["gc"]
     with pytest.raises(ValueError, match="constant over K"):
-        kn.state_summary(k, w, u, gc.unsqueeze(-1).expand(1, 150, 2, 64).contiguous(), raw_keys=True)
+        kn.state_summary(k, w, u, gc.unsqueeze(-1).expand(1, 150, 2, 64).contiguous(), raw_keys=True, precision=PINNED)
     with pytest.raises(ValueError, match="divides HV"):
-        kn.state_summary(torch.cat([k, k, k], dim=2), w, u, gc, raw_keys=True)
+        kn.state_summary(torch.cat([k, k, k], dim=2), w, u, gc, raw_keys=True, precision=PINNED)
     with pytest.raises(ValueError, match=r"must have shape \[B, T, HV, K\]"):
-        kn.state_summary(k, w, u, gc)  # raw keys without raw_keys=True: the heads disagree
+        kn.state_summary(k, w, u, gc, precision=PINNED)  # raw keys without raw_keys=True: the heads disagree
     with pytest.raises(TypeError, match="raw_keys must be a bool"):
-        kn.state_gradient_summary(low["q"], k, w, gc, low["do"], low["dv"], SCALE, raw_keys=1)
+        kn.state_gradient_summary(low["q"], k, w, gc, low["do"], low["dv"], SCALE, raw_keys=1, precision=PINNED)
 
 
 @pytest.mark.parametrize("variant", ["scalar", "zero_stride"])
@@ -563,12 +576,13 @@ def test_scalar_gate_head_range_segment_and_v_first(variant):
     S_ref, M_ref = ref_summary(seg)
     w_hf = low["w"].transpose(1, 2).contiguous()
     S, M = kn.state_summary(low["kg"], w_hf, low["u"], gc, head_start=hs, num_heads=nh, w_head_first=True,
-                            segment=(s, e), config=kn.SummaryConfig(chunks_per_program=1, v_first=False))
+                            segment=(s, e), config=kn.SummaryConfig(chunks_per_program=1, v_first=False),
+                                                                    precision=PINNED)
     assert S.shape == (1, nh, 64, 64)
     assert rel_err(S, S_ref) < TOL and rel_err(M, M_ref) < TOL
     G = kn.state_gradient_summary(low["qg"], low["kg"], w_hf, gc, low["do"], low["dv"], SCALE, head_start=hs,
                                   num_heads=nh, w_head_first=True, segment=(s, e),
-                                  config=kn.SummaryConfig(v_first=True, block_v=16))
+                                  config=kn.SummaryConfig(v_first=True, block_v=16), precision=PINNED)
     assert rel_err(G, ref_grad(seg)) < TOL
 
 
@@ -604,14 +618,15 @@ def test_gpu_summaries_at_16k_bf16():
     low, x = _gpu_inputs()
     S_ref, M_ref = ref_summary(x)
     assert M_ref.norm() > 1e-20
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"])
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], precision=PINNED)
     # default: two bf16 pieces per state product (~16 bits; measured errors in benchmarks/RESULTS.md)
     assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
-    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state")
+    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], output="state", precision=PINNED)
     assert rel_err(S_only, S_ref) < 5e-5
-    assert rel_err(kn.transition(low["kg"], low["w"], low["gc"]), M_ref) < 2e-4
+    assert rel_err(kn.transition(low["kg"], low["w"], low["gc"], precision=PINNED), M_ref) < 2e-4
     dv_before = low["dv"].clone()
-    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE)
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
+                                  precision=PINNED)
     assert rel_err(G, ref_grad(x)) < 5e-5
     assert torch.equal(low["dv"], dv_before)
 
@@ -622,14 +637,16 @@ def test_gpu_head_range_segment_and_fp32():
     n = 4096
     sub = {k: t[:, :n] for k, t in low.items()}
     subx = {k: t[:, :n] for k, t in x.items()}
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], head_start=8, num_heads=8, segment=(0, n))
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], head_start=8, num_heads=8, segment=(0, n),
+                            precision=PINNED)
     S_ref, M_ref = ref_summary({k: t[:, :, 8:16] for k, t in subx.items()})
     assert rel_err(S, S_ref) < 1e-4 and rel_err(M, M_ref) < 1e-4
     f32 = {k: t.float() for k, t in sub.items()}
-    S32, M32 = kn.state_summary(f32["kg"], f32["w"], f32["u"], f32["gc"])
+    S32, M32 = kn.state_summary(f32["kg"], f32["w"], f32["u"], f32["gc"], precision=PINNED)
     S_ref, M_ref = ref_summary(subx)
     assert rel_err(S32, S_ref) < 1e-4 and rel_err(M32, M_ref) < 1e-4
-    G32 = kn.state_gradient_summary(f32["qg"], f32["kg"], f32["w"], f32["gc"], f32["do"], f32["dv"], SCALE)
+    G32 = kn.state_gradient_summary(f32["qg"], f32["kg"], f32["w"], f32["gc"], f32["do"], f32["dv"], SCALE,
+                                    precision=PINNED)
     assert rel_err(G32, ref_grad(subx)) < 1e-4
 
 
@@ -639,10 +656,10 @@ def test_gpu_chunk_size_128_bf16():
     ones do not fit in shared memory."""
     low, x = _gpu_inputs(128)
     S_ref, M_ref = ref_summary(x, chunk_size=128)
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=128)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], chunk_size=128, precision=PINNED)
     assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
     G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"], SCALE,
-                                  chunk_size=128)
+                                  chunk_size=128, precision=PINNED)
     assert rel_err(G, ref_grad(x, chunk_size=128)) < 5e-5
 
 
@@ -683,17 +700,19 @@ def test_gpu_scalar_gate_qwen3_next_shapes_bf16(variant):
     gc = gate_variant(low["gc"], variant, K)
     S_ref, M_ref = ref_summary(x, cu)
     assert M_ref.norm() > 1e-20
-    S, M = kn.state_summary(low["kg"], low["w"], low["u"], gc, cu_seqlens=cu)
+    S, M = kn.state_summary(low["kg"], low["w"], low["u"], gc, cu_seqlens=cu, precision=PINNED)
     assert rel_err(S, S_ref) < 5e-5 and rel_err(M, M_ref) < 2e-4
-    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], gc, output="state", cu_seqlens=cu)
+    S_only, _ = kn.state_summary(low["kg"], low["w"], low["u"], gc, output="state", cu_seqlens=cu, precision=PINNED)
     assert rel_err(S_only, S_ref) < 5e-5
-    assert rel_err(kn.transition(low["kg"], low["w"], gc, cu_seqlens=cu), M_ref) < 2e-4
-    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], gc, low["do"], low["dv"], SCALE, cu_seqlens=cu)
+    assert rel_err(kn.transition(low["kg"], low["w"], gc, cu_seqlens=cu, precision=PINNED), M_ref) < 2e-4
+    G = kn.state_gradient_summary(low["qg"], low["kg"], low["w"], gc, low["do"], low["dv"], SCALE, cu_seqlens=cu,
+                                  precision=PINNED)
     assert rel_err(G, ref_grad(x, cu)) < 5e-5
     # one sequence of the batch, half the heads, no copies
     s, e = GDN_GPU_CU[1:]
     sub = {n: t[:, s:e, 8:24] for n, t in x.items()}
-    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], gc, head_start=8, num_heads=16, segment=(s, e))
+    S1, M1 = kn.state_summary(low["kg"], low["w"], low["u"], gc, head_start=8, num_heads=16, segment=(s, e),
+                              precision=PINNED)
     S1_ref, M1_ref = ref_summary(sub)
     assert rel_err(S1, S1_ref) < 5e-5 and rel_err(M1, M1_ref) < 2e-4
 
@@ -707,10 +726,11 @@ def test_gpu_raw_keys_float32_accurate_qwen3_next_shapes_bf16():
     x, r = make_gdn_inputs(T=8192)
     K = x["k"].shape[-1]
     for gc in (x["gc"], x["gc"].unsqueeze(-1).expand(*x["gc"].shape, K)):
-        raw = kn.state_summary(x["k"], x["w"], x["u"], gc, raw_keys=True)
-        pre = kn.state_summary(x["kg"], x["w"], x["u"], gc)
-        G_raw = kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"], raw_keys=True)
-        G_pre = kn.state_gradient_summary(x["qg"], x["kg"], x["w"], gc, x["do"], x["dv"], x["scale"])
+        raw = kn.state_summary(x["k"], x["w"], x["u"], gc, raw_keys=True, precision=PINNED)
+        pre = kn.state_summary(x["kg"], x["w"], x["u"], gc, precision=PINNED)
+        G_raw = kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"], raw_keys=True,
+                                          precision=PINNED)
+        G_pre = kn.state_gradient_summary(x["qg"], x["kg"], x["w"], gc, x["do"], x["dv"], x["scale"], precision=PINNED)
         for got, pre_got, truth in ((raw.state, pre.state, r["S"]), (raw.transition, pre.transition, r["M"]),
                                     (G_raw, G_pre, r["G"])):
             assert torch.isfinite(got).all()
@@ -723,11 +743,11 @@ GDN_GPU_PACKED_CU = (0, 1000, 2500, 4096)  # partial last chunks in every sequen
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config,tol", [(None, 1e-4), (kn.SummaryConfig(bf16_pieces=3), 1e-6),
-                                        (kn.SummaryConfig(chunks_per_program=4), 1e-4),
-                                        (kn.SummaryConfig(num_warps=8, num_stages=2), 1e-4)])
+@pytest.mark.parametrize("config,precision,tol", [(None, "two_piece", 1e-4), (None, "exact", 1e-6),
+                                                  (kn.SummaryConfig(chunks_per_program=4), "two_piece", 1e-4),
+                                                  (kn.SummaryConfig(num_warps=8, num_stages=2), "two_piece", 1e-4)])
 @pytest.mark.parametrize("w_head_first", [False, True])
-def test_gpu_raw_keys_gradient_packed_bf16(config, tol, w_head_first):
+def test_gpu_raw_keys_gradient_packed_bf16(config, precision, tol, w_head_first):
     """The raw-key ``G`` kernel on the GPU's bf16 path, where its update is one product of stacked
     ``q, w`` columns with both bf16 pieces side by side: packed sequences with partial chunks, grouped
     value heads, a head range starting inside a key head's group, sub-segments, three pieces."""
@@ -738,7 +758,7 @@ def test_gpu_raw_keys_gradient_packed_bf16(config, tol, w_head_first):
     hs, nh = 1, 6
     G = kn.state_gradient_summary(low["q"], low["k"], w, low["gc"], low["do"], low["dv"], SCALE, cu_seqlens=cu,
                                   head_start=hs, num_heads=nh, w_head_first=w_head_first, raw_keys=True,
-                                  config=config)
+                                  config=config, precision=precision)
     G_ref = ref_grad({n: t[:, :, hs:hs + nh] for n, t in x.items() if n not in ("q", "k")}, cu)
     assert G.shape == (3, nh, 128, 128)
     assert rel_err(G, G_ref) < tol

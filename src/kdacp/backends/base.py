@@ -21,7 +21,9 @@ __all__ = ["KDAOptions", "KDAInputs", "Span", "LocalStates", "LocalGrads", "Loca
 
 @dataclass(frozen=True)
 class KDAOptions:
-    """Per-call settings shared by all stages (FLA's argument names)."""
+    """Per-call settings shared by all stages (FLA's argument names, and ``summary_precision``: the
+    summary kernels' precision policy, a :class:`kdacp.kernels.SummaryPrecision` name or ``None`` for the
+    default of the inputs' dtype; read by the ``fla`` backends only)."""
 
     scale: float
     use_qk_l2norm_in_kernel: bool = False
@@ -29,6 +31,7 @@ class KDAOptions:
     lower_bound: float | None = None
     safe_gate: bool = False
     chunk_size: int = 64
+    summary_precision: str | None = None
 
 
 @dataclass

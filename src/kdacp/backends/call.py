@@ -33,7 +33,7 @@ class PreparedCall:
 
 
 def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 A_log, dt_bias, lower_bound, safe_gate, scalar_gate=None) -> PreparedCall:
+                 A_log, dt_bias, lower_bound, safe_gate, summary_precision=None, scalar_gate=None) -> PreparedCall:
     """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved).
 
     ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)``, of which ``g`` is the
@@ -47,7 +47,7 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
-                         safe_gate=bool(safe_gate))
+                         safe_gate=bool(safe_gate), summary_precision=summary_precision)
     gdn = scalar_gate is not None and backend_name == "fla" and (
         not wants_gradient(q, k, v, g, beta, A_log, *scalar_gate) or fla_gated_gdn_backward_supported())
     if gdn:

@@ -180,7 +180,8 @@ class FlaBackend:
         # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
         return state_summary(span.take(chunks.kg), span.take(chunks.w), span.take(chunks.u), span.take(chunks.gc),
                              chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
-                             cu_seqlens=span.cu_seqlens_host(), parts=parts)
+                             cu_seqlens=span.cu_seqlens_host(), parts=parts,
+                             precision=self.options.summary_precision)
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
@@ -219,7 +220,8 @@ class FlaBackend:
     def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
         return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv_local,
                                       self.options.scale, chunk_size=self.options.chunk_size,
-                                      cu_seqlens=local.span.cu_seqlens_host())
+                                      cu_seqlens=local.span.cu_seqlens_host(),
+                                      precision=self.options.summary_precision)
 
     def _prefix(self, local, segments: int | None):
         """``local`` (a :class:`FlaBackward` or the GDN one) cut to its first ``segments`` segments, as views:

@@ -101,7 +101,7 @@ class FlaGDNBackend(FlaBackend):
         return state_summary(span.take(x.k), span.take(chunks.w), span.take(chunks.u), span.take(x.gc),
                              chunk_size=self.options.chunk_size,
                              output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host(),
-                             raw_keys=True, parts=parts)
+                             raw_keys=True, parts=parts, precision=self.options.summary_precision)
 
     def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
@@ -139,7 +139,8 @@ class FlaGDNBackend(FlaBackend):
         x = local.saved
         return state_gradient_summary(x.q, x.k, local.w, x.gc, local.do, local.dv,
                                       self.options.scale, chunk_size=self.options.chunk_size,
-                                      cu_seqlens=local.span.cu_seqlens_host(), raw_keys=True)
+                                      cu_seqlens=local.span.cu_seqlens_host(), raw_keys=True,
+                                      precision=self.options.summary_precision)
 
     def backward_states(self, local: GDNBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> FlaBackwardStates:

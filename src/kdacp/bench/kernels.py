@@ -40,6 +40,7 @@ from kdacp import kernels as kn
 from kdacp import reference as ref
 from kdacp.backends.fla_adapter import load_fla
 from kdacp.kernels import short_conv
+from kdacp.kernels.precision import resolve_precision
 from kdacp.layers.short_conv import causal_conv1d as conv_reference
 
 from .harness import PlotSpec
@@ -114,10 +115,11 @@ def _costs(B, T, HV, K, V, BT, esize):
     }
 
 
-def _row(name, ms, cost, **errs):
+def _row(name, ms, cost, policy=None, **errs):
+    """A kernel's row; ``policy``: the summary precision policy it ran (kdacp's kernels), else ``None``."""
     flops, nbytes = cost
     roof = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
-    row = {"kernel": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "GB/s": nbytes / ms / 1e6,
+    row = {"kernel": name, "policy": policy or "", "ms": ms, "TFLOP/s": flops / ms / 1e9, "GB/s": nbytes / ms / 1e6,
            "GFLOP": flops / 1e9, "MB": nbytes / 1e6, "roofline_ms": roof}
     row.update({f"err_{k}": v for k, v in errs.items()})
     return row
@@ -171,14 +173,12 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
 
 
 def _sweep_cases(which):
-    """(output or "grad", SummaryConfig) pairs around the defaults."""
+    """(output or "grad", SummaryConfig) pairs around the defaults (at the default precision policy)."""
     C = kn.SummaryConfig
     if which == "fwd":
         cases = [("both", C(chunks_per_program=L)) for L in (64, 128, 256)]
-        cases += [("both", C(chunks_per_program=128, bf16_pieces=3)),
-                  ("both", C(chunks_per_program=128, num_stages=3)),
+        cases += [("both", C(chunks_per_program=128, num_stages=3)),
                   ("both", C(chunks_per_program=128, v_first=True)),
-                  ("both", C(chunks_per_program=128, v_first=True, bf16_pieces=3)),
                   ("both", C(chunks_per_program=64, v_first=True)),
                   ("both", C(chunks_per_program=128, num_warps=2)),
                   ("both", C(chunks_per_program=128, num_warps=2, block_v=32)),
@@ -187,14 +187,12 @@ def _sweep_cases(which):
         cases += [("both", C(v_first=True, max_registers=r, chunks_per_program=L)) for r in (160, 168) for L in (64, 86)]
         cases += [("transition", C(chunks_per_program=L, v_first=vf)) for vf in (False, True) for L in (64, 128)]
         cases += [("state", C(v_first=vf)) for vf in (False, True)]
-        cases += [("state", C(bf16_pieces=3))]
     else:
         C = kn.SummaryConfig
-        cases = [("grad", C()), ("grad", C(bf16_pieces=2)), ("grad", C(block_v=16)), ("grad", C(num_stages=2)),
-                 ("grad", C(num_warps=2)), ("grad", C(num_warps=2, block_v=16)),
-                 ("grad", C(num_warps=2, bf16_pieces=2)), ("grad", C(num_warps=2, block_v=64)),
+        cases = [("grad", C()), ("grad", C(block_v=16)), ("grad", C(num_stages=2)),
+                 ("grad", C(num_warps=2)), ("grad", C(num_warps=2, block_v=16)), ("grad", C(num_warps=2, block_v=64)),
                  ("grad", C(v_first=True, block_v=64)), ("grad", C(v_first=True, block_v=32)),
-                 ("grad", C(v_first=True, block_v=16)), ("grad", C(v_first=True, block_v=64, bf16_pieces=2)),
+                 ("grad", C(v_first=True, block_v=16)),
                  ("grad", C(v_first=True, block_v=64, chunks_per_program=128)),
                  ("grad", C(v_first=True, block_v=32, num_warps=2))]
     return cases
@@ -277,6 +275,15 @@ def gdn_gated(q, k, gc, chunk_size):
     return qg.to(q.dtype), kg.to(k.dtype)
 
 
+def _other_policies(dtype) -> list[str]:
+    """The precision policies other than the default for ``dtype`` (none but the default where every policy
+    runs float32 products)."""
+    if dtype != torch.bfloat16:
+        return []
+    default = resolve_precision(None, dtype)
+    return [p.value for p in kn.SummaryPrecision if p is not default]
+
+
 def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bfloat16, with_fla=True,
             device="cuda", report=None, timing: dict | None = None):
     """The GDN rows (see the module docstring): ``kernel, ms, TFLOP/s, GB/s, GFLOP, MB, roofline_ms,
@@ -285,6 +292,7 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
     if T % chunk_size:
         raise ValueError(f"T must be a multiple of chunk_size={chunk_size} here, got T={T}")
     x, r = make_gdn_inputs(T, H, HV, K, V, chunk_size, dtype=dtype, device=device)
+    default = resolve_precision(None, dtype).value
     costs = _costs(1, T, HV, K, V, chunk_size, x["kg"].element_size())
     gates = {"scalar": x["gc"], "zero-stride K": x["gc"].unsqueeze(-1).expand(1, T, HV, K)}
     gargs = (x["qg"], x["kg"], x["w"])
@@ -304,6 +312,16 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
             lambda gc=gc: kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"],
                                                     chunk_size=chunk_size, raw_keys=True),
             costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
+    for policy in _other_policies(dtype):  # the backend's path (raw keys, scalar gate) under the other policies
+        contenders[f"kdacp state_summary (S_ext+M, scalar gate, raw k) [{policy}]"] = (
+            lambda policy=policy: kn.state_summary(x["k"], x["w"], x["u"], x["gc"], chunk_size=chunk_size,
+                                                   raw_keys=True, precision=policy),
+            costs["both"], lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+        contenders[f"kdacp state_gradient_summary (G, scalar gate, raw q, k) [{policy}]"] = (
+            lambda policy=policy: kn.state_gradient_summary(x["q"], x["k"], x["w"], x["gc"], x["do"], x["dv"],
+                                                            x["scale"], chunk_size=chunk_size, raw_keys=True,
+                                                            precision=policy),
+            costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
     contenders["kdacp state_summary (S_ext only, scalar gate)"] = (
         lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output="state"),
         costs["state"], lambda out: {"S": rel_err(out.state, r["S"])})
@@ -318,7 +336,8 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
                           device=torch.device(device), **timing)
     rows = []
     for name, (_, cost, errors) in contenders.items():
-        row = {"T": T, **_row(name, ms[name], cost, **errors(results[name]))}
+        policy = name[name.index("[") + 1:-1] if name.endswith("]") else default if name.startswith("kdacp") else None
+        row = {"T": T, **_row(name.split(" [")[0], ms[name], cost, policy, **errors(results[name]))}
         base = ("FLA chunk_cp_fwd_h" if "state_summary (S_ext+M" in name
                 else "FLA chunk_cp_bwd_dh" if "state_gradient_summary" in name else None)
         fla = next((n for n in contenders if base and n.startswith(base)), None)
@@ -375,6 +394,7 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
         raise ValueError(f"family must be 'kda', 'gdn' or 'conv', got {family!r}")
     x = make_inputs(B, T, HV, K, V, dtype=dtype, device=device)
     r = reference_summaries(x)
+    default = resolve_precision(None, dtype).value
     costs = _costs(B, T, HV, K, V, chunk_size, x["kg"].element_size())
     if do_sweep:  # "fwd" or "grad": only the tiling sweep
         return sweep(x, r, costs, chunk_size, do_sweep)
@@ -395,21 +415,25 @@ def run(B=1, T=16384, HV=32, K=128, V=128, chunk_size=64, *, family="kda", dtype
         if M is not None:
             errs["M"] = rel_err(M, r["M"])
         label = {"both": "S_ext+M", "state": "S_ext only", "transition": "M only"}[output]
-        add(_row(f"kdacp state_summary ({label})", ms, costs[key], **errs))
+        add(_row(f"kdacp state_summary ({label})", ms, costs[key], default, **errs))
     gargs = (x["qg"], x["kg"], x["w"], x["gc"], x["do"], x["dv"], x["scale"])
     G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size)
     ms = median_ms(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size))
-    add(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], G=rel_err(G, r["G"])))
-    # the float32-faithful variants (three bf16 pieces per state product) and one layout alternative
-    for name, cfg in (("S_ext+M, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),):
-        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg)
-        ms = median_ms(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, config=cfg))
-        add(_row(f"kdacp state_summary ({name})", ms, costs["both"], S=rel_err(S, r["S"]), M=rel_err(M, r["M"])))
-    for name, cfg in (("G, 3 pieces", kn.SummaryConfig(bf16_pieces=3)),
-                      ("G, v_first block_v=16", kn.SummaryConfig(v_first=True, block_v=16))):
+    add(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], default, G=rel_err(G, r["G"])))
+    # the other precision policies, and one layout alternative
+    for policy in _other_policies(dtype):
+        S, M = kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, precision=policy)
+        ms = median_ms(lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size,
+                                                precision=policy))
+        add(_row("kdacp state_summary (S_ext+M)", ms, costs["both"], policy, S=rel_err(S, r["S"]),
+                 M=rel_err(M, r["M"])))
+        G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size, precision=policy)
+        ms = median_ms(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size, precision=policy))
+        add(_row("kdacp state_gradient_summary (G)", ms, costs["grad"], policy, G=rel_err(G, r["G"])))
+    for name, cfg in (("G, v_first block_v=16", kn.SummaryConfig(v_first=True, block_v=16)),):
         G = kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg)
         ms = median_ms(lambda: kn.state_gradient_summary(*gargs, chunk_size=chunk_size, config=cfg))
-        add(_row(f"kdacp state_gradient_summary ({name})", ms, costs["grad"], G=rel_err(G, r["G"])))
+        add(_row(f"kdacp state_gradient_summary ({name})", ms, costs["grad"], default, G=rel_err(G, r["G"])))
     if with_fla:
         fla = _fla_rows(x, r, costs, B, T, HV, K, V, chunk_size)
         for row in fla:

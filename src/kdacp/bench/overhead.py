@@ -38,6 +38,7 @@ from collections import defaultdict
 import torch
 
 from kdacp.backends.call import prepare_call
+from kdacp.kernels.precision import resolve_precision
 from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts, through_ranks
 from kdacp.distributed.strategies import Pending
@@ -133,17 +134,20 @@ class _TimedBackend:
         return lambda *args, **kwargs: self._timer.run(stage, lambda: fn(*args, **kwargs))
 
 
-def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device):
-    """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family``."""
+def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device,
+              summary_precision=None):
+    """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family`` (``summary_precision`` as
+    :func:`kdacp.chunk_kda`'s)."""
     x = make_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, dtype, device)
     if family == "kda":
-        return prepare_call(backend, **x, scale=None, **KDA_OPTIONS), torch.randn_like(x["v"])
+        return (prepare_call(backend, **x, scale=None, summary_precision=summary_precision, **KDA_OPTIONS),
+                torch.randn_like(x["v"]))
     # GDN: one gate logit per value head and token, dt_bias [HV]
     gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"][..., 0], True, x["A_log"], x["dt_bias"][:heads])
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)
-        call = prepare_call(backend, **leaves, **gate, scale=None, **GDN_OPTIONS)
+        call = prepare_call(backend, **leaves, **gate, scale=None, summary_precision=summary_precision, **GDN_OPTIONS)
     return call, torch.randn_like(x["v"])
 
 
@@ -224,11 +228,13 @@ def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, w
             for role in plans for k, direction in enumerate(("forward", "backward"))}
 
 
-def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict) -> list[dict]:
+def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict,
+             policy: str) -> list[dict]:
     rows = []
     for role, (plan, _) in plans.items():
         layout = plan.rank_layouts[plan.rank]
-        r = dict(source="overhead", family=family, batch=batch, T_local=T, role=role, label=f"{family} {batch} {role}",
+        r = dict(source="overhead", family=family, batch=batch, T_local=T, policy=policy, role=role,
+                 label=f"{family} {batch} {role}",
                  receives=layout.num_receive, sends=layout.num_send,
                  affine=through_ranks(plan.rank_layouts)[plan.rank])
         for who in ("rank", "one"):
@@ -252,11 +258,13 @@ def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dic
 def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", "docs7"), heads: int | None = None,
         head_dim: int | None = None, backend: str | None = None, dtype: torch.dtype | None = None,
         warmup: int | None = None, rounds: int | None = None, iters: int | None = None, device: str = "cuda",
-        report=None) -> list[dict]:
+        summary_precision=None, report=None) -> list[dict]:
     """The rows of the module docstring, per family and batch. Defaults: on CUDA 16384 tokens per rank, 32
     heads of 128, bf16, the ``fla`` backend, 2 warm-up calls, 10 rounds of 5 calls; on the CPU (a check
     of the suite, not a measurement) 64 tokens, 2 heads of 8, float32, ``torch``, 1 round of 1 call.
-    ``report(row)`` is called as each row completes."""
+    ``summary_precision``: the summary kernels' policy (:class:`kdacp.kernels.SummaryPrecision`; ``None``:
+    the dtype's default), named in every overhead row's ``policy``. ``report(row)`` is called as each row
+    completes."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     warmup, rounds, iters = (2 if cuda else 0) if warmup is None else warmup, \
@@ -270,7 +278,8 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
         raise ValueError(f"families must be from {FAMILIES}, got {unknown[0]!r}")
     rows = []
     for family in families:
-        call, do = role_call(family, backend, t_local, heads, head_dim, dtype, dev)
+        call, do = role_call(family, backend, t_local, heads, head_dim, dtype, dev, summary_precision)
+        policy = resolve_precision(summary_precision, dtype, name="summary_precision").value
         state_dtype = compute_dtype(call.inputs.q)
         with torch.no_grad():
             for batch in batches:
@@ -289,7 +298,7 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
                         ms[f"one:{role}:{d}"] = ms[f"{first_of[one.cu_seqlens]}:{d}"]
                 stages = _breakdown(call, do, state_dtype, plans, dev, warmup > 0, rounds)
                 critical = _critical_stages(call, do, state_dtype, plans, dev, warmup > 0, rounds)
-                for row in _rows_of(family, batch, t_local, plans, ms, stages, critical):
+                for row in _rows_of(family, batch, t_local, plans, ms, stages, critical, policy):
                     rows.append(row)
                     if report is not None:
                         report(row)

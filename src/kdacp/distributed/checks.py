@@ -14,6 +14,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..kernels.precision import SummaryPrecision, resolve_precision
 from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfinite_mask, nonfinite_names
 from . import comm
 from .plan import CPPlan
@@ -43,7 +44,7 @@ _OTHER = len(_DTYPES)  # the code of any other dtype
 # Fields every rank must agree on, in signature order (after the leading "ok" flag).
 _FIELDS = ("plan", "B", "T_local (equal split)", "H", "HV", "K", "V", "q/k dtype", "v dtype", "g dtype",
            "beta dtype", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-           "A_log", "dt_bias", "lower_bound", "safe_gate", "scale", "backend", "check_finite")
+           "A_log", "dt_bias", "lower_bound", "safe_gate", "scale", "backend", "check_finite", "summary_precision")
 
 
 def _float_bits(x) -> int:
@@ -73,7 +74,9 @@ def _dtype_names(code: int, n: int) -> str:
 
 
 # How a disagreement shows each field's values (the rest are printed as the ints they are).
+_PRECISION_NAMES = {zlib.crc32(p.value.encode()): p.value for p in SummaryPrecision}
 _SHOW = {"q/k dtype": lambda c: _dtype_names(c, 2), "lower_bound": _bits_float, "scale": _bits_float,
+         "summary_precision": lambda c: _PRECISION_NAMES.get(c, "?"),
          **{f: lambda c: _dtype_names(c, 1) for f in ("v dtype", "g dtype", "beta dtype", "initial_state",
                                                       "A_log", "dt_bias")}}
 
@@ -106,14 +109,16 @@ def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kern
 
 def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                  backend: str, resolve_backend, check_finite: bool = False, cu_seqlens=None) -> str:
+                  backend: str, resolve_backend, check_finite: bool = False, cu_seqlens=None,
+                  summary_precision=None) -> str:
     """Validate one ``chunk_kda`` call on every rank; return the resolved backend name.
 
     ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
     ``cu_seqlens``: must be None (the plan holds the boundaries); a rank that passes it fails.
     ``check_finite``: also raise (on every rank) when any rank's q, k, v, g, beta, initial_state,
     A_log or dt_bias holds a NaN or Inf; the flag travels in the same all-gather, which then runs
-    on every call.
+    on every call. ``summary_precision``: a :class:`~kdacp.kernels.SummaryPrecision` name or None,
+    resolved for q's dtype; the ranks must agree on the result.
 
     Raises:
         ValueError (on every rank): a rank rejected its inputs, the ranks disagree, or (with
@@ -122,11 +127,12 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     """
     if not isinstance(plan, CPPlan):
         raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
-    error, dims, name = None, None, ""
+    error, dims, name, precision = None, None, "", ""
     try:
         dims = _check_local(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                             cu_seqlens)
         name = resolve_backend(backend, q.device)
+        precision = resolve_precision(summary_precision, q.dtype, name="summary_precision").value
     except (TypeError, ValueError, ImportError) as e:
         error = e
     ok = error is None
@@ -135,7 +141,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     signature = [int(ok), plan.signature, *sizes, _dtype_code(q, k), _dtype_code(v), _dtype_code(g), _dtype_code(beta),
                  _dtype_code(initial_state), int(bool(output_final_state)), int(bool(use_qk_l2norm_in_kernel)),
                  int(bool(use_gate_in_kernel)), _dtype_code(A_log), _dtype_code(dt_bias), _float_bits(lower_bound),
-                 int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode()), int(bool(check_finite))]
+                 int(bool(safe_gate)), _float_bits(scale), zlib.crc32(str(name).encode()), int(bool(check_finite)),
+                 zlib.crc32(precision.encode())]
     if ok and not check_finite and not plan.check_every_call and tuple(signature) in _verified(plan):
         return name  # every rank agreed on this signature before: no collective, no host sync
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \

@@ -7,12 +7,14 @@ version every kernel is tested against, are in :mod:`kdacp.reference.summary`.
 
 Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers), ``launch`` (their
 shared host side), ``planning`` (sub-segments), ``stages`` (pipeline stages that fit), ``compose`` (the
-fold kernel), ``tiles`` and ``precision`` (shared Triton helpers), ``checks`` (input checks),
-``config`` (:class:`SummaryConfig`); ``short_conv`` (the layers' depthwise short convolution, forward and
+fold kernel), ``tiles`` (shared Triton helpers), ``precision`` (:class:`SummaryPrecision`, the policy
+of their products, and the products themselves), ``checks`` (input checks), ``config``
+(:class:`SummaryConfig`); ``short_conv`` (the layers' depthwise short convolution, forward and
 backward, with its own launchers: :func:`kdacp.kernels.short_conv.causal_conv1d`).
 """
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition
 from .config import SummaryConfig
+from .precision import SummaryPrecision
 
-__all__ = ["SummaryConfig", "state_gradient_summary", "state_summary", "transition"]
+__all__ = ["SummaryConfig", "SummaryPrecision", "state_gradient_summary", "state_summary", "transition"]

@@ -1,4 +1,4 @@
-"""The public tiling and precision options of the summary kernels."""
+"""The public tiling options of the summary kernels (their precision: :class:`.precision.SummaryPrecision`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -8,7 +8,7 @@ __all__ = ["SummaryConfig"]
 
 @dataclass(frozen=True)
 class SummaryConfig:
-    """Tiling and precision of the summary kernels; ``None`` fields take each kernel's default.
+    """Tiling of the summary kernels; ``None`` fields take each kernel's default.
 
     Args:
         block_v: state columns per program (16, 32 or 64).
@@ -17,8 +17,6 @@ class SummaryConfig:
             the ``K`` transition columns). ``None``: pick from the grid and the GPU size.
         num_warps, num_stages: Triton launch options of the main kernel (fewer stages are used where
             the requested ones do not fit in shared memory).
-        bf16_pieces: bf16 pieces of the float32 state operand with bf16 inputs: 3 (float32-faithful)
-            or 2 (~16 bits per product, faster).
         v_first: hold the state tile transposed (``[BV, K]``), so that it is the left (register)
             operand of every product.
         max_registers: registers per thread the compiler may use (Triton's ``maxnreg``, 24 to 255):
@@ -29,13 +27,11 @@ class SummaryConfig:
     chunks_per_program: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    bf16_pieces: int | None = None
     v_first: bool | None = None
     max_registers: int | None = None
 
     def __post_init__(self):
-        allowed = {"block_v": (16, 32, 64), "num_warps": (1, 2, 4, 8, 16), "bf16_pieces": (2, 3),
-                   "v_first": (False, True)}
+        allowed = {"block_v": (16, 32, 64), "num_warps": (1, 2, 4, 8, 16), "v_first": (False, True)}
         for name, values in allowed.items():
             value = getattr(self, name)
             if value is not None and (type(value) is not type(values[0]) or value not in values):

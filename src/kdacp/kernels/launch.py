@@ -11,7 +11,7 @@ import torch
 from .compose import fold_summaries
 from .config import SummaryConfig
 from .planning import pick_chunks_per_program, plan_summary
-from .precision import split_bf16
+from .precision import SummaryPrecision
 from .stages import launch_fitting_stages
 
 __all__ = ["token_strides", "gate_strides", "launch_summary"]
@@ -29,12 +29,14 @@ def gate_strides(gc: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: int, config: SummaryConfig,
-                   a_cols: int, want_t: bool, reverse: bool, constants: dict | None = None, parts: bool = False):
-    """Run ``kernel(*inputs, ws, work, *scalars, K=, V=, BT=, BV=, NCOL=, SPLIT_BF16=, NSPLIT=, VF=,
+                   precision: SummaryPrecision, a_cols: int, want_t: bool, reverse: bool, constants: dict | None = None,
+                   parts: bool = False):
+    """Run ``kernel(*inputs, ws, work, *scalars, K=, V=, BT=, BV=, NCOL=, PIECES=, M_PIECES=, VF=,
     **constants)`` over the sub-segments of ``dims.bounds`` and fold them per sequence.
 
     Args:
-        inputs: the kernel's tensor arguments; the first one fixes the device and the bf16 split.
+        inputs: the kernel's tensor arguments; the first one fixes the device and, with ``precision``
+            (resolved for its dtype), the products' pieces.
         scalars: the kernel's strides and scalars after ``ws, work``.
         dims: the checked :class:`.checks.SummaryDims`.
         config: resolved (no ``None`` fields).
@@ -50,6 +52,7 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         :class:`.planning.SummaryPlan` (their first tokens and the count per sequence).
     """
     device = inputs[0].device
+    pieces, m_pieces = precision.pieces(inputs[0].dtype)
     K, V, HV = dims.K, dims.V, dims.HV
     block_v = min(config.block_v, K, a_cols or K)
     # cutting a summary without transition output into sub-segments adds transition columns: only
@@ -64,8 +67,8 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
     grid = (ncol // block_v, plan.num_work, HV)
     launch_fitting_stages(
         kernel, grid, (*inputs, ws, plan.work, *scalars),
-        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, SPLIT_BF16=split_bf16(inputs[0].dtype),
-             NSPLIT=config.bf16_pieces, VF=config.v_first, **(constants or {})),
+        dict(K=K, V=V, BT=chunk_size, BV=block_v, NCOL=ncol, PIECES=pieces, M_PIECES=m_pieces,
+             VF=config.v_first, **(constants or {})),
         config.num_warps, config.num_stages, config.max_registers)
     A, T = fold_summaries(ws, plan.seqs, len(dims.bounds), a_cols=a_cols, want_a=a_cols > 0, want_t=want_t,
                           reverse=reverse, block_v=block_v)

@@ -21,7 +21,7 @@ from ..affine import StateSummary, SummaryParts
 from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
-from .precision import chunk_decay, dot_state, dot_state_left
+from .precision import SummaryPrecision, chunk_decay, dot_state, dot_state_left, resolve_precision
 from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile
 
 __all__ = ["state_summary", "transition"]
@@ -33,14 +33,14 @@ _OUTPUTS = ("both", "state", "transition")
 # they keep [K, BV]. The walk is a serial chain of dependent products, not bound by tensor-core work: the
 # two-piece products keep the tensor cores busy about half of the run (benchmarks/RESULTS.md, "Summary kernels";
 # a Gluon version of the walk, 7.5% faster, is kept out: commit 5fffd72).
-DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, bf16_pieces=2, v_first=True)
+DEFAULT_CONFIG = SummaryConfig(block_v=64, num_warps=4, num_stages=2, v_first=True)
 RAW_KEYS_DEFAULT = replace(DEFAULT_CONFIG, v_first=False)
 
 
 @triton.jit
 def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_chunks, o_k, o_c, m_u,
-          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr,
-          NSPLIT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, PIECES: tl.constexpr, VF: tl.constexpr,
+          SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile (``RAW_KEYS``:
     ``p_kg`` holds raw keys, whose gate is applied to ``v_new``)."""
     o_t = tl.arange(0, BT)
@@ -50,7 +50,7 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
         t0 = start + i * BT
         rows = t0 + o_t
         m_t = rows < end
-        b_decay = chunk_decay(g_next, SPLIT_BF16, NSPLIT)
+        b_decay = chunk_decay(g_next, PIECES)
         g_last = g_next
         g_next = load_last_gate(p_g, s_gt, s_gk, start, end, i + 1, o_k, i + 1 < n_chunks, BT, SCALAR_GATE)
         if RAW_KEYS:
@@ -64,10 +64,10 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BV, BT], dtype=tl.float32)
-            b_v = b_u - dot_state_left(st, b_wt, SPLIT_BF16, NSPLIT)
+            b_v = b_u - dot_state_left(st, b_wt, PIECES)
             if RAW_KEYS:  # v_new^T kg = (v_new^T Diag(e)) k
                 b_v = b_v * key_gate_rows(g_last, g_rows, SCALAR_GATE)[None, :]
-            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state_left(b_v, b_kg, SPLIT_BF16, NSPLIT)
+            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state_left(b_v, b_kg, PIECES)
         else:  # st is S [K, BV]: v_new = u - w S;  S <- Diag(decay) S + kg^T v_new
             b_w = tl.load(p_w + rows[:, None] * s_wt + o_k[None, :], mask=m_t[:, None], other=0.0)
             b_kt = tl.load(p_kg + rows[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)
@@ -76,10 +76,10 @@ def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_c
                               other=0.0).to(tl.float32)
             else:
                 b_u = tl.zeros([BT, BV], dtype=tl.float32)
-            b_v = b_u - dot_state(b_w, st, SPLIT_BF16, NSPLIT)
+            b_v = b_u - dot_state(b_w, st, PIECES)
             if RAW_KEYS:  # kg^T v_new = k^T (Diag(e) v_new)
                 b_v = b_v * key_gate_rows(g_last, g_rows, SCALAR_GATE)[:, None]
-            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state(b_kt, b_v, SPLIT_BF16, NSPLIT)
+            st = decay_tile(st, b_decay, SCALAR_GATE, VF) + dot_state(b_kt, b_v, PIECES)
     return st
 
 
@@ -89,7 +89,7 @@ def _state_summary_kernel(
     s_kb, s_kt, s_kh, s_wb, s_wt, s_wh, s_ub, s_ut, s_uh, s_gb, s_gt, s_gh, s_gk,
     head_start, HV, key_group,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NCOL: tl.constexpr,
-    MOFF: tl.constexpr, HAS_S: tl.constexpr, SPLIT_BF16: tl.constexpr, NSPLIT: tl.constexpr,
+    MOFF: tl.constexpr, HAS_S: tl.constexpr, PIECES: tl.constexpr, M_PIECES: tl.constexpr,
     VF: tl.constexpr, SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr,
 ):
     """One ``BV``-column tile of ``[S | M]`` over one sub-segment ``work[i_w] = (b, start, end, needs_M)``.
@@ -97,7 +97,8 @@ def _state_summary_kernel(
     ``kg [B, T, HV, K]`` (``RAW_KEYS``: raw keys ``[B, T, HV / key_group, K]``, value head ``h`` reading
     key head ``h // key_group``), ``gc`` ``[B, T, HV, K]`` (channel stride ``s_gk``) or ``[B, T, HV]``
     with ``SCALAR_GATE``, ``w`` (any head/token order, via strides), ``u [B, T, HV, V]``; writes
-    ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``.
+    ``ws [NW, HV_out, K, NCOL]`` float32, transition columns from ``MOFF``; ``PIECES`` / ``M_PIECES``: the
+    bf16 pieces of the float32 operands in the ``S`` / ``M`` columns (0: float32 products).
     """
     # the first sub-segment's M is never read in state-only mode: its chunk loop is skipped
     b, h, start, end, _, n_run, o_k, o_c = locate_program(work, head_start, MOFF, K, BT, BV)
@@ -108,12 +109,19 @@ def _state_summary_kernel(
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
     st = initial_tile(o_k, o_c, MOFF, VF)
-    st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-               BT, BV, HAS_S, SPLIT_BF16, NSPLIT, VF, SCALAR_GATE, RAW_KEYS)
+    if PIECES == M_PIECES:
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
+                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
+    elif tl.program_id(0) * BV < MOFF:
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
+                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
+    else:  # a transition tile under a policy that rounds M differently
+        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
+                   BT, BV, HAS_S, M_PIECES, VF, SCALAR_GATE, RAW_KEYS)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
-def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, config, parts=False):
+def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, config, precision, parts=False):
     has_s = output != "transition"
     S, M, kept = launch_summary(
         _state_summary_kernel, (kg, w, u if has_s else kg, gc),
@@ -121,7 +129,7 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
          *gate_strides(gc), dims.head_start, dims.HV, dims.key_group),
         dims, chunk_size=chunk_size,
         config=(config or SummaryConfig()).resolved(RAW_KEYS_DEFAULT if raw_keys else DEFAULT_CONFIG),
-        a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
+        precision=precision, a_cols=dims.V if has_s else 0, want_t=output != "state", reverse=False,
         constants=dict(MOFF=dims.V if has_s else 0, HAS_S=has_s, SCALAR_GATE=dims.scalar_gate, RAW_KEYS=raw_keys),
         parts=parts)
     if parts:
@@ -134,7 +142,7 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
 def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
                   num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
                   raw_keys: bool = False, config: SummaryConfig | None = None,
-                  parts: bool = False) -> StateSummary | SummaryParts:
+                  precision: SummaryPrecision | str | None = None, parts: bool = False) -> StateSummary | SummaryParts:
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
@@ -161,6 +169,8 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
         segment: ``(start, end)`` token offsets with ``B == 1``: summarise that one segment, chunked
             from ``start``.
         config: tiling, see :class:`SummaryConfig`.
+        precision: the products' precision policy (:class:`~.precision.SummaryPrecision` or its name);
+            ``None``: the default for the inputs' dtype (:func:`~.precision.resolve_precision`).
         parts: with ``output="both"`` and ``B == 1``: return :class:`~kdacp.affine.SummaryParts`, the
             summaries and those of the sub-segments the kernel cut each sequence into (no extra work:
             they are the kernel's own, before folding), from which a state pass can run over the
@@ -187,20 +197,21 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
                                 segment=segment, raw=("kg",) if raw_keys else ())
     if parts and dims.B != 1:
         raise ValueError(f"parts=True needs one packed row (B == 1), got B={dims.B}")
+    policy = resolve_precision(precision, kg.dtype)
     return _launch(kg, w, u, gc, dims, chunk_size=chunk_size, output=output, w_head_first=w_head_first,
-                   raw_keys=raw_keys, config=config, parts=parts)
+                   raw_keys=raw_keys, config=config, precision=policy, parts=parts)
 
 
 def transition(kg, w, gc, *, chunk_size: int = 64, head_start: int = 0, num_heads: int | None = None,
                w_head_first: bool = False, cu_seqlens=None, segment=None, raw_keys: bool = False,
-               config: SummaryConfig | None = None) -> torch.Tensor:
+               config: SummaryConfig | None = None, precision: SummaryPrecision | str | None = None) -> torch.Tensor:
     """``M [N, HV, K, K]`` float32: the product of the chunk factors ``Diag(exp2(gc_last)) - kg^T w``
     (later chunks on the left), accumulated in float32 (bf16 inputs: products split into exact bf16
-    pieces; fp16/fp32 inputs: 3xTF32). Arguments as :func:`state_summary`.
+    pieces as ``precision`` says; fp16/fp32 inputs: 3xTF32). Arguments as :func:`state_summary`.
 
     Measured error (H200, bf16, 16K tokens, 256 chunk factors, relative to float64 on the same
-    inputs): 5.8e-6 with the default two pieces, 2.3e-6 with ``SummaryConfig(bf16_pieces=3)``;
-    fp32 inputs in the CPU tests: below 1e-6."""
+    inputs): 5.8e-6 with two pieces, 2.3e-6 with three (``precision="exact"``); fp32 inputs in the
+    CPU tests: below 1e-6."""
     return state_summary(kg, w, None, gc, chunk_size=chunk_size, output="transition", head_start=head_start,
                          num_heads=num_heads, w_head_first=w_head_first, cu_seqlens=cu_seqlens, segment=segment,
-                         raw_keys=raw_keys, config=config).transition
+                         raw_keys=raw_keys, config=config, precision=precision).transition
