@@ -139,8 +139,16 @@ class PrefillCache:
             self._conv_inputs = {i: p.view_as(self._conv_inputs[i]) for i, p in zip(layers, parts)}
         for i in layers:
             conv = self._conv_inputs.pop(i)
+            count = getattr(self.cache.layers[i], "cumulative_length_linear", None) if hasattr(self.cache, "layers") \
+                else None
+            before = None if count is None else int(count)
             self.cache.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
             self.cache.update_recurrent_state(self._states.pop(i).to(torch.float32), i)
+            if before is not None:
+                # transformers (>= 5.2x) counts a linear-attention layer's tokens by the width of the convolution
+                # input it is given, and reads the cache's position from that count when layer 0 is one; the
+                # input recorded here is only the last W tokens, so the count is set to the tokens passed
+                self.cache.layers[i].cumulative_length_linear.fill_(before + self.valid)
 
 
 class _PrefillConv:
