@@ -54,7 +54,7 @@ def layout_cases(P: int) -> list[dict]:
     """Cases: ``op`` (kda or gdn), ``B``, ``cu`` (global boundaries or None), ``layout`` (a name or a
     TokenLayout), ``init``/``final`` states."""
     # a token, shorter than W = 4, shorter than a chunk, longer than a chunk, longer than a rank's tokens
-    docs = _documents([1, 3, 2, 30, 70, 45 * P, 13])
+    docs = _documents([1, 3, 2, 30, 70, 80 * P, 13])
     packed = _documents([5, 40 * P - 9, 4, 20 * P])
     rows_T = 30 * P
     return [
