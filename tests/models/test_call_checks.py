@@ -1,7 +1,8 @@
 """What a ``kdacp.parallelize``'d model does with keyword arguments its forward would otherwise drop, on one gloo
 rank (a tiny random Kimi Linear, float32): ``cu_seqlens=`` means the global boundaries, as everywhere else in
 kdacp (the same logits as ``batch.model_kwargs()``'s ``cu_seq_lens_q/k``, and other logits than one document);
-any other argument that would not be honoured is refused by name before any layer runs; inside ``own_forwards`` the model's own code takes its own arguments."""
+any other argument that would not be honoured is refused by name before any layer runs; a cache request names
+the ways to decode, which exist; inside ``own_forwards`` the model's own code takes its own arguments."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +52,10 @@ def _worker(rank, world_size):
         install.mix_tokens = real
     assert not calls
 
+    # The cache refusal names the ways to decode, and they exist.
+    with pytest.raises(ValueError, match=r"kdacp\.models\.generate.*kdacp\.models\.own_forwards"):
+        model(**batch.model_kwargs(), use_cache=True)
+    assert callable(kdacp.models.generate) and callable(kdacp.models.own_forwards)
     with kdacp.models.own_forwards(model), kdacp.models.torch_fallbacks(), torch.no_grad():
         model(input_ids=tokens()[:, :16], seq_idx=None, use_cache=True)  # no refusal: the check is off
 

@@ -79,7 +79,9 @@ def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
     """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask."""
     if uses_cache:
         raise ValueError("kdacp.parallelize runs without a cache: leave use_cache unset (the parallelised model's "
-                         "default is False) or pass use_cache=False")
+                         "default is False) or pass use_cache=False. To decode, call kdacp.models.generate (the "
+                         "prompt prefilled under context parallelism, then transformers' generate), or run the "
+                         "model's own code inside `with kdacp.models.own_forwards(model):`")
     if attention_mask is not None:
         raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
 
