@@ -6,7 +6,8 @@ the calling process (no second interpreter to start and import into). Otherwise
 then spawns them, forwards their progress and results, and if one fails or dies, the run passes its
 deadline (start-up included) or the launching process gets SIGINT, SIGTERM or SIGHUP, stops the others
 within seconds and raises :class:`WorkerError` (:class:`Stopped` for a signal) naming the cause.
-Workers watch their parent: a launcher that is killed outright leaves no worker behind.
+Workers watch their parent from the first line they run, before their imports: a launcher that is killed
+outright leaves no worker behind, however long the workers take to start.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, spawn
 
 __all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_world_size", "free_port", "under_torchrun",
            "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
@@ -135,9 +136,44 @@ def check_world_size(world_size: int, device: str) -> None:
             f"{by_memory} ({RANK_MEMORY_MB} MB per rank); lower --world-size to {min(by_cores, by_memory)} or less")
 
 
+# Python that each spawned worker runs first, before multiprocessing's own start-up (which imports the launcher's
+# main module, torch and kdacp: seconds, and tens of seconds on a loaded machine, all of it before _worker):
+# from here on the kernel kills the worker when the launcher dies, whatever the worker is doing, and a
+# launcher already gone ends it. {pid}: the launcher's.
+_EARLY_WATCH = """\
+import os
+try:
+    import ctypes; ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+if os.getppid() != {pid}:
+    os._exit(1)
+"""
+
+
+@contextlib.contextmanager
+def _workers_watch_from_their_start():
+    """Inside the block, processes started by multiprocessing's ``spawn`` run :data:`_EARLY_WATCH` before
+    anything else: an orphan lives no longer than its interpreter takes to start."""
+    command_line = spawn.get_command_line
+
+    def watched(**kwargs):
+        cmd = command_line(**kwargs)
+        if "-c" in cmd:  # absent in frozen executables
+            i = cmd.index("-c") + 1
+            cmd[i] = _EARLY_WATCH.format(pid=os.getpid()) + cmd[i]
+        return cmd
+    spawn.get_command_line = watched
+    try:
+        yield
+    finally:
+        spawn.get_command_line = command_line
+
+
 def _watch_parent(parent_pid: int) -> None:
     """End this worker when the launching process ``parent_pid`` dies: at once through Linux's
-    ``PR_SET_PDEATHSIG`` (SIGKILL), and by a poll of the parent's pid every second (other systems)."""
+    ``PR_SET_PDEATHSIG`` (SIGKILL; already set by :data:`_EARLY_WATCH` in a spawned worker, set here for one
+    started otherwise), and by a poll of the parent's pid every second (other systems)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
@@ -258,7 +294,7 @@ def _terminal_signals_blocked():
 
 
 def _start(process) -> None:
-    with _terminal_signals_blocked():
+    with _terminal_signals_blocked(), _workers_watch_from_their_start():
         process.start()
 
 
