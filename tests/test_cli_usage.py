@@ -5,12 +5,14 @@ import torch
 
 @pytest.fixture
 def no_workers(monkeypatch):
-    """Fails a test that gets as far as starting workers: usage errors must stop before."""
+    """Fails a test that gets as far as starting workers or a suite: usage errors must stop before."""
+    import kdacp.bench
     import kdacp.cli
 
     def launch(*args, **kwargs):
         raise AssertionError("workers were started")
     monkeypatch.setattr(kdacp.cli, "launch", launch)
+    monkeypatch.setattr(kdacp.bench, "run_suite", launch)
 
 
 def _usage_error(capsys, *argv) -> str:
@@ -23,7 +25,10 @@ def _usage_error(capsys, *argv) -> str:
     captured = capsys.readouterr()
     assert code == 2, captured.err
     assert "Traceback" not in captured.err and "%" not in captured.err  # no progress bar either
-    return captured.err.strip().splitlines()[-1]
+    assert captured.out == ""  # before the demo's header
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 or lines[0].startswith("usage:"), captured.err  # argparse's usage line, then its error
+    return lines[-1]
 
 
 USAGE_ERRORS = [
@@ -73,6 +78,11 @@ USAGE_ERRORS = [
     (("bench", "--suite", "soak", "--modes", "state"), "--modes is for --suite layer, not --suite soak"),
     (("bench", "--suite", "soak", "--steps", "0"), "argument --steps: expected a positive integer"),
     (("tune", "--seq-lens", "16384 2048"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", "4"), "4 tokens, 1 for each of the 4 ranks of the state exchange, fewer than the 3 the "
+                                  "short convolution (width 4) takes from the previous rank; make the total at least 12"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--seq-lens", "4"), "2 for each of the 2 ranks"),
+    (("demo", "--world-size", "1024", "--heads", "1024", "--seq-lens", "4096"), "is more than this machine holds"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--world-size", "1024"), "is more than this machine holds"),
     (("bench",), "the following arguments are required: --suite"),
     ((), "the following arguments are required: command"),
 ]
@@ -133,12 +143,35 @@ def test_tune_takes_comma_separated_lengths():
 def test_bench_device_cuda_without_a_gpu_names_the_missing_gpu(no_workers, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from kdacp.cli import main
-    assert main(["bench", "--suite", "layer", "--device", "cuda"]) == 1
-    assert capsys.readouterr().err.strip() == ("kdacp bench: --device cuda was asked for but no CUDA GPU is visible; "
-                                               "--suite layer also runs with --device cpu")
-    assert main(["bench", "--suite", "kernels"]) == 1
-    assert "--suite kernels needs a CUDA GPU and none is visible" in capsys.readouterr().err
+    assert _usage_error(capsys, "bench", "--suite", "layer", "--device", "cuda") == (
+        "kdacp bench: --device cuda was asked for but no CUDA GPU is visible; --suite layer also runs with --device cpu")
+    assert "--suite kernels needs a CUDA GPU and none is visible" in _usage_error(capsys, "bench", "--suite", "kernels")
+
+
+def test_demo_device_cuda_without_a_gpu_is_a_usage_error(no_workers, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "--device cuda was asked for but no CUDA GPU is visible" in _usage_error(capsys, "demo", "--device", "cuda")
+
+
+def test_a_busy_port_is_a_usage_error(no_workers, capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        assert f"port {port} is in use" in _usage_error(capsys, "demo", "--world-size", "2", "--port", port)
+        assert "is in use" in _usage_error(capsys, "bench", "--suite", "layer", "--device", "cpu", "--port", port)
+
+
+def test_bench_fla_without_fla_is_a_usage_error(no_workers, capsys, monkeypatch):
+    """On a machine with a GPU but without FLA (a GPU is faked here: the check stops before any kernel)."""
+    from kdacp.backends.fla_adapter import fla_available
+    if fla_available():
+        pytest.skip("FLA is installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "--backend fla: " in _usage_error(capsys, "bench", "--suite", "layer", "--device", "cuda", "--backend", "fla")
 
 
 def test_bench_keeps_the_rows_of_a_run_stopped_early(monkeypatch, tmp_path, capsys):
@@ -224,6 +257,7 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kdacp.bench.harness, "run_context",
                         lambda: dict(date="d", device="gpu", gpus=2, torch="t", triton="t", commit="c"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
           "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))

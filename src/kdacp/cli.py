@@ -6,16 +6,17 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 
-from .backends import BACKENDS
+from .backends import BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .demo import DTYPES, hybrid_ulysses_size, rank_count
 from .distributed.plan import STRATEGY_CHOICES
 from .layers.context_parallel import MODES
-from .workers import Stopped, WorkerError, launch, under_torchrun
+from .workers import Stopped, WorkerError, check_launch, launch, pick_backend, under_torchrun
 
 _IMPORTED = time.monotonic()
 
@@ -31,6 +32,20 @@ def process_age_s() -> float:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given (a bad value, or one this machine cannot hold): ``main`` prints
+    it on one line and exits with status 2, before any worker starts."""
+
+
+def _machine_check(check: Callable, *args) -> None:
+    """``check(*args)`` (:func:`kdacp.workers.check_launch`, :func:`~kdacp.workers.pick_backend`), its
+    :class:`~kdacp.workers.WorkerError` (what this machine cannot run) a :class:`UsageError`."""
+    try:
+        check(*args)
+    except WorkerError as e:
+        raise UsageError(str(e)) from None
 
 
 def _failed(command: str, error: WorkerError) -> int:
@@ -176,15 +191,12 @@ def _demo(args: argparse.Namespace) -> int:
     from .models import load_kimi_linear
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("kdacp demo: --device cuda was asked for but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
-        return 1
+    _machine_check(pick_backend, device, 1)  # a GPU, before the world size counts them
     world = args.world_size if args.world_size is not None else (torch.cuda.device_count() if device == "cuda" else 4)
     if under_torchrun():
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
-            print(f"kdacp demo: --world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
-                  f"{os.environ['WORLD_SIZE']}; leave it out under torchrun", file=sys.stderr)
-            return 2
+            raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}; leave it out under torchrun")
         world = int(os.environ["WORLD_SIZE"])
     cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, head_dim=args.head_dim,
                       seq_lens=args.seq_lens, strategy=args.strategy, backend=args.backend, device=device,
@@ -193,8 +205,8 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
     except ValueError as e:
-        print(f"kdacp demo: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    _machine_check(check_launch, world, device, args.port)
     show = not under_torchrun() or int(os.environ["RANK"]) == 0
     if show:
         print(f"demo: {cfg.describe()}", flush=True)
@@ -308,6 +320,17 @@ def _layer_modes_error(args: argparse.Namespace, world: int, device: str) -> str
     return None
 
 
+def _check_fla(device: str) -> None:
+    """:class:`UsageError` unless ``--backend fla`` can run on ``device`` here (CUDA, FLA installed)."""
+    if device != "cuda":
+        raise UsageError(f"--backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
+                         "use --backend torch")
+    try:
+        resolve_backend("fla", torch.device(device))
+    except ImportError as e:
+        raise UsageError(f"--backend fla: {e}") from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -316,38 +339,27 @@ def _bench(args: argparse.Namespace) -> int:
 
     unread = _unread_option(args)
     if unread:
-        print(f"kdacp bench: {unread}", file=sys.stderr)
-        return 2
+        raise UsageError(unread)
     if args.family == "conv" and args.suite != "kernels":
-        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--family conv is for --suite kernels, not --suite {args.suite}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     missing = _missing_gpu(args.suite, device)
     if missing:
-        print(f"kdacp bench: {missing}", file=sys.stderr)
-        return 1
-    if args.backend == "fla" and device != "cuda":
-        print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
-              "use --backend torch", file=sys.stderr)
-        return 2
-    if args.suite == "scaling" and args.seq_lens and len(args.seq_lens) > 1:
-        print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(missing)
+    if args.backend == "fla":
+        _check_fla(device)
+    if args.suite in ("scaling", "overhead") and args.seq_lens and len(args.seq_lens) > 1:
+        raise UsageError(f"--suite {args.suite} takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}")
     if args.measured is not None and not os.path.isfile(args.measured):
-        print(f"kdacp bench: --measured {args.measured}: no such file", file=sys.stderr)
-        return 2
+        raise UsageError(f"--measured {args.measured}: no such file")
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
-    if args.suite == "overhead" and args.seq_lens and len(args.seq_lens) > 1:
-        print(f"kdacp bench: --suite overhead takes one --seq-lens value (tokens per rank), got "
-              f"{len(args.seq_lens)}", file=sys.stderr)
-        return 2
     modes_error = _layer_modes_error(args, world, device)
     if modes_error:
-        print(f"kdacp bench: {modes_error}", file=sys.stderr)
-        return 2
+        raise UsageError(modes_error)
+    if args.suite in _SUITE_OPTIONS["world_size"]:
+        _machine_check(check_launch, world, device, args.port)
     render = getattr(suite, "markdown", markdown_table)
     plots = getattr(suite, "PLOTS", None)
     measured: list[dict] = []  # every row as it is reported, kept when the run stops early
@@ -532,9 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; the exit status: 0 success, 2 a usage error (argparse's, or :class:`UsageError`:
+    one line, before any worker starts), 1 a run that failed, 128 + N a run stopped by signal N."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"kdacp {args.command}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before or after a launch (during one, the launcher stops its workers)
         print(f"kdacp {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_world_size", "free_port", "under_torchrun",
-           "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_world_size", "free_port",
+           "under_torchrun", "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -275,7 +275,6 @@ def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: floa
     if dist.is_initialized():
         raise WorkerError("a one-rank run starts its own process group, but this process already has one; "
                           "call fn directly, or destroy the group first")
-    pick_backend(device, 1)  # the device's error before anything runs
     with _stop_on_signals(), _deadline(timeout_s):
         return _rank_here(fn, args, 0, 1, device, timeout_s, on_report, prepare,
                           init_method=f"tcp://127.0.0.1:{port or free_port()}")
@@ -335,6 +334,20 @@ def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
             raise WorkerError(f"worker rank {r} died after returning its result ({_cause(p.exitcode)})")
 
 
+def check_launch(world_size: int, device: str, port: int = 0) -> None:
+    """Raise :class:`WorkerError` for what :func:`launch` would refuse before starting anything: a world size
+    below 1 or one this machine cannot hold (:func:`check_world_size`; under torchrun, its own), a device
+    without a GPU, a ``port`` in use."""
+    if world_size < 1:
+        raise WorkerError(f"--world-size must be >= 1, got {world_size}")
+    if under_torchrun() or world_size == 1:
+        pick_backend(device, world_size)
+    else:
+        check_world_size(world_size, device)
+    if port and not under_torchrun():
+        _check_port(port)
+
+
 def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", port: int = 0,
            timeout_s: float = 600.0, on_report: Callable[[int, Any], None] | None = None,
            prepare: Callable[[], Any] | None = None) -> list[Any]:
@@ -356,17 +369,13 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
         Stopped: the launching process got SIGINT, SIGTERM or SIGHUP.
         In every case all workers are stopped first.
     """
-    if world_size < 1:
-        raise WorkerError(f"--world-size must be >= 1, got {world_size}")
+    check_launch(world_size, device, port)  # fail before spawning anything
     if under_torchrun():
         return _rank_here(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, timeout_s,
                           on_report, prepare)
-    if port:
-        _check_port(port)
     if world_size == 1:
         return _run_here(fn, args, device, port, timeout_s, on_report, prepare)
     deadline = time.monotonic() + timeout_s
-    check_world_size(world_size, device)  # fail before spawning anything
     port = port or free_port()
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
