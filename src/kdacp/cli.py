@@ -403,6 +403,18 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_launch_options(parser: argparse.ArgumentParser, *, world_size: str, timeout: str,
+                        timeout_default: float | None = None) -> None:
+    """The options of a command that starts ranks: ``--world-size`` and ``--timeout`` with the command's help
+    texts (``timeout_default``: seconds, or None where the command picks by device), ``--device``, ``--port``."""
+    parser.add_argument("--world-size", type=_positive_int, default=None, help=world_size)
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
+                             "when available)")
+    parser.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--timeout", type=_seconds, default=timeout_default, help=timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -412,8 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "kdacp.parallelize for a few steps and check its logits, loss and gradients "
                                       "against the unmodified model in one process; prints the first step's time "
                                       "and the later steps' mean.")
-    demo.add_argument("--world-size", type=_positive_int, default=None,
-                      help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
+    _add_launch_options(demo, world_size="ranks to start (default: 4 on CPU, every GPU on CUDA)",
+                        timeout="seconds from starting the workers before the run is stopped (default: 300 on CPU; "
+                                "1800 on CUDA, where FLA autotunes kernel shapes without a tuned configuration at "
+                                "first use)")
     demo.add_argument("--seq-lens", type=_lengths, default=(600, 250, 900, 298),
                       help="comma-separated lengths of the packed batch; their sum must split equally over the "
                            "ranks (default: 600,250,900,298)")
@@ -436,9 +450,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="auto", choices=BACKENDS,
                       help="kdacp's KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch, "
                            "and the first line says which (default: %(default)s)")
-    demo.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                      help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
-                           "when available)")
     demo.add_argument("--dtype", default=None, choices=DTYPES,
                       help="of the context-parallel model; the reference runs in float32 (no float64: "
                            "transformers' Kimi Linear computes in float32 inside) (default: float32 on CPU, "
@@ -448,10 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-precompile", dest="precompile", action="store_false",
                       help="on a GPU, let the first step compile each Triton kernel as it first launches instead "
                            "of compiling them all in parallel ahead of it (kdacp.precompile)")
-    demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    demo.add_argument("--timeout", type=_seconds, default=None,
-                      help="seconds from starting the workers before the run is stopped (default: 300 on CPU; 1800 "
-                           "on CUDA, where FLA autotunes kernel shapes without a tuned configuration at first use)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots",
@@ -477,9 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "convolution against FLA's) (default: kda; overhead: both)")
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
-    bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
-    bench.add_argument("--world-size", type=_positive_int, default=None,
-                       help="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)")
+    _add_launch_options(bench, world_size="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)",
+                        timeout="seconds from starting a multi-rank suite's workers before it is stopped; the rows "
+                                "measured by then are kept (default: %(default)s)", timeout_default=1800.0)
     bench.add_argument("--modes", type=_modes, default=None,
                        help="layer suite: comma-separated context-parallel modes to time, from "
                             f"{', '.join(MODES)} (hybrid: Ulysses groups of the world size's smallest divisor) "
@@ -519,11 +526,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "whose stages sleep (no compute, so no contention for cores)")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
-    bench.add_argument("--port", type=_port, default=0,
-                       help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    bench.add_argument("--timeout", type=_seconds, default=1800.0,
-                       help="seconds from starting a multi-rank suite's workers before it is stopped; the rows "
-                            "measured by then are kept (default: %(default)s)")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
