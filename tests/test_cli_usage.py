@@ -66,7 +66,13 @@ USAGE_ERRORS = [
     (("bench", "--suite", "layer", "--timeout", "0"), "argument --timeout: expected a positive number of seconds"),
     (("bench", "--suite", "layer", "--port", "abc"), "argument --port: expected a port number from 0"),
     (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer or gdn or overhead, not --suite virtual"),
-    (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer or scaling or overhead, not --suite kernels"),
+    (("bench", "--suite", "kernels", "--heads", "4"),
+     "--heads is for --suite layer or scaling or overhead or virtual, not --suite kernels"),
+    (("bench", "--suite", "layer", "--ranks", "2,4"), "--ranks is for --suite virtual, not --suite layer"),
+    (("bench", "--suite", "virtual", "--ranks", "1,4"), "argument --ranks: expected comma-separated rank counts"),
+    (("bench", "--suite", "virtual", "--seq-lens", "100"),
+     "--suite virtual takes tokens per rank in multiples of the chunk size 64, got --seq-lens 100"),
+    (("bench", "--suite", "virtual", "--seq-lens", "64,128"), "--suite virtual takes one --seq-lens value"),
     (("bench", "--suite", "virtual", "--world-size", "2"), "--world-size is for --suite cp or layer or soak"),
     (("bench", "--suite", "soak", "--trace", "t"), "--trace is for --suite cp, not --suite soak"),
     (("bench", "--suite", "layer", "--modes", "ring"), "argument --modes: expected comma-separated modes from"),
@@ -286,3 +292,32 @@ def test_bench_gdn_runs_on_one_rank(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     main(["bench", "--suite", "gdn", "--batches", "one_sequence", "--out", str(tmp_path)])
     assert calls[-1] == ("gdn", dict(t_locals=(16384, 32768), batches=("one_sequence",)), 1)
+
+
+def test_bench_virtual_sizes_reach_the_suite(monkeypatch, tmp_path):
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):
+        calls.append((name, case, kwargs["timeout_s"]))
+        return [dict(P=2, T=128)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "virtual", "--out", str(tmp_path)]) == 0
+    assert calls[-1] == ("virtual", {}, 1800.0)
+    assert main(["bench", "--suite", "virtual", "--ranks", "2,8", "--seq-lens", "128", "--heads", "1", "--head-dim",
+                 "8", "--timeout", "30", "--out", str(tmp_path)]) == 0
+    assert calls[-1] == ("virtual", dict(world_sizes=(2, 8), tokens_per_rank=128, HV=1, K=8, V=8), 30.0)
+
+
+def test_a_suite_of_one_process_stops_at_its_timeout():
+    """The virtual suite at 256 ranks takes half a minute or more here; its --timeout of 2 s stops it."""
+    import time
+    from kdacp.bench import run_suite
+    from kdacp.workers import WorkerError
+    rows = []
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="passed its 2 s limit"):
+        run_suite("virtual", dict(world_sizes=(2, 256)), device="cpu", timeout_s=2.0, on_row=rows.append)
+    assert time.monotonic() - start < 10
+    assert [row["P"] for row in rows] == [2]  # the rows measured before it are reported

@@ -13,6 +13,7 @@ import torch
 from .backends import BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
+from .bench.virtual import CHUNK as VIRTUAL_CHUNK
 from .demo import DTYPES, hybrid_ulysses_size, rank_count
 from .distributed.plan import STRATEGY_CHOICES
 from .layers.context_parallel import MODES
@@ -246,11 +247,12 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead", "virtual"),
                   "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
-                  "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
+                  "heads": ("layer", "scaling", "overhead", "virtual"),
+                  "head_dim": ("layer", "scaling", "overhead", "virtual"), "ranks": ("virtual",),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",)}
 
@@ -282,7 +284,9 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     if args.suite == "kernels":
         cases = [{"T": T, "family": args.family or "kda"} for T in (seq_lens or [16384])]
     elif args.suite == "virtual":
-        cases = [{}]
+        given = dict(world_sizes=args.ranks, tokens_per_rank=seq_lens[0] if seq_lens else None, HV=args.heads,
+                     K=args.head_dim, V=args.head_dim)
+        cases = [{name: value for name, value in given.items() if value is not None}]
     elif args.suite == "soak":
         cases = [{} if args.steps is None else {"steps": args.steps}]
     elif args.suite == "scaling":
@@ -348,8 +352,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(missing)
     if args.backend == "fla":
         _check_fla(device)
-    if args.suite in ("scaling", "overhead") and args.seq_lens and len(args.seq_lens) > 1:
+    if args.suite in ("scaling", "overhead", "virtual") and args.seq_lens and len(args.seq_lens) > 1:
         raise UsageError(f"--suite {args.suite} takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}")
+    if args.suite == "virtual" and args.seq_lens and args.seq_lens[0] % VIRTUAL_CHUNK:
+        raise UsageError(f"--suite virtual takes tokens per rank in multiples of the chunk size {VIRTUAL_CHUNK}, got "
+                         f"--seq-lens {args.seq_lens[0]}")
     if args.measured is not None and not os.path.isfile(args.measured):
         raise UsageError(f"--measured {args.measured}: no such file")
     suite = load_suite(args.suite)
@@ -470,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", required=True, choices=SUITES,
                        help=f"what to run; on CPU: {', '.join(CPU_SUITES)}")
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling) (default: kernels 16384; "
-                            f"cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL})")
+                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling/virtual) (default: kernels "
+                            f"16384; cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL}; virtual "
+                            f"{VIRTUAL_CHUNK}, a multiple of {VIRTUAL_CHUNK})")
     bench.add_argument("--batches", type=_batches, default=None,
                        help=f"cp/layer/gdn/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: "
                             "all; gdn: one_sequence,docs7)")
@@ -485,8 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
     _add_launch_options(bench, world_size="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)",
-                        timeout="seconds from starting a multi-rank suite's workers before it is stopped; the rows "
-                                "measured by then are kept (default: %(default)s)", timeout_default=1800.0)
+                        timeout="seconds from the suite's start (a multi-rank suite's: its workers') before it is "
+                                "stopped; the rows measured by then are kept (default: %(default)s)",
+                        timeout_default=1800.0)
     bench.add_argument("--modes", type=_modes, default=None,
                        help="layer suite: comma-separated context-parallel modes to time, from "
                             f"{', '.join(MODES)} (hybrid: Ulysses groups of the world size's smallest divisor) "
@@ -500,10 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
     bench.add_argument("--heads", type=_positive_int, default=None,
                        help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU); scaling: H = HV "
-                            "(default 32; 2 on CPU)")
+                            "(default 32; 2 on CPU); virtual: HV (default 2)")
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU); scaling: K = V "
-                            "(default 128; 32 on CPU)")
+                            "(default 128; 32 on CPU); virtual: K = V (default 16)")
     bench.add_argument("--link-latency-us", type=_positive_float, default=None,
                        help="scaling suite: point-to-point latency in microseconds (replaces the measured or "
                             "default figure; default without a second rank: 20)")
@@ -513,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scaling suite: all-gather latency per ring step in microseconds (default: 20)")
     bench.add_argument("--gather-bandwidth-gbs", type=_positive_float, default=None,
                        help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
+    bench.add_argument("--ranks", type=_rank_counts, default=None,
+                       help="virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 on CPU; "
+                            "up to 1024 on CUDA)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
                        help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
     bench.add_argument("--step-layers", type=_positive_int, default=None,

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_world_size", "free_port",
-           "under_torchrun", "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_world_size", "deadline",
+           "free_port", "under_torchrun", "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -237,7 +237,7 @@ def _stop_on_signals():
 
 
 @contextlib.contextmanager
-def _deadline(timeout_s: float):
+def deadline(timeout_s: float):
     """Inside the block (main thread only; elsewhere no deadline), :class:`WorkerError` is raised once
     ``timeout_s`` seconds have passed (``SIGALRM``); the former timer and handler are restored."""
     if threading.current_thread() is not threading.main_thread():
@@ -275,7 +275,7 @@ def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: floa
     if dist.is_initialized():
         raise WorkerError("a one-rank run starts its own process group, but this process already has one; "
                           "call fn directly, or destroy the group first")
-    with _stop_on_signals(), _deadline(timeout_s):
+    with _stop_on_signals(), deadline(timeout_s):
         return _rank_here(fn, args, 0, 1, device, timeout_s, on_report, prepare,
                           init_method=f"tcp://127.0.0.1:{port or free_port()}")
 
