@@ -8,7 +8,7 @@ Contenders, on the same inputs (FLA's argument names) and the same FLA kernels:
 - ``kdacp``: ``kdacp.chunk_gated_delta_rule(..., backend="fla")``.
 
 Qwen3-Next shapes as ``kdacp.bench.gdn`` (B=1, 16 q/k heads, 32 value heads, K=V=128, bf16, 16K tokens,
-``use_qk_l2norm_in_kernel=True``); inputs from ``kdacp.bench.gdn.make_inputs``. By default ``g [1, T, HV]``
+``use_qk_l2norm_in_kernel=True``); inputs from ``kdacp.bench.inputs.random_inputs``. By default ``g [1, T, HV]``
 is a natural-log decay (``kdacp.reference.gdn.gdn_gate`` of the bench's logits); ``--gate-in-kernel``
 runs the bench's own options instead (raw logits, ``A_log``, ``dt_bias``). Cases (``--cases``):
 
@@ -480,7 +480,7 @@ def build_case(torch, case: str, args) -> tuple[dict, dict, dict, tuple]:
     the op options both contenders get, the packed-sequence arguments and the document lengths."""
     from kdacp.bench.batches import cu_seqlens_of, document_lengths
     from kdacp.bench.gdn import OPTIONS as BENCH_OPTIONS
-    from kdacp.bench.gdn import make_inputs
+    from kdacp.bench.inputs import random_inputs
     from kdacp.reference.gdn import gdn_gate
 
     lengths = document_lengths("one_sequence" if case == "one_sequence" else "docs7", args.seq_len, seed=args.seed)
@@ -491,7 +491,8 @@ def build_case(torch, case: str, args) -> tuple[dict, dict, dict, tuple]:
         varlen["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
         if case != "docs7_nocpu":
             varlen["cu_seqlens_cpu"] = torch.tensor(cu_list)
-    x = make_inputs(args.seq_len, args.heads, args.v_heads, args.head_dim, seed=args.seed)
+    x = random_inputs(args.seq_len, args.heads, args.v_heads, args.head_dim, args.head_dim, gate="gdn", seed=args.seed,
+                      leaves=True)
     if args.gate_in_kernel:
         tensors, options = x, dict(BENCH_OPTIONS)
     else:

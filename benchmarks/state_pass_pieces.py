@@ -26,7 +26,8 @@ import torch
 from kdacp.affine import apply_state_summary
 from kdacp.backends.base import Span
 from kdacp.backends.call import prepare_call
-from kdacp.bench.calibration import OPTIONS, make_inputs
+from kdacp.bench.calibration import OPTIONS
+from kdacp.bench.inputs import random_inputs
 from kdacp.bench.overhead import GDN_OPTIONS
 from kdacp.bench.timing import queued_device_time
 from kdacp.gdn import gdn_as_kda_arguments
@@ -64,10 +65,10 @@ def _state_pass_bytes(chunks, T: int, HV: int, K: int, V: int, C: int) -> int:
 
 def _forward_call(family: str, T: int, heads: int, D: int):
     """The ``fla`` backend's call of a forward (no gradient wanted: GDN takes FLA's GDN kernels)."""
-    x = make_inputs(T, heads if family == "kda" else heads // 2, heads, D, D, torch.bfloat16, torch.device("cuda"))
+    x = random_inputs(T, heads if family == "kda" else heads // 2, heads, D, D, gate=family, device=torch.device("cuda"))
     if family == "kda":
         return prepare_call("fla", **x, scale=None, **OPTIONS)
-    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"][..., 0], True, x["A_log"], x["dt_bias"][:heads])
+    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     return prepare_call("fla", x["q"], x["k"], x["v"], beta=x["beta"], **gate, scale=None, **GDN_OPTIONS)
 

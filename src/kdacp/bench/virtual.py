@@ -30,6 +30,7 @@ from kdacp import reference
 from kdacp.distributed.strategies import AffineMessage, simulate_scan
 
 from .harness import PlotSpec
+from .inputs import random_inputs
 
 PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_err", "scan_state_err"),
                                    title="incoming-state error vs ranks (virtual); where the strategies' errors "
@@ -39,18 +40,6 @@ STRATEGY_ORDERS = ("p2p", "allgather", "scan")
 CHUNK = 64
 # Ranks by device: the CPU's stop at 64 (seconds; 1024 takes minutes, mostly the float64 reference).
 WORLD_SIZES = {"cpu": (2, 4, 8, 16, 64), "cuda": (2, 4, 8, 16, 64, 256, 1024)}
-
-
-def _inputs(T: int, HV: int, K: int, V: int, seed: int, device) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
-
-    # Kimi Linear's safe gate (decays in [exp(-5), 1)), L2-normalised q/k: the settings people train.
-    return dict(q=rnd(1, T, HV, K), k=rnd(1, T, HV, K), v=rnd(1, T, HV, V), g=rnd(1, T, HV, K),
-                beta=torch.sigmoid(rnd(1, T, HV)), A_log=0.5 * rnd(HV), dt_bias=0.5 * rnd(HV * K),
-                use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
 
 
 def incoming_states(summaries: list[AffineMessage], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:
@@ -112,7 +101,9 @@ def _rows(world_sizes, tokens_per_rank: int, HV: int, K: int, V: int, seed: int,
     rows = []
     for P in world_sizes:
         T = P * tokens_per_rank
-        args = _inputs(T, HV, K, V, seed, device)
+        # Kimi Linear's safe gate (decays in [exp(-5), 1)), L2-normalised q/k: the settings people train.
+        args = dict(random_inputs(T, HV, HV, K, V, dtype=torch.float64, device=device, seed=seed),
+                    use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
         cu = torch.arange(0, T + 1, tokens_per_rank, device=device)
         # Segment-local chunked intermediates and the summaries ranks would send (float32 on the wire).
         inter = reference.chunk_kda_intermediates(**args, cu_seqlens=cu)
