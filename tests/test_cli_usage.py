@@ -321,3 +321,19 @@ def test_a_suite_of_one_process_stops_at_its_timeout():
         run_suite("virtual", dict(world_sizes=(2, 256)), device="cpu", timeout_s=2.0, on_row=rows.append)
     assert time.monotonic() - start < 10
     assert [row["P"] for row in rows] == [2]  # the rows measured before it are reported
+
+
+def test_bench_scaling_link_options_reach_the_suite_in_seconds_and_bytes(monkeypatch, tmp_path):
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):  # the case is all this test wants: no rows
+        calls.append(case)
+        raise RuntimeError("not run")
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    main(["bench", "--suite", "scaling", "--device", "cpu", "--link-latency-us", "5", "--link-bandwidth-gbs", "100",
+          "--gather-latency-us", "7", "--out", str(tmp_path)])
+    assert calls[-1]["link"] == pytest.approx(dict(latency_s=5e-6, bandwidth=1e11, gather_latency_s=7e-6))
+    main(["bench", "--suite", "scaling", "--device", "cpu", "--gather-bandwidth-gbs", "2", "--out", str(tmp_path)])
+    assert calls[-1]["link"] == dict(gather_bandwidth=2e9)

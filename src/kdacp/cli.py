@@ -120,12 +120,22 @@ def _sync_intervals(text: str) -> tuple[int, ...]:
     return _int_list(text, 0, "comma-separated integers >= 0 such as 0,3")
 
 
+# The scaling suite's link options: flag -> (the Link field it sets, the factor from the flag's unit to the
+# field's, its help).
+_LINK_OPTIONS = {
+    "--link-latency-us": ("latency_s", 1e-6, "point-to-point latency in microseconds (replaces the measured or "
+                                             "default figure; default without a second rank: 20)"),
+    "--link-bandwidth-gbs": ("bandwidth", 1e9, "point-to-point bandwidth in GB/s (default without a second rank: 300)"),
+    "--gather-latency-us": ("gather_latency_s", 1e-6, "all-gather latency per ring step in microseconds (default: 20)"),
+    "--gather-bandwidth-gbs": ("gather_bandwidth", 1e9, "all-gather bandwidth per ring step in GB/s (default: 300)"),
+}
+
+
 def _scaling_case(args: argparse.Namespace) -> dict:
     """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
-    link = {name: value * scale for name, value, scale in (
-        ("latency_s", args.link_latency_us, 1e-6), ("bandwidth", args.link_bandwidth_gbs, 1e9),
-        ("gather_latency_s", args.gather_latency_us, 1e-6), ("gather_bandwidth", args.gather_bandwidth_gbs, 1e9))
-        if value is not None}
+    given = {field: (getattr(args, flag[2:].replace("-", "_")), scale)
+             for flag, (field, scale, _) in _LINK_OPTIONS.items()}
+    link = {field: value * scale for field, (value, scale) in given.items() if value is not None}
     case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                 backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
@@ -410,6 +420,26 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each choice of an option means, in its help text (:func:`_add_choice`).
+_MODE_MEANINGS = {"state": "time shards, state passed between ranks", "ulysses": "all-to-all to head shards",
+                  "hybrid": "Ulysses in groups, state across them"}
+_STRATEGY_MEANINGS = {"p2p": "hop by hop along the ranks", "allgather": "every rank gathers every summary",
+                      "scan": "recursive doubling, log2 P rounds",
+                      "auto": "the cost model's pick for the plan, printed at the end"}
+_BACKEND_MEANINGS = {"auto": "fla on CUDA when installed, else torch (the first line says which)",
+                     "torch": "PyTorch's, on any device", "fla": "FLA's Triton kernels, CUDA only"}
+_FAMILY_MEANINGS = {"kda": "Kimi Linear's per-channel gate and shapes", "gdn": "the scalar gate at Qwen3-Next shapes",
+                    "conv": "kernels suite only: the short convolution against FLA's"}
+
+
+def _add_choice(parser: argparse.ArgumentParser, flag: str, choices, meanings: dict, default, what: str = "", *,
+                default_text: str = "%(default)s") -> None:
+    """An option taking one of ``choices``, its help ``what`` and then each choice's meaning (``meanings``; a
+    choice without one is a ``KeyError`` here) and the default (``default_text``: where it depends on more)."""
+    parts = ([what] if what else []) + [f"{name}: {meanings[name]}" for name in choices]
+    parser.add_argument(flag, default=default, choices=choices, help="; ".join(parts) + f" (default: {default_text})")
+
+
 def _add_launch_options(parser: argparse.ArgumentParser, *, world_size: str, timeout: str,
                         timeout_default: float | None = None) -> None:
     """The options of a command that starts ranks: ``--world-size`` and ``--timeout`` with the command's help
@@ -418,7 +448,8 @@ def _add_launch_options(parser: argparse.ArgumentParser, *, world_size: str, tim
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
                              "when available)")
-    parser.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=0,
+                        help="rendezvous port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--timeout", type=_seconds, default=timeout_default, help=timeout)
 
 
@@ -438,9 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq-lens", type=_lengths, default=(600, 250, 900, 298),
                       help="comma-separated lengths of the packed batch; their sum must split equally over the "
                            "ranks (default: 600,250,900,298)")
-    demo.add_argument("--mode", default="state", choices=MODES,
-                      help="state: time shards, state passed between ranks; ulysses: all-to-all to head shards; "
-                           "hybrid: Ulysses in groups, state across them (default: %(default)s)")
+    _add_choice(demo, "--mode", MODES, _MODE_MEANINGS, "state")
     demo.add_argument("--ulysses-size", type=_positive_int, default=None,
                       help="--mode hybrid: ranks per Ulysses group, a divisor of the world size strictly between 1 "
                            "and it (default: the smallest such divisor)")
@@ -451,12 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--head-dim", type=_positive_int, default=None,
                       help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, at which the "
                            "shipped H200 kernel configurations were tuned)")
-    demo.add_argument("--strategy", default="p2p", choices=STRATEGY_CHOICES,
-                      help="how state passing exchanges states; auto: the cost model's pick for the plan, printed "
-                           "at the end (default: %(default)s)")
-    demo.add_argument("--backend", default="auto", choices=BACKENDS,
-                      help="kdacp's KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch, "
-                           "and the first line says which (default: %(default)s)")
+    _add_choice(demo, "--strategy", STRATEGY_CHOICES, _STRATEGY_MEANINGS, "p2p", "how state passing exchanges states")
+    _add_choice(demo, "--backend", BACKENDS, _BACKEND_MEANINGS, "auto", "kdacp's KDA kernels")
     demo.add_argument("--dtype", default=None, choices=DTYPES,
                       help="of the context-parallel model; the reference runs in float32 (no float64: "
                            "transformers' Kimi Linear computes in float32 inside) (default: float32 on CPU, "
@@ -486,13 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-    bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
-                       help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or "
-                            "GDN (the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
-                            "convolution against FLA's) (default: kda; overhead: both)")
+    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None, "kernels, cp and overhead suites",
+                default_text="kda; overhead: both")
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
-    _add_launch_options(bench, world_size="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)",
+    _add_launch_options(bench,
+                        world_size="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)",
                         timeout="seconds from the suite's start (a multi-rank suite's: its workers') before it is "
                                 "stopped; the rows measured by then are kept (default: %(default)s)",
                         timeout_default=1800.0)
@@ -503,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help="soak suite: training steps, a row at the first, every twentieth of them and the last "
                             "(default: 2000)")
-    bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
-                       help="layer and scaling suites: KDA backend (default: fla on CUDA, torch on CPU)")
+    _add_choice(bench, "--backend", ("torch", "fla"), _BACKEND_MEANINGS, None, "layer and scaling suites: KDA backend",
+                default_text="fla on CUDA, torch on CPU")
     bench.add_argument("--hidden", type=_positive_int, default=None,
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
     bench.add_argument("--heads", type=_positive_int, default=None,
@@ -513,15 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU); scaling: K = V "
                             "(default 128; 32 on CPU); virtual: K = V (default 16)")
-    bench.add_argument("--link-latency-us", type=_positive_float, default=None,
-                       help="scaling suite: point-to-point latency in microseconds (replaces the measured or "
-                            "default figure; default without a second rank: 20)")
-    bench.add_argument("--link-bandwidth-gbs", type=_positive_float, default=None,
-                       help="scaling suite: point-to-point bandwidth in GB/s (default without a second rank: 300)")
-    bench.add_argument("--gather-latency-us", type=_positive_float, default=None,
-                       help="scaling suite: all-gather latency per ring step in microseconds (default: 20)")
-    bench.add_argument("--gather-bandwidth-gbs", type=_positive_float, default=None,
-                       help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
+    for flag, (_, _, text) in _LINK_OPTIONS.items():
+        bench.add_argument(flag, type=_positive_float, default=None, help=f"scaling suite: {text}")
     bench.add_argument("--ranks", type=_rank_counts, default=None,
                        help="virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 on CPU; "
                             "up to 1024 on CUDA)")
