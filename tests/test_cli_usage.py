@@ -337,3 +337,29 @@ def test_bench_scaling_link_options_reach_the_suite_in_seconds_and_bytes(monkeyp
     assert calls[-1]["link"] == pytest.approx(dict(latency_s=5e-6, bandwidth=1e11, gather_latency_s=7e-6))
     main(["bench", "--suite", "scaling", "--device", "cpu", "--gather-bandwidth-gbs", "2", "--out", str(tmp_path)])
     assert calls[-1]["link"] == dict(gather_bandwidth=2e9)
+
+
+def test_ctrl_c_while_the_command_imports_prints_one_line(monkeypatch, capsys):
+    """The entry point (``kdacp_command``, the ``kdacp`` script's) runs before the package's imports: a Ctrl-C
+    arriving while ``kdacp.cli`` loads (faked by a finder that is interrupted there) ends it with one line."""
+    import sys
+
+    import kdacp_command
+
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "kdacp.cli":
+                raise KeyboardInterrupt
+            return None
+    monkeypatch.delitem(sys.modules, "kdacp.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert kdacp_command.main() == 130
+    assert capsys.readouterr().err == "kdacp: interrupted\n"
+
+
+def test_the_script_entry_point_is_the_command(monkeypatch, capsys):
+    import kdacp_command
+    monkeypatch.setattr("sys.argv", ["kdacp", "bench"])
+    with pytest.raises(SystemExit) as e:
+        kdacp_command.main()
+    assert e.value.code == 2 and "the following arguments are required: --suite" in capsys.readouterr().err
