@@ -222,8 +222,7 @@ launch(t._rank, 2, timeout_s=120)
 def test_a_launcher_killed_while_its_workers_start_leaves_none(tmp_path):
     env = dict(os.environ, KDACP_TEST_SLOW_START="40")
     with open(tmp_path / "out", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", _SLOW_START_LAUNCHER], stdout=out, stderr=out, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_START_LAUNCHER], stdout=out, stderr=out, env=env)
     deadline = time.monotonic() + 60
     while len(children := _processes_of(proc.pid)) < 3:  # 2 workers and the resource tracker
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
