@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from train_curve import CPU_SIZE, GPU_SIZE, build_model, make_batch
 
 import kdacp
+from kdacp.bench.timing import Clock, sync
 from kdacp.bench.trace import top_ops
 from kdacp.workers import free_port
 
@@ -67,19 +67,18 @@ def main() -> None:
         runs[name] = (model, optimizer)
     params = sum(p.numel() for p in runs["parallelize"][0].parameters())
 
+    clock = Clock(device)
+
     def step(name: str, i: int) -> float:
         model, optimizer = runs[name]
         ids, cu = make_batch(i, [tokens], size["vocab"], seed=0)
         batch = kdacp.shard_batch(ids.to(device), cu_seqlens=cu.to(device), group=mesh)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        sync(device)
+        start = clock.stamp()
         model(**batch.model_kwargs()).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return clock.seconds(start, clock.stamp())
 
     times = {name: [] for name in runs}
     for i in range(args.warmup + args.steps):

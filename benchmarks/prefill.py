@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
@@ -38,6 +37,7 @@ from kdacp.distributed import new_cp_group
 from kdacp.layers import ContextParallel
 from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
 from kdacp.models.prefill import cache_tensors
+from kdacp.bench.timing import Clock, sync
 from kdacp.workers import RankContext, launch
 
 GIB = 2.0 ** 30
@@ -48,27 +48,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _measure(device: torch.device, fn):
     """``(result, seconds, peak GiB)`` of ``fn()`` (no peak on CPU), or ``(None, None, None)`` when it ran out
     of memory."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
-    start = time.perf_counter()
+    clock = Clock(device)
+    sync(device)
+    start = clock.stamp()
     try:
         result = fn()
-        _sync(device)
+        seconds = clock.seconds(start, clock.stamp())
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # Triton's launches report it as a RuntimeError
         if not isinstance(e, torch.cuda.OutOfMemoryError) and "out of memory" not in str(e):
             raise
         return None, None, None
-    seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     return result, seconds, peak
 

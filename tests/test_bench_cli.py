@@ -37,7 +37,7 @@ def test_bench_needs_a_gpu_for_fla_suites():
         pytest.skip("this machine has a GPU")
     out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "kernels"], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 1 and "needs a CUDA GPU and none is visible" in out.stderr
+    assert out.returncode == 2 and "needs a CUDA GPU and none is visible" in out.stderr
 
 
 def test_harness_skips_line_plots_with_one_x_value(tmp_path):

@@ -5,12 +5,14 @@ import torch
 
 @pytest.fixture
 def no_workers(monkeypatch):
-    """Fails a test that gets as far as starting workers: usage errors must stop before."""
+    """Fails a test that gets as far as starting workers or a suite: usage errors must stop before."""
+    import kdacp.bench
     import kdacp.cli
 
     def launch(*args, **kwargs):
         raise AssertionError("workers were started")
     monkeypatch.setattr(kdacp.cli, "launch", launch)
+    monkeypatch.setattr(kdacp.bench, "run_suite", launch)
 
 
 def _usage_error(capsys, *argv) -> str:
@@ -23,7 +25,10 @@ def _usage_error(capsys, *argv) -> str:
     captured = capsys.readouterr()
     assert code == 2, captured.err
     assert "Traceback" not in captured.err and "%" not in captured.err  # no progress bar either
-    return captured.err.strip().splitlines()[-1]
+    assert captured.out == ""  # before the demo's header
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 or lines[0].startswith("usage:"), captured.err  # argparse's usage line, then its error
+    return lines[-1]
 
 
 USAGE_ERRORS = [
@@ -61,7 +66,13 @@ USAGE_ERRORS = [
     (("bench", "--suite", "layer", "--timeout", "0"), "argument --timeout: expected a positive number of seconds"),
     (("bench", "--suite", "layer", "--port", "abc"), "argument --port: expected a port number from 0"),
     (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer or gdn or overhead, not --suite virtual"),
-    (("bench", "--suite", "kernels", "--heads", "4"), "--heads is for --suite layer or scaling or overhead, not --suite kernels"),
+    (("bench", "--suite", "kernels", "--heads", "4"),
+     "--heads is for --suite layer or scaling or overhead or virtual, not --suite kernels"),
+    (("bench", "--suite", "layer", "--ranks", "2,4"), "--ranks is for --suite virtual, not --suite layer"),
+    (("bench", "--suite", "virtual", "--ranks", "1,4"), "argument --ranks: expected comma-separated rank counts"),
+    (("bench", "--suite", "virtual", "--seq-lens", "100"),
+     "--suite virtual takes tokens per rank in multiples of the chunk size 64, got --seq-lens 100"),
+    (("bench", "--suite", "virtual", "--seq-lens", "64,128"), "--suite virtual takes one --seq-lens value"),
     (("bench", "--suite", "virtual", "--world-size", "2"), "--world-size is for --suite cp or layer or soak"),
     (("bench", "--suite", "soak", "--trace", "t"), "--trace is for --suite cp, not --suite soak"),
     (("bench", "--suite", "layer", "--modes", "ring"), "argument --modes: expected comma-separated modes from"),
@@ -73,6 +84,11 @@ USAGE_ERRORS = [
     (("bench", "--suite", "soak", "--modes", "state"), "--modes is for --suite layer, not --suite soak"),
     (("bench", "--suite", "soak", "--steps", "0"), "argument --steps: expected a positive integer"),
     (("tune", "--seq-lens", "16384 2048"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", "4"), "4 tokens, 1 for each of the 4 ranks of the state exchange, fewer than the 3 the "
+                                  "short convolution (width 4) takes from the previous rank; make the total at least 12"),
+    (("demo", "--mode", "hybrid", "--world-size", "4", "--seq-lens", "4"), "2 for each of the 2 ranks"),
+    (("demo", "--world-size", "1024", "--heads", "1024", "--seq-lens", "4096"), "is more than this machine holds"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--world-size", "1024"), "is more than this machine holds"),
     (("bench",), "the following arguments are required: --suite"),
     ((), "the following arguments are required: command"),
 ]
@@ -133,12 +149,35 @@ def test_tune_takes_comma_separated_lengths():
 def test_bench_device_cuda_without_a_gpu_names_the_missing_gpu(no_workers, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from kdacp.cli import main
-    assert main(["bench", "--suite", "layer", "--device", "cuda"]) == 1
-    assert capsys.readouterr().err.strip() == ("kdacp bench: --device cuda was asked for but no CUDA GPU is visible; "
-                                               "--suite layer also runs with --device cpu")
-    assert main(["bench", "--suite", "kernels"]) == 1
-    assert "--suite kernels needs a CUDA GPU and none is visible" in capsys.readouterr().err
+    assert _usage_error(capsys, "bench", "--suite", "layer", "--device", "cuda") == (
+        "kdacp bench: --device cuda was asked for but no CUDA GPU is visible; --suite layer also runs with --device cpu")
+    assert "--suite kernels needs a CUDA GPU and none is visible" in _usage_error(capsys, "bench", "--suite", "kernels")
+
+
+def test_demo_device_cuda_without_a_gpu_is_a_usage_error(no_workers, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "--device cuda was asked for but no CUDA GPU is visible" in _usage_error(capsys, "demo", "--device", "cuda")
+
+
+def test_a_busy_port_is_a_usage_error(no_workers, capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        assert f"port {port} is in use" in _usage_error(capsys, "demo", "--world-size", "2", "--port", port)
+        assert "is in use" in _usage_error(capsys, "bench", "--suite", "layer", "--device", "cpu", "--port", port)
+
+
+def test_bench_fla_without_fla_is_a_usage_error(no_workers, capsys, monkeypatch):
+    """On a machine with a GPU but without FLA (a GPU is faked here: the check stops before any kernel)."""
+    from kdacp.backends.fla_adapter import fla_available
+    if fla_available():
+        pytest.skip("FLA is installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "--backend fla: " in _usage_error(capsys, "bench", "--suite", "layer", "--device", "cuda", "--backend", "fla")
 
 
 def test_bench_keeps_the_rows_of_a_run_stopped_early(monkeypatch, tmp_path, capsys):
@@ -224,6 +263,7 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kdacp.bench.harness, "run_context",
                         lambda: dict(date="d", device="gpu", gpus=2, torch="t", triton="t", commit="c"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
           "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
@@ -252,3 +292,74 @@ def test_bench_gdn_runs_on_one_rank(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     main(["bench", "--suite", "gdn", "--batches", "one_sequence", "--out", str(tmp_path)])
     assert calls[-1] == ("gdn", dict(t_locals=(16384, 32768), batches=("one_sequence",)), 1)
+
+
+def test_bench_virtual_sizes_reach_the_suite(monkeypatch, tmp_path):
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):
+        calls.append((name, case, kwargs["timeout_s"]))
+        return [dict(P=2, T=128)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "virtual", "--out", str(tmp_path)]) == 0
+    assert calls[-1] == ("virtual", {}, 1800.0)
+    assert main(["bench", "--suite", "virtual", "--ranks", "2,8", "--seq-lens", "128", "--heads", "1", "--head-dim",
+                 "8", "--timeout", "30", "--out", str(tmp_path)]) == 0
+    assert calls[-1] == ("virtual", dict(world_sizes=(2, 8), tokens_per_rank=128, HV=1, K=8, V=8), 30.0)
+
+
+def test_a_suite_of_one_process_stops_at_its_timeout():
+    """The virtual suite at 256 ranks takes half a minute or more here; its --timeout of 2 s stops it."""
+    import time
+    from kdacp.bench import run_suite
+    from kdacp.workers import WorkerError
+    rows = []
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="passed its 2 s limit"):
+        run_suite("virtual", dict(world_sizes=(2, 256)), device="cpu", timeout_s=2.0, on_row=rows.append)
+    assert time.monotonic() - start < 10
+    assert [row["P"] for row in rows] == [2]  # the rows measured before it are reported
+
+
+def test_bench_scaling_link_options_reach_the_suite_in_seconds_and_bytes(monkeypatch, tmp_path):
+    import kdacp.bench
+    from kdacp.cli import main
+    calls = []
+
+    def run_suite(name, case, **kwargs):  # the case is all this test wants: no rows
+        calls.append(case)
+        raise RuntimeError("not run")
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    main(["bench", "--suite", "scaling", "--device", "cpu", "--link-latency-us", "5", "--link-bandwidth-gbs", "100",
+          "--gather-latency-us", "7", "--out", str(tmp_path)])
+    assert calls[-1]["link"] == pytest.approx(dict(latency_s=5e-6, bandwidth=1e11, gather_latency_s=7e-6))
+    main(["bench", "--suite", "scaling", "--device", "cpu", "--gather-bandwidth-gbs", "2", "--out", str(tmp_path)])
+    assert calls[-1]["link"] == dict(gather_bandwidth=2e9)
+
+
+def test_ctrl_c_while_the_command_imports_prints_one_line(monkeypatch, capsys):
+    """The entry point (``kdacp_command``, the ``kdacp`` script's) runs before the package's imports: a Ctrl-C
+    arriving while ``kdacp.cli`` loads (faked by a finder that is interrupted there) ends it with one line."""
+    import sys
+
+    import kdacp_command
+
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "kdacp.cli":
+                raise KeyboardInterrupt
+            return None
+    monkeypatch.delitem(sys.modules, "kdacp.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert kdacp_command.main() == 130
+    assert capsys.readouterr().err == "kdacp: interrupted\n"
+
+
+def test_the_script_entry_point_is_the_command(monkeypatch, capsys):
+    import kdacp_command
+    monkeypatch.setattr("sys.argv", ["kdacp", "bench"])
+    with pytest.raises(SystemExit) as e:
+        kdacp_command.main()
+    assert e.value.code == 2 and "the following arguments are required: --suite" in capsys.readouterr().err

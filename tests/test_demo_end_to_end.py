@@ -117,8 +117,8 @@ def test_demo_explains_missing_gpu(args, msg):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = _demo(*args)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and msg in err
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and msg in err and out == ""
 
 
 def test_demo_explains_a_busy_port():
@@ -127,8 +127,8 @@ def test_demo_explains_a_busy_port():
         s.bind(("127.0.0.1", 0))
         s.listen()
         proc = _demo("--world-size", "2", "--port", str(s.getsockname()[1]))
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "is in use" in err and "--port 0" in err
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "is in use" in err and "--port 0" in err and out == ""
 
 
 def test_demo_under_torchrun_uses_its_ranks():

@@ -1,11 +1,17 @@
 """kdacp.workers.launch: ``prepare`` before the group, the world-size refusal, the deadline over start-up,
-a rank that dies after its result, and no process left behind after a signal or a killed launcher."""
+a rank that dies after its result, and no process left behind after a signal or a killed launcher, also one
+killed while its workers are still starting."""
 import atexit
 import os
 import signal
 import subprocess
 import sys
 import time
+
+# A worker of test_a_launcher_killed_while_its_workers_start_leaves_none imports this module while it starts
+# (its function is pickled by reference): a start-up that takes long, as on a loaded machine.
+if os.environ.get("KDACP_TEST_SLOW_START") and "--multiprocessing-fork" in sys.argv:
+    time.sleep(float(os.environ["KDACP_TEST_SLOW_START"]))
 
 import pytest
 import torch.distributed as dist
@@ -202,6 +208,26 @@ def test_a_signal_stops_every_process_with_one_line(tmp_path, signum):
 def test_a_killed_launcher_leaves_no_worker(tmp_path):
     proc, children = _start_launcher(tmp_path)
     assert len(children) == 3, children
+    proc.kill()
+    _stop_and_check(proc, children)
+
+
+_SLOW_START_LAUNCHER = """
+import tests.test_workers as t
+from kdacp.workers import launch
+launch(t._rank, 2, timeout_s=120)
+"""
+
+
+def test_a_launcher_killed_while_its_workers_start_leaves_none(tmp_path):
+    env = dict(os.environ, KDACP_TEST_SLOW_START="40")
+    with open(tmp_path / "out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_START_LAUNCHER], stdout=out, stderr=out, env=env)
+    deadline = time.monotonic() + 60
+    while len(children := _processes_of(proc.pid)) < 3:  # 2 workers and the resource tracker
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # the workers are importing, far from their function
     proc.kill()
     _stop_and_check(proc, children)
 

@@ -6,17 +6,19 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 
-from .backends import BACKENDS
+from .backends import BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
+from .bench.virtual import CHUNK as VIRTUAL_CHUNK
 from .demo import DTYPES, hybrid_ulysses_size, rank_count
 from .distributed.plan import STRATEGY_CHOICES
 from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES
-from .workers import Stopped, WorkerError, launch, under_torchrun
+from .workers import Stopped, WorkerError, check_launch, launch, pick_backend, under_torchrun
 
 _IMPORTED = time.monotonic()
 
@@ -32,6 +34,20 @@ def process_age_s() -> float:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given (a bad value, or one this machine cannot hold): ``main`` prints
+    it on one line and exits with status 2, before any worker starts."""
+
+
+def _machine_check(check: Callable, *args) -> None:
+    """``check(*args)`` (:func:`kdacp.workers.check_launch`, :func:`~kdacp.workers.pick_backend`), its
+    :class:`~kdacp.workers.WorkerError` (what this machine cannot run) a :class:`UsageError`."""
+    try:
+        check(*args)
+    except WorkerError as e:
+        raise UsageError(str(e)) from None
 
 
 def _failed(command: str, error: WorkerError) -> int:
@@ -105,12 +121,22 @@ def _sync_intervals(text: str) -> tuple[int, ...]:
     return _int_list(text, 0, "comma-separated integers >= 0 such as 0,3")
 
 
+# The scaling suite's link options: flag -> (the Link field it sets, the factor from the flag's unit to the
+# field's, its help).
+_LINK_OPTIONS = {
+    "--link-latency-us": ("latency_s", 1e-6, "point-to-point latency in microseconds (replaces the measured or "
+                                             "default figure; default without a second rank: 20)"),
+    "--link-bandwidth-gbs": ("bandwidth", 1e9, "point-to-point bandwidth in GB/s (default without a second rank: 300)"),
+    "--gather-latency-us": ("gather_latency_s", 1e-6, "all-gather latency per ring step in microseconds (default: 20)"),
+    "--gather-bandwidth-gbs": ("gather_bandwidth", 1e9, "all-gather bandwidth per ring step in GB/s (default: 300)"),
+}
+
+
 def _scaling_case(args: argparse.Namespace) -> dict:
     """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
-    link = {name: value * scale for name, value, scale in (
-        ("latency_s", args.link_latency_us, 1e-6), ("bandwidth", args.link_bandwidth_gbs, 1e9),
-        ("gather_latency_s", args.gather_latency_us, 1e-6), ("gather_bandwidth", args.gather_bandwidth_gbs, 1e9))
-        if value is not None}
+    given = {field: (getattr(args, flag[2:].replace("-", "_")), scale)
+             for flag, (field, scale, _) in _LINK_OPTIONS.items()}
+    link = {field: value * scale for field, (value, scale) in given.items() if value is not None}
     case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                 backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
@@ -177,15 +203,12 @@ def _demo(args: argparse.Namespace) -> int:
     from .models import load_kimi_linear
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("kdacp demo: --device cuda was asked for but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
-        return 1
+    _machine_check(pick_backend, device, 1)  # a GPU, before the world size counts them
     world = args.world_size if args.world_size is not None else (torch.cuda.device_count() if device == "cuda" else 4)
     if under_torchrun():
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
-            print(f"kdacp demo: --world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
-                  f"{os.environ['WORLD_SIZE']}; leave it out under torchrun", file=sys.stderr)
-            return 2
+            raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}; leave it out under torchrun")
         world = int(os.environ["WORLD_SIZE"])
     cfg = demo_config(world, args.mode, ulysses_size=args.ulysses_size, num_heads=args.heads, head_dim=args.head_dim,
                       seq_lens=args.seq_lens, strategy=args.strategy, backend=args.backend, device=device,
@@ -194,8 +217,8 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
     except ValueError as e:
-        print(f"kdacp demo: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    _machine_check(check_launch, world, device, args.port)
     show = not under_torchrun() or int(os.environ["RANK"]) == 0
     if show:
         print(f"demo: {cfg.describe()}", flush=True)
@@ -235,11 +258,12 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead", "virtual"),
                   "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
-                  "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
+                  "heads": ("layer", "scaling", "overhead", "virtual"),
+                  "head_dim": ("layer", "scaling", "overhead", "virtual"), "ranks": ("virtual",),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",)}
 
@@ -271,7 +295,9 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     if args.suite == "kernels":
         cases = [{"T": T, "family": args.family or "kda"} for T in (seq_lens or [16384])]
     elif args.suite == "virtual":
-        cases = [{}]
+        given = dict(world_sizes=args.ranks, tokens_per_rank=seq_lens[0] if seq_lens else None, HV=args.heads,
+                     K=args.head_dim, V=args.head_dim)
+        cases = [{name: value for name, value in given.items() if value is not None}]
     elif args.suite == "soak":
         cases = [{} if args.steps is None else {"steps": args.steps}]
     elif args.suite == "scaling":
@@ -310,6 +336,17 @@ def _layer_modes_error(args: argparse.Namespace, world: int, device: str) -> str
     return None
 
 
+def _check_fla(device: str) -> None:
+    """:class:`UsageError` unless ``--backend fla`` can run on ``device`` here (CUDA, FLA installed)."""
+    if device != "cuda":
+        raise UsageError(f"--backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
+                         "use --backend torch")
+    try:
+        resolve_backend("fla", torch.device(device))
+    except ImportError as e:
+        raise UsageError(f"--backend fla: {e}") from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -318,38 +355,30 @@ def _bench(args: argparse.Namespace) -> int:
 
     unread = _unread_option(args)
     if unread:
-        print(f"kdacp bench: {unread}", file=sys.stderr)
-        return 2
+        raise UsageError(unread)
     if args.family == "conv" and args.suite != "kernels":
-        print(f"kdacp bench: --family conv is for --suite kernels, not --suite {args.suite}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--family conv is for --suite kernels, not --suite {args.suite}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     missing = _missing_gpu(args.suite, device)
     if missing:
-        print(f"kdacp bench: {missing}", file=sys.stderr)
-        return 1
-    if args.backend == "fla" and device != "cuda":
-        print(f"kdacp bench: --backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
-              "use --backend torch", file=sys.stderr)
-        return 2
-    if args.suite == "scaling" and args.seq_lens and len(args.seq_lens) > 1:
-        print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(missing)
+    if args.backend == "fla":
+        _check_fla(device)
+    if args.suite in ("scaling", "overhead", "virtual") and args.seq_lens and len(args.seq_lens) > 1:
+        raise UsageError(f"--suite {args.suite} takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}")
+    if args.suite == "virtual" and args.seq_lens and args.seq_lens[0] % VIRTUAL_CHUNK:
+        raise UsageError(f"--suite virtual takes tokens per rank in multiples of the chunk size {VIRTUAL_CHUNK}, got "
+                         f"--seq-lens {args.seq_lens[0]}")
     if args.measured is not None and not os.path.isfile(args.measured):
-        print(f"kdacp bench: --measured {args.measured}: no such file", file=sys.stderr)
-        return 2
+        raise UsageError(f"--measured {args.measured}: no such file")
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
-    if args.suite == "overhead" and args.seq_lens and len(args.seq_lens) > 1:
-        print(f"kdacp bench: --suite overhead takes one --seq-lens value (tokens per rank), got "
-              f"{len(args.seq_lens)}", file=sys.stderr)
-        return 2
     modes_error = _layer_modes_error(args, world, device)
     if modes_error:
-        print(f"kdacp bench: {modes_error}", file=sys.stderr)
-        return 2
+        raise UsageError(modes_error)
+    if args.suite in _SUITE_OPTIONS["world_size"]:
+        _machine_check(check_launch, world, device, args.port)
     render = getattr(suite, "markdown", markdown_table)
     plots = getattr(suite, "PLOTS", None)
     measured: list[dict] = []  # every row as it is reported, kept when the run stops early
@@ -393,6 +422,39 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each choice of an option means, in its help text (:func:`_add_choice`).
+_MODE_MEANINGS = {"state": "time shards, state passed between ranks", "ulysses": "all-to-all to head shards",
+                  "hybrid": "Ulysses in groups, state across them"}
+_STRATEGY_MEANINGS = {"p2p": "hop by hop along the ranks", "allgather": "every rank gathers every summary",
+                      "scan": "recursive doubling, log2 P rounds",
+                      "auto": "the cost model's pick for the plan, printed at the end"}
+_BACKEND_MEANINGS = {"auto": "fla on CUDA when installed, else torch (the first line says which)",
+                     "torch": "PyTorch's, on any device", "fla": "FLA's Triton kernels, CUDA only"}
+_FAMILY_MEANINGS = {"kda": "Kimi Linear's per-channel gate and shapes", "gdn": "the scalar gate at Qwen3-Next shapes",
+                    "conv": "kernels suite only: the short convolution against FLA's"}
+
+
+def _add_choice(parser: argparse.ArgumentParser, flag: str, choices, meanings: dict, default, what: str = "", *,
+                default_text: str = "%(default)s") -> None:
+    """An option taking one of ``choices``, its help ``what`` and then each choice's meaning (``meanings``; a
+    choice without one is a ``KeyError`` here) and the default (``default_text``: where it depends on more)."""
+    parts = ([what] if what else []) + [f"{name}: {meanings[name]}" for name in choices]
+    parser.add_argument(flag, default=default, choices=choices, help="; ".join(parts) + f" (default: {default_text})")
+
+
+def _add_launch_options(parser: argparse.ArgumentParser, *, world_size: str, timeout: str,
+                        timeout_default: float | None = None) -> None:
+    """The options of a command that starts ranks: ``--world-size`` and ``--timeout`` with the command's help
+    texts (``timeout_default``: seconds, or None where the command picks by device), ``--device``, ``--port``."""
+    parser.add_argument("--world-size", type=_positive_int, default=None, help=world_size)
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
+                             "when available)")
+    parser.add_argument("--port", type=_port, default=0,
+                        help="rendezvous port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--timeout", type=_seconds, default=timeout_default, help=timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -402,14 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "kdacp.parallelize for a few steps and check its logits, loss and gradients "
                                       "against the unmodified model in one process; prints the first step's time "
                                       "and the later steps' mean.")
-    demo.add_argument("--world-size", type=_positive_int, default=None,
-                      help="ranks to start (default: 4 on CPU, every GPU on CUDA)")
+    _add_launch_options(demo, world_size="ranks to start (default: 4 on CPU, every GPU on CUDA)",
+                        timeout="seconds from starting the workers before the run is stopped (default: 300 on CPU; "
+                                "1800 on CUDA, where FLA autotunes kernel shapes without a tuned configuration at "
+                                "first use)")
     demo.add_argument("--seq-lens", type=_lengths, default=(600, 250, 900, 298),
                       help="comma-separated lengths of the packed batch; their sum must split equally over the "
                            "ranks (default: 600,250,900,298)")
-    demo.add_argument("--mode", default="state", choices=MODES,
-                      help="state: time shards, state passed between ranks; ulysses: all-to-all to head shards; "
-                           "hybrid: Ulysses in groups, state across them (default: %(default)s)")
+    _add_choice(demo, "--mode", MODES, _MODE_MEANINGS, "state")
     demo.add_argument("--ulysses-size", type=_positive_int, default=None,
                       help="--mode hybrid: ranks per Ulysses group, a divisor of the world size strictly between 1 "
                            "and it (default: the smallest such divisor)")
@@ -420,15 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--head-dim", type=_positive_int, default=None,
                       help="size of each head, even (default: 16 on CPU; 128 on CUDA, Kimi Linear's, at which the "
                            "shipped H200 kernel configurations were tuned)")
-    demo.add_argument("--strategy", default="p2p", choices=STRATEGY_CHOICES,
-                      help="how state passing exchanges states; auto: the cost model's pick for the plan, printed "
-                           "at the end (default: %(default)s)")
-    demo.add_argument("--backend", default="auto", choices=BACKENDS,
-                      help="kdacp's KDA kernels: fla needs CUDA; auto picks fla on CUDA when installed, else torch, "
-                           "and the first line says which (default: %(default)s)")
-    demo.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                      help="where the ranks run: gloo on CPU, NCCL with one GPU per rank on CUDA (default: cuda "
-                           "when available)")
+    _add_choice(demo, "--strategy", STRATEGY_CHOICES, _STRATEGY_MEANINGS, "p2p", "how state passing exchanges states")
+    _add_choice(demo, "--backend", BACKENDS, _BACKEND_MEANINGS, "auto", "kdacp's KDA kernels")
     demo.add_argument("--dtype", default=None, choices=DTYPES,
                       help="of the context-parallel model; the reference runs in float32 (no float64: "
                            "transformers' Kimi Linear computes in float32 inside) (default: float32 on CPU, "
@@ -438,10 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-precompile", dest="precompile", action="store_false",
                       help="on a GPU, let the first step compile each Triton kernel as it first launches instead "
                            "of compiling them all in parallel ahead of it (kdacp.precompile)")
-    demo.add_argument("--port", type=_port, default=0, help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    demo.add_argument("--timeout", type=_seconds, default=None,
-                      help="seconds from starting the workers before the run is stopped (default: 300 on CPU; 1800 "
-                           "on CUDA, where FLA autotunes kernel shapes without a tuned configuration at first use)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots",
@@ -453,14 +504,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", required=True, choices=SUITES,
                        help=f"what to run; on CPU: {', '.join(CPU_SUITES)}")
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling) (default: kernels 16384; "
-                            f"cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL})")
+                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling/virtual) (default: kernels "
+                            f"16384; cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL}; virtual "
+                            f"{VIRTUAL_CHUNK}, a multiple of {VIRTUAL_CHUNK})")
     bench.add_argument("--batches", type=_batches, default=None,
                        help=f"cp/layer/gdn/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: "
                             "all; gdn: one_sequence,docs7)")
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
+<<<<<<< HEAD
     bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
                        help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or "
                             "GDN (the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
@@ -468,11 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--summary-precision", default=None, choices=[p.value for p in SummaryPrecision],
                        help="overhead suite: the summary kernels' precision policy (default: the dtype's; the "
                             "kernels suite times every policy)")
+=======
+    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None, "kernels, cp and overhead suites",
+                default_text="kda; overhead: both")
+>>>>>>> misc
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
-    bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cuda when available)")
-    bench.add_argument("--world-size", type=_positive_int, default=None,
-                       help="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)")
+    _add_launch_options(bench,
+                        world_size="ranks for cp, layer, soak and scaling (default: every GPU; 2 on CPU; gdn: 1)",
+                        timeout="seconds from the suite's start (a multi-rank suite's: its workers') before it is "
+                                "stopped; the rows measured by then are kept (default: %(default)s)",
+                        timeout_default=1800.0)
     bench.add_argument("--modes", type=_modes, default=None,
                        help="layer suite: comma-separated context-parallel modes to time, from "
                             f"{', '.join(MODES)} (hybrid: Ulysses groups of the world size's smallest divisor) "
@@ -480,25 +539,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help="soak suite: training steps, a row at the first, every twentieth of them and the last "
                             "(default: 2000)")
-    bench.add_argument("--backend", default=None, choices=[b for b in BACKENDS if b != "auto"],
-                       help="layer and scaling suites: KDA backend (default: fla on CUDA, torch on CPU)")
+    _add_choice(bench, "--backend", ("torch", "fla"), _BACKEND_MEANINGS, None, "layer and scaling suites: KDA backend",
+                default_text="fla on CUDA, torch on CPU")
     bench.add_argument("--hidden", type=_positive_int, default=None,
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")
     bench.add_argument("--heads", type=_positive_int, default=None,
                        help=f"layer suite: heads (default 32; {_CPU_LAYER['heads']} on CPU); scaling: H = HV "
-                            "(default 32; 2 on CPU)")
+                            "(default 32; 2 on CPU); virtual: HV (default 2)")
     bench.add_argument("--head-dim", type=_positive_int, default=None,
                        help=f"layer suite: head dim (default 128; {_CPU_LAYER['head_dim']} on CPU); scaling: K = V "
-                            "(default 128; 32 on CPU)")
-    bench.add_argument("--link-latency-us", type=_positive_float, default=None,
-                       help="scaling suite: point-to-point latency in microseconds (replaces the measured or "
-                            "default figure; default without a second rank: 20)")
-    bench.add_argument("--link-bandwidth-gbs", type=_positive_float, default=None,
-                       help="scaling suite: point-to-point bandwidth in GB/s (default without a second rank: 300)")
-    bench.add_argument("--gather-latency-us", type=_positive_float, default=None,
-                       help="scaling suite: all-gather latency per ring step in microseconds (default: 20)")
-    bench.add_argument("--gather-bandwidth-gbs", type=_positive_float, default=None,
-                       help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
+                            "(default 128; 32 on CPU); virtual: K = V (default 16)")
+    for flag, (_, _, text) in _LINK_OPTIONS.items():
+        bench.add_argument(flag, type=_positive_float, default=None, help=f"scaling suite: {text}")
+    bench.add_argument("--ranks", type=_rank_counts, default=None,
+                       help="virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 on CPU; "
+                            "up to 1024 on CUDA)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
                        help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
     bench.add_argument("--step-layers", type=_positive_int, default=None,
@@ -512,11 +567,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "whose stages sleep (no compute, so no contention for cores)")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
-    bench.add_argument("--port", type=_port, default=0,
-                       help="rendezvous port; 0 picks a free one (default: %(default)s)")
-    bench.add_argument("--timeout", type=_seconds, default=1800.0,
-                       help="seconds from starting a multi-rank suite's workers before it is stopped; the rows "
-                            "measured by then are kept (default: %(default)s)")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
@@ -537,9 +587,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; the exit status: 0 success, 2 a usage error (argparse's, or :class:`UsageError`:
+    one line, before any worker starts), 1 a run that failed, 128 + N a run stopped by signal N."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"kdacp {args.command}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before or after a launch (during one, the launcher stops its workers)
         print(f"kdacp {args.command}: interrupted", file=sys.stderr)
         return 130

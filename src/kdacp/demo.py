@@ -36,7 +36,7 @@ from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard
 from .precompile import precompile
 from .workers import RankContext
 
-__all__ = ["DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
+__all__ = ["CONV_SIZE", "DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
            "demo_model", "demo_step", "demo_worker", "hybrid_ulysses_size", "rank_count"]
 
 
@@ -57,6 +57,9 @@ DTYPES = ("float32", "bfloat16")
 # run could not be held to the float32 reference (measured: 9e-2 in the router's gradient); it works per
 # token and parallelize leaves it alone (tests/models checks it under parallelize).
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
+# the KDA layers' short convolution width (Kimi Linear's)
+CONV_SIZE = 4
+
 # What a rank's time goes to, in seconds (a row's ``<phase>_s``): building the model, its copy and the
 # parallelisation; the context-parallel steps (the first one's ``precompile`` and ``autotune`` included);
 # the one-process reference (rank 0; the other ranks wait for it in ``checks``); broadcasting the
@@ -127,6 +130,12 @@ class DemoConfig:
                              f"world size needs a divisor between 1 and itself; {P} has none (4 or 6 do)")
         if self.mode == "hybrid" and (not 1 < U < P or P % U):
             raise ValueError(f"--ulysses-size {U} must divide --world-size {P} and lie strictly between 1 and {P}")
+        state_ranks = P // U
+        if state_ranks > 1 and T // state_ranks < CONV_SIZE - 1:
+            raise ValueError(f"the sequence lengths add up to {T} tokens, {T // state_ranks} for each of the {state_ranks} "
+                             f"ranks of the state exchange, fewer than the {CONV_SIZE - 1} the short convolution "
+                             f"(width {CONV_SIZE}) takes from the previous rank; make the total at least "
+                             f"{state_ranks * (CONV_SIZE - 1)}")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"--head-dim must be even and >= 2 (the MLA layers' qk_rope_head_dim is half of it), "
                              f"got {self.head_dim}")
@@ -199,7 +208,7 @@ def demo_model(cfg: DemoConfig, device=None) -> nn.Module:
         vocab_size=cfg.vocab_size, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=len(LAYER_TYPES),
         layer_types=list(LAYER_TYPES), mlp_layer_types=["dense"] * len(LAYER_TYPES),
         num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=K, q_lora_rank=None, qk_nope_head_dim=K,
-        qk_rope_head_dim=K // 2, v_head_dim=K, linear_num_heads=H, linear_head_dim=K, linear_conv_kernel_dim=4,
+        qk_rope_head_dim=K // 2, v_head_dim=K, linear_num_heads=H, linear_head_dim=K, linear_conv_kernel_dim=CONV_SIZE,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
         attn_implementation="sdpa")
     torch.manual_seed(cfg.seed)

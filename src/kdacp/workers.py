@@ -6,7 +6,8 @@ the calling process (no second interpreter to start and import into). Otherwise
 then spawns them, forwards their progress and results, and if one fails or dies, the run passes its
 deadline (start-up included) or the launching process gets SIGINT, SIGTERM or SIGHUP, stops the others
 within seconds and raises :class:`WorkerError` (:class:`Stopped` for a signal) naming the cause.
-Workers watch their parent: a launcher that is killed outright leaves no worker behind.
+Workers watch their parent from the first line they run, before their imports: a launcher that is killed
+outright leaves no worker behind, however long the workers take to start.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_world_size", "free_port", "under_torchrun",
-           "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_world_size", "deadline",
+           "free_port", "under_torchrun", "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -135,9 +136,44 @@ def check_world_size(world_size: int, device: str) -> None:
             f"{by_memory} ({RANK_MEMORY_MB} MB per rank); lower --world-size to {min(by_cores, by_memory)} or less")
 
 
+# Python that each spawned worker runs first, before multiprocessing's own start-up (which imports the launcher's
+# main module, torch and kdacp: seconds, and tens of seconds on a loaded machine, all of it before _worker):
+# from here on the kernel kills the worker when the launcher dies, whatever the worker is doing, and a
+# launcher already gone ends it. {pid}: the launcher's.
+_EARLY_WATCH = """\
+import os
+try:
+    import ctypes; ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+if os.getppid() != {pid}:
+    os._exit(1)
+"""
+
+
+@contextlib.contextmanager
+def _workers_watch_from_their_start():
+    """Inside the block, processes started by multiprocessing's ``spawn`` run :data:`_EARLY_WATCH` before
+    anything else: an orphan lives no longer than its interpreter takes to start."""
+    command_line = spawn.get_command_line
+
+    def watched(**kwargs):
+        cmd = command_line(**kwargs)
+        if "-c" in cmd:  # absent in frozen executables
+            i = cmd.index("-c") + 1
+            cmd[i] = _EARLY_WATCH.format(pid=os.getpid()) + cmd[i]
+        return cmd
+    spawn.get_command_line = watched
+    try:
+        yield
+    finally:
+        spawn.get_command_line = command_line
+
+
 def _watch_parent(parent_pid: int) -> None:
     """End this worker when the launching process ``parent_pid`` dies: at once through Linux's
-    ``PR_SET_PDEATHSIG`` (SIGKILL), and by a poll of the parent's pid every second (other systems)."""
+    ``PR_SET_PDEATHSIG`` (SIGKILL; already set by :data:`_EARLY_WATCH` in a spawned worker, set here for one
+    started otherwise), and by a poll of the parent's pid every second (other systems)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
@@ -201,7 +237,7 @@ def _stop_on_signals():
 
 
 @contextlib.contextmanager
-def _deadline(timeout_s: float):
+def deadline(timeout_s: float):
     """Inside the block (main thread only; elsewhere no deadline), :class:`WorkerError` is raised once
     ``timeout_s`` seconds have passed (``SIGALRM``); the former timer and handler are restored."""
     if threading.current_thread() is not threading.main_thread():
@@ -239,8 +275,7 @@ def _run_here(fn: Callable, args: tuple, device: str, port: int, timeout_s: floa
     if dist.is_initialized():
         raise WorkerError("a one-rank run starts its own process group, but this process already has one; "
                           "call fn directly, or destroy the group first")
-    pick_backend(device, 1)  # the device's error before anything runs
-    with _stop_on_signals(), _deadline(timeout_s):
+    with _stop_on_signals(), deadline(timeout_s):
         return _rank_here(fn, args, 0, 1, device, timeout_s, on_report, prepare,
                           init_method=f"tcp://127.0.0.1:{port or free_port()}")
 
@@ -258,7 +293,7 @@ def _terminal_signals_blocked():
 
 
 def _start(process) -> None:
-    with _terminal_signals_blocked():
+    with _terminal_signals_blocked(), _workers_watch_from_their_start():
         process.start()
 
 
@@ -299,6 +334,20 @@ def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
             raise WorkerError(f"worker rank {r} died after returning its result ({_cause(p.exitcode)})")
 
 
+def check_launch(world_size: int, device: str, port: int = 0) -> None:
+    """Raise :class:`WorkerError` for what :func:`launch` would refuse before starting anything: a world size
+    below 1 or one this machine cannot hold (:func:`check_world_size`; under torchrun, its own), a device
+    without a GPU, a ``port`` in use."""
+    if world_size < 1:
+        raise WorkerError(f"--world-size must be >= 1, got {world_size}")
+    if under_torchrun() or world_size == 1:
+        pick_backend(device, world_size)
+    else:
+        check_world_size(world_size, device)
+    if port and not under_torchrun():
+        _check_port(port)
+
+
 def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", port: int = 0,
            timeout_s: float = 600.0, on_report: Callable[[int, Any], None] | None = None,
            prepare: Callable[[], Any] | None = None) -> list[Any]:
@@ -320,17 +369,13 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
         Stopped: the launching process got SIGINT, SIGTERM or SIGHUP.
         In every case all workers are stopped first.
     """
-    if world_size < 1:
-        raise WorkerError(f"--world-size must be >= 1, got {world_size}")
+    check_launch(world_size, device, port)  # fail before spawning anything
     if under_torchrun():
         return _rank_here(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, timeout_s,
                           on_report, prepare)
-    if port:
-        _check_port(port)
     if world_size == 1:
         return _run_here(fn, args, device, port, timeout_s, on_report, prepare)
     deadline = time.monotonic() + timeout_s
-    check_world_size(world_size, device)  # fail before spawning anything
     port = port or free_port()
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}

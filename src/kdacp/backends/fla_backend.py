@@ -132,6 +132,8 @@ def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> d
 class FlaBackend:
     name = "fla"
     parallel_pieces = False  # FLA's KDA state kernel is no faster in pieces
+    # the keyword of the cumulative gate in FLA's chunk-state kernels: per channel (``gk [1, T, HV, K]``)
+    gate_keyword = "gk"
 
     def __init__(self, options: KDAOptions):
         self.options = options
@@ -150,6 +152,48 @@ class FlaBackend:
             return fla.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fla.RCP_LN2,
                                              chunk_size=o.chunk_size, lower_bound=o.lower_bound, **varlen)
         return fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=o.chunk_size, **varlen)
+
+    def _chunk_states(self, k, w, u, gc, initial_state: torch.Tensor, output_final_state: bool,
+                      varlen: dict) -> LocalStates:
+        """FLA's chunk-state pass over one span's ``k, w, u`` and cumulative gate ``gc``: the state entering each
+        chunk ``h``, the chunks' ``v_new`` and (``output_final_state``) each segment's final state."""
+        h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, **{self.gate_keyword: gc}, initial_state=initial_state,
+            output_final_state=output_final_state, chunk_size=self.options.chunk_size, **varlen)
+        return LocalStates(final_state, h, v_new)
+
+    def _kept_states(self, states: LocalStates | None, k, w, u, gc, initial_state: torch.Tensor,
+                     varlen: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, v_new)`` of the forward's ``states`` where it kept them, else recomputed (:meth:`_chunk_states`)."""
+        if states is None or states.h is None:
+            states = self._chunk_states(k, w, u, gc, initial_state, False, varlen)
+        return states.h, states.v_new
+
+    def _state_gradients(self, q, k, w, gc, local, dht: torch.Tensor | None, dv_local) -> FlaBackwardStates:
+        """FLA's backward chunk-state pass over ``local`` (cut to its segments): the state gradients ``dh`` of
+        every chunk, ``dh0`` of the initial states and the values' gradient ``dv``."""
+        dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
+            q=q, k=k, w=w, **{self.gate_keyword: gc}, h0=local.initial_state,
+            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=dv_local,
+            scale=self.options.scale, chunk_size=self.options.chunk_size, **local.varlen)
+        return FlaBackwardStates(local.span, dh0, local, dh, dv)
+
+    def _gate_backward(self, x, dg: torch.Tensor):
+        """``(dg, dA_log, ddt_bias)``: the gate's gradient through FLA's in-kernel gate."""
+        return self.fla.kda_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg, lower_bound=self.options.lower_bound)
+
+    def _input_gradients(self, x, dq, dk, dv, dg, dbeta, varlen: dict) -> LocalGrads:
+        """The inputs' gradients from the chunk-local ones: ``dg`` summed back over each chunk (the forward's
+        cumulative gate), through the in-kernel gate and the in-kernel q/k L2 norm where the options use them."""
+        o, fla = self.options, self.fla
+        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
+        dA_log = ddt_bias = None
+        if o.use_gate_in_kernel:
+            dg, dA_log, ddt_bias = self._gate_backward(x, dg)
+        if o.use_qk_l2norm_in_kernel:
+            dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
+            dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
+        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)
 
     def _normalized_inputs(self, inputs: KDAInputs, span: Span) -> FlaPrepared:
         """What both FLA backends' ``prepare`` forms first: see :class:`FlaPrepared`."""
@@ -185,11 +229,8 @@ class FlaBackend:
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
-        h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
-            k=span.take(chunks.kg), w=span.take(chunks.w), u=span.take(chunks.u), gk=span.take(chunks.gc),
-            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
-            **self._varlen(span, chunks.kg.device))
-        return LocalStates(final_state, h, v_new)
+        return self._chunk_states(span.take(chunks.kg), span.take(chunks.w), span.take(chunks.u), span.take(chunks.gc),
+                                  initial_state, output_final_state, self._varlen(span, chunks.kg.device))
 
     def output(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
         o = self.fla.chunk_gla_fwd_o_gk(q=span.take(chunks.saved.q), v=states.v_new, g=span.take(chunks.gc),
@@ -207,11 +248,7 @@ class FlaBackend:
         varlen = self._varlen(span, do.device)
         gc = x.gc if x.gc is not None else self._gate_cumsum(x.g, x.A_log, x.dt_bias, varlen)
         w, u, qg, kg = fla.recompute_w_u_fwd(q=x.q, k=x.k, v=x.v, beta=x.beta, A=x.Akk, gk=gc, **varlen)
-        if states is None or states.h is None:
-            h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gc, initial_state=initial_state,
-                                                           output_final_state=False, chunk_size=o.chunk_size, **varlen)
-        else:
-            h, v_new = states.h, states.v_new
+        h, v_new = self._kept_states(states, kg, w, u, gc, initial_state, varlen)
         # dAqk = dO v_new^T (masked), dv_local = Aqk^T dO per chunk
         dAqk, dv_local = fla.chunk_kda_bwd_dAv(q=x.q, k=x.k, v=v_new, do=do, A=x.Aqk, scale=o.scale,
                                                chunk_size=o.chunk_size, **varlen)
@@ -244,11 +281,7 @@ class FlaBackend:
     def backward_states(self, local: FlaBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> FlaBackwardStates:
         local = self._prefix(local, segments)
-        dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
-            q=local.qg, k=local.kg, w=local.w, gk=local.gc, h0=local.initial_state,
-            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv_local,
-            scale=self.options.scale, chunk_size=self.options.chunk_size, **local.varlen)
-        return FlaBackwardStates(local.span, dh0, local, dh, dv)
+        return self._state_gradients(local.qg, local.kg, local.w, local.gc, local, dht, local.dv_local)
 
     def backward_inputs(self, states: FlaBackwardStates) -> LocalGrads:
         local = states.local
@@ -263,12 +296,4 @@ class FlaBackend:
         if HV > H:  # grouped values: q/k head h served HV/H value heads
             dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(3)
             dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(3)
-        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
-        dA_log = ddt_bias = None
-        if o.use_gate_in_kernel:
-            dg, dA_log, ddt_bias = fla.kda_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg,
-                                                    lower_bound=o.lower_bound)
-        if o.use_qk_l2norm_in_kernel:
-            dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
-            dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
-        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)
+        return self._input_gradients(x, dq, dk, dv, dg, dbeta, varlen)

@@ -78,6 +78,7 @@ class FlaGDNBackend(FlaBackend):
 
     name = "fla"
     parallel_pieces = True  # FLA's GDN state kernel is faster in pieces
+    gate_keyword = "g"  # one gate per head: ``g [1, T, HV]``
 
     def _gate_cumsum(self, g, A_log, dt_bias, varlen: dict) -> torch.Tensor:
         """``gc [1, T, HV]`` float32: chunk-local cumulative gate in log2 units."""
@@ -105,11 +106,9 @@ class FlaGDNBackend(FlaBackend):
 
     def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:
-        h, v_new, final_state = self.fla.chunk_gated_delta_rule_fwd_h(
-            k=span.take(chunks.saved.k), w=span.take(chunks.w), u=span.take(chunks.u), g=span.take(chunks.saved.gc),
-            initial_state=initial_state, output_final_state=output_final_state, chunk_size=self.options.chunk_size,
-            **self._varlen(span, chunks.w.device))
-        return LocalStates(final_state, h, v_new)
+        x = chunks.saved
+        return self._chunk_states(span.take(x.k), span.take(chunks.w), span.take(chunks.u), span.take(x.gc),
+                                  initial_state, output_final_state, self._varlen(span, chunks.w.device))
 
     def output(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor, states: LocalStates) -> torch.Tensor:
         x = chunks.saved
@@ -118,20 +117,13 @@ class FlaGDNBackend(FlaBackend):
                                  **self._varlen(span, chunks.w.device))
         return o.to(x.v.dtype)
 
-    def to_saved(self, chunks: GDNChunks) -> GDNSaved:
-        return chunks.saved
-
     def backward_local(self, saved: GDNSaved, span: Span, do: torch.Tensor, initial_state: torch.Tensor,
                        states: LocalStates | None = None) -> GDNBackward:
         o, fla = self.options, self.fla
         x = saved.narrow(span)
         varlen = self._varlen(span, do.device)
         w, u = fla.gdn_recompute_w_u_fwd(k=x.k, v=x.v, beta=x.beta, A=x.A, g=x.gc, **varlen)
-        if states is None or states.h is None:
-            h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=x.k, w=w, u=u, g=x.gc, initial_state=initial_state,
-                                                           output_final_state=False, chunk_size=o.chunk_size, **varlen)
-        else:
-            h, v_new = states.h, states.v_new
+        h, v_new = self._kept_states(states, x.k, w, u, x.gc, initial_state, varlen)
         dv = fla.chunk_bwd_dv_local(q=x.q, k=x.k, do=do, g=x.gc, scale=o.scale, chunk_size=o.chunk_size, **varlen)
         return GDNBackward(x, span, varlen, do, initial_state, w, h, v_new, dv)
 
@@ -145,11 +137,8 @@ class FlaGDNBackend(FlaBackend):
     def backward_states(self, local: GDNBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> FlaBackwardStates:
         local = self._prefix(local, segments)
-        dh, dh0, dv = self.fla.chunk_gated_delta_rule_bwd_dhu(
-            q=local.saved.q, k=local.saved.k, w=local.w, g=local.saved.gc, h0=local.initial_state,
-            dht=None if dht is None else dht.float().contiguous(), do=local.do, dv=local.dv, scale=self.options.scale,
-            chunk_size=self.options.chunk_size, **local.varlen)
-        return FlaBackwardStates(local.span, dh0, local, dh, dv)
+        x = local.saved
+        return self._state_gradients(x.q, x.k, local.w, x.gc, local, dht, local.dv)
 
     def backward_inputs(self, states: FlaBackwardStates) -> LocalGrads:
         local = states.local
@@ -161,11 +150,7 @@ class FlaGDNBackend(FlaBackend):
                                                               g=x.gc, **varlen)
         dk.add_(dk_wy)
         dg.add_(dg_wy)
-        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
-        dA_log = ddt_bias = None
-        if o.use_gate_in_kernel:
-            dg, dA_log, ddt_bias = fla.gdn_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg)
-        if o.use_qk_l2norm_in_kernel:
-            dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
-            dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
-        return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)
+        return self._input_gradients(x, dq, dk, dv, dg, dbeta, varlen)
+
+    def _gate_backward(self, x, dg: torch.Tensor):
+        return self.fla.gdn_gate_bwd(g=x.g, A_log=x.A_log, dt_bias=x.dt_bias, dyg=dg)

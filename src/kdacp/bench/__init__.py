@@ -19,7 +19,7 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
-from ..workers import RankContext, launch
+from ..workers import RankContext, deadline, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
@@ -48,10 +48,15 @@ def _rank_worker(ctx: RankContext, name: str, options: dict) -> list[dict]:
 
 def run_suite(name: str, options: dict, *, device: str = "cuda", world_size: int = 1, port: int = 0,
               timeout_s: float = 1800.0, on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run one suite (spawning ``world_size`` ranks for a multi-rank suite) and return rank 0's rows."""
+    """Run one suite (spawning ``world_size`` ranks for a multi-rank suite) and return rank 0's rows.
+
+    Raises:
+        kdacp.workers.WorkerError: the suite passed ``timeout_s`` (a suite of one process is stopped in it, by
+            :func:`kdacp.workers.deadline`), or a rank failed."""
     suite = load_suite(name)
     if not getattr(suite, "MULTI_RANK", False):
-        return suite.run(**options, device=device, report=on_row)
+        with deadline(timeout_s):
+            return suite.run(**options, device=device, report=on_row)
     results = launch(_rank_worker, world_size, (name, options), device=device, port=port, timeout_s=timeout_s,
                      on_report=lambda rank, row: on_row and on_row(row), prepare=functools.partial(_prepare, name))
     return results[0]

@@ -14,26 +14,14 @@ from kdacp.distributed.plan import rank_layouts
 from kdacp.distributed.strategies import AffineMessage
 from kdacp.reference.gates import compute_dtype
 
-from .stage_probe import median_time, time_roles
-from .timing import queued_device_time
+from .inputs import random_inputs
+from .stage_probe import time_roles
+from .timing import median_time, queued_device_time
 
-__all__ = ["OPTIONS", "Calibration", "calibration_rows", "make_inputs", "measure_stages", "op_times"]
+__all__ = ["OPTIONS", "Calibration", "calibration_rows", "measure_stages", "op_times"]
 
 # Kimi Linear's gate and norm settings
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
-
-
-def make_inputs(T: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
-    """One row of ``T`` tokens: q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, raw gate logits ``g``, beta,
-    float32 ``A_log``/``dt_bias`` (the gate is computed in the kernel)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device).to(dt)
-
-    return dict(q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, HV, V), g=rnd(1, T, HV, K),
-                beta=torch.sigmoid(rnd(1, T, HV, dt=torch.float32)).to(dtype),
-                A_log=0.5 * rnd(HV, dt=torch.float32), dt_bias=0.5 * rnd(HV * K, dt=torch.float32))
 
 
 def op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: torch.device, iters: int) -> dict:
@@ -109,7 +97,7 @@ def measure_stages(t_local: int, heads: int, head_dim: int, backend: str, dtype:
     """Every :class:`~kdacp.distributed.cost_model.StageTimes` field on this device (one process):
     ``heads`` q/k and value heads (H = HV), K = V = ``head_dim``, ``t_local`` tokens, Kimi Linear's options."""
     device = torch.device(device)
-    args = make_inputs(t_local, heads, heads, head_dim, head_dim, dtype, device)
+    args = random_inputs(t_local, heads, heads, head_dim, head_dim, dtype=dtype, device=device)
     call = prepare_call(backend, **args, scale=None, **OPTIONS)
     state_dtype = compute_dtype(args["q"])
     roles, one = time_roles(call.backend, call.inputs, state_dtype, device, iters)

@@ -4,7 +4,7 @@ Each rank holds ``T_local`` tokens of a global batch: one sequence, or packed do
 rank edges (:mod:`kdacp.bench.batches`). ``family="kda"``: Kimi Linear's settings (32 heads of 128,
 gate in kernel with ``safe_gate=True, lower_bound=-5``, L2 norm in kernel); ``family="gdn"``:
 Qwen3-Next's (16 q/k and 32 value heads of 128, gate in kernel, L2 norm in kernel; the inputs of
-:func:`kdacp.bench.gdn.make_inputs`). B=1, bf16. Contenders, round-robin in one run (the slowest
+:func:`kdacp.bench.inputs.random_inputs`). B=1, bf16. Contenders, round-robin in one run (the slowest
 rank's CUDA-event time per forward+backward step, warm; forward only for GDN where FLA refuses its GDN
 backward, as :mod:`kdacp.bench.gdn` explains):
 
@@ -37,6 +37,7 @@ from kdacp.gdn import chunk_gated_delta_rule
 from . import gdn
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
+from .inputs import random_inputs
 from .steps import log, max_rel_diff, record_row, step_functions
 from .timing import peak_gb, timed_columns
 
@@ -49,27 +50,14 @@ CONTENDERS = ("one_gpu", "kdacp_cp", "kdacp_allgather", "kdacp_scan", "fla_cp")
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
 
 
-def make_inputs(T: int, H: int, D: int, seed: int) -> dict:
-    """This rank's ``[1, T, H, D]`` bf16 inputs (raw gate logits), float32 ``A_log``/``dt_bias``, all leaves."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-
-    x = dict(q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), g=rnd(1, T, H, D),
-             beta=torch.sigmoid(rnd(1, T, H, dtype=torch.float32)).bfloat16(),
-             A_log=rnd(H, dtype=torch.float32) * 0.5, dt_bias=rnd(H * D, dtype=torch.float32) * 0.5)
-    return {n: t.requires_grad_() for n, t in x.items()}
-
-
 def _family(fla, family: str, T: int, seed: int):
     """``(inputs, do, FLA's op, kdacp's CP op, options, backward)`` of one rank for ``family`` (``"kda"``
     or ``"gdn"``, checked by :func:`run`)."""
     if family == "kda":
-        x = make_inputs(T, 32, 128, seed)
+        x = random_inputs(T, 32, 32, 128, 128, seed=seed, leaves=True)
         return x, torch.randn(1, T, 32, 128, device="cuda").bfloat16(), fla.chunk_kda, chunk_kda, OPTIONS, True
     # Qwen3-Next's shapes
-    x = gdn.make_inputs(T, 16, 32, 128, seed)
+    x = random_inputs(T, 16, 32, 128, 128, gate="gdn", seed=seed, leaves=True)
     do = torch.randn(1, T, 32, 128, device="cuda").bfloat16()
     return x, do, fla.chunk_gated_delta_rule, chunk_gated_delta_rule, gdn.OPTIONS, fla_gated_gdn_backward_supported()
 

@@ -43,6 +43,7 @@ from kdacp.reference.gdn import scalar_gate_as_kda
 from .batches import cu_seqlens_of, document_lengths
 from .steps import log, max_rel_diff, record_row, step_functions
 from .harness import PlotSpec
+from .inputs import random_inputs
 from .timing import timed_columns
 
 MULTI_RANK = True
@@ -51,20 +52,6 @@ PLOTS = {"gdn_ratio": PlotSpec(x="label", y="kdacp_ratio", bars=True,
 
 CONTENDERS = ("fla", "kdacp", "kdacp_cp1", "kdacp_broadcast")
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
-
-
-def make_inputs(T: int, H: int, HV: int, D: int, seed: int) -> dict:
-    """``[1, T, ...]`` bf16 GDN inputs (raw gate logits ``[1, T, HV]``), float32 ``A_log``/``dt_bias [HV]``."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-
-    x = dict(q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, HV, D), g=rnd(1, T, HV),
-             beta=torch.sigmoid(rnd(1, T, HV, dtype=torch.float32)).bfloat16(),
-             A_log=torch.rand(HV, generator=gen, device="cuda").mul(15).add(1).log(),
-             dt_bias=rnd(HV, dtype=torch.float32) * 0.5)
-    return {n: t.requires_grad_() for n, t in x.items()}
 
 
 def _broadcast(varlen: dict, **x):
@@ -101,7 +88,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
             varlen = dict(cu_seqlens=torch.tensor(cu_list, device="cuda"), cu_seqlens_cpu=torch.tensor(cu_list)) \
                 if packed else {}
             plan = build_cp_plan(cu_list if packed else None, batch_size=None if packed else 1, group=group)
-            x = make_inputs(T, heads, v_heads, head_dim, seed=seed)
+            x = random_inputs(T, heads, v_heads, head_dim, head_dim, gate="gdn", seed=seed, leaves=True)
             do = torch.randn(1, T, v_heads, head_dim, device="cuda").bfloat16()
             runs = {
                 "fla": lambda **a: fla.chunk_gated_delta_rule(**a, **OPTIONS, **varlen),

@@ -32,7 +32,6 @@ tokens; ``lognormal`` with median ``min(2048, t_local / 4)``.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 
 import torch
@@ -46,10 +45,11 @@ from kdacp.gdn import gdn_as_kda_arguments
 from kdacp.reference.gates import compute_dtype
 
 from .batches import cu_seqlens_of, document_lengths
-from .calibration import OPTIONS as KDA_OPTIONS, make_inputs
+from .calibration import OPTIONS as KDA_OPTIONS
+from .inputs import random_inputs
 from .harness import PlotSpec, markdown_table
-from .stage_probe import ROLE_RANKS, probe_rounds, sync
-from .timing import check_queued_ahead, queue_ahead_for, sleep_then_mark, time_queued
+from .stage_probe import ROLE_RANKS, probe_rounds
+from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync, time_queued
 
 __all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "device_role_call", "markdown", "rank_step", "role_call", "role_plans",
            "run"]
@@ -90,33 +90,24 @@ class ReadyExchange:
 
 
 class StageTimer:
-    """Times calls by stage name: CUDA events around each on a GPU (read in :meth:`totals`), the wall
-    clock after a device sync on the CPU."""
+    """Times calls by stage name on the device clock (:class:`~kdacp.bench.timing.Clock`: CUDA events around
+    each on a GPU, read in :meth:`totals`; the wall clock on the CPU)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.records = device, []
+        self.clock, self.records = Clock(device), []
 
     def run(self, name: str, fn):
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            self.records.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            self.records.append((name, t0, time.perf_counter()))
+        start = self.clock.stamp()
+        out = fn()
+        self.records.append((name, start, self.clock.stamp()))
         return out
 
     def totals(self) -> dict:
         """``{stage: (calls, ms)}`` of the calls recorded so far; clears them."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         got = defaultdict(lambda: [0, 0.0])
         for name, start, end in self.records:
             got[name][0] += 1
-            got[name][1] += start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1e3
+            got[name][1] += self.clock.seconds(start, end) * 1e3
         self.records.clear()
         return {name: tuple(v) for name, v in got.items()}
 
@@ -134,16 +125,23 @@ class _TimedBackend:
         return lambda *args, **kwargs: self._timer.run(stage, lambda: fn(*args, **kwargs))
 
 
+<<<<<<< HEAD
 def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device,
               summary_precision=None):
     """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family`` (``summary_precision`` as
     :func:`kdacp.chunk_kda`'s)."""
     x = make_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, dtype, device)
+=======
+def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device):
+    """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family``."""
+    x = random_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, gate=family,
+                      dtype=dtype, device=device)
+>>>>>>> misc
     if family == "kda":
         return (prepare_call(backend, **x, scale=None, summary_precision=summary_precision, **KDA_OPTIONS),
                 torch.randn_like(x["v"]))
     # GDN: one gate logit per value head and token, dt_bias [HV]
-    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"][..., 0], True, x["A_log"], x["dt_bias"][:heads])
+    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)

@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,12 +60,14 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import STRATEGIES
 from kdacp.kda import chunk_kda
 
-from .calibration import OPTIONS, Calibration, calibration_rows, make_inputs, measure_stages, op_times
+from .calibration import OPTIONS, Calibration, calibration_rows, measure_stages, op_times
 from .harness import PlotSpec, markdown_table
+from .inputs import random_inputs
 from .link import measure_link
 from .scaling_model import MODEL_STRATEGIES, check_stack, predict, predict_step
 from .sleep_backend import CHAIN_STAGES, SleepBackend, sleep_inputs
-from .stage_probe import sync, time_roles
+from .stage_probe import time_roles
+from .timing import median_times
 
 MULTI_RANK = True
 
@@ -310,25 +310,9 @@ def _ratios_row(source: str, P: int, T: int, ms: dict, one_ms: dict) -> dict:
     return row
 
 
-def _median_steps(fns: dict, group, device: torch.device, rounds: int, warmup: int = 1) -> dict:
-    """Milliseconds per call of each of ``fns``: round-robin, each call after a barrier, the slowest
-    rank's time of each call, the median over ``rounds`` (a median, not a mean: on a shared CPU a
-    few calls take several times the others)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync(device)
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    table = torch.tensor([times[n] for n in fns], dtype=torch.float64, device=device)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-    return {n: statistics.median(row) * 1e3 for n, row in zip(fns, table.tolist())}
+def _median_steps(fns: dict, group, device: torch.device, rounds: int) -> dict:
+    """Milliseconds per call of each of ``fns``: :func:`~kdacp.bench.timing.median_times` over ``group``."""
+    return {name: s * 1e3 for name, s in median_times(fns, device, rounds, group=group).items()}
 
 
 def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str, dtype, device, group,
@@ -336,7 +320,7 @@ def _measure_steps(P: int, t_local: int, heads: int, head_dim: int, backend: str
     """Milliseconds of one ``chunk_kda`` forward+backward per strategy on ``group`` (``P`` ranks,
     one sequence of ``P * t_local`` tokens; with ``P == 1`` the one-device step, as ``"p2p"``)."""
     rank = dist.get_rank(group)
-    args = make_inputs(t_local, heads, heads, head_dim, head_dim, dtype, device, seed=rank)
+    args = random_inputs(t_local, heads, heads, head_dim, head_dim, dtype=dtype, device=device, seed=rank)
     leaves = {n: t.requires_grad_() for n, t in args.items()}
     do = torch.randn_like(args["v"])
     plans = {s: build_cp_plan(batch_size=1, group=group, strategy=s) for s in STRATEGIES}

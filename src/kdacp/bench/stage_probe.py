@@ -9,7 +9,6 @@ gives one device's forward and backward on the same tokens.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -19,32 +18,11 @@ from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
 from kdacp.distributed.strategies import Pending
 
-from .timing import check_queued_ahead, queue_ahead_for, sleep_then_mark
+from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync
 
-__all__ = ["ROLE_RANKS", "StageProbe", "median_time", "probe_role", "probe_rounds", "queue_ahead", "sync",
-           "time_roles"]
+__all__ = ["ROLE_RANKS", "StageProbe", "probe_role", "probe_rounds", "queue_ahead", "time_roles"]
 
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
-
-
-def sync(device: torch.device) -> None:
-    """Wait for ``device``'s queue (nothing on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, device: torch.device, iters: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` over ``iters`` calls (device-synchronised), after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class StageProbe:
@@ -64,19 +42,14 @@ class StageProbe:
 
     def __init__(self, device: torch.device, queue_ahead_s: float = 0.0):
         self.device, self.stamps, self.queue_ahead_s = device, {}, queue_ahead_s
-        self.cuda = device.type == "cuda"
+        self.clock = Clock(device)
 
     def stamp(self, name: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.stamps[name] = event
-        else:
-            self.stamps[name] = time.perf_counter()
+        self.stamps[name] = self.clock.stamp()
 
     def start(self) -> None:
         sync(self.device)
-        if self.cuda:
+        if self.clock.cuda:
             self.stamps["start"] = sleep_then_mark(self.queue_ahead_s * 1e3)
         else:
             self.stamp("start")
@@ -89,14 +62,11 @@ class StageProbe:
                 host sync inside the call, or a host slower than the sleep): the stages would count host time.
         """
         self.stamp("end")
-        if self.cuda:
+        if self.clock.cuda:
             check_queued_ahead(self.stamps["start"], self.queue_ahead_s * 1e3, "StageProbe, the probed call")
-            sync(self.device)
-            def between(a, b):
-                return self.stamps[a].elapsed_time(self.stamps[b]) / 1e3
-        else:
-            def between(a, b):
-                return self.stamps[b] - self.stamps[a]
+
+        def between(a, b):
+            return self.clock.seconds(self.stamps[a], self.stamps[b])
         return RoleStages(between("start", "send"), between("send", "receive"), between("received", "end"))
 
     def begin(self, route) -> Pending:

@@ -1,20 +1,49 @@
-"""Timing shared by the suites: contenders round-robin in one run, the slowest rank's figure (or one
-process's, without a group)."""
+"""Timing shared by the suites and the scripts of ``benchmarks/``, on the device clock (:class:`Clock`: CUDA
+events on a GPU, the wall clock on the CPU): contenders round-robin in one run, the slowest rank's figure (or one
+process's, without a group); the mean of calls queued back to back (:func:`time_round_robin`, behind a device
+sleep with the queued-ahead check: :func:`sleep_then_mark`, :func:`check_queued_ahead`) or the median of single
+calls each started on an idle device (:func:`median_times`)."""
 from __future__ import annotations
 
+import statistics
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["time_round_robin", "time_queued", "timed_columns", "peak_gb", "queued_device_time", "sleep_then_mark",
-           "queue_ahead_for", "check_queued_ahead"]
+__all__ = ["Clock", "check_queued_ahead", "median_time", "median_times", "peak_gb", "queue_ahead_for",
+           "queued_device_time", "sleep_then_mark", "sync", "time_queued", "time_round_robin", "timed_columns"]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queue (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Clock:
+    """Time stamps on ``device``'s clock: CUDA timing events recorded in stream order on a GPU (what lies
+    between two stamps is device time, however far the host has run ahead), the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def stamp(self):
+        """A stamp at this point of the device's queue (the host's time on the CPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Seconds from stamp ``start`` to stamp ``end`` (on a GPU, waits for the device to reach ``end``)."""
+        if not self.cuda:
+            return end - start
+        sync(self.device)
+        return start.elapsed_time(end) / 1e3
 
 
 def sleep_then_mark(ms: float) -> torch.cuda.Event:
@@ -50,10 +79,10 @@ def queue_ahead_for(fns, iters: int, device: torch.device) -> float:
         return 0.0
     walls = []
     for fn in fns:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         walls.append(time.perf_counter() - t0)
     return min(4e3 * iters * max(walls), 2000.0)
 
@@ -84,32 +113,58 @@ def time_round_robin(fns: dict, warmup: int, rounds: int, iters: int, group, dev
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    clock = Clock(device)
     total = dict.fromkeys(fns, 0.0)
     for _ in range(rounds):
         for name, fn in fns.items():
-            _sync(device)
+            sync(device)
             if group is not None:
                 dist.barrier(group)
-            if device.type == "cuda":
-                end = torch.cuda.Event(enable_timing=True)
-                start = sleep_then_mark(queue_ahead_ms)
-                for _ in range(iters):
-                    fn()
+            start = sleep_then_mark(queue_ahead_ms) if clock.cuda else clock.stamp()
+            for _ in range(iters):
+                fn()
+            if clock.cuda:
                 check_queued_ahead(start, queue_ahead_ms, f"time_round_robin, {iters} calls of {name!r}")
-                end.record()
-                _sync(device)
-                total[name] += start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                total[name] += (time.perf_counter() - t0) * 1e3
+            total[name] += clock.seconds(start, clock.stamp()) * 1e3
     ms = {n: total[n] / (rounds * iters) for n in fns}
     if group is None:
         return ms
     slowest = torch.tensor(list(ms.values()), dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(fns, slowest.tolist()))
+
+
+def median_times(fns: dict, device: torch.device, rounds: int, warmup: int = 1, group=None) -> dict:
+    """Median seconds of one call of each of ``fns`` (name -> callable) over ``rounds`` rounds, after ``warmup``
+    calls of each. The contenders take turns within each round, so that a machine whose load changes slows
+    them alike; each call starts on an idle device (a sync, then a barrier of ``group`` where given) and is
+    timed on the device clock (:class:`Clock`). With ``group`` each call counts as its slowest rank's time
+    (every rank gets the same figures): a median, not a mean, because on a shared CPU a few calls take
+    several times the others."""
+    device = torch.device(device)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    clock = Clock(device)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync(device)
+            if group is not None:
+                dist.barrier(group)
+            start = clock.stamp()
+            fn()
+            times[name].append(clock.seconds(start, clock.stamp()))
+    if group is not None:
+        table = torch.tensor([times[n] for n in fns], dtype=torch.float64, device=device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+        times = dict(zip(fns, table.tolist()))
+    return {name: statistics.median(times[name]) for name in fns}
+
+
+def median_time(fn, device: torch.device, iters: int, warmup: int = 1, group=None) -> float:
+    """:func:`median_times` of ``fn`` alone: the median seconds of one call over ``iters`` calls."""
+    return median_times({"fn": fn}, device, iters, warmup, group)["fn"]
 
 
 def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, float]:
@@ -121,17 +176,15 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
     the sleep ended before the host had queued every call (the figure would then include host time)."""
     for _ in range(warmup):
         fn()
-    ahead_ms = queue_ahead_for([fn], iters, torch.device("cuda", torch.cuda.current_device()))
-    end = torch.cuda.Event(enable_timing=True)
+    clock = Clock(torch.device("cuda", torch.cuda.current_device()))
+    ahead_ms = queue_ahead_for([fn], iters, clock.device)
     start = sleep_then_mark(ahead_ms)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) / iters
     check_queued_ahead(start, ahead_ms, f"queued_device_time, {iters} calls")
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters, host
+    return clock.seconds(start, clock.stamp()) / iters, host
 
 
 def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,
@@ -159,10 +212,10 @@ def peak_gb(fn, group, device: torch.device) -> float:
     """Peak allocated GiB during one call, the largest over ranks (0 on CPU)."""
     if device.type != "cuda":
         return 0.0
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
-    _sync(device)
+    sync(device)
     peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     return peak.item()

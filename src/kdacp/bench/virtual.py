@@ -18,9 +18,11 @@ Errors are against the incoming states of an unsplit float64 pass (``rel``: larg
 ``||x - x_ref|| / ||x_ref||``), and for the outputs: each segment's output from its incoming state
 against the unsplit output. Measured here, on the device at hand; not a model.
 
-    kdacp bench --suite virtual
+    kdacp bench --suite virtual [--ranks 2,4,8] [--seq-lens 64] [--heads 2] [--head-dim 16]
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -28,23 +30,16 @@ from kdacp import reference
 from kdacp.distributed.strategies import AffineMessage, simulate_scan
 
 from .harness import PlotSpec
+from .inputs import random_inputs
 
 PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_err", "scan_state_err"),
                                    title="incoming-state error vs ranks (virtual); where the strategies' errors "
                                          "are equal their lines lie on one another", ylabel="relative error")}
 STRATEGY_ORDERS = ("p2p", "allgather", "scan")
-
-
-def _inputs(T: int, HV: int, K: int, V: int, seed: int, device) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
-
-    # Kimi Linear's safe gate (decays in [exp(-5), 1)), L2-normalised q/k: the settings people train.
-    return dict(q=rnd(1, T, HV, K), k=rnd(1, T, HV, K), v=rnd(1, T, HV, V), g=rnd(1, T, HV, K),
-                beta=torch.sigmoid(rnd(1, T, HV)), A_log=0.5 * rnd(HV), dt_bias=0.5 * rnd(HV * K),
-                use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+# The reference's chunk size: a rank's tokens are a multiple of it.
+CHUNK = 64
+# Ranks by device: the CPU's stop at 64 (seconds; 1024 takes minutes, mostly the float64 reference).
+WORLD_SIZES = {"cpu": (2, 4, 8, 16, 64), "cuda": (2, 4, 8, 16, 64, 256, 1024)}
 
 
 def incoming_states(summaries: list[AffineMessage], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:
@@ -72,18 +67,43 @@ def incoming_states(summaries: list[AffineMessage], strategy: str, wire: torch.d
     raise ValueError(f"strategy must be one of {STRATEGY_ORDERS}, got {strategy!r}")
 
 
-def run(world_sizes=(2, 4, 8, 16, 64, 256, 1024), tokens_per_rank: int = 64, HV: int = 2, K: int = 16,
-        V: int = 16, seed: int = 0, device: str = "cpu", report=None) -> list[dict]:
+@contextlib.contextmanager
+def _one_thread(device: str):
+    """On the CPU, one intra-op thread inside the block: the tensors are small (a few heads of 16), and more
+    threads only contend, ten times slower on a busy machine."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    former = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(former)
+
+
+def run(world_sizes=None, tokens_per_rank: int = CHUNK, HV: int = 2, K: int = 16, V: int = 16, seed: int = 0,
+        device: str = "cpu", report=None) -> list[dict]:
     """Rows ``P, T`` and per strategy ``<s>_state_err`` (incoming states) and ``<s>_output_err``.
 
-    ``tokens_per_rank`` is a multiple of the chunk size (64), so that rank edges are chunk edges and
-    the unsplit pass's per-chunk states are the true incoming states."""
-    if tokens_per_rank % 64:
-        raise ValueError(f"tokens_per_rank must be a multiple of the chunk size 64, got {tokens_per_rank}")
+    ``world_sizes``: the rank counts ``P`` (default :data:`WORLD_SIZES` of the device's type);
+    ``tokens_per_rank`` is a multiple of the chunk size (:data:`CHUNK`), so that rank edges are chunk edges and
+    the unsplit pass's per-chunk states are the true incoming states; ``HV`` heads of ``K x V``."""
+    if tokens_per_rank % CHUNK:
+        raise ValueError(f"tokens_per_rank must be a multiple of the chunk size {CHUNK}, got {tokens_per_rank}")
+    if world_sizes is None:
+        world_sizes = WORLD_SIZES[torch.device(device).type]
+    with _one_thread(device):
+        return _rows(world_sizes, tokens_per_rank, HV, K, V, seed, device, report)
+
+
+def _rows(world_sizes, tokens_per_rank: int, HV: int, K: int, V: int, seed: int, device: str, report) -> list[dict]:
     rows = []
     for P in world_sizes:
         T = P * tokens_per_rank
-        args = _inputs(T, HV, K, V, seed, device)
+        # Kimi Linear's safe gate (decays in [exp(-5), 1)), L2-normalised q/k: the settings people train.
+        args = dict(random_inputs(T, HV, HV, K, V, dtype=torch.float64, device=device, seed=seed),
+                    use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
         cu = torch.arange(0, T + 1, tokens_per_rank, device=device)
         # Segment-local chunked intermediates and the summaries ranks would send (float32 on the wire).
         inter = reference.chunk_kda_intermediates(**args, cu_seqlens=cu)
@@ -93,7 +113,7 @@ def run(world_sizes=(2, 4, 8, 16, 64, 256, 1024), tokens_per_rank: int = 64, HV:
                                                     for r in range(1, P - 1)]
         # The truth: one unsplit float64 pass, with its state at every segment edge.
         whole = reference.chunk_kda_intermediates(**args)
-        o_ref, per_rank = whole.o, tokens_per_rank // 64
+        o_ref, per_rank = whole.o, tokens_per_rank // CHUNK
         truth = [whole.h[0, r * per_rank][None] for r in range(1, P)]
         row = dict(P=P, T=T)
         for strategy in STRATEGY_ORDERS:

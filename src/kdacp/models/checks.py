@@ -1,16 +1,69 @@
-"""The argument checks of a parallelised model's token mixers: no cache, no padding mask, one set of global
-boundaries, and which modules ``parallelize`` takes."""
+"""The argument checks of a parallelised model: the keyword arguments its forward honours, no cache, no padding
+mask, one set of global boundaries, and which modules ``parallelize`` takes."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
 
 from ..layers.context_parallel import ContextParallel
 
-__all__ = ["SILU_NAMES", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
+__all__ = ["HONOURED_KWARGS", "SILU_NAMES", "CallCheck", "check_training_call", "global_cu_seqlens",
+           "refuse_cache_and_mask", "token_mixers"]
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
+
+# The keyword arguments, besides the forward's named parameters, that a parallelised model's forward honours:
+# transformers passes everything else on to the layers, where kdacp's token mixers would drop it.
+HONOURED_KWARGS = frozenset({
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",  # the global boundaries (model_kwargs())
+    "num_items_in_batch",  # the loss counts its labelled tokens over the loss group itself: the same number
+    "output_hidden_states", "output_router_logits", "return_dict",  # per token: each rank returns its own
+    "past_key_values", "cache_params",  # earlier 5.x cache names: refused as caches by the token mixers
+})
+# Honoured at these values only: the attention is causal and returns no weights.
+_HONOURED_VALUES = {"is_causal": (None, True), "output_attentions": (None, False)}
+
+
+class CallCheck:
+    """A parallelised model's forward pre-hook (``with_kwargs``): refuses, by name and before any layer runs, a
+    keyword argument the forward would not honour, and takes ``cu_seqlens`` (kdacp's name for the global
+    ``[N+1]`` boundaries) as ``cu_seq_lens_q`` / ``cu_seq_lens_k``. ``enabled`` is False while the model runs
+    its own code (:func:`kdacp.models.own_forwards`), which honours them all."""
+
+    def __init__(self, forward):
+        parameters = inspect.signature(forward).parameters.values()
+        self.named = frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
+        self.enabled = True
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self.enabled:
+            return None
+        for name, value in kwargs.items():
+            if name in self.named or name in HONOURED_KWARGS or name == "cu_seqlens":
+                continue
+            if name in _HONOURED_VALUES and value in _HONOURED_VALUES[name]:
+                continue
+            if name in _HONOURED_VALUES:
+                raise ValueError(f"a kdacp.parallelize'd model runs with {name} in {_HONOURED_VALUES[name]}, "
+                                 f"got {name}={value!r}")
+            raise ValueError(f"a kdacp.parallelize'd model does not take {name}=: it would be dropped. Pass "
+                             "kdacp.shard_batch(...).model_kwargs() (input_ids, position_ids, labels and the "
+                             "global boundaries as cu_seq_lens_q/k)")
+        if "cu_seqlens" not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        cu = kwargs.pop("cu_seqlens")
+        if cu is not None:
+            for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+                given = kwargs.get(name)
+                if given is not None and not torch.equal(given, cu):
+                    raise ValueError(f"cu_seqlens and {name} are the same global boundaries; they differ")
+            longest = int((cu[1:] - cu[:-1]).max())
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return args, kwargs
 
 
 def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
@@ -26,7 +79,9 @@ def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
     """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask."""
     if uses_cache:
         raise ValueError("kdacp.parallelize runs without a cache: leave use_cache unset (the parallelised model's "
-                         "default is False) or pass use_cache=False")
+                         "default is False) or pass use_cache=False. To decode, call kdacp.models.generate (the "
+                         "prompt prefilled under context parallelism, then transformers' generate), or run the "
+                         "model's own code inside `with kdacp.models.own_forwards(model):`")
     if attention_mask is not None:
         raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
 

@@ -14,7 +14,7 @@ from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
-from .checks import check_training_call, global_cu_seqlens
+from .checks import CallCheck, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
 
 __all__ = ["install", "mixer_forward"]
@@ -48,8 +48,9 @@ def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], part
     """Replace each linear-attention module's ``forward`` (on the instance) by :func:`mixer_forward` over
     ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route
     the ``attention`` modules through kdacp's attention over ``cp``'s group and layout (``eager``: the model's own eager
-    function), give the model its own config with ``use_cache=False`` and set its ``loss_function`` to
-    :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``).
+    function), give the model its own config with ``use_cache=False``, set its ``loss_function`` to
+    :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``) and check each call's
+    keyword arguments (:class:`kdacp.models.checks.CallCheck`, as ``model._kdacp_call_check``).
 
     Nothing made here holds a module's parameter: the forwards look them up on the module at each call, so
     wrappers applied afterwards (FSDP2's ``fully_shard``, DDP) that replace parameters keep working."""
@@ -68,6 +69,8 @@ def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], part
     for m in model.modules():
         if getattr(m, "config", None) is config:
             m.config = own
+    model._kdacp_call_check = CallCheck(model.forward)
+    model.register_forward_pre_hook(model._kdacp_call_check, with_kwargs=True)
     model.loss_function = functools.partial(causal_lm_loss, group=process_group(
         cp.group if loss_group is None else loss_group, "loss_group"))
     return model

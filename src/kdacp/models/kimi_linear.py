@@ -35,8 +35,9 @@ block-diagonal causal mask (``eager``/``sdpa``) or hands them to flash attention
 global positions derived from them. Without ``cu_seq_lens_q`` the batch is ``B`` unpacked sequences.
 
 Not supported under ``parallelize``: caches (the parallelised model's ``use_cache`` defaults to False; an
-explicit request raises ``ValueError``: training and scoring, not generation), padding masks, returned
-attention weights, ``flex_attention``.
+explicit request raises ``ValueError``; decode with :func:`kdacp.models.generate` or inside
+:func:`kdacp.models.own_forwards`), padding masks, returned attention weights, ``flex_attention``, and any
+keyword argument the forward would drop (refused by name; ``cu_seqlens=`` is taken as ``cu_seq_lens_q/k``).
 """
 from __future__ import annotations
 

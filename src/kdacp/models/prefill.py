@@ -389,7 +389,10 @@ def own_forwards(model):
     installed = {m: vars(m).pop("forward") for m in linear}
     configs = {id(m.config): m.config for m in model.modules()
                if getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTENTION_NAME}
+    call_checks = [m._kdacp_call_check for m in model.modules() if hasattr(m, "_kdacp_call_check")]
     try:
+        for check in call_checks:  # the model's own code honours every argument
+            check.enabled = False
         if attention:
             for config in configs.values():
                 config._attn_implementation = attention[0]._kdacp_ulysses.inner_name
@@ -397,6 +400,8 @@ def own_forwards(model):
     finally:
         for m, forward in installed.items():
             m.forward = forward
+        for check in call_checks:
+            check.enabled = True
         for config in configs.values():
             config._attn_implementation = ATTENTION_NAME
 

@@ -28,7 +28,9 @@ from the model's ``forward``) to the linear-attention module as well as to the a
 installed version: a packed batch would fail its tolerance otherwise).
 
 Not supported under ``parallelize``: caches (``use_cache`` defaults to False; an explicit request raises
-``ValueError``), padding masks, returned attention weights, ``flex_attention``.
+``ValueError``; decode with :func:`kdacp.models.generate` or inside :func:`kdacp.models.own_forwards`), padding
+masks, returned attention weights, ``flex_attention``, and any keyword argument the forward would drop (refused
+by name; ``cu_seqlens=`` is taken as ``cu_seq_lens_q/k``).
 """
 from __future__ import annotations
 
