@@ -513,18 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-<<<<<<< HEAD
-    bench.add_argument("--family", default=None, choices=("kda", "gdn", "conv"),
-                       help="kernels, cp and overhead suites: KDA (Kimi Linear's per-channel gate and shapes), or "
-                            "GDN (the scalar gate at Qwen3-Next shapes); kernels suite only: conv (the short "
-                            "convolution against FLA's) (default: kda; overhead: both)")
+    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None, "kernels, cp and overhead suites",
+                default_text="kda; overhead: both")
     bench.add_argument("--summary-precision", default=None, choices=[p.value for p in SummaryPrecision],
                        help="overhead suite: the summary kernels' precision policy (default: the dtype's; the "
                             "kernels suite times every policy)")
-=======
-    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None, "kernels, cp and overhead suites",
-                default_text="kda; overhead: both")
->>>>>>> misc
     bench.add_argument("--out", default="results",
                        help="folder for the JSON, Markdown and PNG files (default: %(default)s)")
     _add_launch_options(bench,

@@ -125,18 +125,12 @@ class _TimedBackend:
         return lambda *args, **kwargs: self._timer.run(stage, lambda: fn(*args, **kwargs))
 
 
-<<<<<<< HEAD
 def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device,
               summary_precision=None):
     """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family`` (``summary_precision`` as
     :func:`kdacp.chunk_kda`'s)."""
-    x = make_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, dtype, device)
-=======
-def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device):
-    """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family``."""
     x = random_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, gate=family,
                       dtype=dtype, device=device)
->>>>>>> misc
     if family == "kda":
         return (prepare_call(backend, **x, scale=None, summary_precision=summary_precision, **KDA_OPTIONS),
                 torch.randn_like(x["v"]))
