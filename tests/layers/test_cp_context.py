@@ -83,24 +83,30 @@ def test_halo_per_range_4_ranks():
     run_ranks(_check, 4, cases, refs)
 
 
-@pytest.mark.parametrize("fused, dtype, tol", [(False, torch.float64, 1e-13), (True, torch.float32, 1e-5)])
-def test_conv_with_a_halo_per_range_equals_the_whole_convolution(fused, dtype, tol):
+@pytest.mark.parametrize("fused, dtype, tol, device", [
+    (False, torch.float64, 1e-13, "cpu"), (True, torch.float32, 1e-5, "cpu"),
+    pytest.param(True, torch.float32, 1e-5, "cuda", marks=pytest.mark.gpu)])
+def test_conv_with_a_halo_per_range_equals_the_whole_convolution(fused, dtype, tol, device):
     """Three ranges of one rank (the middle one a single token) with halos cut from the whole sequence, the
-    PyTorch path and the Triton kernels (under the interpreter on CPU): the ranges' outputs and gradients."""
+    PyTorch path and the Triton kernels (under the interpreter on CPU, compiled on a GPU): the ranges' outputs
+    and gradients."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     gen = torch.Generator().manual_seed(0)
     T, rows = 30, 2
-    x = torch.randn(rows, T, D, generator=gen, dtype=dtype, requires_grad=True)
-    weight, bias = torch.randn(D, W, generator=gen, dtype=dtype), torch.randn(D, generator=gen, dtype=dtype)
+    x = torch.randn(rows, T, D, generator=gen, dtype=dtype).to(device).requires_grad_()
+    weight, bias = (t.to(device) for t in (torch.randn(D, W, generator=gen, dtype=dtype),
+                                           torch.randn(D, generator=gen, dtype=dtype)))
     ranges = [(3, 9), (13, 14), (20, 27)]  # W-1 or more apart: a halo token feeds only its range's outputs
     full = causal_conv1d(x, weight, bias)
-    own = torch.cat([torch.arange(s, e) for s, e in ranges])
+    own = torch.cat([torch.arange(s, e) for s, e in ranges]).to(device)
     x_own = x.detach()[:, own].clone().requires_grad_()
     halo = torch.stack([x.detach()[:, s - W + 1:s] for s, _ in ranges], dim=1).requires_grad_()
     cu = torch.tensor([0, 6, 7, 14])
-    y = causal_conv1d(x_own, weight, bias, halo=halo, cu_seqlens=cu, cu_seqlens_cpu=cu, fused=fused,
+    y = causal_conv1d(x_own, weight, bias, halo=halo, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu, fused=fused,
                       range_starts=(0, 6, 7))
     assert rel_err(y, full[:, own]) < tol
-    w = torch.randn(y.shape, generator=gen, dtype=dtype)
+    w = torch.randn(y.shape, generator=gen, dtype=dtype).to(device)
     (dx,) = torch.autograd.grad((full * torch.zeros_like(full).index_copy(1, own, w)).sum(), x)
     (y * w).sum().backward()
     assert rel_err(x_own.grad, dx[:, own]) < tol
