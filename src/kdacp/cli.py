@@ -14,7 +14,8 @@ from .backends import BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
-from .demo import DTYPES, hybrid_ulysses_size, rank_count
+from .demo import DTYPES, rank_count
+from .layers.context_parallel import hybrid_ulysses_size
 from .distributed.plan import STRATEGY_CHOICES
 from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES

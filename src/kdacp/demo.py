@@ -31,13 +31,13 @@ import torch.nn.functional as F
 from .backends import resolve_backend
 from .distributed import build_cp_plan, new_cp_group
 from .layers import ContextParallel
-from .layers.context_parallel import MODES
+from .layers.context_parallel import MODES, hybrid_ulysses_size
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompile import precompile
 from .workers import RankContext
 
 __all__ = ["CONV_SIZE", "DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
-           "demo_model", "demo_step", "demo_worker", "hybrid_ulysses_size", "rank_count"]
+           "demo_model", "demo_step", "demo_worker", "rank_count"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.
@@ -65,12 +65,6 @@ CONV_SIZE = 4
 # the one-process reference (rank 0; the other ranks wait for it in ``checks``); broadcasting the
 # reference and comparing with it, and the optimizer steps.
 PHASES = ("build", "steps", "reference", "checks")
-
-
-def hybrid_ulysses_size(world_size: int) -> int | None:
-    """The default Ulysses group size of ``hybrid`` mode: the smallest divisor of ``world_size`` strictly
-    between 1 and it (None if there is none)."""
-    return next((d for d in range(2, world_size) if world_size % d == 0), None)
 
 
 def rank_count(n: int) -> str:

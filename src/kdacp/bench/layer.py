@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kdacp.demo import hybrid_ulysses_size
+from kdacp.layers.context_parallel import hybrid_ulysses_size
 from kdacp.distributed import new_cp_group
 from kdacp.distributed.plan import local_cu_seqlens
 from kdacp.layers import ContextParallel, KimiDeltaAttention

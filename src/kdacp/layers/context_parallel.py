@@ -27,7 +27,7 @@ from ..distributed.layout import LAYOUTS, TokenLayout
 from .comm import heads_to_time, time_to_heads
 from .cp_context import CPContext, build_cp_context
 
-__all__ = ["ContextParallel", "SINGLE_DEVICE", "MODES"]
+__all__ = ["ContextParallel", "SINGLE_DEVICE", "MODES", "hybrid_ulysses_size"]
 
 MODES = ("state", "ulysses", "hybrid")
 
@@ -96,6 +96,12 @@ def _check_layout(layout, mode: str) -> None:
                          f"layout='contiguous', got {layout!r} (only mode='state' follows another layout)")
 
 
+def hybrid_ulysses_size(world_size: int) -> int | None:
+    """The default Ulysses group size of ``hybrid`` mode: the smallest divisor of ``world_size`` strictly
+    between 1 and it (None if there is none)."""
+    return next((d for d in range(2, world_size) if world_size % d == 0), None)
+
+
 class ContextParallel(_SingleDevice):
     """Context-parallel execution of KDA layers over a process group.
 
@@ -107,7 +113,8 @@ class ContextParallel(_SingleDevice):
         group: the context-parallel process group (default: the world); best one from
             :func:`kdacp.new_cp_group` (high-priority NCCL streams, its own queue). From a ``DeviceMesh``:
             :meth:`from_mesh`.
-        ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``).
+        ulysses_size: Ulysses group size for ``hybrid`` (``1 < ulysses_size < P``, divides ``P``; default
+            :func:`hybrid_ulysses_size`, the smallest such divisor).
         strategy: state-exchange strategy for ``chunk_kda`` (one of ``kdacp.distributed.STRATEGIES``:
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
@@ -132,6 +139,8 @@ class ContextParallel(_SingleDevice):
         ranks = dist.get_process_group_ranks(group)
         P = len(ranks)
         if mode == "hybrid":
+            if ulysses_size is None:
+                ulysses_size = hybrid_ulysses_size(P)
             if ulysses_size is None or not 1 < ulysses_size < P or P % ulysses_size:
                 raise ValueError(f"hybrid mode needs 1 < ulysses_size < P with P % ulysses_size == 0; "
                                  f"got ulysses_size={ulysses_size}, P={P}")
