@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 
 from ..layers.context_parallel import ContextParallel
+from .batch import LAYOUT_KWARG
 
-__all__ = ["SILU_NAMES", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
+__all__ = ["SILU_NAMES", "batch_layout", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
@@ -20,6 +21,12 @@ def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
     if cu is not None and cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
         raise ValueError("under kdacp.parallelize, cu_seq_lens_q and cu_seq_lens_k are the same global boundaries")
     return cu
+
+
+def batch_layout(kwargs: dict):
+    """Pop and return the token layout a token mixer received from :meth:`kdacp.ShardedBatch.model_kwargs`
+    (a :class:`~kdacp.distributed.layout.TokenLayout`, present only where it is not the contiguous one), or None."""
+    return kwargs.pop(LAYOUT_KWARG, None)
 
 
 def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:

@@ -14,7 +14,7 @@ from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
-from .checks import check_training_call, global_cu_seqlens
+from .checks import batch_layout, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
 
 __all__ = ["install", "mixer_forward"]
@@ -30,6 +30,10 @@ def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_st
     Under :func:`kdacp.models.prefill` (``cache`` its :class:`PrefillCache`) the layer runs on the pass's hooks
     (:meth:`PrefillCache.layer`): from the cached states, recording its final ones."""
     cu_seqlens = global_cu_seqlens(kwargs)
+    layout = batch_layout(kwargs)
+    if layout is not None:
+        raise ValueError(f"a batch sharded under a layout other than the contiguous one ({layout.ranges[0]} on rank 0) "
+                         "needs a model parallelised for that layout")
     layer = None
     if isinstance(cache, PrefillCache):  # the cache refusal below stands for every other cache
         layer, cache = cache.layer(cp, module.layer_idx), None
