@@ -104,12 +104,28 @@ def _sync_intervals(text: str) -> tuple[int, ...]:
     return _int_list(text, 0, "comma-separated integers >= 0 such as 0,3")
 
 
-def _scaling_case(args: argparse.Namespace) -> dict:
-    """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
-    link = {name: value * scale for name, value, scale in (
+def _link_figures(args: argparse.Namespace) -> dict:
+    """The link figures given on the command line, converted to seconds and bytes/s."""
+    return {name: value * scale for name, value, scale in (
         ("latency_s", args.link_latency_us, 1e-6), ("bandwidth", args.link_bandwidth_gbs, 1e9),
         ("gather_latency_s", args.gather_latency_us, 1e-6), ("gather_bandwidth", args.gather_bandwidth_gbs, 1e9))
         if value is not None}
+
+
+def _hybrid_case(args: argparse.Namespace) -> dict:
+    """The hybrid suite's options from the command line."""
+    case = dict(calibration=args.calibration, attention_tflops=args.attention_tflops, link=_link_figures(args) or None,
+                heads=args.heads, head_dim=args.head_dim, backend=args.backend)
+    if args.seq_lens:
+        case["tokens"] = tuple(args.seq_lens)
+    if args.predict_ranks:
+        case["world_sizes"] = tuple(args.predict_ranks)
+    return case
+
+
+def _scaling_case(args: argparse.Namespace) -> dict:
+    """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
+    link = _link_figures(args)
     case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                 backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
@@ -234,13 +250,15 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead", "hybrid", "balance"),
                   "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
-                  "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
-                  "heads": ("layer", "scaling", "overhead"), "head_dim": ("layer", "scaling", "overhead"),
+                  "backend": ("layer", "scaling", "overhead", "hybrid"), "hidden": ("layer",),
+                  "heads": ("layer", "scaling", "overhead", "hybrid", "balance"),
+                  "head_dim": ("layer", "scaling", "overhead", "hybrid", "balance"),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
-                  "step_layers": ("scaling",), "sync_every": ("scaling",)}
+                  "step_layers": ("scaling",), "sync_every": ("scaling",), "calibration": ("hybrid",),
+                  "attention_tflops": ("hybrid",), "predict_ranks": ("scaling", "hybrid", "balance")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -275,6 +293,11 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
         cases = [{} if args.steps is None else {"steps": args.steps}]
     elif args.suite == "scaling":
         cases = [_scaling_case(args)]
+    elif args.suite == "hybrid":
+        cases = [_hybrid_case(args)]
+    elif args.suite == "balance":
+        cases = [dict(tokens=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
+                      **({"world_sizes": args.predict_ranks} if args.predict_ranks else {}))]
     elif args.suite == "overhead":
         cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                       backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"))]
@@ -334,12 +357,17 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
               file=sys.stderr)
         return 2
-    if args.measured is not None and not os.path.isfile(args.measured):
-        print(f"kdacp bench: --measured {args.measured}: no such file", file=sys.stderr)
-        return 2
+    for flag, path in (("--measured", args.measured), ("--calibration", args.calibration)):
+        if path is not None and not os.path.isfile(path):
+            print(f"kdacp bench: {flag} {path}: no such file", file=sys.stderr)
+            return 2
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
+    if args.suite == "balance" and args.seq_lens and len(args.seq_lens) > 1:
+        print(f"kdacp bench: --suite balance takes one --seq-lens value (the sequence), got {len(args.seq_lens)}",
+              file=sys.stderr)
+        return 2
     if args.suite == "overhead" and args.seq_lens and len(args.seq_lens) > 1:
         print(f"kdacp bench: --suite overhead takes one --seq-lens value (tokens per rank), got "
               f"{len(args.seq_lens)}", file=sys.stderr)
@@ -451,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", required=True, choices=SUITES,
                        help=f"what to run; on CPU: {', '.join(CPU_SUITES)}")
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling) (default: kernels 16384; "
+                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling; the whole sequence for hybrid and "
+                            "balance) (default: kernels 16384; hybrid 131072,524288,1048576; balance 131072; "
                             f"cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL})")
     bench.add_argument("--batches", type=_batches, default=None,
                        help=f"cp/layer/gdn/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: "
@@ -495,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gather-bandwidth-gbs", type=_positive_float, default=None,
                        help="scaling suite: all-gather bandwidth per ring step in GB/s (default: 300)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
-                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
+                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024); hybrid and "
+                            "balance: the rank counts (default: 8,16,64)")
     bench.add_argument("--step-layers", type=_positive_int, default=None,
                        help="scaling suite: token-mixer layers of the step model's training step (default: 36, "
                             "Qwen3-Next-80B's Gated DeltaNet layers)")
@@ -505,6 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sleep-check", action="store_true",
                        help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
                             "whose stages sleep (no compute, so no contention for cores)")
+    bench.add_argument("--calibration", default=None, metavar="JSON",
+                       help="hybrid suite: a scaling suite's JSON whose stage and link figures are used instead of "
+                            "measuring here")
+    bench.add_argument("--attention-tflops", type=_positive_float, default=None,
+                       help="hybrid suite: achieved causal-attention throughput in TFLOP/s (the balance suite's "
+                            "step_tflops; default 400)")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
     bench.add_argument("--port", type=_port, default=0,

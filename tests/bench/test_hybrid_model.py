@@ -143,3 +143,38 @@ def test_shapes_are_transformers_defaults():
     q = HYBRID_MODELS["qwen3-next-80b"]
     assert (q.HV, q.K, q.V, q.H_kv, q.Dqk) == (qwen.linear_num_value_heads, qwen.linear_key_head_dim,
                                              qwen.linear_value_head_dim, qwen.num_key_value_heads, qwen.head_dim)
+
+
+def test_calibration_rows_round_trip_and_the_suite_reads_them(tmp_path):
+    """A scaling suite's recorded calibration read back (:func:`read_calibration`) is what was written, and the
+    hybrid suite predicts from it: a row per model, T, P and applicable scheme."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from kdacp.bench.calibration import Calibration, calibration_rows, read_calibration
+    role = {r: RoleStages(1e-3 * (i + 1), 2e-5, 3e-4) for i, r in enumerate(("first", "through", "last"))}
+    st = StageTimes(forward=role, backward=role, one_device=(1.32e-3, 1.32e-3), apply_s=8e-6, compose_s=1.7e-5,
+                    copy_s_per_byte=1e-12)
+    link = Link(2e-5, 3e11, 2.5e-5, 2e11)
+    rows = calibration_rows(Calibration(st, link, "given"), 16384, 32, 128, "fla", torch.bfloat16)
+    back, setup = read_calibration(rows)
+    assert back.stages == st and back.link == link and setup["T_local"] == 16384
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps({"rows": rows}))
+    out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "hybrid", "--device", "cpu",
+                          "--calibration", str(path), "--seq-lens", "4096", "--predict-ranks", "2,4",
+                          "--attention-tflops", "300", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads((tmp_path / "hybrid.json").read_text())["rows"]
+    assert got[0]["attention_tflops"] == 300 and got[0]["gather_bandwidth_GBs"] == 200
+    model_rows = [r for r in got if r["source"] == "model"]
+    assert {(r["model"], r["P"], r["scheme"]) for r in model_rows} == {
+        (m, P, s) for m in HYBRID_MODELS for P in (2, 4) for s in SCHEMES}
+    assert all(0 < r["efficiency"] <= 1.0 + 1e-9 for r in model_rows)
+    assert "zigzag+gather" in (tmp_path / "hybrid.md").read_text()
+    with pytest.raises(ValueError, match="missing"):
+        read_calibration(rows[1:])
