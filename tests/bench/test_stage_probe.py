@@ -25,9 +25,9 @@ def _call(probe: StageProbe, wait, parts_s) -> torch.Tensor:
     the probe handed back at the receive (read it after ``probe.finish()``: reading it syncs the host)."""
     pending = probe.begin(_route(probe.device))
     wait(parts_s[0])
-    probe.send(pending, None)
+    probe.send(pending, [None])
     wait(parts_s[1])
-    incoming = probe.receive(pending)
+    (incoming,) = probe.receive(pending)
     wait(parts_s[2])
     return incoming
 

@@ -9,9 +9,9 @@ def _plan(cu=None, lengths=None, batch_size=1, world_size=3):
 
 def test_packed_layout_cuts_sequences_at_rank_boundaries():
     layouts = _plan(cu=(0, 5, 100, 130), lengths=(40, 50, 40)).layouts(40)
-    assert layouts[0].segments == (LocalSegment(0, 0, 5, False, False), LocalSegment(1, 5, 40, False, True))
-    assert layouts[1].segments == (LocalSegment(1, 0, 50, True, True),)
-    assert layouts[2].segments == (LocalSegment(1, 0, 10, True, False), LocalSegment(2, 10, 40, False, False))
+    assert layouts[0].segments == (LocalSegment(0, 0, 5, False, False, 0), LocalSegment(1, 5, 40, False, True, 0))
+    assert layouts[1].segments == (LocalSegment(1, 0, 50, True, True, 1),)
+    assert layouts[2].segments == (LocalSegment(1, 0, 10, True, False, 2), LocalSegment(2, 10, 40, False, False, 2))
     assert [lay.through for lay in layouts] == [False, True, False]
     assert layouts[2].head_end == 10 and layouts[2].tail_start == 40 and layouts[0].tail_start == 5
     assert layouts[2].cu_seqlens(0, 40) == [0, 10, 40] and layouts[2].cu_seqlens(10, 40) == [0, 30]
@@ -20,7 +20,7 @@ def test_packed_layout_cuts_sequences_at_rank_boundaries():
 def test_batch_rows_and_open_equal_split():
     plan = _plan(batch_size=2)
     layouts = plan.layouts(7)  # T_local read from the call
-    assert layouts[1].segments == (LocalSegment(0, 0, 7, True, True), LocalSegment(1, 7, 14, True, True))
+    assert layouts[1].segments == (LocalSegment(0, 0, 7, True, True, 1), LocalSegment(1, 7, 14, True, True, 1))
     assert layouts[0].num_send == 2 and layouts[0].num_receive == 0 and layouts[2].num_send == 0
 
 

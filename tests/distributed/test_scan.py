@@ -136,7 +136,7 @@ class _Mailbox:
 def test_scan_exchange_in_one_process(P, backward, monkeypatch):
     """:class:`ScanExchange` itself (begin / send / receive on every rank, the orchestration's calls)
     over an in-process mailbox, in both directions (the backward route runs ranks in descending
-    order; ``Route.emits`` / ``affine`` are indexed by rank), against the sequential fold. Receives
+    order; ``Route.emits`` / ``affine`` are indexed by position), against the sequential fold. Receives
     run in route order, so a rank that needed a message from a later position would fail here."""
     from kdacp.distributed import strategies
     rng, gen = random.Random(7 * P + backward), torch.Generator().manual_seed(P)
@@ -150,14 +150,13 @@ def test_scan_exchange_in_one_process(P, backward, monkeypatch):
         order = tuple(reversed(range(P))) if backward else tuple(range(P))
         by_rank = {r: i for i, r in enumerate(order)}
         n = max(max(emits), 1)
-        routes = [strategies.Route(r, ("fake", r), order, tuple(emits[by_rank[q]] for q in range(P)),
-                                   tuple(affine[by_rank[q]] for q in range(P)), (n, 2, 3, 4), torch.float64,
+        routes = [strategies.Route(r, ("fake", r), order, tuple(emits), tuple(affine), (n, 2, 3, 4), torch.float64,
                                    torch.device("cpu")) for r in range(P)]
         exchange = make_exchange("scan")
         pendings = [exchange.begin(route) for route in routes]
         for r in range(P):
-            exchange.send(pendings[r], messages[by_rank[r]])
-        got = {r: exchange.receive(pendings[r]) for r in order}
+            exchange.send(pendings[r], [messages[by_rank[r]]])
+        got = {r: exchange.receive(pendings[r])[0] for r in order}
         for pending in pendings:
             pending.finish_sends()
         assert not box.mail, "messages nobody received"

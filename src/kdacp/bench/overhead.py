@@ -70,13 +70,14 @@ class ReadyExchange:
     def begin(self, route) -> Pending:
         return Pending(route)
 
-    def send(self, pending: Pending, message) -> None:
-        pending.message = message
+    def send(self, pending: Pending, messages) -> None:
+        pending.messages = dict(zip(pending.route.positions, messages))
 
-    def receive(self, pending: Pending):
-        route, message = pending.route, pending.message
+    def receive(self, pending: Pending) -> list:
+        route = pending.route
+        (message,) = pending.messages.values()  # a rank of the contiguous layout: one position
         if route.predecessor is None:
-            return None
+            return [None]
         key = (route.shape, route.dtype, route.device)
         if key not in self._ready:
             self._ready[key] = torch.zeros(route.shape, dtype=route.dtype, device=route.device)
@@ -84,7 +85,7 @@ class ReadyExchange:
         if route.successor is not None and message is not None and message.transition is not None:
             apply = lambda: message.apply(x).to(route.dtype)  # noqa: E731
             self.timer.run("apply", apply) if self.timer else apply()
-        return x
+        return [x]
 
 
 class StageTimer:

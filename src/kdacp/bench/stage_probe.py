@@ -102,8 +102,8 @@ class StageProbe:
     def begin(self, route) -> Pending:
         return Pending(route)
 
-    def send(self, pending: Pending, message) -> None:
-        pending.message = message
+    def send(self, pending: Pending, messages) -> None:
+        pending.messages = dict(zip(pending.route.positions, messages))
         self.stamp("send")
 
     def receive(self, pending: Pending):
@@ -111,7 +111,7 @@ class StageProbe:
         route = pending.route
         x = None if route.predecessor is None else torch.zeros(route.shape, dtype=route.dtype, device=route.device)
         self.stamp("received")
-        return x
+        return [x]
 
 
 def _plan(rank: int, world: int, T: int) -> CPPlan:

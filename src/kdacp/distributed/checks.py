@@ -93,7 +93,8 @@ def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kern
         raise ValueError(f"the plan has batch_size={plan.batch_size} but q has B={dims.B}")
     expected = plan.lengths_for(dims.T)[plan.rank]
     if dims.T != expected:
-        raise ValueError(f"rank {plan.rank} holds {expected} tokens in the plan but q has T_local={dims.T}")
+        raise ValueError(f"rank {plan.rank} holds {expected} tokens in the plan's layout (layout.local_lengths"
+                         f"[{plan.rank}]) but q has T_local={dims.T}: pass the rank's ranges' tokens, concatenated")
     if initial_state is not None:
         check_tensor("initial_state", initial_state, 4)
         want = (plan.num_sequences, dims.HV, dims.K, dims.V)

@@ -54,11 +54,11 @@ from functools import lru_cache
 
 import torch
 
-from ..affine import entry_states
+from ..affine import apply_state_summary, entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
 from . import comm
-from .plan import CPPlan, through_ranks
+from .plan import CPPlan, RankLayout, chain_links
 from .strategies import AffineMessage, Route, StateExchange, make_exchange
 
 __all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
@@ -92,17 +92,18 @@ class CPGrads(LocalGrads):
 
 @lru_cache(maxsize=ROUTES)
 def _routes(plan: CPPlan, local_length: int, state_shape, dtype, device) -> tuple[Route, Route]:
-    """The forward route (states, rank r -> r + 1) and the backward route (gradients, r -> r - 1) of
-    ``plan``'s layouts for ``local_length`` tokens per batch row. Routes are frozen and hold no per-call
-    state, so the newest are kept (:data:`~kdacp.caches.ROUTES`; every layer of a step asks for the same)."""
-    P, layouts = plan.world_size, plan.layouts(local_length)
-    through = through_ranks(layouts)
-    n = max(max(lay.num_send for lay in layouts), 1)
+    """The forward route (states, along the layout's chain in token order) and the backward route
+    (gradients, the chain reversed) of ``plan``'s layouts for ``local_length`` tokens per batch row. Routes
+    are frozen and hold no per-call state, so the newest are kept (:data:`~kdacp.caches.ROUTES`; every
+    layer of a step asks for the same)."""
+    links = chain_links(plan.layouts(local_length))
+    holders, through = tuple(link.rank for link in links), tuple(link.through for link in links)
+    n = max(max(link.num_send for link in links), 1)
     shape = (n, *state_shape)
-    forward = Route(plan.rank, plan.group, tuple(range(P)), tuple(lay.num_send for lay in layouts), through,
+    forward = Route(plan.rank, plan.group, holders, tuple(link.num_send for link in links), through,
                     shape, dtype, device)
-    backward = Route(plan.rank, plan.group, tuple(reversed(range(P))), tuple(lay.num_receive for lay in layouts),
-                     through, shape, dtype, device)
+    backward = Route(plan.rank, plan.group, holders[::-1], tuple(link.num_receive for link in links)[::-1],
+                     through[::-1], shape, dtype, device)
     return forward, backward
 
 
@@ -137,6 +138,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     layout = layouts[plan.rank]
     route, _ = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, device)
     exchange = exchange or make_exchange(plan.strategy)
+    if len(layout.positions) > 1:
+        return _forward_positions(backend, plan, layout, route, exchange, inputs, initial_state, output_final_state,
+                                  state_dtype)
+    position = layout.positions[0]
     pending = exchange.begin(route)
 
     head, rest = layout.head, layout.after_head
@@ -148,7 +153,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
     message, transition, rest_states, rest_o, pieces = None, None, None, None, None
-    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
+    if route.affine[position]:  # a through rank: its one segment both receives and sends
         summary = backend.state_summary(chunks, head, with_transition=True, parts=backend.parallel_pieces)
         if backend.parallel_pieces:
             pieces, summary = summary, summary.summary
@@ -156,10 +161,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
         rest_states = backend.state_pass(chunks, rest, known_initial, True)
         message = AffineMessage(rest_states.final_state[-layout.num_send:])
-    exchange.send(pending, message)
+    exchange.send(pending, (message,))
     if rest_states is not None:
         rest_o = backend.output(chunks, rest, known_initial, rest_states)
-    incoming = exchange.receive(pending)
+    incoming, = exchange.receive(pending)
     local_initial = _rows([(incoming, layout.num_receive), (known_initial if n_known else None, n_known)])
     kept = None
     if pieces is not None and len(pieces.starts) > len(pieces.counts):
@@ -227,6 +232,10 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         dht_all = comm.all_reduce_sum(dht_all, plan.group)
     _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
     exchange = exchange or make_exchange(plan.strategy)
+    if len(layout.positions) > 1:
+        return _backward_positions(backend, plan, layout, route, exchange, saved, local_initial, transition, do,
+                                   dht_all, has_initial_state)
+    position = len(route.order) - 1 - layout.positions[0]  # the backward route runs the chain reversed
     pending = exchange.begin(route)
 
     n_head, n_known = layout.num_receive, len(segments) - layout.num_send
@@ -235,7 +244,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
                                    head_states)
     final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
-    if route.affine[plan.rank]:  # a through rank: its one segment both receives and sends
+    if route.affine[position]:  # a through rank: its one segment both receives and sends
         message = AffineMessage(backend.state_gradient_summary(local), transition.transpose(-1, -2))
     elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
         states = backend.backward_states(local, final_grads)
@@ -244,8 +253,8 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
         head_dht = None if final_grads is None else final_grads[:n_head]
         message = AffineMessage(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
-    exchange.send(pending, message)
-    dS_out = exchange.receive(pending)
+    exchange.send(pending, (message,))
+    dS_out, = exchange.receive(pending)
     if states is None:
         states = backend.backward_states(local, _rows([(final_grads, n_known), (dS_out, layout.num_send)]))
     grads = backend.backward_inputs(states)
@@ -254,4 +263,112 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     dinitial_state = None
     if has_initial_state:  # the segments that start here form a suffix
         dinitial_state = _by_sequence(plan, segments, states.dinitial_state, slice(n_head, None))
+    return CPGrads(**vars(grads), dinitial_state=dinitial_state)
+
+
+def _state_rows(rows: list) -> torch.Tensor | None:
+    """``[len(rows), HV, K, V]``: the rows (``None``: zeros); ``None`` when every row is ``None`` (zero
+    states are passed to the backends as none)."""
+    like = next((r for r in rows if r is not None), None)
+    if like is None:
+        return None
+    return torch.stack([like.new_zeros(like.shape) if r is None else r for r in rows])
+
+
+def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
+                       exchange: StateExchange, inputs: KDAInputs, initial_state: torch.Tensor | None,
+                       output_final_state: bool, state_dtype: torch.dtype) -> CPForward:
+    """The forward of a rank holding several positions of the chain (ranges of the layout): one launch set
+    over all of its tokens. Its messages come from one summary over the whole rank (each sending segment's
+    ``S_ext``, with ``M`` where the message is affine or an initial state enters); after the exchange, one
+    state pass and one output over the whole rank, each segment from its incoming, given or zero state."""
+    segments = layout.segments
+    HV, K, V = inputs.v.shape[2], inputs.q.shape[3], inputs.v.shape[3]
+    pending = exchange.begin(route)
+    chunks = backend.prepare(inputs, layout.whole)
+    given = None if initial_state is None else initial_state.to(state_dtype)
+    summary = None
+    if any(s.sends for s in segments):
+        with_transition = given is not None or any(s.sends and s.receives for s in segments)
+        summary = backend.state_summary(chunks, layout.whole, with_transition=with_transition)
+    messages = []
+    for p in route.positions:
+        rows = [j for j, s in enumerate(segments) if s.position == p and s.sends]
+        if not rows:
+            messages.append(None)
+        elif route.affine[p]:
+            messages.append(AffineMessage(summary.state[rows], summary.transition[rows]))
+        elif given is None:  # the sequences start in this range, from zero
+            messages.append(AffineMessage(summary.state[rows]))
+        else:  # ... from their given initial states
+            starts = given[[segments[j].sequence for j in rows]]
+            messages.append(AffineMessage(apply_state_summary(summary.state[rows], summary.transition[rows], starts)))
+    exchange.send(pending, messages)
+    incoming = dict(zip(route.positions, exchange.receive(pending)))
+    seen = {p: 0 for p in route.positions}
+    starts = []
+    for s in segments:
+        if s.receives:
+            starts.append(incoming[s.position][seen[s.position]])
+            seen[s.position] += 1
+        else:
+            starts.append(None if given is None else given[s.sequence])
+    local_initial = _state_rows(starts)
+    states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
+    o = backend.output(chunks, layout.whole, local_initial, states)
+    pending.finish_sends()
+    final_state = None
+    if output_final_state:  # each sequence ends in one segment, somewhere in the chain
+        final_state = states.final_state.new_zeros(plan.num_sequences, HV, K, V)
+        ends = [j for j, s in enumerate(segments) if not s.sends]
+        final_state[[segments[j].sequence for j in ends]] = states.final_state[ends]
+        final_state = comm.all_reduce_sum(final_state, plan.group)
+    if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
+        local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
+    transition = None if summary is None or not any(route.affine[p] for p in route.positions) else summary.transition
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, None)
+
+
+def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
+                        exchange: StateExchange, saved, local_initial: torch.Tensor,
+                        transition: torch.Tensor | None, do: torch.Tensor, dht_all: torch.Tensor | None,
+                        has_initial_state: bool) -> CPGrads:
+    """The backward of a rank holding several positions, mirroring :func:`_forward_positions`: the local
+    backward over the whole rank; where a range's first segment receives, a gradient state pass with the
+    known final-state gradients (zero where a segment sends) gives each message (a through position's ``G``,
+    with ``M^T``); after the exchange, the gradient state pass and the input gradients over the whole rank."""
+    segments = layout.segments
+    L = len(route.order)
+    pending = exchange.begin(route)
+    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None, None)
+    known = [None if dht_all is None or s.sends else dht_all[s.sequence] for s in segments]
+    messages = []
+    if any(s.receives for s in segments):
+        pre = backend.backward_states(local, _state_rows(known))
+        for i in route.positions:
+            rows = [j for j, s in enumerate(segments) if s.position == L - 1 - i and s.receives]
+            if not rows:
+                messages.append(None)
+            elif route.affine[i]:  # with dS_out = 0 the pass gives G
+                messages.append(AffineMessage(pre.dinitial_state[rows], transition[rows].transpose(-1, -2)))
+            else:
+                messages.append(AffineMessage(pre.dinitial_state[rows]))
+    else:
+        messages = [None] * len(route.positions)
+    exchange.send(pending, messages)
+    incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
+    seen = {p: 0 for p in incoming}
+    dht = list(known)
+    for j, s in enumerate(segments):
+        if s.sends:
+            dht[j] = incoming[s.position][seen[s.position]]
+            seen[s.position] += 1
+    states = backend.backward_states(local, _state_rows(dht))
+    grads = backend.backward_inputs(states)
+    pending.finish_sends()
+    dinitial_state = None
+    if has_initial_state:  # each sequence starts in one segment
+        first = [j for j, s in enumerate(segments) if not s.receives]
+        dinitial_state = states.dinitial_state.new_zeros(plan.num_sequences, *states.dinitial_state.shape[1:])
+        dinitial_state[[segments[j].sequence for j in first]] = states.dinitial_state[first]
     return CPGrads(**vars(grads), dinitial_state=dinitial_state)

@@ -1,17 +1,23 @@
-"""State exchange strategies: how a rank's incoming state (forward) or state gradient (backward)
-is obtained from the other ranks' messages.
+"""State exchange strategies: how each chain position's incoming state (forward) or state gradient
+(backward) is obtained from the other positions' messages.
 
-Every rank that passes something on emits an :class:`AffineMessage` ``x_out = A x_in + b``:
-``A`` is ``None`` where the rank knows its outgoing value outright (the first rank of a chain),
-and ``M`` (forward) or ``M^T`` (backward) on ranks strictly inside a chain. A strategy turns the
-messages into each rank's incoming value. Both directions use the same code on a :class:`Route`:
-``p2p`` (wavefront), ``allgather`` (one collective, local fold) and ``scan`` (segmented prefix scan
-in ``ceil(log2 P)`` rounds of point-to-point messages).
+The chain's positions are the layout's ranges in the direction states flow (global token order forward,
+reversed backward); a rank holds one position (the contiguous layout) or several. Every position that
+passes something on emits an :class:`AffineMessage` ``x_out = A x_in + b``: ``A`` is ``None`` where the
+position knows its outgoing value outright (a chain start), and ``M`` (forward) or ``M^T`` (backward) on
+positions strictly inside a chain. A strategy turns the messages into each position's incoming value.
+Both directions use the same code on a :class:`Route`: ``p2p`` (wavefront), ``allgather`` (one
+collective, local fold) and ``scan`` (segmented prefix scan in ``ceil(log2 L)`` rounds of point-to-point
+messages over ``L`` positions). A message between two positions of one rank is handed over in memory.
+
+Matching: NCCL and gloo match the point-to-point messages between two ranks in the order they were posted.
+A rank posts its receives in the order it later reads them, and its sends to each peer go out in the same
+order (:class:`_OrderedSends`), however early each one's value is known.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Protocol
 
 import torch
@@ -42,10 +48,11 @@ class AffineMessage:
 class Route:
     """One direction of the exchange, seen from ``rank``.
 
-    ``order`` lists the group's ranks in the direction states flow (ascending forward, descending
-    backward). For every rank ``emits[r]``: messages it passes to its successor in ``order``
-    (0 or ``n``); ``affine[r]``: its message depends on what it receives (it needs ``M``).
-    ``shape`` is one message's ``[n, HV, K, V]``; messages travel in ``dtype`` on ``device``.
+    ``order[i]``: the group rank holding position ``i`` of the chain, positions listed in the direction
+    states flow (with one position a rank: the ranks ascending forward, descending backward). For every
+    position ``emits[i]``: messages it passes to position ``i + 1`` (0 or ``n``); ``affine[i]``: its
+    message depends on what it receives (it needs ``M``). ``shape`` is one message's ``[n, HV, K, V]``;
+    messages travel in ``dtype`` on ``device``.
     """
 
     rank: int
@@ -57,123 +64,214 @@ class Route:
     dtype: torch.dtype
     device: torch.device
 
+    @cached_property
+    def positions(self) -> tuple[int, ...]:
+        """This rank's positions, in flow order."""
+        return tuple(i for i, r in enumerate(self.order) if r == self.rank)
+
+    @cached_property
+    def slots(self) -> tuple[int, ...]:
+        """Per position, its index among its rank's positions."""
+        seen: dict = {}
+        out = []
+        for r in self.order:
+            out.append(seen.get(r, 0))
+            seen[r] = out[-1] + 1
+        return tuple(out)
+
+    def source(self, i: int) -> int | None:
+        """The rank whose message position ``i`` receives (``None``: nothing comes in)."""
+        return self.order[i - 1] if i > 0 and self.emits[i - 1] else None
+
+    def target(self, i: int) -> int | None:
+        """The rank position ``i``'s message goes to (``None``: it passes nothing on)."""
+        return self.order[i + 1] if self.emits[i] and i + 1 < len(self.order) else None
+
+    def _only(self) -> int:
+        if len(self.positions) != 1:
+            raise ValueError(f"rank {self.rank} holds {len(self.positions)} positions of the route, not one")
+        return self.positions[0]
+
     @property
     def predecessor(self) -> int | None:
-        i = self.order.index(self.rank)
-        return self.order[i - 1] if i > 0 and self.emits[self.order[i - 1]] else None
+        """:meth:`source` of this rank's only position."""
+        return self.source(self._only())
 
     @property
     def successor(self) -> int | None:
-        i = self.order.index(self.rank)
-        return self.order[i + 1] if self.emits[self.rank] and i + 1 < len(self.order) else None
+        """:meth:`target` of this rank's only position."""
+        return self.target(self._only())
+
+
+class _OrderedSends:
+    """The sends of one rank, each released to its peer in a fixed order per peer (the order the peer posted
+    its receives in), as soon as it and every earlier one to that peer are known. ``keys``: every send's
+    ``(key, peer)`` in that order."""
+
+    def __init__(self, keys, group):
+        self.group, self.queues, self.ready, self.works, self.kept = group, {}, {}, [], []
+        for key, peer in keys:
+            self.queues.setdefault(peer, []).append(key)
+
+    def post(self, key, peer: int, tensor: torch.Tensor) -> None:
+        self.ready[key] = tensor
+        queue = self.queues[peer]
+        while queue and queue[0] in self.ready:
+            payload = self.ready.pop(queue.pop(0))
+            self.kept.append(payload)  # alive until its send completes
+            self.works.append(comm.send(payload, peer, self.group))
 
 
 @dataclass
 class Pending:
-    """An exchange in flight: the posted receive (or gather: ``gathered`` holds its parts), this
-    rank's message, the sends to wait for."""
+    """An exchange in flight: the posted receives (``receives``: key -> ``(buffer, work)``; or a gather:
+    ``recv_work`` and ``gathered``), this rank's messages by position, values handed over between its own
+    positions (``local``), the sends to wait for."""
 
     route: Route
     recv_buffer: torch.Tensor | None = None
     recv_work: object = None
-    message: AffineMessage | None = None
+    messages: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     gathered: list | None = None
+    receives: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
+    outbox: _OrderedSends | None = None
+
+    def post(self, key, position: int, peer: int, tensor: torch.Tensor) -> None:
+        """Send ``tensor`` (the value of ``key``, for ``position``) to ``peer``, or hand it over when ``peer``
+        is this rank."""
+        if peer == self.route.rank:
+            self.local[key] = tensor
+        else:
+            self.outbox.post(key, peer, tensor.to(self.route.dtype))
+
+    def take(self, key) -> torch.Tensor:
+        """The value of ``key`` received (waiting for it) or handed over."""
+        if key in self.local:
+            return self.local.pop(key)
+        buffer, work = self.receives.pop(key)
+        work.wait()
+        return buffer
 
     def finish_sends(self) -> None:
-        comm.wait(self.sends)
+        works = self.sends + (self.outbox.works if self.outbox is not None else [])
+        comm.wait(works)
         self.sends.clear()
+        if self.outbox is not None:
+            self.outbox.works.clear()
+            self.outbox.kept.clear()
 
 
 class StateExchange(Protocol):
-    """``begin`` before the local work (posts receives); ``send`` as soon as this rank's message is
-    known; ``receive`` when the incoming ``[n, HV, K, V]`` is needed (``None`` when nothing comes in).
-    Every rank calls all three, in this order, whether or not it has anything to pass on."""
+    """``begin`` before the local work (posts receives); ``send`` as soon as this rank's messages are
+    known, one per position of ``route.positions`` (an :class:`AffineMessage`, or ``None`` where the
+    position passes nothing on); ``receive`` when the incoming values are needed: one per position,
+    ``[n, HV, K, V]`` or ``None`` where nothing comes in. Every rank calls all three, in this order,
+    whether or not it has anything to pass on."""
 
     def begin(self, route: Route) -> Pending: ...
 
-    def send(self, pending: Pending, message: AffineMessage | None) -> None: ...
+    def send(self, pending: Pending, messages) -> None: ...
 
-    def receive(self, pending: Pending) -> torch.Tensor | None: ...
+    def receive(self, pending: Pending) -> list: ...
 
 
 class P2PExchange:
-    """Wavefront: receive from the predecessor, send ``A x_in + b`` to the successor.
+    """Wavefront: each position receives from its predecessor and sends ``A x_in + b`` to its successor.
 
-    A rank whose message does not depend on its input sends before it waits, so only ranks
-    strictly inside a chain are serial, each adding one ``K x K`` by ``K x V`` product and one message.
+    A position whose message does not depend on its input sends before anything is waited for, so only
+    positions strictly inside a chain are serial, each adding one ``K x K`` by ``K x V`` product and one
+    message. A rank handles its positions in flow order and every dependency points to an earlier
+    position, so no layout can deadlock.
     """
 
     def begin(self, route: Route) -> Pending:
         pending = Pending(route)
-        src = route.predecessor
-        if src is not None:
-            pending.recv_buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
-            pending.recv_work = comm.post_recv(pending.recv_buffer, src, route.group)
+        keys = []
+        for i in route.positions:
+            src, dst = route.source(i), route.target(i)
+            if src is not None and src != route.rank:
+                buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
+                pending.receives[i] = (buffer, comm.post_recv(buffer, src, route.group))
+            if dst is not None and dst != route.rank:
+                keys.append((i + 1, dst))  # a value is keyed by the position it enters
+        pending.outbox = _OrderedSends(keys, route.group)
         return pending
 
-    def send(self, pending: Pending, message: AffineMessage | None) -> None:
-        pending.message = message
-        dst = pending.route.successor
-        if dst is not None and message.transition is None:
-            pending.sends.append(comm.send(message.offset.to(pending.route.dtype), dst, pending.route.group))
+    def send(self, pending: Pending, messages) -> None:
+        route = pending.route
+        pending.messages = dict(zip(route.positions, messages))
+        for i, message in pending.messages.items():
+            dst = route.target(i)
+            if dst is not None and message.transition is None:
+                pending.post(i + 1, i, dst, message.offset)
 
-    def receive(self, pending: Pending) -> torch.Tensor | None:
-        route, message = pending.route, pending.message
-        x_in = None
-        if pending.recv_work is not None:
-            pending.recv_work.wait()
-            x_in = pending.recv_buffer
-        if route.successor is not None and message.transition is not None:
-            pending.sends.append(comm.send(message.apply(x_in).to(route.dtype), route.successor, route.group))
-        return x_in
+    def receive(self, pending: Pending) -> list:
+        route = pending.route
+        out = []
+        for i in route.positions:
+            x_in = None if route.source(i) is None else pending.take(i)
+            message, dst = pending.messages[i], route.target(i)
+            if dst is not None and message.transition is not None:
+                pending.post(i + 1, i, dst, message.apply(x_in).to(route.dtype))
+            out.append(x_in)
+        return out
 
 
 class AllGatherExchange:
-    """One all-gather of every rank's message; each rank then folds the chain that ends at it.
+    """One all-gather of every rank's messages, stacked by position (padded to the most positions a rank
+    holds); each rank then folds, for each of its positions, the chain that ends before it.
 
-    The gather is posted by :meth:`send`, the moment this rank's message exists, and waited for in
-    :meth:`receive`: the collective then waits for each rank's summary, not for the local work that
+    The gather is posted by :meth:`send`, the moment this rank's messages exist, and waited for in
+    :meth:`receive`: the collective then waits for each rank's summaries, not for the local work that
     each rank does between the two calls.
     """
 
     def begin(self, route: Route) -> Pending:
         return Pending(route)
 
-    def send(self, pending: Pending, message: AffineMessage | None) -> None:
+    def send(self, pending: Pending, messages) -> None:
         route = pending.route
-        pending.message = message
-        if not any(route.emits):  # no sequence crosses a rank boundary (the same on every rank)
+        pending.messages = dict(zip(route.positions, messages))
+        if not any(route.emits):  # no sequence crosses a range boundary (the same on every rank)
             return
         n, HV, K, V = route.shape
         with_transition = any(route.affine)
-        buffer = torch.zeros(n, HV, K, V + (K if with_transition else 0), dtype=route.dtype, device=route.device)
-        if message is not None and route.emits[route.rank]:
-            buffer[..., :V] = message.offset
-            if message.transition is not None:
-                buffer[..., V:] = message.transition
+        slots = max(route.slots) + 1
+        buffer = torch.zeros(slots, n, HV, K, V + (K if with_transition else 0), dtype=route.dtype,
+                             device=route.device)
+        for i, message in pending.messages.items():
+            if message is not None and route.emits[i]:
+                buffer[route.slots[i], ..., :V] = message.offset
+                if message.transition is not None:
+                    buffer[route.slots[i], ..., V:] = message.transition
         pending.recv_buffer = buffer  # alive until the gather completes
         pending.recv_work, pending.gathered = comm.post_all_gather(buffer, route.group)
 
-    def receive(self, pending: Pending) -> torch.Tensor | None:
+    def receive(self, pending: Pending) -> list:
         route = pending.route
         if pending.recv_work is None:
-            return None
+            return [None] * len(route.positions)
         V = route.shape[-1]
         pending.recv_work.wait()
-        gathered = torch.stack(pending.gathered)                      # [P, n, HV, K, V (+K)]
-        chain = []
-        r = route.predecessor
-        while r is not None:
-            chain.append(r)
-            if not route.affine[r]:
-                break
-            r = route.order[route.order.index(r) - 1]
-        x = None
-        for r in reversed(chain):
-            x = AffineMessage(gathered[r, ..., :V], gathered[r, ..., V:] if route.affine[r] else None).apply(x)
-        # a column slice of the gathered buffer: kernels downstream need a dense state
-        return None if x is None else x.contiguous()
+        gathered = torch.stack(pending.gathered)                      # [P, slots, n, HV, K, V (+K)]
+        out = []
+        for i in route.positions:
+            chain = []
+            j = i - 1 if route.source(i) is not None else None
+            while j is not None:
+                chain.append(j)
+                if not route.affine[j] or j == 0 or not route.emits[j - 1]:
+                    break
+                j -= 1
+            x = None
+            for j in reversed(chain):
+                row = gathered[route.order[j], route.slots[j]]
+                x = AffineMessage(row[..., :V], row[..., V:] if route.affine[j] else None).apply(x)
+            # a column slice of the gathered buffer: kernels downstream need a dense state
+            out.append(None if x is None else x.contiguous())
+        return out
 
 
 @dataclass(frozen=True)
@@ -237,7 +335,7 @@ def _unpack(buffer: torch.Tensor, is_open: bool, V: int) -> _Partial:
 
 @dataclass(frozen=True)
 class ScanSchedule:
-    """The rounds of the segmented exclusive scan over the positions ``0 .. P-1`` of ``Route.order``.
+    """The rounds of the segmented exclusive scan over the positions ``0 .. L-1`` of a :class:`Route`.
 
     ``rounds[d]`` lists the transfers ``(src, dst, is_open)`` of round ``d`` (``dst = src + 2**d``);
     ``is_open``: the payload is still affine and carries its transition, else only its offset.
@@ -263,7 +361,7 @@ class ScanSchedule:
 @lru_cache(maxsize=SCAN_SCHEDULES)
 def scan_schedule(emits: tuple[int, ...], affine: tuple[bool, ...]) -> ScanSchedule:
     """The pruned recursive-doubling schedule for one route (see :class:`ScanExchange`); ``emits`` and
-    ``affine`` as in :class:`Route`, but indexed by position in ``Route.order``.
+    ``affine`` as in :class:`Route` (by position).
 
     Before round ``d`` position ``i`` holds ``E_i``, the composition of positions
     ``[i - 2**d + 1, i - 1]`` (the empty map before round 0), and sends ``I_i = f_i o E_i``
@@ -321,98 +419,86 @@ def simulate_scan(messages: list[AffineMessage | None], emits, affine, dtype: to
 
 @dataclass
 class _ScanPending(Pending):
-    position: int = 0
     schedule: ScanSchedule | None = None
-    receives: dict = field(default_factory=dict)  # round -> (buffer, work, is_open)
-    own: _Partial | None = None
-    keep: list = field(default_factory=list)      # send buffers, alive until their sends complete
-
-    def finish_sends(self) -> None:
-        super().finish_sends()
-        self.keep.clear()
+    own: dict = field(default_factory=dict)   # position -> its own map (_Partial)
 
 
 class ScanExchange:
     """Segmented exclusive prefix scan of the affine messages by recursive doubling.
 
-    Variant: Kogge-Stone (Hillis-Steele) over the positions of ``Route.order``. In round ``d`` the
-    rank at position ``i`` sends its composed map ``I_i = (A, b)`` of positions ``[i - 2**d + 1, i]`` to
-    ``i + 2**d`` and composes what arrives from ``i - 2**d`` into ``E_i <- E_i o I`` (
-    ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``). After ``ceil(log2 P)`` rounds ``E_i`` is the exclusive
-    prefix, applied to nothing (a chain always starts at a rank whose map is constant), so ``E_i``'s
-    offset is the incoming value. Any ``P``: transfers past either end are simply absent.
+    Variant: Kogge-Stone (Hillis-Steele) over the positions of the route. In round ``d`` position ``i``
+    sends its composed map ``I_i = (A, b)`` of positions ``[i - 2**d + 1, i]`` to ``i + 2**d`` and
+    composes what arrives from ``i - 2**d`` into ``E_i <- E_i o I`` (``(A2, b2) o (A1, b1) = (A2 A1,
+    A2 b1 + b2)``). After ``ceil(log2 L)`` rounds ``E_i`` is the exclusive prefix, applied to nothing (a
+    chain always starts at a position whose map is constant), so ``E_i``'s offset is the incoming value.
+    Any ``L``: transfers past either end are simply absent.
 
-    Why this variant: it has the fewest rounds, ``ceil(log2 P)`` (Brent-Kung needs about
-    ``2 log2 P`` and Sklansky sends up to ``P/2`` messages from one rank in a round); each rank sends
-    and receives at most one message per round. Its extra work (``O(P log P)`` compositions, each
+    Why this variant: it has the fewest rounds, ``ceil(log2 L)`` (Brent-Kung needs about
+    ``2 log2 L`` and Sklansky sends up to ``L/2`` messages from one position in a round); each position
+    sends and receives at most one message per round. Its extra work (``O(L log L)`` compositions, each
     ``K x K`` by ``K x (K + V)`` per message row) is small next to the local KDA work. Compared with
-    ``p2p``, whose serial path is one message per rank of the longest chain (up to ``P - 1`` hops),
-    the serial path here is ``ceil(log2 P)`` messages; compared with ``allgather``, which moves all
-    ``P`` summaries to every rank in one collective and folds up to ``P - 1`` of them serially, a rank
-    here receives at most ``ceil(log2 P)`` summaries.
+    ``p2p``, whose serial path is one message per position of the longest chain, the serial path here is
+    ``ceil(log2 L)`` messages; compared with ``allgather``, which moves all summaries to every rank in one
+    collective and folds up to ``L - 1`` of them serially, a position here receives at most
+    ``ceil(log2 L)`` summaries.
 
-    Segments: whether a composed map is still affine or already *closed* (holds a chain start: a rank
+    Segments: whether a composed map is still affine or already *closed* (holds a chain start: a position
     whose message does not depend on its input, or one that emits nothing) depends only on
     ``Route.emits`` / ``Route.affine``, so :func:`scan_schedule` computes it identically on every rank.
-    No flag travels; a rank whose prefix is closed receives nothing more; transfers nobody needs are
+    No flag travels; a position whose prefix is closed receives nothing more; transfers nobody needs are
     dropped; a closed map travels as its offset ``[n, HV, K, V]`` alone, an open one as
-    ``[n, HV, K, V + K]`` (offset and transition in one tensor). A rank whose own map is constant
-    sends all its payloads at once from ``send``; an affine rank sends round 0 (its own map) from
-    ``send`` and round ``d`` after composing the receives of rounds ``< d``. Every dependency points
-    from a round to a later one, so no ``P`` can deadlock; all receives are posted in ``begin``.
+    ``[n, HV, K, V + K]`` (offset and transition in one tensor). A position whose own map is constant
+    has all its payloads ready at ``send``; an affine one has round 0's (its own map) then, and round
+    ``d``'s after composing the receives of rounds ``< d``. A rank runs round by round, in each the sends
+    of all its positions before their receives; every dependency points from a round to a later one, so
+    no layout can deadlock. All receives are posted in ``begin``, in (round, position) order, and the
+    sends to each peer leave in that order.
 
     Precision: products by :mod:`kdacp.affine`'s rule (as :meth:`AffineMessage.apply`), composed maps
     held and sent in ``Route.dtype`` (float32 or wider), so each composition is rounded to it once.
     """
 
     def begin(self, route: Route) -> Pending:
-        # Route.emits / Route.affine are indexed by rank; the schedule by position in Route.order
-        schedule = scan_schedule(tuple(route.emits[r] for r in route.order),
-                                 tuple(route.affine[r] for r in route.order))
-        position = route.order.index(route.rank)
-        pending = _ScanPending(route, position=position, schedule=schedule)
+        schedule = scan_schedule(route.emits, route.affine)
+        pending = _ScanPending(route, schedule=schedule)
         n, HV, K, V = route.shape
-        for d, src, is_open in schedule.receives(position):
-            buffer = torch.empty(n, HV, K, V + (K if is_open else 0), dtype=route.dtype, device=route.device)
-            pending.receives[d] = (buffer, comm.post_recv(buffer, route.order[src], route.group), is_open)
+        mine = set(route.positions)
+        keys = []
+        for d, transfers in enumerate(schedule.rounds):
+            for src, dst, is_open in transfers:  # ascending src (and dst) within a round
+                if dst in mine and route.order[src] != route.rank:
+                    buffer = torch.empty(n, HV, K, V + (K if is_open else 0), dtype=route.dtype, device=route.device)
+                    pending.receives[(d, dst)] = (buffer, comm.post_recv(buffer, route.order[src], route.group))
+                if src in mine and route.order[dst] != route.rank:
+                    keys.append(((d, dst), route.order[dst]))
+        pending.outbox = _OrderedSends(keys, route.group)
         return pending
 
-    def _send(self, pending: _ScanPending, payload: torch.Tensor, dst: int) -> None:
-        route = pending.route
-        pending.keep.append(payload)
-        pending.sends.append(comm.send(payload, route.order[dst], route.group))
+    def send(self, pending: Pending, messages) -> None:
+        route, schedule = pending.route, pending.schedule
+        pending.messages = dict(zip(route.positions, messages))
+        for i, message in pending.messages.items():
+            pending.own[i] = own = _element(message, route.emits[i], route.shape, route.dtype, route.device)
+            payloads = {}
+            for d, dst, is_open in schedule.sends(i):
+                if schedule.absolute[i] or d == 0:  # I = f o E is f itself: f is constant, or E is still empty
+                    if is_open not in payloads:
+                        payloads[is_open] = _pack(own, is_open, route.dtype)
+                    pending.post((d, dst), i, route.order[dst], payloads[is_open])
 
-    def send(self, pending: Pending, message: AffineMessage | None) -> None:
-        pending.message = message
-        route, schedule, position = pending.route, pending.schedule, pending.position
-        sends = schedule.sends(position)
-        if not sends:  # the last position, or a rank whose map nobody needs (it emits nothing)
-            return
-        pending.own = own = _element(message, route.emits[route.rank], route.shape, route.dtype, route.device)
-        constant = schedule.absolute[position]
-        payload = None
-        for d, dst, is_open in sends:
-            if constant or d == 0:  # I = f o E is f itself: f is constant, or E is still empty
-                if payload is None:
-                    payload = _pack(own, is_open, route.dtype)
-                self._send(pending, payload, dst)
-
-    def receive(self, pending: Pending) -> torch.Tensor | None:
-        route, schedule, position = pending.route, pending.schedule, pending.position
-        constant = schedule.absolute[position]
-        sends = {d: (dst, is_open) for d, dst, is_open in schedule.sends(position)}
-        held = _Partial()
-        for d in range(len(schedule.rounds)):
-            if d in sends and d > 0 and not constant:
-                dst, is_open = sends[d]
-                self._send(pending, _pack(_compose(pending.own, held), is_open, route.dtype), dst)
-            if d in pending.receives:
-                buffer, work, is_open = pending.receives[d]
-                work.wait()
-                held = _compose(held, _unpack(buffer, is_open, route.shape[-1]))
-        if not schedule.incoming[position]:
-            return None
-        return held.offset.to(route.dtype).contiguous()
+    def receive(self, pending: Pending) -> list:
+        route, schedule = pending.route, pending.schedule
+        held = {i: _Partial() for i in route.positions}
+        for d, transfers in enumerate(schedule.rounds):
+            for src, dst, is_open in transfers:
+                if src in held and d > 0 and not schedule.absolute[src]:
+                    payload = _pack(_compose(pending.own[src], held[src]), is_open, route.dtype)
+                    pending.post((d, dst), src, route.order[dst], payload)
+            for src, dst, is_open in transfers:
+                if dst in held:
+                    held[dst] = _compose(held[dst], _unpack(pending.take((d, dst)), is_open, route.shape[-1]))
+        return [held[i].offset.to(route.dtype).contiguous() if schedule.incoming[i] else None
+                for i in route.positions]
 
 
 def make_exchange(strategy: str) -> StateExchange:
