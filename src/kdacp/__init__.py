@@ -13,7 +13,7 @@ the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Trit
 from . import reference
 from .distributed import CPPlan, build_cp_plan, init_device_mesh, new_cp_group
 from .gdn import chunk_gated_delta_rule
-from .layers import ContextParallel, GatedDeltaNet, KimiDeltaAttention
+from .layers import CPContext, ContextParallel, GatedDeltaNet, KimiDeltaAttention, build_cp_context
 from .models import global_token_mean_loss, parallelize, shard_batch
 from .precompile import precompile
 from .kda import chunk_kda
@@ -21,7 +21,8 @@ from .kda import chunk_kda
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPPlan", "ContextParallel", "GatedDeltaNet", "KimiDeltaAttention", "build_cp_plan", "chunk_gated_delta_rule",
+    "CPContext", "CPPlan", "ContextParallel", "GatedDeltaNet", "KimiDeltaAttention", "build_cp_context", "build_cp_plan",
+    "chunk_gated_delta_rule",
     "chunk_kda", "global_token_mean_loss", "init_device_mesh", "new_cp_group", "parallelize", "precompile", "reference",
     "shard_batch",
 ]

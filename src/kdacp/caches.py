@@ -1,4 +1,5 @@
-"""Every memo kdacp keeps across calls, in one place, with its bound.
+"""Every memo kdacp keeps across calls, in one place, with its bound, and the one key type for memos keyed by
+a tensor (:class:`TensorKey`); the memos themselves are ``functools.lru_cache``.
 
 Each memo is built from host-side facts (shapes, boundaries, configurations) and saves host work or a
 device sync on later calls; none holds a tensor a caller passed.
@@ -14,15 +15,47 @@ device sync on later calls; none holds a tensor a caller passed.
 | a plan's forward and backward routes | ``distributed.orchestration`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
 | GDN's ``dt_bias`` stand-in for the KDA op's checks (a meta tensor) | ``gdn`` | ``(size, dtype)`` | :data:`META_STAND_INS` (LRU) |
 | call signatures every rank verified | ``distributed.checks`` | per live plan (:func:`~kdacp.distributed.checks.verified_plans`) | freed with its plan |
-| a layer context's packed batches (host copy, plan, convolution context) | ``layers.context_parallel`` | per context | :data:`CACHED_BATCHES` (oldest dropped) |
-| a layer context's plans of batch rows | ``layers.context_parallel`` | per context | :data:`CACHED_SHAPES` (least recent dropped) |
+| a layer context's per-batch contexts (:class:`~kdacp.layers.CPContext`: plan, boundaries, positions) | ``layers.context_parallel`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
+| convolution halo routes | ``layers.cp_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
+| boundaries of the convolution's input with its halos in line | ``layers.short_conv`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
 """
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["TensorKey"]
 
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
 SCAN_SCHEDULES = 512      # routes whose scan schedule is kept
-CACHED_BATCHES = 8        # packed batches whose host copy and plan a layer context keeps (a few are in flight)
-CACHED_SHAPES = 64        # shapes of batch rows whose plan a layer context keeps
+CP_CONTEXTS = 8           # per-batch contexts a layer context keeps (a few batches in flight, a few row shapes)
+HALO_ROUTES = 64          # (batch, width) pairs whose convolution halo route is kept
+HALO_BOUNDARIES = 64      # (batch, width) pairs whose in-line halo boundaries are kept
 RANK_LAYOUTS = 64         # batches whose rank layouts are kept (every layer of a step asks for the same)
 ROUTES = 64               # (plan, shape) pairs whose routes are kept
 META_STAND_INS = 16       # sizes and dtypes of GDN's dt_bias stand-in
+
+
+class TensorKey:
+    """A memo key that stands for one tensor object as it is now: equal to another key of the same live
+    object with the same version counter (an in-place change or a new tensor is another key; a freed
+    tensor's key equals nothing, so a new tensor at a reused address misses). Holds only a weak reference:
+    ``tensor`` returns the object, or None once it is freed."""
+
+    __slots__ = ("_ref", "_id", "_version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ref, self._id, self._version = weakref.ref(tensor), id(tensor), tensor._version
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self._ref()
+
+    def __hash__(self) -> int:
+        return hash((self._id, self._version))
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, TensorKey) and self._id == other._id and self._version == other._version
+                and self._ref() is not None and self._ref() is other._ref())

@@ -5,17 +5,17 @@ import math
 import torch.distributed as dist
 
 from kdacp.bench import soak
-from kdacp.layers.context_parallel import CACHED_BATCHES
+from kdacp.caches import CP_CONTEXTS
 from tests.multiprocess import run_ranks
 
 
 def _soak(rank, world_size):
-    # a new packed batch every step: 10 steps outnumber the CACHED_BATCHES (8) kept
+    # a new packed batch every step: 10 steps outnumber the CP_CONTEXTS (8) kept
     rows = soak.run(steps=10, every=4, group=dist.group.WORLD, seq_lens=(60, 25, 90, 29))
     assert [r["step"] for r in rows] == [1, 4, 8, 10]  # the first, every 4th and the last
-    assert all(r["batch_memo"] <= CACHED_BATCHES for r in rows) and rows[-1]["batch_memo"] == CACHED_BATCHES
+    assert all(r["context_memo"] <= CP_CONTEXTS for r in rows) and rows[-1]["context_memo"] == CP_CONTEXTS
     # a plan's verification memo goes with the plan: at most the batches kept, plus one in flight
-    assert all(r["verified_plans"] <= CACHED_BATCHES + 1 for r in rows)
+    assert all(r["verified_plans"] <= CP_CONTEXTS + 1 for r in rows)
     assert all(math.isfinite(r["loss"]) and r["rss_MB"] > 0 and r["fds"] > 0 for r in rows)
 
 

@@ -191,7 +191,7 @@ def _cp_worker(rank, world_size, ref, check_removal, results):
 
     import kdacp.integrations.torchtitan as kt
     from kdacp.distributed.strategies import P2PExchange
-    from kdacp.layers import context_parallel
+    from kdacp.layers import cp_context
     model = build_model()
     model.load_state_dict(ref["state"])
     cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
@@ -206,7 +206,7 @@ def _cp_worker(rank, world_size, ref, check_removal, results):
     if not check_removal:
         return
     # Each exchange removed in turn (messages still flow, their content zeroed): the step leaves the tolerance.
-    for what, owner, attr in (("state exchange", P2PExchange, "receive"), ("halo", context_parallel, "shift_right")):
+    for what, owner, attr in (("state exchange", P2PExchange, "receive"), ("halo", cp_context, "exchange_rows")):
         real = getattr(owner, attr)
         setattr(owner, attr, _zeros_of(real))
         try:

@@ -170,15 +170,21 @@ def test_apply_context_parallel_sets_every_layer():
     assert all(m.cp is None for m in model)
 
 
+def _fresh_single_device(monkeypatch, built: list):
+    """A single-device context whose per-batch contexts append their global boundaries to ``built``."""
+    from kdacp.layers import context_parallel
+    build = context_parallel.build_cp_context
+    monkeypatch.setattr(context_parallel, "build_cp_context",
+                        lambda cu, **kw: built.append(None if cu is None else tuple(cu.tolist())) or build(cu, **kw))
+    return context_parallel._SingleDevice()
+
+
 def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
-    """All layer calls of one batch share one host copy of its cu_seqlens (one device sync on a GPU);
-    a new tensor or an in-place change makes a new one."""
-    from kdacp.layers.context_parallel import SINGLE_DEVICE, _SingleDevice
+    """All layer calls of one batch share one per-batch context (one host copy of its cu_seqlens: one device
+    sync on a GPU); a new tensor or an in-place change makes a new one."""
     built = []
-    build = _SingleDevice._build_batch
-    monkeypatch.setattr(_SingleDevice, "_build_batch", lambda self, cu, *a: built.append(cu) or build(self, cu, *a))
-    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
     layer = small_layer()
+    layer.cp = _fresh_single_device(monkeypatch, built)
     x = torch.randn(1, 40, 32, dtype=torch.float64)
     cu = torch.tensor([0, 5, 40])
     y1, y2 = layer(x, cu_seqlens=cu)[0], layer(x, cu_seqlens=cu)[0]
@@ -191,27 +197,28 @@ def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
 
 
 def test_convolutions_check_the_batch_host_copy(monkeypatch):
-    """The short convolutions get the batch's one host copy of cu_seqlens: their kernels' check then reads it
-    instead of copying the device tensor to the host (a sync per convolution on a GPU)."""
+    """The short convolutions get the batch's one host copy of its local boundaries: their kernels' check then
+    reads it instead of copying the device tensor to the host (a sync per convolution on a GPU)."""
     from kdacp.layers import delta_rule
-    from kdacp.layers.context_parallel import SINGLE_DEVICE
     seen = []
     conv = delta_rule.causal_conv1d
     monkeypatch.setattr(delta_rule, "causal_conv1d",
                         lambda *a, **kw: seen.append(kw["cu_seqlens_cpu"]) or conv(*a, **kw))
-    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
+    layer = small_layer()
+    layer.cp = _fresh_single_device(monkeypatch, [])
     cu = torch.tensor([0, 5, 40])
-    small_layer()(torch.randn(1, 40, 32, dtype=torch.float64), cu_seqlens=cu)
-    (batch,) = [b for _, b in SINGLE_DEVICE._batches.values()]
-    assert len(seen) == 3 and all(c is batch.cu_cpu for c in seen) and batch.cu_cpu.tolist() == [0, 5, 40]
+    layer(torch.randn(1, 40, 32, dtype=torch.float64), cu_seqlens=cu)
+    context = layer.cp.context(1, 40, cu)
+    assert len(seen) == 3 and all(c is context.local_cu_seqlens_cpu for c in seen)
+    assert context.local_cu_seqlens_cpu.tolist() == [0, 5, 40]
 
 
 def test_per_batch_memo_is_bounded(monkeypatch):
-    from kdacp.layers.context_parallel import CACHED_BATCHES, SINGLE_DEVICE
-    monkeypatch.setattr(SINGLE_DEVICE, "_batches", {})
+    from kdacp.caches import CP_CONTEXTS
     layer = small_layer()
+    layer.cp = _fresh_single_device(monkeypatch, [])
     x = torch.randn(1, 20, 32, dtype=torch.float64)
-    keep = [torch.tensor([0, i, 20]) for i in range(1, CACHED_BATCHES + 5)]
+    keep = [torch.tensor([0, i, 20]) for i in range(1, CP_CONTEXTS + 5)]
     for cu in keep:
         layer(x, cu_seqlens=cu)
-    assert len(SINGLE_DEVICE._batches) == CACHED_BATCHES
+    assert layer.cp._contexts.cache_info().currsize == CP_CONTEXTS

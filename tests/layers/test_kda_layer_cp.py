@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from kdacp.distributed.layout import contiguous_layout
 from kdacp.layers import GatedDeltaNet, ContextParallel, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
@@ -132,10 +133,15 @@ def _check_bad_arguments():
         KimiDeltaAttention(32, 1, 2, head_k_dim=16, head_v_dim=16, cp=ContextParallel("ulysses"))
     with pytest.raises(ValueError, match="ulysses_size"):
         ContextParallel("hybrid", ulysses_size=2)
-    # Raised before any exchange, on every rank: the halo needs conv_size - 1 local tokens.
-    layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16, cp=ContextParallel("state"))
-    with pytest.raises(ValueError, match="conv_size-1=3 tokens"):
-        layer(torch.randn(1, 2, 32))
+    with pytest.raises(ValueError, match="needs layout='contiguous'"):
+        ContextParallel("ulysses", layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be a TokenLayout or one of"):
+        ContextParallel("state", layout="striped")
+    # Raised before any exchange, on every rank: the layout gives each rank 10 tokens.
+    layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16,
+                               cp=ContextParallel("state", layout=contiguous_layout(20, 2)))
+    with pytest.raises(ValueError, match="local_length=12"):
+        layer(torch.randn(1, 12, 32), cu_seqlens=torch.tensor([0, 20]))
 
 
 def test_layer_cp_2_ranks():

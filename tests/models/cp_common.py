@@ -129,7 +129,7 @@ def check_parallelize_contract(model_type, make_model):
 
 def local_recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
     """``ContextParallel.recurrence`` without the state exchange: each rank's pieces start from zero."""
-    return op(q, k, v, g, beta, cu_seqlens=self.conv_context(q.shape[1], cu_seqlens).cu_seqlens_cpu,
+    return op(q, k, v, g, beta, cu_seqlens=self.context(*q.shape[:2], cu_seqlens).local_cu_seqlens_cpu,
               backend=backend, **kwargs)
 
 
@@ -137,9 +137,9 @@ def exchanges() -> dict:
     """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
     all-to-all, each faked away."""
     import kdacp
-    from kdacp.layers import comm, context_parallel
+    from kdacp.layers import comm, context_parallel, cp_context
     return {
-        "convolution halo": (context_parallel.ConvContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
+        "convolution halo": (cp_context.CPContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
         "state exchange": (context_parallel.ContextParallel, "recurrence", local_recurrence),
         "attention all-to-all": (comm, "all_to_all", lambda x, group: x),
         "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),

@@ -40,7 +40,7 @@ def _rss_mb() -> float:
 
 def run(steps: int = 2000, every: int | None = None, strategy: str = "p2p", group=None, device: str = "cpu",
         report=None, seq_lens: tuple[int, ...] | None = None) -> list[dict]:
-    """Rows ``step, rss_MB, cuda_MB, threads, fds, batch_memo, shape_memo, verified_plans, loss`` (the global
+    """Rows ``step, rss_MB, cuda_MB, threads, fds, context_memo, verified_plans, loss`` (the global
     token-mean loss); call on every rank of an initialised process group. ``seq_lens``: the documents of
     each step's packed batch (default: the demo's); ``every``: steps between rows (default a twentieth of
     ``steps``, at least 1)."""
@@ -67,10 +67,9 @@ def run(steps: int = 2000, every: int | None = None, strategy: str = "p2p", grou
             memo = cp.memo_sizes()
             values = torch.tensor([_rss_mb(), torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda"
                                    else 0.0, threading.active_count(), len(os.listdir("/proc/self/fd")),
-                                   memo["batches"], memo["row_plans"], checks.verified_plans()], dtype=torch.float64,
-                                  device=device)
+                                   memo["contexts"], checks.verified_plans()], dtype=torch.float64, device=device)
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-            names = ("rss_MB", "cuda_MB", "threads", "fds", "batch_memo", "shape_memo", "verified_plans")
+            names = ("rss_MB", "cuda_MB", "threads", "fds", "context_memo", "verified_plans")
             row = dict(step=step, **dict(zip(names, values.tolist())), loss=loss.item())
             rows.append(row)
             if report is not None:

@@ -129,10 +129,10 @@ class GatedDeltaContext:
                     cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
         """``silu(depthwise causal conv)`` of this rank's tokens ``x [1, T, D]`` with ``weight [D, 1, W]``,
         each document's taps reaching back onto the previous rank where the document began there."""
-        conv = self.cp.conv_context(x.shape[1], self._offsets(cu_seqlens, cu_seqlens_cpu))
-        halo = conv.left_halos([x], weight.shape[-1] - 1)[0]
-        local_cpu = conv.cu_seqlens_cpu if conv.cu_seqlens_cpu is not None else cu_seqlens_cpu
-        return causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=conv.cu_seqlens, cu_seqlens_cpu=local_cpu,
+        context = self.cp.context(1, x.shape[1], self._offsets(cu_seqlens, cu_seqlens_cpu))
+        halo = context.left_halos([x], weight.shape[-1] - 1)[0]
+        return causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
+                             cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
                              fused=resolve_backend(self.backend, x.device) == "fla")
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

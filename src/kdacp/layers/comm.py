@@ -10,43 +10,40 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_along", "all_to_all", "all_to_all_gather", "heads_to_time", "shift_right", "time_to_heads"]
+__all__ = ["all_gather_along", "all_to_all", "all_to_all_gather", "exchange_rows", "heads_to_time", "time_to_heads"]
 
 
-def _p2p(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None, group) -> None:
-    """Send ``send`` to group rank ``dst`` and receive ``recv`` from group rank ``src`` (either may be None)."""
-    ops = []
-    if recv is not None:
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, src), group))
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, dst), group))
+def _exchange(x: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group) -> torch.Tensor:
+    """Block ``j`` of ``x``'s dim 1 (``send_counts[j]`` rows) goes to rank ``j``; block ``i`` of the result
+    (``recv_counts[i]`` rows) came from rank ``i``. A rank's own block is copied; empty blocks move nothing."""
+    rank = dist.get_rank(group)
+    sends = x.split(list(send_counts), dim=1)
+    recvs = [x.new_empty(x.shape[0], n, *x.shape[2:]) for n in recv_counts]
+    ops = [dist.P2POp(dist.irecv, recvs[i], dist.get_global_rank(group, i), group)
+           for i, n in enumerate(recv_counts) if n and i != rank]
+    ops += [dist.P2POp(dist.isend, sends[j].contiguous(), dist.get_global_rank(group, j), group)
+            for j, n in enumerate(send_counts) if n and j != rank]
+    if recv_counts[rank]:
+        recvs[rank].copy_(sends[rank])
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    return torch.cat(recvs, dim=1)
 
 
-def _shift(x: torch.Tensor, step: int, group) -> torch.Tensor:
-    """Rank ``r`` receives rank ``r - step``'s ``x`` (zeros where there is no such rank)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    x = x.contiguous()
-    out = torch.zeros_like(x)
-    dst, src = rank + step, rank - step
-    _p2p(x if 0 <= dst < size else None, dst, out if 0 <= src < size else None, src, group)
-    return out
-
-
-class _ShiftRight(torch.autograd.Function):
-    """Rank ``r`` receives rank ``r-1``'s tensor (rank 0 receives zeros); backward shifts left (the
-    last rank's tensor reached nobody, so its gradient is zero)."""
+class _ExchangeRows(torch.autograd.Function):
+    """:func:`exchange_rows`; backward is the same exchange with the counts swapped (each gradient block
+    goes back to the rank that sent its rows)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, 1, group)
+    def forward(ctx, x: torch.Tensor, send_counts, recv_counts, group) -> torch.Tensor:
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        return _exchange(x, send_counts, recv_counts, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, -1, ctx.group), None
+        send_counts, recv_counts = ctx.counts
+        return _exchange(grad, recv_counts, send_counts, ctx.group), None, None, None
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -94,9 +91,12 @@ class _AllToAllGather(torch.autograd.Function):
         return _all_to_all(grad_x, group), own, None, None
 
 
-def shift_right(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` of the previous rank of ``group`` (zeros on rank 0); one send and one receive per rank."""
-    return _ShiftRight.apply(x, group)
+def exchange_rows(x: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group) -> torch.Tensor:
+    """Rows of ``x [B, n_send, ...]`` to the ranks of ``group``: the first ``send_counts[0]`` rows (dim 1) to
+    rank 0, the next ``send_counts[1]`` to rank 1, ...; returns ``[B, sum(recv_counts), ...]``, the rows
+    received from rank 0 first. Every rank's counts must match its peers' (``recv_counts[i]`` here is
+    ``send_counts[rank]`` on rank ``i``). Point-to-point messages, in one batch; differentiable."""
+    return _ExchangeRows.apply(x, tuple(send_counts), tuple(recv_counts), group)
 
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:

@@ -83,14 +83,15 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
                initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """Run a gated delta-rule token mixer on this rank's tokens::
 
-        q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   # depthwise causal, halo from the previous rank
+        q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   # depthwise causal, halo before each range
         o       = recurrence(l2norm(q), l2norm(k), v, gate, sigmoid(beta))
         y       = output(rmsnorm_gated(o, output_gate))
 
     Args:
         parts: the modules' parts (:class:`MixerParts`).
         cp: the context-parallel hooks (:class:`ContextParallel` or :data:`SINGLE_DEVICE`).
-        x: ``[B, T, hidden]``, this rank's equal time shard of the global batch under ``cp``.
+        x: ``[B, T, hidden]``, this rank's tokens of the global batch under ``cp`` (its layout's ranges, in
+            global order).
         cu_seqlens: ``[N+1]`` int64 global offsets of a packed batch (``B == 1``), or None. The same tensor
             for every layer of a step (its host copy and plan are built once).
         backend: the recurrence's backend when ``cp.backend`` is None (``"auto"``, ``"torch"``, ``"fla"``);
@@ -110,11 +111,12 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
     beta = beta_from_logits(beta)
     heads, v_heads = cp.head_slice(parts.num_heads), cp.head_slice(parts.num_v_heads)
 
-    conv = cp.conv_context(q.shape[1], cu_seqlens)
+    context = cp.context(*q.shape[:2], cu_seqlens, q.device)
     weights = parts.conv_weights(heads, v_heads)
-    halos = conv.left_halos([q, k, v], weights[0][0].shape[-1] - 1)
-    q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=conv.cu_seqlens,
-                             cu_seqlens_cpu=conv.cu_seqlens_cpu, fused=fused)
+    halos = context.left_halos([q, k, v], weights[0][0].shape[-1] - 1)
+    q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=context.local_cu_seqlens,
+                             cu_seqlens_cpu=context.local_cu_seqlens_cpu, fused=fused,
+                             range_starts=context.range_starts)
                for y, (weight, bias), halo in zip((q, k, v), weights, halos))
 
     o, final_state = cp.recurrence(
@@ -219,8 +221,8 @@ class DeltaRuleLayer(nn.Module):
         """Run the layer on this rank's tokens (:func:`mix_tokens` on its own modules).
 
         Args:
-            hidden_states: ``[B, T, hidden_size]``; under ``cp``, this rank's time shard (equal
-                shards, in rank order) of the global batch.
+            hidden_states: ``[B, T, hidden_size]``; under ``cp``, this rank's tokens of the global batch
+                (its ranges under ``cp.layout``, in global order).
             cu_seqlens: ``[N+1]`` int64 offsets of a packed batch (``B == 1``), global under ``cp``.
                 Pass the same tensor to every layer of a step: it is read to the host once.
             initial_state: ``[N, HV, K, V]`` per (global) sequence, same on every rank.

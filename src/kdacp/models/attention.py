@@ -2,25 +2,34 @@
 transformers' attention registry as :data:`ATTENTION_NAME`.
 
 The module's own forward computes q, k, v (norms, rotary embedding of the global positions) on the local
-tokens; the registered function exchanges them and calls the model's previous attention implementation
-(the "inner" one) with a per-document causal mask (:func:`document_causal_mask`). Two exchanges, chosen per
-call from the head counts (:func:`kv_replication`):
+tokens, which are this rank's ranges of the context's token layout (:class:`kdacp.layers.CPContext`, the one
+the linear-attention layers of the step use); the registered function exchanges them and attends with the
+layout's causal per-document mask: query at global position ``i`` sees keys ``j <= i`` of its own document.
+Two exchanges, chosen per call (:func:`kv_replication`):
 
-* Ulysses (where ``H % P == 0``): one all-to-all from time shards to head shards (every rank then holds the
-  whole global sequence of ``H/P`` query heads), the inner attention, one all-to-all back. Where the
-  key/value heads do not split (``H_kv % P != 0``: Qwen3-Next's 2 key/value heads at ``P = 4, 8``) each is
-  sent ``r = lcm(H_kv, P) / H_kv`` times (a rank's query heads need their group's key/value head), when that
-  moves no more bytes than the gather below. Ulysses keeps the causal work balanced over ranks.
-* K/V all-gather (where ``H % P != 0``: Kimi Linear's MLA with fewer heads than ranks; or where it moves
-  fewer bytes than replicating): every rank gathers the keys and values of the whole sequence and attends
-  its own queries with the global document-causal mask; backward reduce-scatters their gradients.
+* Ulysses (where ``H % P == 0`` and every rank holds as many tokens): one all-to-all from time shards to head
+  shards (every rank then holds the whole global sequence of ``H/P`` query heads, put in global order for a
+  non-contiguous layout), the inner attention, one all-to-all back. Where the key/value heads do not split
+  (``H_kv % P != 0``: Qwen3-Next's 2 key/value heads at ``P = 4, 8``) each is sent
+  ``r = lcm(H_kv, P) / H_kv`` times (a rank's query heads need their group's key/value head). Its per-rank
+  FLOPs are equal whatever the layout.
+* K/V all-gather: every rank gathers the keys and values of the whole sequence (padded to the longest rank)
+  and attends its own queries; backward reduce-scatters their gradients. Its per-rank FLOPs follow the
+  layout's causal work (:attr:`kdacp.layers.CPContext.attention_work`): ``(2r+1)/P^2`` of the total on rank
+  ``r`` under the contiguous layout, equal to within a chunk's rounding under zigzag.
 
 Bytes each rank sends per local token and layer (forward; the backward moves the same), ``P`` ranks, head
 dims ``Dq, Dk, Dv``: Ulysses ``(P-1)/P * (H*Dq + r*H_kv*(Dk+Dv) + H*Dv)``; the gather ``(P-1) * H_kv*(Dk+Dv)``.
-Where heads divide (``r = 1``) Ulysses stays, whatever the bytes: it is the exchange whose per-rank work is
-equal. Qwen3-Next (``H = 16``, ``H_kv = 2``, ``D = 256``): Ulysses with replication 30 units at ``P = 4``,
-42 at ``P = 8``; the gather 12 and 28 (units of ``T * 256``): the gather. Flash attention's inner call takes
-no mask, so it runs Ulysses only (``H % P == 0``, checked by :func:`check_attention`).
+The choice: the gather where Ulysses cannot run (heads or rank lengths do not split); where the gather's
+work is balanced (max over mean within :data:`BALANCED`, e.g. zigzag) the exchange that moves fewer bytes;
+where it is not (contiguous), Ulysses when heads divide (``r = 1``, whatever the bytes: its work is equal),
+else the fewer bytes. Qwen3-Next (``H = 16``, ``H_kv = 2``, ``D = 256``): Ulysses with replication 30 units at
+``P = 4``, 42 at ``P = 8``; the gather 12 and 28 (units of ``T * 256``): the gather. Flash attention's inner
+call takes no mask, so it runs Ulysses only (``H % P == 0``, checked by :func:`check_attention`).
+
+The gathered path runs the inner function with a dense ``[T_local, T]`` mask on the CPU; on a GPU it runs no
+dense mask: each piece of the rank's queries (one range, one document) attends its document's keys up to its
+last token as split calls merged by their log-sum-exps (:func:`gathered_attention`, cuDNN's kernel).
 """
 from __future__ import annotations
 
@@ -28,25 +37,27 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..layers.comm import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 
-__all__ = ["ATTENTION_NAME", "INNER_ATTENTIONS", "check_attention", "document_causal_mask", "install_attention",
-           "kv_replication", "replicate_kv_heads"]
+__all__ = ["ATTENTION_NAME", "BALANCED", "INNER_ATTENTIONS", "check_attention", "cudnn_attend", "document_causal_mask",
+           "gathered_attention", "install_attention", "kv_replication", "replicate_kv_heads", "split_lower_right"]
 
 ATTENTION_NAME = "kdacp_ulysses"
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+BALANCED = 1.05  # the gather's attention work max/mean over ranks up to which it counts as balanced
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device,
-                         queries: slice | None = None) -> torch.Tensor:
+                         queries: slice | torch.Tensor | None = None) -> torch.Tensor:
     """``[1, 1, Tq, T]`` bool, True where query ``i`` may attend key ``j``: ``j <= i`` inside one document of
     the global boundaries ``cu_seqlens`` (None: one sequence); ``queries``: the global positions of the
-    queries (default all ``T``)."""
+    queries, a slice or an int64 index tensor (default all ``T``)."""
     t = torch.arange(T, device=device)
-    tq = t if queries is None else t[queries]
+    tq = t if queries is None else t[queries.to(device) if isinstance(queries, torch.Tensor) else queries]
     mask = t[None, :] <= tq[:, None]
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device)
@@ -54,13 +65,18 @@ def document_causal_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.
     return mask[None, None]
 
 
-def kv_replication(H: int, H_kv: int, dims: tuple[int, int, int], P: int, flash: bool) -> int | None:
-    """How many times Ulysses sends each key/value head (``H % P == 0``), or None for the K/V all-gather
-    (see the module docstring); ``dims``: ``(Dq, Dk, Dv)``."""
-    if H % P:
+def kv_replication(H: int, H_kv: int, dims: tuple[int, int, int], P: int, flash: bool, imbalance: float = None,
+                   equal_lengths: bool = True) -> int | None:
+    """How many times Ulysses sends each key/value head, or None for the K/V all-gather (the module docstring
+    states the rule); ``dims``: ``(Dq, Dk, Dv)``; ``imbalance``: the gather's attention work max/mean over the
+    ranks (None: the contiguous layout's ``(2P-1)/P``); ``equal_lengths``: every rank holds as many tokens."""
+    if H % P or not equal_lengths:
         return None
     r = math.lcm(H_kv, P) // H_kv
-    if r == 1 or flash:
+    if flash:
+        return r
+    imbalance = (2 * P - 1) / P if imbalance is None else imbalance
+    if r == 1 and imbalance > BALANCED:
         return r
     Dq, Dk, Dv = dims
     ulysses = (P - 1) * (H * Dq + r * H_kv * (Dk + Dv) + H * Dv)
@@ -72,6 +88,45 @@ def replicate_kv_heads(x: torch.Tensor, r: int) -> torch.Tensor:
     """``x [B, H_kv, T, D]`` -> ``[B, r*H_kv, T, D]``, each head ``r`` times in a row: query head ``i`` of ``H``
     then finds its group's head as ``i // (H / (r*H_kv))``, as it did as ``i // (H / H_kv)``."""
     return x if r == 1 else x.repeat_interleave(r, dim=1)
+
+
+def split_lower_right(attend, query, key, value, n: int):
+    """Lower-right causal attention of ``n`` queries ``[B, H, n, D]`` that are the last ``n`` of the keys
+    ``key, value [B, H, Tk, *]`` (query ``i`` sees keys ``j <= i + Tk - n``), as two calls of ``attend``
+    merged by their log-sum-exps: every query against the ``Tk - n`` earlier keys (no mask), and against
+    the last ``n`` keys (square causal). ``attend(q, k, v, causal) -> (out [B, H, n, Dv], lse [B, H, n])``.
+    Returns ``[B, H, n, Dv]`` in ``query``'s dtype."""
+    Tk = key.shape[-2]
+    if n == Tk:
+        return attend(query, key, value, True)[0]
+    past, past_lse = attend(query, key[..., :Tk - n, :], value[..., :Tk - n, :], False)
+    own, own_lse = attend(query, key[..., Tk - n:, :], value[..., Tk - n:, :], True)
+    wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 (or wider)
+    past_lse, own_lse = (x.to(wide).reshape(*query.shape[:3], 1) for x in (past_lse, own_lse))
+    top = torch.maximum(past_lse, own_lse)
+    w_past, w_own = torch.exp(past_lse - top), torch.exp(own_lse - top)
+    return ((past.to(wide) * w_past + own.to(wide) * w_own) / (w_past + w_own)).to(query.dtype)
+
+
+def cudnn_attend(scale: float | None):
+    """An ``attend`` for :func:`split_lower_right`: PyTorch's cuDNN attention (the kernel sdpa picks on Hopper for
+    square causal attention), with its log-sum-exp."""
+    def attend(q, k, v, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    return attend
+
+
+def gathered_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context) -> torch.Tensor:
+    """This rank's queries ``query [B, H, T_local, Dq]`` against the whole sequence's keys and values
+    ``[B, H, T, D*]`` (global order, heads already matching the queries') under the layout's causal
+    per-document mask, with no mask tensor: each of ``context.attention_pieces`` (one range, one document)
+    attends its document's keys up to its last token by :func:`split_lower_right` over ``attend``.
+    Returns ``[B, H, T_local, Dv]``."""
+    outs = [split_lower_right(attend, query[:, :, a:b], key[:, :, k0:k1], value[:, :, k0:k1], b - a)
+            for a, b, k0, k1 in context.attention_pieces]
+    return torch.cat(outs, dim=2)
 
 
 class _Grouped:
@@ -86,10 +141,11 @@ class _Grouped:
 
 
 class _ContextParallelAttention:
-    """Per-module settings of the registered attention function: the group and the inner implementation."""
+    """Per-module settings of the registered attention function: the layers' context parallelism ``cp`` (its
+    group, its layout and the per-batch contexts it keeps) and the inner implementation."""
 
-    def __init__(self, group, inner_name: str, inner):
-        self.group, self.inner_name, self.inner = group, inner_name, inner
+    def __init__(self, cp, inner_name: str, inner):
+        self.cp, self.group, self.inner_name, self.inner = cp, cp.group, inner_name, inner
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         """``query [B, H, T, Dq]``, ``key [B, H_kv, T, Dk]``, ``value [B, H_kv, T, Dv]`` of this rank's tokens
@@ -100,14 +156,22 @@ class _ContextParallelAttention:
         cu = global_cu_seqlens(kwargs)
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "use_cache"):
             kwargs.pop(name, None)
-        r = kv_replication(H, H_kv, (Dq, key.shape[-1], value.shape[-1]), P, self.inner_name.startswith("flash"))
+        context = self.cp.attention_context(B, T, cu, query.device)
+        work, lengths = context.attention_work, context.layout.local_lengths
+        r = kv_replication(H, H_kv, (Dq, key.shape[-1], value.shape[-1]), P, self.inner_name.startswith("flash"),
+                           max(work) * P / max(sum(work), 1), len(set(lengths)) == 1)
         if r is None:
-            return self._gathered(module, query, key, value, cu, kwargs), None
+            return self._gathered(module, query, key, value, cu, context, kwargs), None
         key, value = (replicate_kv_heads(x, r) for x in (key, value))
         # One all-to-all for q|k|v (k and v may have fewer heads: grouped-query attention).
         q, k, v = (x.transpose(1, 2) for x in time_to_heads([x.transpose(1, 2) for x in (query, key, value)],
                                                               self.group))
         TP = P * T
+        # The all-to-all lays the ranks' tokens end to end: under another layout than contiguous, put them in
+        # global order for the inner call (any inner implementation then sees one causal sequence) and back.
+        in_order = None if context.layout.is_contiguous else context.all_token_index
+        if in_order is not None:
+            q, k, v = (x.index_select(2, in_order.argsort()) for x in (q, k, v))
         if self.inner_name.startswith("flash_attention"):
             mask = None
             kwargs["position_ids"] = (torch.arange(TP, device=q.device) if cu is None
@@ -122,20 +186,47 @@ class _ContextParallelAttention:
             mask = self._mask(cu, TP, None, q)
         inner_module = module if r == 1 else _Grouped(module, H // (H_kv * r))
         out, _ = self.inner(inner_module, q, k, v, mask, **kwargs)            # [B, P*T, H/P, Dv]
+        if in_order is not None:
+            out = out.index_select(1, in_order)
         out, _ = heads_to_time(out, self.group)                                # [B, T, H, Dv]
         return out, None
 
-    def _gathered(self, module, query, key, value, cu, kwargs):
-        """This rank's queries against the keys and values of the whole sequence, gathered in one collective."""
-        P, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        T, Dk = query.shape[2], key.shape[-1]
-        kv = all_gather_along(torch.cat([key, value], dim=-1), 2, self.group)   # [B, H_kv, P*T, Dk+Dv]
+    def _gathered(self, module, query, key, value, cu, context, kwargs):
+        """This rank's queries against the keys and values of the whole sequence, gathered in one collective
+        (each rank's padded to the longest rank's tokens) and put in global order."""
+        layout, T, Dk = context.layout, query.shape[2], key.shape[-1]
+        kv = torch.cat([key, value], dim=-1)
+        longest = max(layout.local_lengths)
+        if longest > T:
+            kv = F.pad(kv, (0, 0, 0, longest - T))
+        kv = all_gather_along(kv, 2, self.group)                                   # [B, H_kv, P*longest, Dk+Dv]
+        if not (layout.is_contiguous and len(set(layout.local_lengths)) == 1):
+            kv = kv.index_select(2, context.gather_index)                          # [B, H_kv, T_global, Dk+Dv]
         k, v = kv[..., :Dk], kv[..., Dk:]
-        mask = self._mask(cu, P * T, slice(rank * T, (rank + 1) * T), query)
-        out, _ = self.inner(module, query, k, v, mask, **kwargs)                # [B, T, H, Dv]
+        if query.is_cuda and not (kwargs.get("dropout") or kwargs.get("sliding_window") or kwargs.get("softcap")):
+            out = self._split(module, query, k, v, context, kwargs)
+            if out is not None:
+                return out
+        mask = self._mask(cu, layout.num_tokens, context.token_index, query)
+        out, _ = self.inner(module, query, k, v, mask, **kwargs)                 # [B, T, H, Dv]
         return out
 
-    def _mask(self, cu, T: int, queries: slice | None, q: torch.Tensor) -> torch.Tensor:
+    def _split(self, module, query, k, v, context, kwargs):
+        """:func:`gathered_attention` on cuDNN (``[B, T, H, Dv]``), or None where cuDNN's attention does not run
+        these tensors (the caller then masks densely)."""
+        if not torch.backends.cuda.cudnn_sdp_enabled():
+            return None
+        groups = query.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+        scale = kwargs.get("scaling", getattr(module, "scaling", None))
+        try:
+            return gathered_attention(cudnn_attend(scale), query, k, v, context).transpose(1, 2)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError:  # cuDNN refuses these shapes or dtypes
+            return None
+
+    def _mask(self, cu, T: int, queries, q: torch.Tensor) -> torch.Tensor:
         mask = document_causal_mask(cu, T, q.device, queries)
         if self.inner_name == "eager":  # an additive mask
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
@@ -166,12 +257,13 @@ def check_attention(config, P: int, heads: dict[str, set[int]], layers: str = "a
                                  f"{field} % {P} == 0 (eager and sdpa gather K/V instead)")
 
 
-def install_attention(modules: list, group, inner_name: str, eager) -> None:
-    """Route ``modules``' attention through the registered function over ``group`` around ``inner_name``
+def install_attention(modules: list, cp, inner_name: str, eager) -> None:
+    """Route ``modules``' attention through the registered function over ``cp``'s group and layout (a
+    :class:`kdacp.ContextParallel`; the per-batch contexts are the layers') around ``inner_name``
     (``eager``: the model's own eager function). The caller sets the modules' config's
     ``_attn_implementation`` to :data:`ATTENTION_NAME`. Call :func:`check_attention` first."""
     from transformers import AttentionInterface
     inner = eager if inner_name == "eager" else AttentionInterface()[inner_name]
     for m in modules:
-        m._kdacp_ulysses = _ContextParallelAttention(group, inner_name, inner)
+        m._kdacp_ulysses = _ContextParallelAttention(cp, inner_name, inner)
     AttentionInterface.register(ATTENTION_NAME, _attention)

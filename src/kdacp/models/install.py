@@ -51,7 +51,7 @@ def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], part
             attention: list[nn.Module], eager, loss_group=None) -> nn.Module:
     """Replace each linear-attention module's ``forward`` (on the instance) by :func:`mixer_forward` over
     ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route
-    the ``attention`` modules through kdacp's attention over ``cp.group`` (``eager``: the model's own eager
+    the ``attention`` modules through kdacp's attention over ``cp``'s group and layout (``eager``: the model's own eager
     function), give the model its own config with ``use_cache=False`` and set its ``loss_function`` to
     :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``).
 
@@ -66,7 +66,7 @@ def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], part
     own = copy.deepcopy(config)
     own.use_cache = False
     if attention:
-        install_attention(attention, cp.group, config._attn_implementation, eager)
+        install_attention(attention, cp, config._attn_implementation, eager)
         # The mask code builds no mask for a name it does not know, and the function builds its own.
         own._attn_implementation = ATTENTION_NAME
     for m in model.modules():

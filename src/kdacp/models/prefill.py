@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.comm import process_group
-from .attention import ATTENTION_NAME
+from .attention import ATTENTION_NAME, cudnn_attend, split_lower_right
 from .batch import ShardedBatch, shard_batch
 
 __all__ = ["PREFILL_ATTENTIONS", "LayerPrefill", "PrefillCache", "PrefillOutput", "cache_tensors", "generate",
@@ -148,11 +148,16 @@ class _PrefillConv:
     rank continues the cached convolution input, and the layer's last ``W`` input tokens recorded."""
 
     def __init__(self, base, view: PrefillCache, layer_idx: int):
+        if len(base.ranges) != 1:
+            raise ValueError(f"kdacp.models.prefill runs the contiguous layout; layer {layer_idx}'s rank holds "
+                             f"{len(base.ranges)} ranges")
         self.base, self.view, self.layer_idx = base, view, layer_idx
-        self.cu_seqlens, self.cu_seqlens_cpu = base.cu_seqlens, base.cu_seqlens_cpu
+        self.local_cu_seqlens, self.local_cu_seqlens_cpu = base.local_cu_seqlens, base.local_cu_seqlens_cpu
+        self.range_starts = base.range_starts
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
-        halos = self.base.left_halos(xs, width)
+        # one range: each halo [B, 1, W-1, C]
+        halos = [None if h is None else h[:, 0] for h in self.base.left_halos(xs, width)]
         past = self.view.conv_state(self.layer_idx)
         if self.view.rank == 0 and past is not None and width:
             # [B, C, W] -> its last W-1 tokens [B, W-1, C], split as xs' channels (q|k|v: the model's order)
@@ -182,8 +187,8 @@ class LayerPrefill:
             raise AttributeError(name)
         return getattr(self.__dict__["cp"], name)
 
-    def conv_context(self, T: int, cu_seqlens: torch.Tensor | None):
-        return _PrefillConv(self.cp.conv_context(T, cu_seqlens), self.view, self.layer_idx)
+    def context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None):
+        return _PrefillConv(self.cp.context(B, T, cu_seqlens, device), self.view, self.layer_idx)
 
     def initial_state(self, cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
         """``[N, HV, K, V]`` float32: the cached state for the prompt (sequence 0), zeros for the padding's
@@ -212,34 +217,6 @@ def _lower_right_causal(inner_name: str, n: int, Tk: int, dtype: torch.dtype, de
     return torch.zeros(n, Tk, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)[None, None]
 
 
-def split_lower_right(attend, query, key, value, n: int):
-    """Lower-right causal attention of ``n`` queries ``[B, H, n, D]`` that are the last ``n`` of the keys
-    ``key, value [B, H, Tk, *]`` (query ``i`` sees keys ``j <= i + Tk - n``), as two calls of ``attend``
-    merged by their log-sum-exps: every query against the ``Tk - n`` earlier keys (no mask), and against
-    the last ``n`` keys (square causal). ``attend(q, k, v, causal) -> (out [B, H, n, Dv], lse [B, H, n])``.
-    Returns ``[B, H, n, Dv]`` in ``query``'s dtype."""
-    Tk = key.shape[-2]
-    if n == Tk:
-        return attend(query, key, value, True)[0]
-    past, past_lse = attend(query, key[..., :Tk - n, :], value[..., :Tk - n, :], False)
-    own, own_lse = attend(query, key[..., Tk - n:, :], value[..., Tk - n:, :], True)
-    wide = torch.promote_types(query.dtype, torch.float32)  # the merge in float32 (or wider)
-    past_lse, own_lse = (x.to(wide).reshape(*query.shape[:3], 1) for x in (past_lse, own_lse))
-    top = torch.maximum(past_lse, own_lse)
-    w_past, w_own = torch.exp(past_lse - top), torch.exp(own_lse - top)
-    return ((past.to(wide) * w_past + own.to(wide) * w_own) / (w_past + w_own)).to(query.dtype)
-
-
-def _cudnn_attend(scale: float | None):
-    """An ``attend`` for :func:`split_lower_right`: PyTorch's cuDNN attention (the kernel sdpa picks on Hopper for
-    square causal attention), with its log-sum-exp."""
-    def attend(q, k, v, causal):
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
-    return attend
-
-
 def _fast_lower_right(module, query, key, value, n: int, scale: float | None):
     """:func:`split_lower_right` on cuDNN for sdpa on a GPU (``[B, n, H, Dv]``, sdpa's output layout), or None
     where cuDNN's attention is not available for these tensors. sdpa's own lower-right mask
@@ -251,7 +228,7 @@ def _fast_lower_right(module, query, key, value, n: int, scale: float | None):
     if groups > 1:  # grouped key/value heads, expanded as transformers' sdpa path does
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     try:
-        out = split_lower_right(_cudnn_attend(scale), query, key, value, n)
+        out = split_lower_right(cudnn_attend(scale), query, key, value, n)
     except torch.cuda.OutOfMemoryError:
         raise
     except RuntimeError:  # cuDNN refuses these shapes or dtypes: sdpa's own path
