@@ -170,11 +170,11 @@ def test_loss_contract_holds_under_the_layout(layout):
     assert abs(local_total - total) < 1e-9 * abs(total)
 
 
-def test_model_kwargs_carry_a_layout_other_than_contiguous():
+def test_model_kwargs_carry_the_layout():
     ids = _tokens(48)
     contiguous = shard_tokens(ids, rank=1, world_size=4)
     zigzag = shard_tokens(ids, rank=1, world_size=4, layout="zigzag")
-    assert LAYOUT_KWARG not in contiguous.model_kwargs()
+    assert contiguous.model_kwargs()[LAYOUT_KWARG].ranges[1] == ((12, 24),)
     assert zigzag.model_kwargs()[LAYOUT_KWARG] is zigzag.layout
     assert zigzag.layout.ranges[1] == ((6, 12), (36, 42))
 

@@ -30,8 +30,8 @@ from ..sequences import sequence_positions
 __all__ = ["LAYOUT_KWARG", "ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch", "shard_tokens"]
 
 IGNORE_INDEX = -100
-# The keyword under which ShardedBatch.model_kwargs() hands a layout other than the contiguous one to a
-# parallelised model's token mixers (transformers forwards unknown keyword arguments to every layer).
+# The keyword under which ShardedBatch.model_kwargs() hands the batch's layout to a parallelised model's token
+# mixers (transformers forwards unknown keyword arguments to every layer).
 LAYOUT_KWARG = "kdacp_layout"
 
 
@@ -52,7 +52,7 @@ class ShardedBatch:
             sequences). The same tensor object must reach every layer of a step: the plans are built once
             per tensor.
         layout: the :class:`~kdacp.distributed.layout.TokenLayout` of the global (padded) stream the shard
-            was cut by; :meth:`model_kwargs` hands it to the model where it is not the contiguous one.
+            was cut by; :meth:`model_kwargs` hands it to the model, which checks it against its own.
         rank: the rank whose share this is.
         padding: how many ``pad_id`` tokens :func:`shard_tokens` added to the global batch so that it splits
             evenly (see its ``pad_id``), all labelled ``-100``.
@@ -70,15 +70,14 @@ class ShardedBatch:
         """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions, the
         globally shifted ``labels`` (the model's ``.loss`` follows the contract of
         :func:`global_token_mean_loss`), the global boundaries under flash-attention's names
-        (``cu_seq_lens_q/k``, ``max_length_q/k``) and, for a layout other than the contiguous one, the layout
-        under :data:`LAYOUT_KWARG` (a model parallelised for the contiguous layout refuses it)."""
+        (``cu_seq_lens_q/k``, ``max_length_q/k``) and the layout under :data:`LAYOUT_KWARG` (a parallelised
+        model refuses a batch of another layout than its own)."""
         kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, labels=self.labels)
         if self.cu_seqlens is not None:
             longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
             kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=longest,
                           max_length_k=longest)
-        if not self.layout.is_contiguous:
-            kwargs[LAYOUT_KWARG] = self.layout
+        kwargs[LAYOUT_KWARG] = self.layout
         return kwargs
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 from ..layers.context_parallel import ContextParallel
 from .batch import LAYOUT_KWARG
 
-__all__ = ["SILU_NAMES", "batch_layout", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
+__all__ = ["SILU_NAMES", "check_batch_layout", "check_training_call", "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
@@ -23,10 +23,21 @@ def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
     return cu
 
 
-def batch_layout(kwargs: dict):
-    """Pop and return the token layout a token mixer received from :meth:`kdacp.ShardedBatch.model_kwargs`
-    (a :class:`~kdacp.distributed.layout.TokenLayout`, present only where it is not the contiguous one), or None."""
-    return kwargs.pop(LAYOUT_KWARG, None)
+def check_batch_layout(cp: ContextParallel, kwargs: dict, B: int, T: int, cu_seqlens: torch.Tensor | None,
+                       device: torch.device) -> None:
+    """Pop the token layout a token mixer received from :meth:`kdacp.ShardedBatch.model_kwargs` and raise
+    ``ValueError`` unless it is the layout ``cp`` gives this batch (``B`` rows of ``T`` local tokens, or the
+    packed row of global ``cu_seqlens``): a batch sharded by one layout and run by another would be wrong
+    everywhere. Absent (keyword arguments made by hand): the batch is taken to follow ``cp``'s layout."""
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        return
+    expected = cp.attention_context(B, T, cu_seqlens, device).layout
+    if layout != expected:
+        def show(x):
+            return f"{x.world_size} ranks, rank 0 holding {list(x.ranges[0])} of {x.num_tokens} tokens"
+        raise ValueError(f"the batch was sharded under another token layout ({show(layout)}) than the model runs "
+                         f"({cp.layout!r}: {show(expected)}); pass shard_batch(layout=...) the model's layout")
 
 
 def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
