@@ -167,6 +167,13 @@ def _check_contract(rank: int) -> None:
         kdacp.models.prefill(model, kdacp.shard_batch(_prompt(40), cu_seqlens=torch.tensor([0, 20, 40])))
     with pytest.raises(ValueError, match="drop cache="):
         kdacp.models.generate(model, batch, 4, cache=None)
+    # Prefill and generate run the contiguous layout: a zigzag batch or model is refused by name, before any exchange.
+    zigzag = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel("state", layout="zigzag"))
+    for m, layout in ((model, "zigzag"), (zigzag, "zigzag"), (zigzag, "contiguous")):
+        with pytest.raises(ValueError, match="run the contiguous layout only"):
+            kdacp.models.prefill(m, kdacp.shard_batch(_prompt(40), layout=layout))
+    with pytest.raises(ValueError, match="run the contiguous layout only"):
+        kdacp.models.generate(zigzag, kdacp.shard_batch(_prompt(40), layout="zigzag"), 4)
     spec = next(m._kdacp_ulysses for m in model.modules() if hasattr(m, "_kdacp_ulysses"))
     spec.inner_name = "flash_attention_2"
     with pytest.raises(ValueError, match=r"runs the model's \('eager', 'sdpa'\) implementations"):

@@ -33,6 +33,7 @@ prompt token and every new one, greedy or sampled, no collective until one check
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -303,6 +304,11 @@ def cache_tensors(cache) -> dict:
 MIN_TRANSFORMERS = "5.24"
 
 
+def _layout_name(layout) -> str:
+    """A context's layout as a name: ``"contiguous"`` for a contiguous :class:`TokenLayout` too."""
+    return "contiguous" if getattr(layout, "is_contiguous", False) else layout if isinstance(layout, str) else "ranges"
+
+
 def _check_call(model, batch: ShardedBatch, group) -> None:
     """``ValueError`` for what :func:`prefill` does not run (``ImportError`` for a transformers older than
     :data:`MIN_TRANSFORMERS`), before anything runs."""
@@ -316,6 +322,14 @@ def _check_call(model, batch: ShardedBatch, group) -> None:
     linear, attention = _parallel_modules(model)
     if not linear and not attention:
         raise ValueError(f"kdacp.models.prefill runs a kdacp.parallelize'd model; {type(model).__name__} is not")
+    contexts = [m._kdacp_ulysses.cp for m in attention] + [m.forward.args[2] for m in linear
+                                                           if isinstance(m.forward, functools.partial)]
+    model_layouts = {_layout_name(cp.layout) for cp in contexts}
+    if not batch.layout.is_contiguous or model_layouts - {"contiguous"}:
+        raise ValueError(f"kdacp.models.prefill and generate run the contiguous layout only (zigzag prefill is not "
+                         f"supported): parallelize the model and shard the prompt with layout='contiguous'; got a model "
+                         f"under {sorted(model_layouts)} and a batch of {len(batch.layout.ranges[batch.rank])} "
+                         f"range(s) on rank {batch.rank}")
     B, T_local = batch.input_ids.shape
     cu = batch.cu_seqlens
     one_document = cu is None or cu.numel() == (3 if batch.padding else 2)
@@ -350,8 +364,9 @@ def prefill(model, batch: ShardedBatch, cache=None, group=None) -> PrefillOutput
         :class:`PrefillOutput`: the cache (the same on every rank) and the last prompt token's logits.
 
     Raises:
-        ValueError: an unparallelised model, a batch of several rows or documents, another attention
-            implementation, another group, or a linear-attention mode other than ``state``.
+        ValueError: an unparallelised model, a model or batch under another token layout than the contiguous one,
+            a batch of several rows or documents, another attention implementation, another group, or a
+            linear-attention mode other than ``state``.
         ImportError: transformers older than :data:`MIN_TRANSFORMERS`.
     """
     group = process_group(group, "group")
