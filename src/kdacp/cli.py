@@ -114,7 +114,8 @@ def _link_figures(args: argparse.Namespace) -> dict:
 
 def _hybrid_case(args: argparse.Namespace) -> dict:
     """The hybrid suite's options from the command line."""
-    case = dict(calibration=args.calibration, attention_tflops=args.attention_tflops, link=_link_figures(args) or None,
+    case = dict(calibration=args.calibration, attention_tflops=args.attention_tflops, balance=args.balance,
+                link=_link_figures(args) or None,
                 heads=args.heads, head_dim=args.head_dim, backend=args.backend)
     if args.seq_lens:
         case["tokens"] = tuple(args.seq_lens)
@@ -258,7 +259,7 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "head_dim": ("layer", "scaling", "overhead", "hybrid", "balance"),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",), "calibration": ("hybrid",),
-                  "attention_tflops": ("hybrid",), "predict_ranks": ("scaling", "hybrid", "balance")}
+                  "attention_tflops": ("hybrid",), "balance": ("hybrid",), "predict_ranks": ("scaling", "hybrid", "balance")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -357,13 +358,16 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kdacp bench: --suite scaling takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}",
               file=sys.stderr)
         return 2
-    for flag, path in (("--measured", args.measured), ("--calibration", args.calibration)):
+    for flag, path in (("--measured", args.measured), ("--calibration", args.calibration), ("--balance", args.balance)):
         if path is not None and not os.path.isfile(path):
             print(f"kdacp bench: {flag} {path}: no such file", file=sys.stderr)
             return 2
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
+    if args.attention_tflops is not None and args.balance is not None:
+        print("kdacp bench: give --attention-tflops or --balance, not both", file=sys.stderr)
+        return 2
     if args.suite == "balance" and args.seq_lens and len(args.seq_lens) > 1:
         print(f"kdacp bench: --suite balance takes one --seq-lens value (the sequence), got {len(args.seq_lens)}",
               file=sys.stderr)
@@ -541,6 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--attention-tflops", type=_positive_float, default=None,
                        help="hybrid suite: achieved causal-attention throughput in TFLOP/s (the balance suite's "
                             "step_tflops; default 400)")
+    bench.add_argument("--balance", default=None, metavar="JSON",
+                       help="hybrid suite: a balance suite's JSON whose measured attention throughput is used")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
     bench.add_argument("--port", type=_port, default=0,

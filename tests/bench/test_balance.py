@@ -35,7 +35,13 @@ def test_rank_attention_is_the_dense_masked_attention(P):
             assert (got - ref[:, :, own]).abs().max() < 1e-12
 
 
-def test_suite_rows_on_cpu():
+def test_suite_rows_on_cpu(tmp_path):
+    """The balance rows at CPU sizes, and the hybrid suite taking its measured throughput."""
+    import statistics
+
+    from kdacp.bench import hybrid
+    from kdacp.bench.harness import write_results
+    from tests.bench.test_hybrid_model import calibration_json
     rows = balance.run(tokens=64, world_sizes=(2, 4), iters=1, device="cpu")
     bal = {(r["P"], r["layout"]): r for r in rows if r["source"] == "balance"}
     assert set(bal) == {(P, name) for P in (2, 4) for name in balance.LAYOUTS}
@@ -47,3 +53,12 @@ def test_suite_rows_on_cpu():
     assert len(ranks) == 2 * (2 + 4) and all(r["forward_ms"] > 0 and r["step_ms"] > 0 for r in ranks)
     with pytest.raises(ValueError, match="multiple of 2P"):
         balance.run(tokens=60, world_sizes=(8,), device="cpu")
+    write_results("balance", rows, tmp_path, context=dict(date="d", device="cpu", gpus=0, torch="t", triton="t",
+                                                          commit="c"))
+    calibration_json(tmp_path / "scaling.json")
+    predicted = hybrid.run(calibration=str(tmp_path / "scaling.json"), balance=str(tmp_path / "balance.json"),
+                           tokens=(1024,), world_sizes=(2,), models=("kimi-linear-48b",), device="cpu")
+    assert predicted[0]["attention_tflops"] == statistics.median(r["step_tflops"] for r in bal.values())
+    with pytest.raises(ValueError, match="not both"):
+        hybrid.run(calibration=str(tmp_path / "scaling.json"), balance=str(tmp_path / "balance.json"),
+                   attention_tflops=1.0, device="cpu")

@@ -145,6 +145,23 @@ def test_shapes_are_transformers_defaults():
                                              qwen.linear_value_head_dim, qwen.num_key_value_heads, qwen.head_dim)
 
 
+def calibration_json(path):
+    """A scaling suite's JSON at ``path`` from made-up stages (each role's total at least one device's) and link;
+    returns ``(rows, stages, link)``."""
+    import json
+
+    import torch
+
+    from kdacp.bench.calibration import Calibration, calibration_rows
+    role = {r: RoleStages(1e-3 * (i + 1), 2e-5, 3e-4) for i, r in enumerate(("first", "through", "last"))}
+    st = StageTimes(forward=role, backward=role, one_device=(1.32e-3, 1.32e-3), apply_s=8e-6, compose_s=1.7e-5,
+                    copy_s_per_byte=1e-12)
+    link = Link(2e-5, 3e11, 2.5e-5, 2e11)
+    rows = calibration_rows(Calibration(st, link, "given"), 16384, 32, 128, "fla", torch.bfloat16)
+    path.write_text(json.dumps({"rows": rows}))
+    return rows, st, link
+
+
 def test_calibration_rows_round_trip_and_the_suite_reads_them(tmp_path):
     """A scaling suite's recorded calibration read back (:func:`read_calibration`) is what was written, and the
     hybrid suite predicts from it: a row per model, T, P and applicable scheme."""
@@ -152,18 +169,11 @@ def test_calibration_rows_round_trip_and_the_suite_reads_them(tmp_path):
     import subprocess
     import sys
 
-    import torch
-
-    from kdacp.bench.calibration import Calibration, calibration_rows, read_calibration
-    role = {r: RoleStages(1e-3 * (i + 1), 2e-5, 3e-4) for i, r in enumerate(("first", "through", "last"))}
-    st = StageTimes(forward=role, backward=role, one_device=(1.32e-3, 1.32e-3), apply_s=8e-6, compose_s=1.7e-5,
-                    copy_s_per_byte=1e-12)
-    link = Link(2e-5, 3e11, 2.5e-5, 2e11)
-    rows = calibration_rows(Calibration(st, link, "given"), 16384, 32, 128, "fla", torch.bfloat16)
+    from kdacp.bench.calibration import read_calibration
+    path = tmp_path / "scaling.json"
+    rows, st, link = calibration_json(path)
     back, setup = read_calibration(rows)
     assert back.stages == st and back.link == link and setup["T_local"] == 16384
-    path = tmp_path / "scaling.json"
-    path.write_text(json.dumps({"rows": rows}))
     out = subprocess.run([sys.executable, "-m", "kdacp.cli", "bench", "--suite", "hybrid", "--device", "cpu",
                           "--calibration", str(path), "--seq-lens", "4096", "--predict-ranks", "2,4",
                           "--attention-tflops", "300", "--out", str(tmp_path)], capture_output=True, text=True,

@@ -4,18 +4,21 @@ predictions of :mod:`kdacp.bench.hybrid_model` (read its docstring) for Kimi Lin
 Inputs: the linear-attention stage times of each rank role, measured here as the scaling suite does
 (:func:`~kdacp.bench.calibration.measure_stages`) or read from a scaling suite's JSON (``calibration``); the
 link (measured figures in that JSON, or given); the achieved causal-attention throughput (``attention_tflops``,
-the ``balance`` suite's ``step_tflops``, default :data:`~kdacp.bench.hybrid_model.ATTENTION_FLOPS`).
+the ``balance`` suite's ``step_tflops``, given or read from its JSON (``balance``), default
+:data:`~kdacp.bench.hybrid_model.ATTENTION_FLOPS`).
 
 Rows: ``setup`` (what the predictions come from), then per model, ``T`` and ``P`` one row per scheme: the
 predicted step, one GPU's step on the same tokens, the parallel efficiency, the best mixer exchange and the
 ranks' attention work max over mean.
 
-    kdacp bench --suite hybrid [--calibration scaling.json] [--attention-tflops 400] [--seq-lens 131072,524288,1048576]
+    kdacp bench --suite hybrid [--calibration scaling.json] [--attention-tflops 400 | --balance balance.json]
+                               [--seq-lens 131072,524288,1048576]
                                [--predict-ranks 8,16,64]
 """
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +39,7 @@ PLOTS = {"hybrid": PlotSpec(x="P", y="efficiency", series="scheme", panel="case"
 
 
 def run(calibration: str | None = None, tokens=TOKENS, world_sizes=WORLD_SIZES, models=tuple(HYBRID_MODELS),
-        attention_tflops: float | None = None, link: dict | None = None, t_local: int | None = None,
+        attention_tflops: float | None = None, balance: str | None = None, link: dict | None = None, t_local: int | None = None,
         heads: int | None = None, head_dim: int | None = None, backend: str | None = None, iters: int = 7,
         device: str = "cuda", report=None) -> list[dict]:
     """Predict every scheme's step (module docstring).
@@ -48,11 +51,16 @@ def run(calibration: str | None = None, tokens=TOKENS, world_sizes=WORLD_SIZES, 
         tokens, world_sizes: the sequence lengths ``T`` and rank counts ``P`` (``T`` a multiple of ``2P``).
         models: names among :data:`~kdacp.bench.hybrid_model.HYBRID_MODELS`.
         attention_tflops: achieved causal-attention throughput, TFLOP/s.
+        balance: a ``balance`` suite's JSON: the median ``step_tflops`` of its balance rows is the throughput
+            (not together with ``attention_tflops``).
         link: figures replacing the calibration's (any of ``Link``'s fields, seconds and bytes/s).
 
     Raises:
-        ValueError: an unknown model or link field, or a ``T`` that is not a multiple of ``2P``.
+        ValueError: an unknown model or link field, a ``T`` that is not a multiple of ``2P``, or both
+            ``attention_tflops`` and ``balance``.
     """
+    if attention_tflops is not None and balance is not None:
+        raise ValueError("give attention_tflops or balance (a balance suite's JSON), not both")
     unknown = set(models) - set(HYBRID_MODELS)
     if unknown:
         raise ValueError(f"models must be among {tuple(HYBRID_MODELS)}, got {sorted(unknown)}")
@@ -77,9 +85,13 @@ def run(calibration: str | None = None, tokens=TOKENS, world_sizes=WORLD_SIZES, 
         stages = measure_stages(t_cal, h_cal, d_cal, backend or ("fla" if cuda else "torch"), dtype, dev, iters)
         base_link, source = DEFAULT_LINK, f"measured here on {device}; link cost_model.DEFAULT_LINK"
     the_link = Link(**{**asdict(base_link), **(link or {})})
+    if balance is not None:
+        measured = [r["step_tflops"] for r in json.loads(Path(balance).read_text())["rows"] if r["source"] == "balance"]
+        attention_tflops = statistics.median(measured)
     flops = (attention_tflops or ATTENTION_FLOPS / 1e12) * 1e12
     cal = Calibrated(stages, t_cal, h_cal, d_cal, d_cal, the_link, flops)
-    rows = [dict(source="setup", calibration=source, T_cal=t_cal, heads_cal=h_cal, head_dim_cal=d_cal,
+    rows = [dict(source="setup", calibration=source, attention=balance or ("given" if attention_tflops else "default"),
+                 T_cal=t_cal, heads_cal=h_cal, head_dim_cal=d_cal,
                  attention_tflops=flops / 1e12, latency_us=the_link.latency_s * 1e6,
                  bandwidth_GBs=the_link.bandwidth / 1e9, gather_latency_us=the_link.gather_latency_s * 1e6,
                  gather_bandwidth_GBs=the_link.gather_bandwidth / 1e9)]
