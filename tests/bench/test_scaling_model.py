@@ -146,3 +146,25 @@ def test_route_step_path_is_predict_step_on_the_chain_and_route_path_for_one_lay
     one = route_path("p2p", *route, f3, times, LINK) + route_path("p2p", *back, b3, times, LINK)
     assert route_step_path("p2p", route, back, f3, b3, times, 1, 0, LINK) == pytest.approx(one)
     assert route_step_path("p2p", route, back, f3, b3, times, 6, 0, LINK) <= 6 * one + 1e-9
+
+
+def test_zigzag_chain_and_its_p2p_path_by_hand():
+    from kdacp.bench.scaling_model import zigzag_chain
+    assert zigzag_chain(3) == ((0, 1, 2, 1, 0), (0.5, 0.5, 1.0, 0.5, 0.5))
+    # P = 2: rank 0 holds positions 0 (first) and 2 (last), each half its tokens; rank 1 position 1 (through).
+    # Rank 0: ready 0.5 + 0.25, sends position 0's state (arrives 1.25), between 1.0 (1.75), waits for rank 1's
+    # message, after 0 + 2. Rank 1: ready 3, receives (3), applies (3.25), sends (arrives 3.75), after 2: 5.25.
+    p = predict("p2p", 2, TIMES, LINK, layout="zigzag")
+    assert p.forward_s == pytest.approx(5.75)
+    # no local work, a second a message: the zigzag chain is 2P - 2 hops against P - 1
+    hop = Link(latency_s=1.0, bandwidth=1e30, gather_latency_s=1.0, gather_bandwidth=1e30)
+    for P in (2, 3, 8):
+        assert predict("p2p", P, StageTimes(), hop, layout="zigzag").forward_s == pytest.approx(2 * P - 2)
+        assert predict("p2p", P, StageTimes(), hop).forward_s == pytest.approx(P - 1)
+    for strategy in STRATEGIES:
+        step = predict_step(strategy, 8, TIMES, 4, 2, LINK, layout="zigzag")
+        assert step.step_s >= predict_step(strategy, 8, TIMES, 4, 2, Link(0, 1e30, 0, 1e30), layout="zigzag").step_s
+    with pytest.raises(ValueError, match="layout must be one of"):
+        predict("p2p", 4, TIMES, layout="spiral")
+    with pytest.raises(ValueError, match="strategy='fla'"):
+        predict_step("fla", 4, TIMES, 2, layout="zigzag")

@@ -110,6 +110,37 @@ def test_auto_is_the_models_fastest(P):
     assert reason == "auto: " + choose_strategy((emits, affine), (emits, affine), times)[1]
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_holders_of_one_position_each_give_the_same_programs(strategy):
+    emits, affine = chain_route(5)
+    stages = [RoleStages(0.1 * i, 0.2, 0.3 * i) for i in range(5)]
+    assert programs(strategy, emits, affine, stages, TIMES, holders=range(5)) == \
+        programs(strategy, emits, affine, stages, TIMES)
+
+
+def test_ranks_of_several_positions_by_hand():
+    # positions 0, 1 on rank 0 and 2 on rank 1, one chain: 0 hands its state to 1 in memory, 1 applies and
+    # sends. Rank 0: ready 1 + 3, between 2 + 0 (6), apply (6.25), send (arrives 6.75), after 0 + 2: 8.25;
+    # rank 1: ready 0.5, waits until 6.75, after 4: 10.75
+    emits, affine = chain_route(3)
+    progs = programs("p2p", emits, affine, [FIRST, THROUGH, LAST], TIMES, holders=(0, 0, 1))
+    assert [op for op in progs[0] if op[0] in ("send", "recv")] == [("send", 1, 0)]
+    assert simulate(progs, LINK) == pytest.approx([8.25, 10.75])
+    # allgather: one gather of two slots a rank; scan: no message between a rank's own positions
+    for strategy in ("allgather", "scan"):
+        assert len(simulate(programs(strategy, emits, affine, [FIRST, THROUGH, LAST], TIMES, holders=(0, 0, 1)),
+                            LINK)) == 2
+
+
+def test_auto_under_zigzag_counts_positions():
+    from kdacp.distributed.layout import zigzag_layout
+    from kdacp.distributed.plan import layout_rank_layouts
+    strategy, reason = resolve_strategy("auto", layout_rank_layouts(None, 1, zigzag_layout(64 * 8, 8)))
+    assert strategy in STRATEGIES and "13 of 15 positions (the ranges of 8 ranks) inside a chain" in reason
+    # the zigzag chain is twice as long: at 32 ranks the default link favours scan over p2p
+    assert resolve_strategy("auto", layout_rank_layouts(None, 1, zigzag_layout(64 * 32, 32)))[0] == "scan"
+
+
 def test_auto_bad_arguments():
     with pytest.raises(ValueError, match="strategy must be one of"):
         resolve_strategy("fastest", _chain_layouts(3))

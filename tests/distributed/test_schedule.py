@@ -30,16 +30,17 @@ class RecordingExchange:
         return Pending(route)
 
     def send(self, pending, messages):
-        (message,) = messages  # one position a rank (the contiguous layout)
-        if message is not None and pending.route.successor is not None:
+        route = pending.route
+        if any(m is not None and route.target(i) is not None for i, m in zip(route.positions, messages)):
             self.log.append(("send", None))
 
     def receive(self, pending):
         route = pending.route
-        if route.predecessor is None:
-            return [None]
+        sources = [route.source(i) for i in route.positions]
+        if all(src is None for src in sources):
+            return [None] * len(sources)
         self.log.append(("receive", None))
-        return [torch.zeros(route.shape, dtype=route.dtype)]
+        return [None if src is None else torch.zeros(route.shape, dtype=route.dtype) for src in sources]
 
 
 class RecordingBackend:
@@ -226,3 +227,33 @@ def test_through_rank_runs_its_pass_in_pieces_only_where_the_backend_gains(paral
     passes = [span for stage, span in backend.spans if stage == "state_pass"]
     assert len(passes) == 1 and (passes[0].start, passes[0].end) == (0, 200)
     assert passes[0].cu_seqlens == ((0, 128, 200) if parallel_pieces else (0, 200))
+
+
+def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set(monkeypatch):
+    """Zigzag over 3 ranks, one sequence of 240 tokens (40-token chunks): rank 0 holds the chain's ends, rank 1
+    two through positions, rank 2 one range (the contiguous schedule). A rank of several positions makes its
+    messages first (rank 0: the pass over its first range only; rank 1: the summary of both ranges), sends,
+    blocks, then runs one state pass and one output over all of its tokens; backward the local work, the
+    gradient summary, the send, the block, one gradient pass and the input gradients."""
+    from kdacp.distributed.layout import zigzag_layout
+    from kdacp.distributed.plan import layout_rank_layouts
+    layout = zigzag_layout(240, 3)
+    layouts = layout_rank_layouts(None, 1, layout)
+    assert [lay.positions for lay in layouts] == [(0, 4), (1, 3), (2,)]
+    for rank, made in ((0, ("state_pass", (0, 40))), (1, ("state_summary", (0, 80)))):
+        log: list = []
+        monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
+        plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
+                      local_lengths=layout.local_lengths, layout=layout)
+        args = make_kda_inputs(1, 80, 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank)
+        backend = RecordingBackend(log)
+        fwd = orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+        whole = (0, 80)
+        assert log == [("begin", None), ("prepare", whole), made, ("send", None), ("receive", None),
+                       ("state_pass", whole), ("output", whole)], log
+        log.clear()
+        orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition, fwd.head_states,
+                                  torch.randn_like(fwd.o), None, False, False)
+        assert log == [("begin", None), ("backward_local", whole), ("state_gradient_summary", whole),
+                       ("send", None), ("receive", None), ("backward_states", whole),
+                       ("backward_inputs", whole)], log

@@ -9,7 +9,13 @@ training step of ``layers`` token-mixer layers, where a rank goes on to its next
 own work allows (kdacp's exchange posts each layer's receive at its start and never blocks a send),
 so the ranks fall into a wavefront: a later rank lags an earlier one by one layer's chain excess, paid
 once per stretch between points where every rank meets (the loss; the attention layers of a hybrid
-model), not once per layer."""
+model), not once per layer.
+
+``layout`` (:data:`MODEL_LAYOUTS`): ``"contiguous"``, one range a rank; ``"zigzag"``, the sequence cut in
+``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P-1-r``: a chain of ``2P - 1`` positions (rank
+``P-1``'s two chunks are one range) through every rank but the last twice (:func:`zigzag_chain`). A
+position does its role's work (first, through, last) scaled by its share of its rank's tokens; a rank of
+two positions runs their work together (:func:`kdacp.distributed.cost_model.programs`' ``holders``)."""
 from __future__ import annotations
 
 import math
@@ -20,10 +26,11 @@ from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageT
                                          join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "Prediction", "StepPrediction", "check_stack", "fla_programs", "predict", "predict_step",
+__all__ = ["MODEL_STRATEGIES", "MODEL_LAYOUTS", "Prediction", "zigzag_chain", "StepPrediction", "check_stack", "fla_programs", "predict", "predict_step",
            "route_path", "route_step_path", "simulate", "simulate_shared", "step_programs"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
+MODEL_LAYOUTS = ("contiguous", "zigzag")
 
 _EPS = 1e-12  # seconds: a compute op with less left than this is done
 
@@ -158,11 +165,42 @@ def route_path(strategy: str, emits, affine, stages: list[RoleStages], times: St
     return max(simulate(programs(strategy, emits, affine, stages, times), link, cores))
 
 
-def _check(strategy: str, P: int) -> None:
+def _check(strategy: str, P: int, layout: str = "contiguous") -> None:
     if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"strategy must be one of {MODEL_STRATEGIES}, got {strategy!r}")
     if isinstance(P, bool) or not isinstance(P, int) or P < 2:
         raise ValueError(f"P must be an int >= 2, got {P!r}")
+    if layout not in MODEL_LAYOUTS:
+        raise ValueError(f"layout must be one of {MODEL_LAYOUTS}, got {layout!r}")
+    if strategy == "fla" and layout != "contiguous":
+        raise ValueError("layout must be 'contiguous' with strategy='fla' (FLA 0.6.0's scheme has no other)")
+
+
+def zigzag_chain(P: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``(holders, shares)`` of one sequence's chain under zigzag over ``P`` ranks, positions in token order:
+    the rank holding each and its share of that rank's tokens."""
+    holders = (*range(P), *reversed(range(P - 1)))
+    return holders, tuple(1.0 if r == P - 1 else 0.5 for r in holders)
+
+
+def _scaled(stages: RoleStages, share: float) -> RoleStages:
+    return RoleStages(stages.ready * share, stages.between * share, stages.after * share)
+
+
+def _zigzag_routes(times: StageTimes, P: int) -> dict:
+    """``{direction: ((emits, affine, holders), stages)}`` of one sequence under zigzag, by position in the
+    direction states flow."""
+    holders, shares = zigzag_chain(P)
+    L = len(holders)
+    emits, affine = chain_route(L)
+    routes = {}
+    for direction in ("forward", "backward"):
+        per_role = times.forward if direction == "forward" else times.backward
+        chain = range(L) if direction == "forward" else reversed(range(L))
+        stages = [_scaled(per_role[_role(c, L)], shares[c]) for c in chain]
+        flow = holders if direction == "forward" else holders[::-1]
+        routes[direction] = ((emits, affine, flow), stages)
+    return routes
 
 
 def _by_rank(progs: list[list[tuple]], direction: str) -> list[list[tuple]]:
@@ -217,27 +255,37 @@ def _chain_stages(times: StageTimes, P: int, direction: str) -> list[RoleStages]
 
 def _route_layer(strategy: str, routes: dict, times: StageTimes):
     """``layer(direction, key)``: one layer's programs by rank, ``routes[direction] = ((emits, affine),
-    stages)`` by position in the direction states flow."""
+    stages)`` by position in the direction states flow (position ``i`` on rank ``i`` forward, ``P-1-i``
+    backward), or ``((emits, affine, holders), stages)`` with the rank holding each position."""
     def layer(direction, key):
-        (emits, affine), stages = routes[direction]
-        return _by_rank(programs(strategy, emits, affine, stages, times, key), direction)
+        route, stages = routes[direction]
+        if len(route) == 3:
+            return programs(strategy, route[0], route[1], stages, times, key, holders=route[2])
+        return _by_rank(programs(strategy, *route, stages, times, key), direction)
     return layer
 
 
-def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0) -> list[list[tuple]]:
+def _layer(strategy: str, P: int, times: StageTimes, layout: str):
+    """:func:`_route_layer`'s ``layer`` for one sequence over ``P`` ranks under ``layout``."""
+    if strategy == "fla":
+        return lambda direction, key: _by_rank(fla_programs(P, direction, times, key), direction)
+    if layout == "zigzag":
+        return _route_layer(strategy, _zigzag_routes(times, P), times)
+    routes = {d: (chain_route(P), _chain_stages(times, P, d)) for d in ("forward", "backward")}
+    return _route_layer(strategy, routes, times)
+
+
+def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,
+                  layout: str = "contiguous") -> list[list[tuple]]:
     """Every rank's program of one training step (rank order), one sequence over ``P`` ranks: the
     ``layers`` token-mixer layers' forwards in order, a barrier for the loss (every rank joins it: the
     global token count, as :func:`kdacp.models.batch.global_token_mean_loss` all-reduces), the backwards in
     reverse order. With ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it,
     backward), for a hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear
-    and Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled."""
-    if strategy == "fla":
-        def layer(direction, key):
-            return _by_rank(fla_programs(P, direction, times, key), direction)
-    else:
-        routes = {d: (chain_route(P), _chain_stages(times, P, d)) for d in ("forward", "backward")}
-        layer = _route_layer(strategy, routes, times)
-    return _assemble(layer, P, layers, sync_every)
+    and Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled.
+    ``layout``: one of :data:`MODEL_LAYOUTS` (see the module docstring)."""
+    _check(strategy, P, layout)
+    return _assemble(_layer(strategy, P, times, layout), P, layers, sync_every)
 
 
 def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleStages],
@@ -253,27 +301,23 @@ def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleS
 
 
 def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,
-                 link: Link = DEFAULT_LINK, cores: float | None = None) -> StepPrediction:
-    """One sequence split evenly over ``P >= 2`` ranks, a training step of ``layers >= 1`` token-mixer
-    layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
-    _check(strategy, P)
+                 link: Link = DEFAULT_LINK, cores: float | None = None, layout: str = "contiguous") -> StepPrediction:
+    """One sequence split evenly over ``P >= 2`` ranks under ``layout``, a training step of ``layers >= 1``
+    token-mixer layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
+    _check(strategy, P, layout)
     check_stack(layers, sync_every)
-    finish = simulate(step_programs(strategy, P, times, layers, sync_every), link, cores)
+    finish = simulate(step_programs(strategy, P, times, layers, sync_every, layout), link, cores)
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return StepPrediction(strategy, P, layers, sync_every, max(finish), layers * sum(one))
 
 
-def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None
-            ) -> Prediction:
-    """One sequence split evenly over ``P >= 2`` ranks: ``strategy``'s (one of :data:`MODEL_STRATEGIES`)
-    forward and backward critical paths, and one device's step on the same tokens per rank."""
-    _check(strategy, P)
-    emits, affine = chain_route(P)
-    paths = []
-    for direction in ("forward", "backward"):
-        if strategy == "fla":
-            paths.append(max(simulate(fla_programs(P, direction, times), link, cores)))
-        else:
-            paths.append(route_path(strategy, emits, affine, _chain_stages(times, P, direction), times, link, cores))
+def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK, cores: float | None = None,
+            layout: str = "contiguous") -> Prediction:
+    """One sequence split evenly over ``P >= 2`` ranks under ``layout``: ``strategy``'s (one of
+    :data:`MODEL_STRATEGIES`) forward and backward critical paths, and one device's step on the same tokens
+    per rank."""
+    _check(strategy, P, layout)
+    layer = _layer(strategy, P, times, layout)
+    paths = [max(simulate(layer(direction, 0), link, cores)) for direction in ("forward", "backward")]
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return Prediction(strategy, P, paths[0], paths[1], sum(one))

@@ -6,7 +6,9 @@ cores, FLA's scheme, whole-step predictions) is in :mod:`kdacp.bench.scaling_mod
 path of ``"auto"``.
 
 Positions ``i = 0 .. P-1`` follow the direction states flow (forward: rank ``i``; backward: rank
-``P-1-i``). Each position runs one program, its ops in order:
+``P-1-i``). Each position runs one program, its ops in order (under a layout whose ranks hold several
+ranges, the chain has more positions than ranks: each rank runs one program over its positions, see
+:func:`programs`' ``holders``):
 
 - ``compute(s)``: ``s`` seconds of work on the position's own device (with ``cores``: all positions
   computing at once share that many cores, each at rate ``min(1, cores / computing)``);
@@ -214,68 +216,112 @@ def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     return emits, affine
 
 
-def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, gather_key=0
-             ) -> list[list[tuple]]:
-    """Every position's program for ``strategy`` (``p2p``, ``allgather``, ``scan``) on one route:
+class _Outbox:
+    """One rank's sends in a fixed order per peer (as :class:`~.strategies.Pending` releases them): a send
+    leaves once it and every earlier one to that peer are ready. ``keys``: ``(key, peer, bytes)`` in order."""
+
+    def __init__(self, keys):
+        self.queues, self.size, self.ready = {}, {}, set()
+        for key, peer, nbytes in keys:
+            self.queues.setdefault(peer, []).append(key)
+            self.size[key] = nbytes
+
+    def release(self, key, peer: int) -> list[tuple]:
+        """Mark ``key`` ready; the send ops that leave now."""
+        self.ready.add(key)
+        ops, queue = [], self.queues[peer]
+        while queue and queue[0] in self.ready:
+            ops.append(("send", peer, self.size[queue.pop(0)]))
+        return ops
+
+
+def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, gather_key=0,
+             holders=None) -> list[list[tuple]]:
+    """Every rank's program for ``strategy`` (``p2p``, ``allgather``, ``scan``) on one route:
     ``emits``/``affine`` by position (as :class:`~.strategies.Route`'s, in its order), ``stages[i]``
-    position ``i``'s local work; ``gather_key`` names the all-gather (``allgather``)."""
-    P = len(emits)
+    position ``i``'s local work; ``holders[i]``: the rank holding position ``i`` (default: position ``i``
+    is rank ``i``'s only one); ``gather_key`` names the all-gather (``allgather``). A rank of several
+    positions runs their local work together (its stages added up), handles them in flow order, hands
+    messages between its own positions over for free, and sends to each peer in the order the peer reads."""
+    L = len(emits)
+    holders = tuple(range(L)) if holders is None else tuple(holders)
+    ranks = max(holders) + 1
+    own = [[i for i in range(L) if holders[i] == r] for r in range(ranks)]
     state, summary = times.state_bytes, times.summary_bytes
-    incoming = [i > 0 and emits[i - 1] > 0 for i in range(P)]
-    out = []
+    incoming = [i > 0 and emits[i - 1] > 0 for i in range(L)]
     # chain[i]: the messages position i's incoming value is folded from (allgather)
-    chain = [0] * P
-    for i in range(1, P):
+    chain = [0] * L
+    for i in range(1, L):
         chain[i] = 0 if not incoming[i] else 1 if not affine[i - 1] else chain[i - 1] + 1
     if strategy == "scan":
         schedule = scan_schedule(tuple(emits), tuple(affine))
-        scan_sends, scan_receives = [{} for _ in range(P)], [{} for _ in range(P)]
+        scan_sends, scan_receives = [{} for _ in range(L)], [{} for _ in range(L)]
         for d, transfers in enumerate(schedule.rounds):
             for src, dst, is_open in transfers:
                 scan_sends[src][d], scan_receives[dst][d] = (dst, is_open), (src, is_open)
-    for i in range(P):
-        s = stages[i]
-        constant = not affine[i] or not emits[i]
-        prog: list[tuple] = [("compute", s.ready)]
+    out = []
+    for r in range(ranks):
+        mine = own[r]
+        ready, between, after = (sum(getattr(stages[i], f) for i in mine) for f in ("ready", "between", "after"))
+        prog: list[tuple] = [("compute", ready)]
         if strategy == "p2p":
-            sends = emits[i] > 0 and i + 1 < P
-            if sends and not affine[i]:
-                prog.append(("send", i + 1, state))
-            prog.append(("compute", s.between))
-            if incoming[i]:
-                prog.append(("recv", i - 1))
-            if sends and affine[i]:
-                prog += [("compute", times.apply_s), ("send", i + 1, state)]
+            sends = [i for i in mine if emits[i] > 0 and i + 1 < L and holders[i + 1] != r]
+            outbox = _Outbox([(i, holders[i + 1], state) for i in sends])
+            for i in sends:
+                if not affine[i]:
+                    prog += outbox.release(i, holders[i + 1])
+            prog.append(("compute", between))
+            for i in mine:
+                if incoming[i] and holders[i - 1] != r:
+                    prog.append(("recv", holders[i - 1]))
+                if emits[i] > 0 and i + 1 < L and affine[i]:
+                    prog.append(("compute", times.apply_s))
+                    if i in sends:
+                        prog += outbox.release(i, holders[i + 1])
         elif strategy == "allgather":
             if any(emits):
-                prog.append(("gather", gather_key, summary if any(affine) else state))
-            prog.append(("compute", s.between))
+                slots = max(len(o) for o in own)
+                nbytes = slots * (summary if any(affine) else state)
+                prog.append(("gather", gather_key, nbytes))
+            prog.append(("compute", between))
             if any(emits):
                 prog.append(("wait", gather_key))
-                stack = P * (summary if any(affine) else state) * times.copy_s_per_byte
-                prog.append(("compute", stack + max(chain[i] - 1, 0) * times.apply_s))
+                folds = sum(max(chain[i] - 1, 0) for i in mine)
+                prog.append(("compute", ranks * nbytes * times.copy_s_per_byte + folds * times.apply_s))
         elif strategy == "scan":
-            sends, receives = scan_sends[i], scan_receives[i]
-            for d, (dst, is_open) in sends.items():
-                if constant or d == 0:
-                    prog.append(("send", dst, summary if is_open else state))
-            prog.append(("compute", s.between))
-            held, held_open = False, True  # what position i has composed so far
+            keys = [((d, dst), holders[dst], summary if is_open else state)
+                    for d, transfers in enumerate(schedule.rounds) for src, dst, is_open in transfers
+                    if holders[src] == r and holders[dst] != r]
+            outbox = _Outbox(keys)
+
+            def post(d, dst):
+                return [] if holders[dst] == r else outbox.release((d, dst), holders[dst])
+
+            for i in mine:
+                constant = not affine[i] or not emits[i]
+                for d, (dst, _) in scan_sends[i].items():
+                    if constant or d == 0:
+                        prog += post(d, dst)
+            prog.append(("compute", between))
+            held = {i: (False, True) for i in mine}  # what each position has composed so far, and whether open
             for d in range(len(schedule.rounds)):
-                if d in sends and d > 0 and not constant:
-                    dst, is_open = sends[d]
-                    if held:  # own o held: nothing to compose while nothing has arrived
-                        prog.append(("compute", times.compose_s if held_open else times.apply_s))
-                    prog.append(("send", dst, summary if is_open else state))
-                if d in receives:
-                    src, is_open = receives[d]
-                    prog.append(("recv", src))
-                    if held:
-                        prog.append(("compute", times.compose_s if is_open else times.apply_s))
-                    held, held_open = True, held_open and is_open
+                for i in mine:
+                    if d in scan_sends[i] and d > 0 and affine[i] and emits[i]:
+                        dst, _ = scan_sends[i][d]
+                        if held[i][0]:  # own o held: nothing to compose while nothing has arrived
+                            prog.append(("compute", times.compose_s if held[i][1] else times.apply_s))
+                        prog += post(d, dst)
+                for i in mine:
+                    if d in scan_receives[i]:
+                        src, is_open = scan_receives[i][d]
+                        if holders[src] != r:
+                            prog.append(("recv", holders[src]))
+                        if held[i][0]:
+                            prog.append(("compute", times.compose_s if is_open else times.apply_s))
+                        held[i] = (True, held[i][1] and is_open)
         else:
             raise ValueError(f"strategy must be one of ('p2p', 'allgather', 'scan') here, got {strategy!r}")
-        prog.append(("compute", s.after))
+        prog.append(("compute", after))
         out.append(prog)
     return out
 
@@ -293,27 +339,32 @@ def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -
     return StageTimes(apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=1 / 1e12,
                       state_bytes=n * HV * K * V * wire_bytes, summary_bytes=n * HV * K * (K + V) * wire_bytes)
 
-Route = tuple[tuple[int, ...], tuple[bool, ...]]  # (emits, affine) by position
+Route = tuple  # (emits, affine) by position, or (emits, affine, holders): the rank holding each position
 
 
 def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
     """``(strategy, reason)``: the one of ``p2p``, ``allgather``, ``scan`` whose exchange the model
     predicts fastest (forward plus backward, local work left out: it is the same for all three but
-    for what overlaps), for routes ``forward``/``backward`` given as ``(emits, affine)`` by position.
-    Without a rank strictly inside a chain every strategy is one hop: ``p2p``. Deterministic: the
-    same arguments give the same answer on every rank (ties go to the earlier of p2p, scan,
-    allgather)."""
-    P = len(forward[0])
+    for what overlaps), for routes ``forward``/``backward`` given as ``(emits, affine)`` by position
+    (position ``i`` on rank ``i``) or ``(emits, affine, holders)`` (a layout whose ranks hold several
+    positions: the chain is longer than the group). Without a position strictly inside a chain every
+    strategy is one hop: ``p2p``. Deterministic: the same arguments give the same answer on every rank
+    (ties go to the earlier of p2p, scan, allgather)."""
+    L = len(forward[0])
+    P = max(forward[2]) + 1 if len(forward) > 2 else L
     inside = sum(forward[1])
+    what = f"{inside} of {P} ranks" if L == P else f"{inside} of {L} positions (the ranges of {P} ranks)"
     if inside == 0:
-        return "p2p", f"no rank inside a chain (P={P}): one hop"
+        where = f"P={P}" if L == P else f"{L} positions over P={P}"
+        return "p2p", f"no {'rank' if L == P else 'position'} inside a chain ({where}): one hop"
     cost = {}
     for s in ("p2p", "scan", "allgather"):
         total = 0.0
-        for emits, affine in (forward, backward):
+        for emits, affine, *holders in (forward, backward):
             zero = [RoleStages()] * len(emits)
-            total += max(simulate(programs(s, emits, affine, zero, times), link))
+            total += max(simulate(programs(s, emits, affine, zero, times, holders=holders[0] if holders else None),
+                                  link))
         cost[s] = total
     best = min(cost, key=lambda s: (cost[s], ("p2p", "scan", "allgather").index(s)))
     others = ", ".join(f"{s} {cost[s] * 1e3:.3g}" for s in cost if s != best)
-    return best, f"{inside} of {P} ranks inside a chain; model exchange {cost[best] * 1e3:.3g} ms vs {others} ms"
+    return best, f"{what} inside a chain; model exchange {cost[best] * 1e3:.3g} ms vs {others} ms"

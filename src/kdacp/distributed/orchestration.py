@@ -275,34 +275,50 @@ def _state_rows(rows: list) -> torch.Tensor | None:
     return torch.stack([like.new_zeros(like.shape) if r is None else r for r in rows])
 
 
+def _sending_span(layout: RankLayout) -> tuple[int, int]:
+    """``(first, last + 1)``: the indices of the first and last segments of ``layout`` that send (``(0, 0)``:
+    none); the span between them is what a rank of several positions runs its message's pass over."""
+    sending = [j for j, s in enumerate(layout.segments) if s.sends]
+    return (sending[0], sending[-1] + 1) if sending else (0, 0)
+
+
 def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
                        exchange: StateExchange, inputs: KDAInputs, initial_state: torch.Tensor | None,
                        output_final_state: bool, state_dtype: torch.dtype) -> CPForward:
-    """The forward of a rank holding several positions of the chain (ranges of the layout): one launch set
-    over all of its tokens. Its messages come from one summary over the whole rank (each sending segment's
-    ``S_ext``, with ``M`` where the message is affine or an initial state enters); after the exchange, one
-    state pass and one output over the whole rank, each segment from its incoming, given or zero state."""
+    """The forward of a rank holding several positions of the chain (ranges of the layout), in critical-path
+    order: the pass that makes its messages (over the segments from its first sending one to its last: the
+    summary ``(S_ext, M)`` where a message is affine, and a sequence that starts in its range then sends
+    ``M S_0 + S_ext``; else the state pass from the known initial states), the send, the blocking receive, then
+    one state pass and one output over all of its tokens, each segment from its incoming, given or zero state."""
     segments = layout.segments
     HV, K, V = inputs.v.shape[2], inputs.q.shape[3], inputs.v.shape[3]
     pending = exchange.begin(route)
     chunks = backend.prepare(inputs, layout.whole)
     given = None if initial_state is None else initial_state.to(state_dtype)
-    summary = None
-    if any(s.sends for s in segments):
-        with_transition = given is not None or any(s.sends and s.receives for s in segments)
-        summary = backend.state_summary(chunks, layout.whole, with_transition=with_transition)
+    first, last = _sending_span(layout)
+    span = layout.span(segments[first].start, segments[last - 1].end) if last else None
+    offsets = transition = None
+    if last and any(s.sends and s.receives for s in segments):  # an affine message: (S_ext, M) of every segment
+        summary = backend.state_summary(chunks, span, with_transition=True)
+        offsets, transition = summary.state, summary.transition
+        if given is not None:  # a sequence that starts in its range sends M S_0 + S_ext
+            known = [j for j in range(first, last) if segments[j].sends and not segments[j].receives]
+            if known:
+                rows = [j - first for j in known]
+                offsets = offsets.clone()
+                offsets[rows] = apply_state_summary(offsets[rows], transition[rows],
+                                                    given[[segments[j].sequence for j in known]])
+    elif last:  # every message is a final state: the pass from the known initial states
+        starts = _state_rows([None if given is None or s.receives else given[s.sequence]
+                              for s in segments[first:last]])
+        offsets = backend.state_pass(chunks, span, starts, True).final_state
     messages = []
     for p in route.positions:
-        rows = [j for j, s in enumerate(segments) if s.position == p and s.sends]
+        rows = [j - first for j in range(first, last) if segments[j].position == p and segments[j].sends]
         if not rows:
             messages.append(None)
-        elif route.affine[p]:
-            messages.append(AffineMessage(summary.state[rows], summary.transition[rows]))
-        elif given is None:  # the sequences start in this range, from zero
-            messages.append(AffineMessage(summary.state[rows]))
-        else:  # ... from their given initial states
-            starts = given[[segments[j].sequence for j in rows]]
-            messages.append(AffineMessage(apply_state_summary(summary.state[rows], summary.transition[rows], starts)))
+        else:
+            messages.append(AffineMessage(offsets[rows], transition[rows] if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
     seen = {p: 0 for p in route.positions}
@@ -325,7 +341,8 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         final_state = comm.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
-    transition = None if summary is None or not any(route.affine[p] for p in route.positions) else summary.transition
+    # the backward's affine messages read M of the segments of the sending span (kept only where one is affine)
+    transition = transition if any(route.affine[p] for p in route.positions) else None
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, None)
 
 
@@ -334,27 +351,30 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
                         transition: torch.Tensor | None, do: torch.Tensor, dht_all: torch.Tensor | None,
                         has_initial_state: bool) -> CPGrads:
     """The backward of a rank holding several positions, mirroring :func:`_forward_positions`: the local
-    backward over the whole rank; where a range's first segment receives, a gradient state pass with the
-    known final-state gradients (zero where a segment sends) gives each message (a through position's ``G``,
-    with ``M^T``); after the exchange, the gradient state pass and the input gradients over the whole rank."""
+    backward over the whole rank; where a segment receives, its message is the gradient reaching its initial
+    state with the known final-state gradients (zero where a segment sends: ``G``, sent with ``M^T`` by a
+    through position), from the gradient summary where no known gradient enters, else from a gradient state
+    pass; after the exchange, the gradient state pass and the input gradients over the whole rank."""
     segments = layout.segments
     L = len(route.order)
     pending = exchange.begin(route)
     local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None, None)
     known = [None if dht_all is None or s.sends else dht_all[s.sequence] for s in segments]
-    messages = []
-    if any(s.receives for s in segments):
-        pre = backend.backward_states(local, _state_rows(known))
-        for i in route.positions:
-            rows = [j for j, s in enumerate(segments) if s.position == L - 1 - i and s.receives]
-            if not rows:
-                messages.append(None)
-            elif route.affine[i]:  # with dS_out = 0 the pass gives G
-                messages.append(AffineMessage(pre.dinitial_state[rows], transition[rows].transpose(-1, -2)))
-            else:
-                messages.append(AffineMessage(pre.dinitial_state[rows]))
-    else:
-        messages = [None] * len(route.positions)
+    receiving = [j for j, s in enumerate(segments) if s.receives]
+    first, _ = _sending_span(layout)
+    messages = [None] * len(route.positions)
+    if receiving:
+        if all(segments[j].sends or known[j] is None for j in receiving):
+            # every message is G (a through position's, or a final-state gradient of zero): the gradient summary
+            dinitial = backend.state_gradient_summary(local)
+        else:  # the pass with the known final-state gradients (zero where a segment sends, giving G there)
+            dinitial = backend.backward_states(local, _state_rows(known)).dinitial_state
+        for k, i in enumerate(route.positions):
+            rows = [j for j in receiving if segments[j].position == L - 1 - i]
+            if rows and route.affine[i]:
+                messages[k] = AffineMessage(dinitial[rows], transition[[j - first for j in rows]].transpose(-1, -2))
+            elif rows:
+                messages[k] = AffineMessage(dinitial[rows])
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
     seen = {p: 0 for p in incoming}
@@ -368,7 +388,7 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
     pending.finish_sends()
     dinitial_state = None
     if has_initial_state:  # each sequence starts in one segment
-        first = [j for j, s in enumerate(segments) if not s.receives]
+        starting = [j for j, s in enumerate(segments) if not s.receives]
         dinitial_state = states.dinitial_state.new_zeros(plan.num_sequences, *states.dinitial_state.shape[1:])
-        dinitial_state[[segments[j].sequence for j in first]] = states.dinitial_state[first]
+        dinitial_state[[segments[j].sequence for j in starting]] = states.dinitial_state[starting]
     return CPGrads(**vars(grads), dinitial_state=dinitial_state)
