@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.distributed.layout import contiguous_layout
+from kdacp.distributed.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
 from kdacp.layers import GatedDeltaNet, ContextParallel, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
@@ -43,13 +43,14 @@ def _layer(H, HV, seed=0, kind="kda"):
     return layer
 
 
-def _single_process(case, world_size) -> dict:
-    """The global batch, loss weights, and the single-process layer's outputs and gradients."""
+def _single_process(case, world_size, T=None) -> dict:
+    """The global batch (``T`` tokens per row, default ``T_local * world_size``), loss weights, and the
+    single-process layer's outputs and gradients."""
     mode, ulysses_size, H, HV, B, T_local, cu, *kind = case
     N = B if cu is None else len(cu) - 1
     layer = _layer(H, HV, kind=kind[0] if kind else "kda")
     torch.manual_seed(1)
-    x = torch.randn(B, T_local * world_size, 32, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(B, T_local * world_size if T is None else T, 32, dtype=torch.float64, requires_grad=True)
     h0 = (0.5 * torch.randn(N, HV, 16, 16, dtype=torch.float64)).requires_grad_()
     w, w_state = torch.randn_like(x), torch.randn_like(h0)
     y, S = layer(x, cu_seqlens=None if cu is None else torch.tensor(cu), initial_state=h0, output_final_state=True)
@@ -142,6 +143,49 @@ def _check_bad_arguments():
                                cp=ContextParallel("state", layout=contiguous_layout(20, 2)))
     with pytest.raises(ValueError, match="local_length=12"):
         layer(torch.randn(1, 12, 32), cu_seqlens=torch.tensor([0, 20]))
+
+
+# Under other layouts, mode "state": (name, layout, B, cu_seqlens or None, layer). Per-document zigzag with
+# documents shorter than W (1 and 2 tokens) and longer than a rank's range; random uneven ranges with a range of
+# one token.
+LAYOUT_CASES = {
+    2: [("zigzag rows", zigzag_layout(44, 2), 2, None, "kda"),
+        ("document zigzag", document_zigzag_layout([0, 1, 3, 30, 48], 2), 1, [0, 1, 3, 30, 48], "gdn"),
+        ("random ranges", ranges_layout([[(0, 13), (14, 15), (29, 40)], [(13, 14), (15, 29), (40, 45)]]), 1,
+         [0, 14, 16, 45], "kda")],
+    3: [("zigzag packed", zigzag_layout(48, 3), 1, [0, 5, 20, 21, 48], "kda"),
+        ("random ranges rows", ranges_layout([[(0, 9), (20, 21), (30, 36)], [(9, 17), (21, 22), (36, 41)],
+                                              [(17, 20), (22, 30)]]), 2, None, "gdn")],
+}
+
+
+def _check_layout_cases(rank, world_size, cases, refs):
+    for (name, layout, B, cu, kind), ref in zip(cases, refs):
+        cu = None if cu is None else torch.tensor(cu)
+        layer = _layer(2, 4, kind=kind)
+        layer.cp = ContextParallel("state", layout=layout)
+        own = layout.local_token_index(rank)
+        x = ref["x"][:, own].clone().requires_grad_()
+        h0 = ref["h0"].clone().requires_grad_()
+        y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+        loss_state = (S * ref["w_state"]).sum() if rank == world_size - 1 else 0.0
+        ((y * ref["w"][:, own]).sum() + loss_state).backward()
+        where = f"{kind} {name} rank {rank} of {world_size}"
+        assert rel_err(y, ref["y"][:, own]) < TOL, f"output, {where}"
+        assert rel_err(S, ref["S"]) < TOL, f"final state, {where}"
+        assert rel_err(x.grad, ref["grads"]["dx"][:, own]) < TOL, f"dx, {where}"
+        shared = {"d initial_state": h0.grad, **{f"d {n}": p.grad for n, p in layer.named_parameters()}}
+        for n, grad in shared.items():
+            dist.all_reduce(grad)
+            assert rel_err(grad, ref["grads"][n]) < TOL, f"{n}, {where}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_cp_layouts(world_size):
+    cases = LAYOUT_CASES[world_size]
+    refs = [_single_process(("state", None, 2, 4, B, layout.num_tokens // world_size, cu, kind), world_size,
+                            T=layout.num_tokens) for _, layout, B, cu, kind in cases]
+    run_ranks(_check_layout_cases, world_size, cases, refs)
 
 
 def test_layer_cp_2_ranks():

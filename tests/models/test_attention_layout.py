@@ -39,8 +39,9 @@ def _math_attend(q, k, v, causal):
     return _math_attention(q, k, v, mask)
 
 
-# (name, layout, cu_seqlens or None, rows, H, H_kv): MHA heads that split run Ulysses under zigzag (fewer
-# bytes), grouped ones the gather; uneven random ranges always gather.
+# (name, layout, cu_seqlens or None, rows, H, H_kv). The exchange each runs (kv_replication): Ulysses for MHA
+# heads that split (fewer bytes) and for packed zigzag, whose documents leave the gather's work unbalanced; the
+# gather where heads do not split (P=3, H=2) and for uneven random ranges. Every case also runs the split path.
 CASES = {
     2: [("zigzag rows, MHA", zigzag_layout(20, 2), None, 2, 2, 2),
         ("zigzag packed, GQA", zigzag_layout(24, 2), [0, 5, 13, 24], 1, 4, 2),

@@ -232,11 +232,8 @@ class ContextParallel(_SingleDevice):
         backend = self.backend or backend
         if self.state_size == 1:
             return super().recurrence(op, q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
-        context = self.context(*q.shape[:2], cu_seqlens, q.device)
-        if context.plan is None:
-            raise NotImplementedError(f"the recurrence under layout {self.layout!r} needs the plan of "
-                                      "build_cp_plan(layout=...)")
-        return op(q, k, v, g, beta, backend=backend, cp=context.plan, **kwargs)
+        return op(q, k, v, g, beta, backend=backend, cp=self.context(*q.shape[:2], cu_seqlens, q.device).plan,
+                  **kwargs)
 
     def attention_context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None) -> CPContext:
         """The batch's :class:`~kdacp.layers.CPContext` over the whole group (``T``: this rank's tokens before

@@ -203,12 +203,12 @@ def _global_tokens(layout, cu_seqlens, local_length: int, world_size: int) -> in
 
 
 def _plan(layout: TokenLayout, cu_seqlens, batch_size: int, group, strategy: str):
-    """The recurrence's plan of the batch under ``layout`` (None for a non-contiguous layout until the plan
-    takes layouts)."""
-    if not layout.is_contiguous:
-        return None
-    return build_cp_plan(cu_seqlens, local_lengths=layout.local_lengths, batch_size=None if cu_seqlens else batch_size,
-                         group=group, strategy=strategy)
+    """The recurrence's plan of the batch under ``layout`` (the contiguous one by its rank lengths)."""
+    rows = None if cu_seqlens else batch_size
+    if layout.is_contiguous:
+        return build_cp_plan(cu_seqlens, local_lengths=layout.local_lengths, batch_size=rows, group=group,
+                             strategy=strategy)
+    return build_cp_plan(cu_seqlens, layout=layout, batch_size=rows, group=group, strategy=strategy)
 
 
 def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1, layout="contiguous", group=None,
