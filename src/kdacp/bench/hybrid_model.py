@@ -11,9 +11,9 @@ Four schemes (:data:`SCHEMES`), one sequence of ``T`` tokens over ``P`` ranks:
   sequence and back): balanced work; needs ``H % P == 0`` (otherwise no row).
 - ``zigzag+gather``: the zigzag layout (``2P`` chunks, rank ``r`` holds ``r`` and ``2P-1-r``): balanced
   attention; the linear-attention layers run kdacp's state chain over the ``2P`` ranges in global order
-  (``0 -> 1 -> .. -> P-1 -> P-1 -> .. -> 0``): twice as many positions, each rank twice in it, both at the
-  start and at the end of the chain, so no rank runs ahead of the others by a layer as under the contiguous
-  layout's wavefront.
+  (``0 -> 1 -> .. -> P-1 -> P-1 -> .. -> 0``, rank ``P-1``'s two chunks one range): ``2P-1`` positions, every
+  rank but the last twice in it, near its start and near its end, so no rank runs ahead of the others by a
+  layer as under the contiguous layout's wavefront.
 - ``megatron-relayout`` (the peer row, Megatron-Core's scheme): zigzag for attention, and around every
   linear-attention layer a conversion zigzag -> contiguous before it and back after it (forward; the backward
   converts the gradients the same way), each rank sending its two chunks of ``T/(2P)`` hidden states to their
@@ -26,8 +26,8 @@ Per layer and rank (programs of :mod:`kdacp.distributed.cost_model`'s ops, merge
   scaling suite at ``t_cal`` tokens a rank with ``HV_cal`` heads of ``K_cal x V_cal``) scaled linearly to
   the range's tokens and to the model's ``HV * K * V`` (launch costs of small ranges are not scaled
   down: a prediction for few tokens a rank is optimistic), the exchange (``p2p``, ``allgather`` or ``scan``;
-  the best of the three is reported) on the ``P`` or ``2P`` positions of the chain; a rank's two ranges
-  do their local work first and handle the chain's messages in chain order.
+  the best of the three is reported) on the ``P`` or ``2P - 1`` positions of the chain, a rank of two
+  ranges running them as :func:`kdacp.distributed.cost_model.programs` does.
 - softmax attention: the K/V all-gather (ring, ``(P-1)`` steps of the rank's K/V bytes; its backward a
   reduce-scatter of the same size), or Ulysses' two all-to-alls (``(P-1)`` steps of ``1/P`` of the rank's
   bytes each); the causal attention compute of the rank's queries from FLOPs:
@@ -169,37 +169,19 @@ def _role(c: int, n: int) -> str:
 
 def _mixer_layer(strategy: str, layout: TokenLayout, times: StageTimes, base: float, direction: str, key
                  ) -> list[list[tuple]]:
-    """One linear-attention layer's programs by rank: the chain over ``layout``'s ranges, ``times`` scaled to
-    ``base`` tokens (each range's stages scaled on to its own length), merged per rank. A rank's positions do
-    their local work first (``ready``, early sends, ``between`` of each), then the chain's messages in chain
-    order, then ``after``; under ``allgather`` the rank joins one gather with all its ranges' summaries.
-    Messages between two ranks are taken in the order they are sent: a position sends only to later positions
-    in the direction states flow, and a rank's earlier position sends and receives before its later one."""
-    n, P = len(layout.chain), layout.world_size
-    flow = list(layout.chain) if direction == "forward" else list(reversed(layout.chain))
-    rank_of = [p.rank for p in flow]
+    """One linear-attention layer's programs by rank: the chain over ``layout``'s ranges in the direction states
+    flow, ``times`` scaled to ``base`` tokens (each range's stages scaled on to its own length), a rank of
+    several ranges running them as :func:`kdacp.distributed.cost_model.programs` does (``holders``)."""
+    n = len(layout.chain)
+    order = list(range(n)) if direction == "forward" else list(reversed(range(n)))
     per_role = times.forward if direction == "forward" else times.backward
     stages = []
-    for p in flow:
-        c, f = layout.chain.index(p), (p.end - p.start) / base
-        s = per_role[_role(c, n)]
+    for c in order:
+        p, s = layout.chain[c], per_role[_role(c, n)]
+        f = (p.end - p.start) / base
         stages.append(RoleStages(s.ready * f, s.between * f, s.after * f))
     emits, affine = chain_route(n)
-    merged = [([], [], []) for _ in range(P)]
-    gathered = [False] * P
-    for i, prog in enumerate(programs(strategy, emits, affine, stages, times, key)):
-        r = rank_of[i]
-        ops = [(o[0], rank_of[o[1]], *o[2:]) if o[0] in ("send", "recv") else o for o in prog]
-        if strategy == "allgather":
-            ops = [(o[0], o[1], o[2] * len(layout.ranges[r])) if o[0] == "gather" else o
-                   for o in ops if o[0] not in ("gather", "wait") or not gathered[r]]
-            gathered[r] = True
-        between = next(j for j in range(1, len(ops)) if ops[j][0] == "compute")
-        pre, mid, post = merged[r]
-        pre += ops[:between + 1]
-        mid += ops[between + 1:-1]
-        post += ops[-1:]
-    return [pre + mid + post for pre, mid, post in merged]
+    return programs(strategy, emits, affine, stages, times, key, holders=[layout.chain[c].rank for c in order])
 
 
 @dataclass(frozen=True)
