@@ -38,15 +38,27 @@ def one_document_at_a_time(model, context) -> dict:
     return dict(logits=torch.cat(logits), loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
 
 
+def original_index(batch) -> torch.Tensor:
+    """``[layout.num_tokens]`` int64: the token of the unpadded batch (``CU_SEQLENS``) at each global position of
+    ``batch``'s (possibly padded) stream, ``-1`` on padding (at a document's end, or a document of its own)."""
+    out = torch.full((batch.layout.num_tokens,), -1, dtype=torch.int64)
+    padded = batch.cu_seqlens.tolist()
+    for (s, e), start in zip(zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]), padded):
+        out[start:start + e - s] = torch.arange(s, e)
+    return out
+
+
 def step(model, world_size, layout="contiguous"):
-    """One parallel step on this rank's shard (``layout``: the token layout it is sharded by): its logits, the
-    model's own loss, the gradients averaged over the ranks (the loss-scaling contract of ``kdacp.models.batch``:
-    what DDP or FSDP2 would do) and the global index of each of its tokens."""
+    """One parallel step on this rank's shard (``layout``: the token layout it is sharded by, padded with token
+    0 where the layout needs it): its logits, the model's own loss, the gradients averaged over the ranks (the
+    loss-scaling contract of ``kdacp.models.batch``: what DDP or FSDP2 would do) and, for each of its tokens,
+    the token of the unpadded batch (``-1`` on padding)."""
     import kdacp
     from kdacp.models import global_token_mean_loss
     device = next(model.parameters()).device
-    batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device), layout=layout)
-    assert batch.input_ids.shape == (1, CU_SEQLENS[-1] // world_size)
+    batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device), layout=layout,
+                              pad_id=0)
+    assert batch.input_ids.shape == (1, batch.layout.num_tokens // world_size)
     out = model(**batch.model_kwargs())  # the config's use_cache (True) left as is: no cache is built
     assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None  # `cache` from transformers 5.24
     assert rel_err(out.loss.detach(), global_token_mean_loss(out.logits.detach(), batch.labels)) < 1e-6
@@ -57,14 +69,15 @@ def step(model, world_size, layout="contiguous"):
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         dist.all_reduce(grad)
         grads[name] = grad / world_size
-    return out.logits.detach()[0], out.loss.detach(), grads, batch.layout.local_token_index(batch.rank)
+    return out.logits.detach()[0], out.loss.detach(), grads, original_index(batch)[batch.layout.local_token_index(batch.rank)]
 
 
 def errors(model, ref, rank, world_size, layout="contiguous") -> dict:
-    """Relative errors of one parallel step's logits (this rank's), loss and gradients against ``ref``."""
+    """Relative errors of one parallel step's logits (this rank's real tokens), loss and gradients against ``ref``."""
     logits, loss, grads, own = step(model, world_size, layout)
-    return {"logits": rel_err(logits, ref["logits"][own.to(ref["logits"].device)]), "loss": rel_err(loss, ref["loss"]),
-            **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
+    real = own >= 0
+    return {"logits": rel_err(logits[real.to(logits.device)], ref["logits"][own[real].to(ref["logits"].device)]),
+            "loss": rel_err(loss, ref["loss"]), **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
 
 
 def check_matches(model, ref, rank, world_size, what: str, worst: dict, layout="contiguous") -> None:

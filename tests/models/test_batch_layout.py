@@ -120,10 +120,11 @@ def test_zigzag_padding_is_a_document_of_its_own_at_the_end():
     assert torch.equal(got["labels"][:T], _expected(ids, ids, cu)[0])  # the real tokens' targets unchanged
 
 
-def test_document_zigzag_pads_every_document_to_2p():
+@pytest.mark.parametrize("cu_seqlens", [CU_SEQLENS, [0, 5, 6, 70, 73, 120, 126]])  # the last one needs no pad
+def test_document_zigzag_pads_every_document_to_2p(cu_seqlens):
     """Each document grows to a multiple of ``2P`` by pad tokens after its last real token (positions going
     on, labels ``-100``); every rank then holds the same number of tokens of every document."""
-    P = 3
+    P, CU_SEQLENS = 3, cu_seqlens
     ids = _tokens(CU_SEQLENS[-1])
     shards = [shard_tokens(ids, cu_seqlens=torch.tensor(CU_SEQLENS), rank=r, world_size=P, layout="document_zigzag",
                            pad_id=0) for r in range(P)]

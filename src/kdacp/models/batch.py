@@ -179,6 +179,9 @@ def _padded(input_ids, labels, position_ids, cu_seqlens, pads, pad_id: int, own_
         labs += [labels[:, before:at], labels.new_full((1, n), IGNORE_INDEX)]
         pos += [position_ids[:, before:at], torch.arange(first, first + n, device=position_ids.device)[None]]
         before = at
+    ids.append(input_ids[:, before:])  # the documents after the last padded one
+    labs.append(labels[:, before:])
+    pos.append(position_ids[:, before:])
     ends = [T] if cu_seqlens is None else cu_seqlens[1:].tolist()
     if own_document:
         ends.append(T + pads[0][1])
