@@ -50,9 +50,8 @@ from dataclasses import dataclass
 from kdacp.distributed.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, programs, simulate
 from kdacp.distributed.layout import TokenLayout, contiguous_layout, zigzag_layout
 
-__all__ = ["ATTENTION_FLOPS", "BACKWARD_FLOP_RATIO", "HYBRID_MODELS", "HybridShapes", "HybridPrediction",
-           "MIXER_STRATEGIES", "SCHEMES",
-           "Calibrated", "attention_balance", "causal_pairs", "one_gpu_step", "predict_hybrid"]
+__all__ = ["ATTENTION_FLOPS", "BACKWARD_FLOP_RATIO", "HYBRID_MODELS", "MIXER_STRATEGIES", "SCHEMES", "Calibrated",
+           "HybridPrediction", "HybridShapes", "attention_balance", "causal_pairs", "one_gpu_step", "predict_hybrid"]
 
 SCHEMES = ("contiguous+gather", "contiguous+ulysses", "zigzag+gather", "megatron-relayout")
 MIXER_STRATEGIES = ("p2p", "allgather", "scan")
