@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers  # noqa: F401  (in the `test` extra: a missing install fails here, not skips)
 
-from tests.models.cp_common import (check_layout, CU_SEQLENS, VOCAB, check_modes, check_parallelize_contract, exchanges,
-                                    one_document_at_a_time, reference_fixture, run_and_report, tokens)
+from tests.models.cp_common import (CU_SEQLENS, VOCAB, check_layout, check_modes, check_parallelize_contract,
+                                    exchanges, one_document_at_a_time, reference_fixture, run_and_report, tokens)
 from tests.multiprocess import run_ranks
 
 # (KDA mode, Ulysses size, the model's attention implementation, which becomes the Ulysses one's inner)

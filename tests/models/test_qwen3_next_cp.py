@@ -26,7 +26,7 @@ import pytest
 import torch
 import transformers  # noqa: F401  (in the `test` extra: a missing install fails here, not skips)
 
-from tests.models.cp_common import (check_layout, VOCAB, check_modes, check_parallelize_contract, exchanges,
+from tests.models.cp_common import (VOCAB, check_layout, check_modes, check_parallelize_contract, exchanges,
                                     one_document_at_a_time, reference_fixture, run_and_report)
 from tests.multiprocess import run_ranks
 
