@@ -120,7 +120,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Args:
         q, k: ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (natural-log decay, or raw
             logits with ``use_gate_in_kernel``); beta ``[B, T, HV]``. Under ``cp``: this rank's
-            ``T_local`` tokens, and ``B == 1`` when the plan packs sequences.
+            ``T_local`` tokens in the plan's layout (its ranges of each row or of the packed stream,
+            concatenated in ascending order; ``cp.layout``), and ``B == 1`` when the plan packs sequences.
         scale: default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]``; ``N = B``, or the number of (global) sequences. Under ``cp``
             each enters at the rank holding the sequence's first token (its gradient is returned

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kdacp import reference
 from kdacp.distributed import STRATEGIES, build_cp_plan
-from kdacp.distributed.layout import TokenLayout, make_layout, ranges_layout
+from kdacp.distributed.layout import TokenLayout, contiguous_layout, make_layout, ranges_layout
 from kdacp.gdn import chunk_gated_delta_rule
 from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import recurrent_gated_delta_rule
@@ -54,7 +54,7 @@ def layout_cases(P: int) -> list[dict]:
     """Cases: ``op`` (kda or gdn), ``B``, ``cu`` (global boundaries or None), ``layout`` (a name or a
     TokenLayout), ``init``/``final`` states."""
     # a token, shorter than W = 4, shorter than a chunk, longer than a chunk, longer than a rank's tokens
-    docs = _documents([1, 3, 2, 30, 70, 45 * P, 13])
+    docs = _documents([1, 3, 2, 30, 70, 80 * P, 13])
     packed = _documents([5, 40 * P - 9, 4, 20 * P])
     rows_T = 30 * P
     return [
@@ -150,6 +150,9 @@ def _bad_layouts(rank: int, world_size: int) -> None:
         build_cp_plan(torch.tensor([0, 40 * world_size]), layout="ring")
     with pytest.raises(ValueError, match="layout must cover"):
         build_cp_plan(torch.tensor([0, 40 * world_size]), layout=make_layout("zigzag", world_size, 41 * world_size))
+    # the plan's layout: fixed where the batch is, resolved per call for rows of a length the call gives
+    assert build_cp_plan(torch.tensor([0, 40 * world_size])).layout == contiguous_layout(40 * world_size, world_size)
+    assert build_cp_plan(batch_size=2, layout="zigzag").layout is None
     uneven = random_ranges(40 * world_size, world_size, 3)
     plan = build_cp_plan(torch.tensor([0, 40 * world_size]), layout=uneven)
     args = make_kda_inputs(1, 40, 1, 1, 16, 16, requires_grad=False, seed=0)  # 40 tokens on every rank

@@ -54,6 +54,14 @@ class TokenLayout:
     ranges: tuple[tuple[tuple[int, int], ...], ...]
     num_tokens: int
 
+    def __hash__(self) -> int:
+        # computed once: plans, routes and rank layouts are looked up by their layout on every op call
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.ranges, self.num_tokens))
+
     @property
     def world_size(self) -> int:
         return len(self.ranges)

@@ -39,6 +39,22 @@ in the same launch as the tail's, rather than after a launch of the tail's alone
 later by their share of the pass (its receiver has its own whole sequences to run meanwhile); a separate
 tail cost a packed rank about 0.2 ms of split launches.
 
+Under a layout whose ranks hold several ranges (zigzag, a caller's ranges: several *positions* of the
+chain, :mod:`~kdacp.distributed.layout`), the routes run over positions and a rank exchanges one message per
+position it holds (:mod:`~kdacp.distributed.strategies`). A rank of one position runs the schedule above; a
+rank of several runs one launch set over all of its tokens (:func:`_forward_positions`,
+:func:`_backward_positions`):
+
+forward:   begin; prepare(whole); the pass over its sending span (first to last sending segment): the summary
+           (S_ext, M) where a message is affine, else the state pass from the known initial states -> messages;
+           send; receive (block); state_pass(whole) and output(whole), each segment from its incoming state
+backward:  begin; backward_local(whole); G (the gradient summary, or the gradient pass where a known final-state
+           gradient enters a receiving segment) -> messages; send; receive (block); backward_states(whole);
+           backward_inputs(whole)
+
+Its whole pass waits for the last of its incoming states (for zigzag, the one of its later range), rather
+than splitting its launches per range.
+
 A "through" rank holds the middle of a chain (all its segments receive and send); only it needs
 ``M``, and its serial work per hop is ``M S_in + S_ext`` (``M^T dS_out + G`` backward). Its summary kernel
 cuts the rank into pieces walked in parallel; where the backend's state kernel gains from it
