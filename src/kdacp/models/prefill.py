@@ -371,7 +371,7 @@ def _check_call(model, batch: ShardedBatch, group) -> None:
         raise ValueError(f"the prompt was sharded under another layout than the model's {layout!r}: rank "
                          f"{batch.rank} holds {list(batch.layout.ranges[batch.rank])}, expected "
                          f"{list(expected.ranges[batch.rank])}; pass shard_batch(layout={layout!r})")
-    B, T_local = batch.input_ids.shape
+    B = batch.input_ids.shape[0]
     cu = batch.cu_seqlens
     one_document = cu is None or cu.numel() == (3 if batch.padding else 2)
     if B != 1 or not one_document:
