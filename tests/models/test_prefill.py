@@ -10,7 +10,8 @@ one-pass cache the same way; ``generate`` gives the one-process ``model.generate
 do_sample=False)`` tokens; seeded sampling gives the same tokens on every rank. Each mechanism matters: without
 the initial state, the cached convolution input, one rank's key/value block or the owner's convolution input,
 the cache leaves ``TOL``. The same under zigzag (model and prompts), where without the gathered keys' global
-order or the owner's range's halo in the convolution tail the cache leaves ``TOL``.
+order, the owner's range's halo in the convolution tail, or (4 ranks) the cached convolution input in the
+halos of every range near a piece's start, the cache leaves ``TOL``.
 
 Qwen3-Next's one-process reference runs its GDN in the recurrent form (tests/models/test_qwen3_next_cp.py says
 why: the chunked form underflows in float32 on its strong decays).
@@ -225,11 +226,19 @@ def _worker(rank, world_size, ref, results):
         results.update(worst)
 
 
-def _broken_zigzag() -> dict:
-    """What zigzag prefill needs beyond the contiguous one -> (owner, attribute, fake): the gathered keys and values
-    put in global order, and the convolution's last input tokens continued from the owner's range's halo (the
-    pieces of 13, 14 and 10 tokens end a token or two into rank 0's second range)."""
+def _broken_zigzag(world_size: int) -> dict:
+    """What zigzag prefill needs beyond the contiguous one -> (owner, attribute, fake): on 2 ranks the gathered keys
+    and values put in global order, and the convolution's last input tokens continued from the owner's range's
+    halo (the pieces of 13, 14 and 10 tokens end a token or two into rank 0's second range); on 4 ranks (chunks
+    of 2 tokens, shorter than the convolution's halo) the cached convolution input in the halos of the ranges
+    that start within ``W - 1`` tokens of the piece's first token, not only rank 0's."""
     from kdacp.models.prefill import PrefillCache
+
+    def rank_0_only(self, layer_idx, real=PrefillCache.conv_state):
+        return real(self, layer_idx) if self.rank == 0 else None
+
+    if world_size == 4:
+        return {"the cached convolution input beyond rank 0": (PrefillCache, "conv_state", rank_0_only)}
 
     def rank_order(self, x):
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
@@ -254,7 +263,7 @@ def _zigzag_worker(rank, world_size, ref, results):
             got = _prefill_tensors(model, T, pieces, layout="zigzag")
             _same_on_every_rank(got)
             worst[f"{name} zigzag prefill {T} in {pieces or (T,)}"] = _worst(got, want[T])
-        for what, (owner, attr, fake) in (_broken_zigzag() if world_size == 2 else {}).items():
+        for what, (owner, attr, fake) in _broken_zigzag(world_size).items():
             with mock.patch.object(owner, attr, fake):
                 key, err = _worst(_prefill_tensors(model, 37, PIECES, layout="zigzag"), want[37])
             assert err > 100 * TOL, f"{name} under zigzag: without {what} the cache still matches"

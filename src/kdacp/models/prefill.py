@@ -170,9 +170,9 @@ class PrefillCache:
 
 
 class _PrefillConv:
-    """A layer's convolution context during prefill: the context-parallel one's halos, except that the range
-    starting at the prompt's first token continues the cached convolution input, and the layer's last ``W``
-    input tokens recorded."""
+    """A layer's convolution context during prefill: the context-parallel one's halos, except that the halo slots
+    before the prompt's first token (of the ranges starting within ``W - 1`` tokens of it) continue the cached
+    convolution input, and the layer's last ``W`` input tokens recorded."""
 
     def __init__(self, base, view: PrefillCache, layer_idx: int):
         self.base, self.view, self.layer_idx = base, view, layer_idx
@@ -182,14 +182,17 @@ class _PrefillConv:
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
         halos = self.base.left_halos(xs, width)  # each [B, R, W-1, C] (None on one device)
         past = self.view.conv_state(self.layer_idx)
-        if self.base.ranges[0][0] == 0 and past is not None and width:
-            # [B, C, W] -> its last W-1 tokens [B, W-1, C], split as xs' channels (q|k|v: the model's order)
+        starts = [k for k, (s, _) in enumerate(self.base.ranges) if s < width]
+        if past is not None and width and starts:
+            # [B, C, W] -> its last W-1 tokens [B, W-1, C] (global tokens -(W-1) .. -1), split as xs' channels
             tail = past[..., past.shape[-1] - width:].transpose(1, 2).to(xs[0].dtype)
             R = len(self.base.ranges)
             halos = [(h if h is not None else x.new_zeros(x.shape[0], R, width, x.shape[-1])).clone()
                      for h, x in zip(halos, xs)]
             for h, t in zip(halos, tail.split([x.shape[-1] for x in xs], dim=-1)):
-                h[:, 0] = t
+                for k in starts:  # slot j of range k holds global token start_k - width + j
+                    s = self.base.ranges[k][0]
+                    h[:, k, :width - s] = t[:, s:]
         self.view.record_conv_input(self.layer_idx, xs, halos, width)
         return halos
 
