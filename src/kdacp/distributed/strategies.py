@@ -125,14 +125,13 @@ class _OrderedSends:
 @dataclass
 class Pending:
     """An exchange in flight: the posted receives (``receives``: key -> ``(buffer, work)``; or a gather:
-    ``recv_work`` and ``gathered``), this rank's messages by position, values handed over between its own
-    positions (``local``), the sends to wait for."""
+    its buffer ``recv_buffer``, ``recv_work`` and ``gathered``), this rank's messages by position, values
+    handed over between its own positions (``local``), the sends (``outbox``)."""
 
     route: Route
     recv_buffer: torch.Tensor | None = None
     recv_work: object = None
     messages: dict = field(default_factory=dict)
-    sends: list = field(default_factory=list)
     gathered: list | None = None
     receives: dict = field(default_factory=dict)
     local: dict = field(default_factory=dict)
@@ -155,10 +154,9 @@ class Pending:
         return buffer
 
     def finish_sends(self) -> None:
-        works = self.sends + (self.outbox.works if self.outbox is not None else [])
-        comm.wait(works)
-        self.sends.clear()
+        """Wait for this rank's sends (their buffers are freed after)."""
         if self.outbox is not None:
+            comm.wait(self.outbox.works)
             self.outbox.works.clear()
             self.outbox.kept.clear()
 
