@@ -122,8 +122,8 @@ def _sync_intervals(text: str) -> tuple[int, ...]:
     return _int_list(text, 0, "comma-separated integers >= 0 such as 0,3")
 
 
-# The scaling suite's link options: flag -> (the Link field it sets, the factor from the flag's unit to the
-# field's, its help).
+# The scaling and hybrid suites' link options: flag -> (the Link field it sets, the factor from the flag's unit to
+# the field's, its help).
 _LINK_OPTIONS = {
     "--link-latency-us": ("latency_s", 1e-6, "point-to-point latency in microseconds (replaces the measured or "
                                              "default figure; default without a second rank: 20)"),
@@ -133,11 +133,28 @@ _LINK_OPTIONS = {
 }
 
 
-def _scaling_case(args: argparse.Namespace) -> dict:
-    """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
+def _link_figures(args: argparse.Namespace) -> dict:
+    """The link figures given on the command line (:data:`_LINK_OPTIONS`), converted to seconds and bytes/s."""
     given = {field: (getattr(args, flag[2:].replace("-", "_")), scale)
              for flag, (field, scale, _) in _LINK_OPTIONS.items()}
-    link = {field: value * scale for field, (value, scale) in given.items() if value is not None}
+    return {field: value * scale for field, (value, scale) in given.items() if value is not None}
+
+
+def _hybrid_case(args: argparse.Namespace) -> dict:
+    """The hybrid suite's options from the command line."""
+    case = dict(calibration=args.calibration, attention_tflops=args.attention_tflops, balance=args.balance,
+                link=_link_figures(args) or None,
+                heads=args.heads, head_dim=args.head_dim, backend=args.backend)
+    if args.seq_lens:
+        case["tokens"] = tuple(args.seq_lens)
+    if args.predict_ranks:
+        case["world_sizes"] = tuple(args.predict_ranks)
+    return case
+
+
+def _scaling_case(args: argparse.Namespace) -> dict:
+    """The scaling suite's options from the command line (link figures converted to seconds and bytes/s)."""
+    link = _link_figures(args)
     case = dict(t_local=args.seq_lens[0] if args.seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                 backend=args.backend, link=link or None, measured=args.measured, sleep_check=args.sleep_check)
     if args.predict_ranks:
@@ -259,14 +276,16 @@ _CPU_T_LOCAL = 256
 
 # The bench options that only some suites read: given to another suite, they are a usage error
 # rather than silently unused.
-_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead", "virtual"),
+_SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
                   "batches": ("cp", "layer", "gdn", "overhead"),
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
-                  "backend": ("layer", "scaling", "overhead"), "hidden": ("layer",),
-                  "heads": ("layer", "scaling", "overhead", "virtual"),
-                  "head_dim": ("layer", "scaling", "overhead", "virtual"), "ranks": ("virtual",),
+                  "backend": ("layer", "scaling", "overhead", "hybrid"), "hidden": ("layer",),
+                  "heads": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
+                  "head_dim": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"), "ranks": ("virtual",),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
-                  "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",)}
+                  "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",),
+                  "calibration": ("hybrid",), "attention_tflops": ("hybrid",), "balance": ("hybrid",),
+                  "predict_ranks": ("scaling", "hybrid", "balance")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -303,6 +322,11 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
         cases = [{} if args.steps is None else {"steps": args.steps}]
     elif args.suite == "scaling":
         cases = [_scaling_case(args)]
+    elif args.suite == "hybrid":
+        cases = [_hybrid_case(args)]
+    elif args.suite == "balance":
+        cases = [dict(tokens=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
+                      **({"world_sizes": args.predict_ranks} if args.predict_ranks else {}))]
     elif args.suite == "overhead":
         cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                       backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"),
@@ -365,13 +389,17 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(missing)
     if args.backend == "fla":
         _check_fla(device)
-    if args.suite in ("scaling", "overhead", "virtual") and args.seq_lens and len(args.seq_lens) > 1:
-        raise UsageError(f"--suite {args.suite} takes one --seq-lens value (tokens per rank), got {len(args.seq_lens)}")
+    if args.suite in ("scaling", "overhead", "virtual", "balance") and args.seq_lens and len(args.seq_lens) > 1:
+        what = "the sequence" if args.suite == "balance" else "tokens per rank"
+        raise UsageError(f"--suite {args.suite} takes one --seq-lens value ({what}), got {len(args.seq_lens)}")
     if args.suite == "virtual" and args.seq_lens and args.seq_lens[0] % VIRTUAL_CHUNK:
         raise UsageError(f"--suite virtual takes tokens per rank in multiples of the chunk size {VIRTUAL_CHUNK}, got "
                          f"--seq-lens {args.seq_lens[0]}")
-    if args.measured is not None and not os.path.isfile(args.measured):
-        raise UsageError(f"--measured {args.measured}: no such file")
+    for flag, path in (("--measured", args.measured), ("--calibration", args.calibration), ("--balance", args.balance)):
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
+    if args.attention_tflops is not None and args.balance is not None:
+        raise UsageError("give --attention-tflops or --balance, not both")
     suite = load_suite(args.suite)
     world = args.world_size or (1 if args.suite == "gdn" else max(torch.cuda.device_count(), 1) if device == "cuda"
                                 else 2)
@@ -505,8 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", required=True, choices=SUITES,
                        help=f"what to run; on CPU: {', '.join(CPU_SUITES)}")
     bench.add_argument("--seq-lens", type=_lengths, default=None,
-                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling/virtual) (default: kernels "
-                            f"16384; cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL}; virtual "
+                       help="comma-separated tokens (per rank for cp/layer/gdn/scaling/virtual; the whole sequence "
+                            "for hybrid and balance) (default: kernels 16384; hybrid 131072,524288,1048576; balance "
+                            f"131072; cp and gdn 16384,32768; layer 16384, on CPU {_CPU_T_LOCAL}; virtual "
                             f"{VIRTUAL_CHUNK}, a multiple of {VIRTUAL_CHUNK})")
     bench.add_argument("--batches", type=_batches, default=None,
                        help=f"cp/layer/gdn/overhead: comma-separated global batches from {', '.join(BATCHES)} (default: "
@@ -549,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 on CPU; "
                             "up to 1024 on CUDA)")
     bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
-                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024)")
+                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024); hybrid and "
+                            "balance: the rank counts (default: 8,16,64)")
     bench.add_argument("--step-layers", type=_positive_int, default=None,
                        help="scaling suite: token-mixer layers of the step model's training step (default: 36, "
                             "Qwen3-Next-80B's Gated DeltaNet layers)")
@@ -559,6 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sleep-check", action="store_true",
                        help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
                             "whose stages sleep (no compute, so no contention for cores)")
+    bench.add_argument("--calibration", default=None, metavar="JSON",
+                       help="hybrid suite: a scaling suite's JSON whose stage and link figures are used instead of "
+                            "measuring here")
+    bench.add_argument("--attention-tflops", type=_positive_float, default=None,
+                       help="hybrid suite: achieved causal-attention throughput in TFLOP/s (the balance suite's "
+                            "step_tflops; default 400)")
+    bench.add_argument("--balance", default=None, metavar="JSON",
+                       help="hybrid suite: a balance suite's JSON whose measured attention throughput is used")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
     bench.set_defaults(func=_bench)

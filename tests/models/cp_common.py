@@ -38,14 +38,27 @@ def one_document_at_a_time(model, context) -> dict:
     return dict(logits=torch.cat(logits), loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
 
 
-def step(model, world_size):
-    """One parallel step on this rank's shard: its logits, the model's own loss and the gradients averaged
-    over the ranks (the loss-scaling contract of ``kdacp.models.batch``: what DDP or FSDP2 would do)."""
+def original_index(batch) -> torch.Tensor:
+    """``[layout.num_tokens]`` int64: the token of the unpadded batch (``CU_SEQLENS``) at each global position of
+    ``batch``'s (possibly padded) stream, ``-1`` on padding (at a document's end, or a document of its own)."""
+    out = torch.full((batch.layout.num_tokens,), -1, dtype=torch.int64)
+    padded = batch.cu_seqlens.tolist()
+    for (s, e), start in zip(zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]), padded):
+        out[start:start + e - s] = torch.arange(s, e)
+    return out
+
+
+def step(model, world_size, layout="contiguous"):
+    """One parallel step on this rank's shard (``layout``: the token layout it is sharded by, padded with token
+    0 where the layout needs it): its logits, the model's own loss, the gradients averaged over the ranks (the
+    loss-scaling contract of ``kdacp.models.batch``: what DDP or FSDP2 would do) and, for each of its tokens,
+    the token of the unpadded batch (``-1`` on padding)."""
     import kdacp
     from kdacp.models import global_token_mean_loss
     device = next(model.parameters()).device
-    batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device))
-    assert batch.input_ids.shape == (1, CU_SEQLENS[-1] // world_size)
+    batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device), layout=layout,
+                              pad_id=0)
+    assert batch.input_ids.shape == (1, batch.layout.num_tokens // world_size)
     out = model(**batch.model_kwargs())  # the config's use_cache (True) left as is: no cache is built
     assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None  # `cache` from transformers 5.24
     assert rel_err(out.loss.detach(), global_token_mean_loss(out.logits.detach(), batch.labels)) < 1e-6
@@ -56,31 +69,31 @@ def step(model, world_size):
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         dist.all_reduce(grad)
         grads[name] = grad / world_size
-    return out.logits.detach()[0], out.loss.detach(), grads
+    return out.logits.detach()[0], out.loss.detach(), grads, original_index(batch)[batch.layout.local_token_index(batch.rank)]
 
 
-def errors(model, ref, rank, world_size) -> dict:
-    """Relative errors of one parallel step's logits (this rank's), loss and gradients against ``ref``."""
-    logits, loss, grads = step(model, world_size)
-    T = CU_SEQLENS[-1] // world_size
-    return {"logits": rel_err(logits, ref["logits"][rank * T:(rank + 1) * T]), "loss": rel_err(loss, ref["loss"]),
-            **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
+def errors(model, ref, rank, world_size, layout="contiguous") -> dict:
+    """Relative errors of one parallel step's logits (this rank's real tokens), loss and gradients against ``ref``."""
+    logits, loss, grads, own = step(model, world_size, layout)
+    real = own >= 0
+    return {"logits": rel_err(logits[real.to(logits.device)], ref["logits"][own[real].to(ref["logits"].device)]),
+            "loss": rel_err(loss, ref["loss"]), **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
 
 
-def check_matches(model, ref, rank, world_size, what: str, worst: dict) -> None:
+def check_matches(model, ref, rank, world_size, what: str, worst: dict, layout="contiguous") -> None:
     """One parallel step within ``TOL`` of ``ref``; records the worst error under ``what``."""
-    name, err = max(errors(model, ref, rank, world_size).items(), key=lambda kv: kv[1])
+    name, err = max(errors(model, ref, rank, world_size, layout).items(), key=lambda kv: kv[1])
     assert err < TOL, f"{what} on {world_size} ranks: {name} off by {err:.2e} (rank {rank})"
     worst[what] = (name, err)
 
 
-def check_each_matters(model, ref, rank, world_size, broken: dict, worst: dict) -> None:
+def check_each_matters(model, ref, rank, world_size, broken: dict, worst: dict, layout="contiguous") -> None:
     """``broken``: what -> ``(owner, attribute, fake)``; with each faked in turn, the step leaves the tolerance."""
     for what, (owner, attr, fake) in broken.items():
         real = getattr(owner, attr)
         setattr(owner, attr, fake)
         try:
-            errs = errors(model, ref, rank, world_size)
+            errs = errors(model, ref, rank, world_size, layout)
         finally:
             setattr(owner, attr, real)
         assert max(errs.values()) > 100 * TOL, f"removing the {what} went unnoticed on {world_size} ranks"
@@ -148,18 +161,17 @@ def exchanges() -> dict:
 
 def shifted_in_shard(shard_batch):
     """``shard_batch`` whose labels are shifted inside each rank's shard (what the model's own loss did before
-    ``parallelize`` set its loss): a rank's last token gets no label."""
+    ``parallelize`` set its loss): the token before each edge of a rank's ranges learns the wrong target (or
+    none, at its last token); document ends stay unlabelled."""
     import dataclasses
 
     def fake(input_ids, *args, **kwargs):
         batch = shard_batch(input_ids, *args, **kwargs)
         labels = torch.full_like(batch.labels, -100)
         labels[:, :-1] = batch.input_ids[:, 1:]
-        cu = batch.cu_seqlens
-        if cu is not None:
-            T, rank = batch.input_ids.shape[1], dist.get_rank()
-            ends = [int(e) - 1 - rank * T for e in cu[1:-1] if rank * T < e <= (rank + 1) * T]
-            labels[:, ends] = -100
+        if batch.cu_seqlens is not None:
+            own = batch.layout.local_token_index(batch.rank).to(labels.device)
+            labels[:, torch.isin(own, batch.cu_seqlens[1:].to(own.device) - 1)] = -100
         return dataclasses.replace(batch, labels=labels)
     return fake
 
@@ -183,6 +195,24 @@ def check_modes(rank, world_size, ref, results, modes, make_model, broken: dict,
         check_matches(model, ref, rank, world_size, f"{mode}/{attention}", worst)
         if mode == "state" and world_size in broken_on:
             check_each_matters(model, ref, rank, world_size, broken, worst)
+    if rank == 0:
+        results.update(worst)
+
+
+def check_layout(rank, world_size, ref, results, make_model, layout, attention="sdpa") -> None:
+    """``make_model(attn_implementation=attention)`` parallelised over a 1-D mesh under the token ``layout``
+    matches ``ref`` with batches sharded under that layout; the global label shift matters there too, and a
+    batch sharded under the contiguous layout is refused. Rank 0 reports the worst errors in ``results``."""
+    import kdacp
+    mesh = kdacp.init_device_mesh("cpu", (world_size,))
+    model = kdacp.parallelize(make_model(attn_implementation=attention), mesh, layout=layout)
+    worst = {}
+    check_matches(model, ref, rank, world_size, f"{layout}/{attention}", worst, layout)
+    check_each_matters(model, ref, rank, world_size, {"global label shift": (
+        kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch))}, worst, layout)
+    contiguous = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
+    with pytest.raises(ValueError, match="sharded under another token layout"):
+        model(**contiguous.model_kwargs())
     if rank == 0:
         results.update(worst)
 

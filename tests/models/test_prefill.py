@@ -9,7 +9,9 @@ every rank; a prefill of 37 tokens in 3 pieces (13, 14, 10; each under CP, conti
 one-pass cache the same way; ``generate`` gives the one-process ``model.generate(prompt, max_new_tokens=16,
 do_sample=False)`` tokens; seeded sampling gives the same tokens on every rank. Each mechanism matters: without
 the initial state, the cached convolution input, one rank's key/value block or the owner's convolution input,
-the cache leaves ``TOL``.
+the cache leaves ``TOL``. The same under zigzag (model and prompts), where without the gathered keys' global
+order, the owner's range's halo in the convolution tail, or (4 ranks) the cached convolution input in the
+halos of every range near a piece's start, the cache leaves ``TOL``.
 
 Qwen3-Next's one-process reference runs its GDN in the recurrent form (tests/models/test_qwen3_next_cp.py says
 why: the chunked form underflows in float32 on its strong decays).
@@ -105,12 +107,13 @@ def _same_on_every_rank(tensors: dict) -> None:
         assert torch.equal(first, t), f"{k} differs between rank 0 and rank {dist.get_rank()}"
 
 
-def _prefill_tensors(model, T: int, pieces=None) -> dict:
-    """The cache tensors and logits after prefilling a ``T``-token prompt under CP (in ``pieces``)."""
+def _prefill_tensors(model, T: int, pieces=None, layout="contiguous") -> dict:
+    """The cache tensors and logits after prefilling a ``T``-token prompt under CP (in ``pieces``), the prompt
+    sharded under ``layout``."""
     import kdacp
     prompt, cache, start = _prompt(T), None, 0
     for n in pieces or (T,):
-        batch = kdacp.shard_batch(prompt[:, start:start + n], pad_id=0)
+        batch = kdacp.shard_batch(prompt[:, start:start + n], pad_id=0, layout=layout)
         cache, logits = kdacp.models.prefill(model, batch, cache=cache)
         start += n
     return dict(**cache_tensors(cache), logits=logits)
@@ -167,6 +170,17 @@ def _check_contract(rank: int) -> None:
         kdacp.models.prefill(model, kdacp.shard_batch(_prompt(40), cu_seqlens=torch.tensor([0, 20, 40])))
     with pytest.raises(ValueError, match="drop cache="):
         kdacp.models.generate(model, batch, 4, cache=None)
+    # A prompt sharded under another layout than the model's, or a model under a layout prefill does not run, is
+    # refused by name before any exchange.
+    zigzag = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel("state", layout="zigzag"))
+    for m, layout in ((model, "zigzag"), (zigzag, "contiguous")):
+        with pytest.raises(ValueError, match="sharded under another layout than the model's"):
+            kdacp.models.prefill(m, kdacp.shard_batch(_prompt(40), layout=layout))
+    from kdacp.distributed.layout import ranges_layout
+    ranges = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel(
+        "state", layout=ranges_layout([[(0, 10), (30, 40)], [(10, 30)]])))
+    with pytest.raises(ValueError, match="prefill and generate run the layouts"):
+        kdacp.models.generate(ranges, kdacp.shard_batch(_prompt(40)), 4)
     spec = next(m._kdacp_ulysses for m in model.modules() if hasattr(m, "_kdacp_ulysses"))
     spec.inner_name = "flash_attention_2"
     with pytest.raises(ValueError, match=r"runs the model's \('eager', 'sdpa'\) implementations"):
@@ -212,6 +226,57 @@ def _worker(rank, world_size, ref, results):
         results.update(worst)
 
 
+def _broken_zigzag(world_size: int) -> dict:
+    """What zigzag prefill needs beyond the contiguous one -> (owner, attribute, fake): on 2 ranks the gathered keys
+    and values put in global order, and the convolution's last input tokens continued from the owner's range's
+    halo (the pieces of 13, 14 and 10 tokens end a token or two into rank 0's second range); on 4 ranks (chunks
+    of 2 tokens, shorter than the convolution's halo) the cached convolution input in the halos of the ranges
+    that start within ``W - 1`` tokens of the piece's first token, not only rank 0's."""
+    from kdacp.models.prefill import PrefillCache
+
+    def rank_0_only(self, layer_idx, real=PrefillCache.conv_state):
+        return real(self, layer_idx) if self.rank == 0 else None
+
+    if world_size == 4:
+        return {"the cached convolution input beyond rank 0": (PrefillCache, "conv_state", rank_0_only)}
+
+    def rank_order(self, x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-2)[..., :self.valid, :]
+
+    def no_halo(self, layer_idx, xs, halos, width, real=PrefillCache.record_conv_input):
+        return real(self, layer_idx, xs, [None] * len(xs), width)
+
+    return {"the global order of the gathered keys": (PrefillCache, "gather", rank_order),
+            "the halo of the owner's range": (PrefillCache, "record_conv_input", no_halo)}
+
+
+def _zigzag_worker(rank, world_size, ref, results):
+    """Prefill and generate with the model and the prompts under zigzag: the same caches, logits and tokens."""
+    import kdacp
+    worst = {}
+    for name, make in MODELS.items():
+        model = kdacp.parallelize(make(), kdacp.ContextParallel("state", layout="zigzag"))
+        want = {T: dict(**ref[name, T]["cache"], logits=ref[name, T]["logits"]) for T in LENGTHS}
+        for T, pieces in [(T, None) for T in LENGTHS] + [(37, PIECES)]:
+            got = _prefill_tensors(model, T, pieces, layout="zigzag")
+            _same_on_every_rank(got)
+            worst[f"{name} zigzag prefill {T} in {pieces or (T,)}"] = _worst(got, want[T])
+        for what, (owner, attr, fake) in _broken_zigzag(world_size).items():
+            with mock.patch.object(owner, attr, fake):
+                key, err = _worst(_prefill_tensors(model, 37, PIECES, layout="zigzag"), want[37])
+            assert err > 100 * TOL, f"{name} under zigzag: without {what} the cache still matches"
+            worst[f"{name} zigzag without {what}"] = (key, err)
+        with _transformers_code(name):
+            for T in LENGTHS:
+                ids = kdacp.models.generate(model, kdacp.shard_batch(_prompt(T), pad_id=0, layout="zigzag"),
+                                            NEW_TOKENS, do_sample=False)
+                results[f"{name} zigzag generate {T}"] = ids
+    if rank == 0:
+        results.update(worst)
+
+
 reference = pytest.fixture(scope="module", name="reference")(lambda: _reference())
 
 
@@ -222,6 +287,21 @@ def test_prefill_and_generate_match_one_process(world_size, reference):
     for what, (key, err) in results.items():
         assert "without" in what or err < TOL, f"{what}: {key} off by {err:.2e}"
     print({what: f"{key}: {err:.1e}" for what, (key, err) in results.items()})
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_zigzag_prefill_and_generate_match_one_process(world_size, reference):
+    """Under zigzag (rank 0 holds the prompt's first and last chunks; padding after the last token): every rank's
+    cache and logits after prefill (in one pass, and in 3 pieces) as one process's within TOL, and greedy
+    generate's tokens as ``model.generate``'s."""
+    results = torch.multiprocessing.Manager().dict()
+    run_ranks(_zigzag_worker, world_size, reference, results)
+    print({what: value for what, value in results.items() if "generate" not in what})
+    for what, (key, err) in ((w, v) for w, v in results.items() if "generate" not in w and "without" not in w):
+        assert err < TOL, f"{what}: {key} off by {err:.2e}"
+    for what, ids in ((w, v) for w, v in results.items() if "generate" in w):
+        name, _, _, T = what.split()
+        assert torch.equal(ids, reference[name, int(T)]["tokens"]), f"{what}: {ids}"
 
 
 def _attend_float64(q, k, v, causal):

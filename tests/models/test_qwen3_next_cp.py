@@ -26,8 +26,9 @@ import pytest
 import torch
 import transformers  # noqa: F401  (in the `test` extra: a missing install fails here, not skips)
 
-from tests.models.cp_common import (VOCAB, check_modes, check_parallelize_contract, exchanges,
+from tests.models.cp_common import (VOCAB, check_layout, check_modes, check_parallelize_contract, exchanges,
                                     one_document_at_a_time, reference_fixture, run_and_report)
+from tests.multiprocess import run_ranks
 
 # (GDN mode, Ulysses size, the model's attention implementation, which becomes the Ulysses one's inner)
 # The attention's 8 query and 2 key/value heads: Ulysses on 2 ranks, the K/V all-gather on 4 (fewer bytes than
@@ -124,3 +125,19 @@ reference = reference_fixture(_reference)
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_parallelize_matches_one_process(world_size, reference):
     run_and_report(_worker, world_size, reference, MODES[world_size])
+
+
+def _layout_worker(rank, world_size, ref, results, layout):
+    check_layout(rank, world_size, ref, results, _model, layout)
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), pytest.param(4, "zigzag", marks=pytest.mark.slow),
+                                               pytest.param(2, "document_zigzag", marks=pytest.mark.slow)])
+def test_parallelize_under_zigzag_matches_one_process(world_size, layout, reference):
+    """Batches sharded under zigzag (rank r holds chunks r and 2P-1-r), or per-document zigzag (every document
+    padded to a multiple of 2P after its last token), the model parallelised for it: logits of the real tokens,
+    loss and every gradient as one process's within TOL."""
+    results = torch.multiprocessing.Manager().dict()
+    run_ranks(_layout_worker, world_size, reference, results, layout)
+    assert f"{layout}/sdpa" in results and "without global label shift" in results
+    print(dict(results))

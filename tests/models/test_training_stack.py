@@ -86,8 +86,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _setup(name: str, wrapper: str, seed: int = 0):
-    """A parallelised model on the (dp, cp) mesh under ``wrapper``, its AdamW and the meshes."""
+def _setup(name: str, wrapper: str, seed: int = 0, layout: str = "contiguous"):
+    """A parallelised model on the (dp, cp) mesh under ``wrapper`` and the token ``layout``, its AdamW and the
+    meshes."""
     import kdacp
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -99,7 +100,7 @@ def _setup(name: str, wrapper: str, seed: int = 0):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(seed * 1e-2)
-    kdacp.parallelize(model, mesh["cp"], loss_group=dp_cp)
+    kdacp.parallelize(model, mesh["cp"], layout=layout, loss_group=dp_cp)
     if wrapper.endswith("checkpointing"):
         model.gradient_checkpointing_enable()
         assert model.is_gradient_checkpointing
@@ -113,45 +114,52 @@ def _setup(name: str, wrapper: str, seed: int = 0):
     return model, wrapped, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), mesh
 
 
-def _step(wrapped, optimizer, mesh, step: int) -> torch.Tensor:
-    """One training step on this rank's shard of its replica's batch; returns the loss."""
+def _step(wrapped, optimizer, mesh, step: int, layout: str = "contiguous") -> torch.Tensor:
+    """One training step on this rank's shard (under ``layout``) of its replica's batch; returns the loss."""
     import kdacp
     replica = mesh.get_local_rank("dp")
-    batch = kdacp.shard_batch(_tokens(step, replica), cu_seqlens=torch.tensor(DOCUMENTS[replica]), group=mesh["cp"])
+    batch = kdacp.shard_batch(_tokens(step, replica), cu_seqlens=torch.tensor(DOCUMENTS[replica]), group=mesh["cp"],
+                              layout=layout)
     loss = wrapped(**batch.model_kwargs()).loss
     loss.backward()
     return loss.detach()
 
 
-def _worker(rank, world_size, name, ref, results, checkpoint_dir):
+def _train(name: str, wrapper: str, ref: dict, checkpoint_dir: str = "", layout: str = "contiguous"):
+    """``STEPS`` AdamW steps under ``wrapper`` and ``layout`` against ``ref``: every loss, the first step's every
+    gradient and the final parameters within tolerance (an assertion each). Returns ``(final parameters, (worst
+    gradient, worst parameter))``; saves a checkpoint after step 2 into ``checkpoint_dir`` (FSDP2, if given)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    model, wrapped, optimizer, mesh = _setup(name, wrapper, layout=layout)
+    for step in range(STEPS):
+        loss = _step(wrapped, optimizer, mesh, step, layout)
+        assert rel_err(loss, torch.tensor(ref["losses"][step])) < TOL, f"{wrapper}: loss of step {step}"
+        if step == 0:
+            missing = [n for n, p in model.named_parameters() if p.grad is None]
+            assert not missing, f"{wrapper}: no gradient for {missing}"
+            errs = {n: rel_err(_full(p.grad), ref["grads"][n]) for n, p in model.named_parameters()}
+            worst_grad = max(errs.items(), key=lambda kv: kv[1])
+            assert worst_grad[1] < TOL, f"{wrapper}: gradient of {worst_grad[0]} off by {worst_grad[1]:.2e}"
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == STEPS - 2 and wrapper == "fsdp" and checkpoint_dir:
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
+    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    errs = {n: rel_err(p, ref["params"][n]) for n, p in params.items()}
+    worst_param = max(errs.items(), key=lambda kv: kv[1])
+    assert worst_param[1] < PARAM_TOL, f"{wrapper}: {worst_param[0]} off by {worst_param[1]:.2e} after {STEPS} steps"
+    return params, (worst_grad, worst_param)
 
+
+def _worker(rank, world_size, name, ref, results, checkpoint_dir):
     import kdacp
     with pytest.raises(ValueError, match="1-D DeviceMesh"):  # a 2-D mesh is not one group
         kdacp.shard_batch(_tokens(0, 0), group=kdacp.init_device_mesh("cpu", (DP, CP), mesh_dim_names=("a", "b")))
     worst = {}
     for wrapper in WRAPPERS:
-        model, wrapped, optimizer, mesh = _setup(name, wrapper)
-        for step in range(STEPS):
-            loss = _step(wrapped, optimizer, mesh, step)
-            assert rel_err(loss, torch.tensor(ref["losses"][step])) < TOL, f"{wrapper}: loss of step {step}"
-            if step == 0:
-                missing = [n for n, p in model.named_parameters() if p.grad is None]
-                assert not missing, f"{wrapper}: no gradient for {missing}"
-                errs = {n: rel_err(_full(p.grad), ref["grads"][n]) for n, p in model.named_parameters()}
-                worst_grad = max(errs.items(), key=lambda kv: kv[1])
-                assert worst_grad[1] < TOL, f"{wrapper}: gradient of {worst_grad[0]} off by {worst_grad[1]:.2e}"
-            optimizer.step()
-            optimizer.zero_grad()
-            if step == STEPS - 2 and wrapper == "fsdp" and checkpoint_dir:
-                msd, osd = get_state_dict(model, optimizer)
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
-        params = {n: _full(p.detach()) for n, p in model.named_parameters()}
-        errs = {n: rel_err(p, ref["params"][n]) for n, p in params.items()}
-        worst_param = max(errs.items(), key=lambda kv: kv[1])
-        worst[wrapper] = (worst_grad, worst_param)
-        assert worst_param[1] < PARAM_TOL, f"{wrapper}: {worst_param[0]} off by {worst_param[1]:.2e} after {STEPS} steps"
+        params, worst[wrapper] = _train(name, wrapper, ref, checkpoint_dir)
         if wrapper == "fsdp" and rank == 0:
             results["params"] = params
         dist.barrier()
@@ -201,3 +209,18 @@ def test_fsdp_ddp_checkpointing_on_dp_cp_mesh(name):
             run_ranks(_resume_worker, DP * CP, name, resumed, save)
             differ = [n for n, p in results["params"].items() if not torch.equal(p, resumed["params"][n])]
             assert not differ, f"step 3 after loading the step-2 checkpoint differs in {differ}"
+
+
+def _zigzag_worker(rank, world_size, name, ref, results):
+    _, worst = _train(name, "fsdp", ref, layout="zigzag")
+    if rank == 0:
+        results["worst"] = worst
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_fsdp_under_zigzag_on_dp_cp_mesh(name):
+    """FSDP2 over the flattened 2 x 2 mesh with each replica's batch sharded under zigzag over its cp ranks: the
+    same losses, first-step gradients and parameters after three steps as one process."""
+    results = torch.multiprocessing.Manager().dict()
+    run_ranks(_zigzag_worker, DP * CP, name, _reference(name), results)
+    print(dict(results))

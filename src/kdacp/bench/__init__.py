@@ -3,8 +3,10 @@
 (the layer against FLA's, and its CP modes), ``virtual`` (each strategy's accuracy at 2 to 1024
 virtual ranks, one device), ``soak`` (a long training run, watching memory, threads, files and
 caches), ``scaling`` (each strategy's step at 2 to 1024 ranks, predicted from stage and link times
-measured here; with several ranks, also measured) and ``overhead`` (each rank role's forward and
-backward over one device's on the same tokens, and the stages behind the difference).
+measured here; with several ranks, also measured), ``overhead`` (each rank role's forward and
+backward over one device's on the same tokens, and the stages behind the difference), ``hybrid`` (a hybrid
+model's step per token layout and attention exchange, predicted) and ``balance`` (causal attention of every
+rank of each layout, timed on one device).
 
 Each suite module defines ``run(..., report=None) -> list[dict]`` (``report(row)`` as each row is
 measured) and ``PLOTS`` (file stem -> :class:`~kdacp.bench.harness.PlotSpec`), and may define
@@ -23,8 +25,8 @@ from ..workers import RankContext, deadline, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
-SUITES = ("kernels", "cp", "gdn", "layer", "virtual", "soak", "scaling", "overhead")
-CPU_SUITES = ("layer", "virtual", "soak", "scaling", "overhead")  # the suites that also run without a GPU
+SUITES = ("kernels", "cp", "gdn", "layer", "virtual", "soak", "scaling", "overhead", "hybrid", "balance")
+CPU_SUITES = ("layer", "virtual", "soak", "scaling", "overhead", "hybrid", "balance")  # the suites that also run without a GPU
 
 
 def load_suite(name: str) -> ModuleType:

@@ -9,7 +9,7 @@ import torch
 
 from kdacp.affine import compose_state_summaries
 from kdacp.backends.call import prepare_call
-from kdacp.distributed.cost_model import Link, StageTimes
+from kdacp.distributed.cost_model import Link, RoleStages, StageTimes
 from kdacp.distributed.plan import rank_layouts
 from kdacp.distributed.strategies import AffineMessage
 from kdacp.reference.gates import compute_dtype
@@ -133,3 +133,35 @@ def calibration_rows(cal: Calibration, t_local, heads, head_dim, backend, dtype)
             rows.append(dict(source="stages", direction=direction, role=role, ready_ms=st.ready * 1e3,
                              between_ms=st.between * 1e3, after_ms=st.after * 1e3))
     return rows
+
+
+# The all-gather's stack where a recorded calibration does not carry it (the copy of gathered summaries: an
+# order of magnitude, a terabyte per second of device memory bandwidth).
+_COPY_S_PER_BYTE = 1 / 1e12
+
+
+def read_calibration(rows: list[dict]) -> tuple[Calibration, dict]:
+    """The inverse of :func:`calibration_rows`: the :class:`Calibration` and the setup (``T_local``, ``heads``,
+    ``head_dim``, ...) of a scaling suite's recorded rows (its JSON's ``rows``).
+
+    Raises:
+        ValueError: rows without the setup row or without every direction's and role's stages.
+    """
+    setup = next((r for r in rows if r.get("source") == "setup"), None)
+    stages = {(r["direction"], r["role"]): r for r in rows if r.get("source") == "stages"}
+    missing = [(d, role) for d in ("forward", "backward") for role in ("first", "through", "last")
+               if (d, role) not in stages]
+    if setup is None or missing:
+        raise ValueError(f"rows must hold a scaling suite's setup row and every stage row; missing "
+                         f"{'the setup row' if setup is None else missing}")
+
+    def role_stages(direction):
+        return {role: RoleStages(stages[(direction, role)]["ready_ms"] / 1e3, stages[(direction, role)]["between_ms"] / 1e3,
+                                 stages[(direction, role)]["after_ms"] / 1e3) for role in ("first", "through", "last")}
+    times = StageTimes(forward=role_stages("forward"), backward=role_stages("backward"),
+                       one_device=(setup["one_device_fwd_ms"] / 1e3, setup["one_device_bwd_ms"] / 1e3),
+                       apply_s=setup["apply_us"] / 1e6, compose_s=setup["compose_us"] / 1e6,
+                       copy_s_per_byte=_COPY_S_PER_BYTE)
+    link = Link(setup["latency_us"] / 1e6, setup["bandwidth_GBs"] * 1e9, setup["gather_latency_us"] / 1e6,
+                setup["gather_bandwidth_GBs"] * 1e9)
+    return Calibration(times, link, setup["link"]), setup

@@ -1,7 +1,9 @@
-"""A packed global batch cut into context-parallel shards, and the loss and its scaling contract.
+"""A packed global batch cut into context-parallel shards under a token layout, and the loss and its scaling
+contract.
 
-Model-independent: works for any causal LM whose context-parallel forward takes equal time shards in
-rank order (what :func:`kdacp.parallelize` expects).
+Model-independent: works for any causal LM whose context-parallel forward takes each rank's tokens in the
+order of a :class:`~kdacp.distributed.layout.TokenLayout` (a rank's ranges concatenated in ascending global
+order; the contiguous layout: equal time shards in rank order).
 
 The loss-scaling contract (:func:`global_token_mean_loss`, and the ``.loss`` of a parallelised model): the
 *loss group* is every rank holding part of the step's tokens (the context-parallel group, times the
@@ -9,7 +11,9 @@ data-parallel replicas: the flattened dp x cp mesh); each rank's loss has the va
 over the whole loss group, and the gradient ``W * sum(local token losses) / N``, with ``N`` the labelled
 tokens of the loss group and ``W`` the number of ranks over which gradients are then *averaged*. FSDP2's
 ``fully_shard`` and DDP over the loss group average over its ``W`` ranks, so after ``backward()`` every
-gradient is the gradient of the global token mean, with no collective written by hand.
+gradient is the gradient of the global token mean, with no collective written by hand. The contract holds
+under any layout: labels are shifted over the global stream before the tokens are dealt out, so every
+token carries its own target wherever it lands.
 """
 from __future__ import annotations
 
@@ -20,11 +24,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..distributed.comm import process_group
-from ..layers.short_conv import sequence_positions
+from ..distributed.layout import LAYOUTS, TokenLayout, make_layout
+from ..sequences import sequence_positions
 
-__all__ = ["ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch"]
+__all__ = ["LAYOUT_KWARG", "ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch", "shard_tokens"]
 
 IGNORE_INDEX = -100
+# The keyword under which ShardedBatch.model_kwargs() hands the batch's layout to a parallelised model's token
+# mixers (transformers forwards unknown keyword arguments to every layer).
+LAYOUT_KWARG = "kdacp_layout"
 
 
 @dataclass(frozen=True)
@@ -32,34 +40,44 @@ class ShardedBatch:
     """This rank's share of a global batch.
 
     Attributes:
-        input_ids: ``[B, T/P]`` this rank's tokens (shard ``rank`` of ``P`` equal time shards).
-        labels: ``[B, T/P]`` the *next* token of each of them, already shifted over the global batch
-            (a token at a rank's edge carries the first token of the next rank), ``-100`` at the last
-            token of every document; do not shift again.
-        position_ids: ``[B, T/P]`` global positions inside each document (restarting at 0 at each
-            document start), this rank's slice.
-        cu_seqlens: ``[N+1]`` int64 global document boundaries (None: ``B`` unpacked sequences). The
-            same tensor object must reach every layer of a step: the plans are built once per tensor.
-        padding: how many tokens :func:`shard_batch` appended to the global batch (``pad_id``) so that it
-            splits evenly: the last document of ``cu_seqlens``, on the last ranks, labelled ``-100``.
+        input_ids: ``[B, L]`` this rank's tokens: its ranges of ``layout`` in ascending global order
+            (``L = layout.local_lengths[rank]``; ``T/P`` under the contiguous layout).
+        labels: ``[B, L]`` the *next* global token of each of them within its document, already shifted over
+            the global batch (a token at the end of one of the rank's ranges carries the first token of the
+            next range, whichever rank holds it), ``-100`` at the last token of every document and on padding;
+            do not shift again.
+        position_ids: ``[B, L]`` global positions inside each document (restarting at 0 at each document
+            start), at this rank's tokens.
+        cu_seqlens: ``[N+1]`` int64 global document boundaries, padding included (None: ``B`` unpacked
+            sequences). The same tensor object must reach every layer of a step: the plans are built once
+            per tensor.
+        layout: the :class:`~kdacp.distributed.layout.TokenLayout` of the global (padded) stream the shard
+            was cut by; :meth:`model_kwargs` hands it to the model, which checks it against its own.
+        rank: the rank whose share this is.
+        padding: how many ``pad_id`` tokens :func:`shard_tokens` added to the global batch so that it splits
+            evenly (see its ``pad_id``), all labelled ``-100``.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
+    layout: TokenLayout
+    rank: int
     padding: int = 0
 
     def model_kwargs(self) -> dict:
         """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions, the
         globally shifted ``labels`` (the model's ``.loss`` follows the contract of
-        :func:`global_token_mean_loss`), and the global boundaries under flash-attention's names
-        (``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        :func:`global_token_mean_loss`), the global boundaries under flash-attention's names
+        (``cu_seq_lens_q/k``, ``max_length_q/k``) and the layout under :data:`LAYOUT_KWARG` (a parallelised
+        model refuses a batch of another layout than its own)."""
         kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, labels=self.labels)
         if self.cu_seqlens is not None:
             longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
             kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=longest,
                           max_length_k=longest)
+        kwargs[LAYOUT_KWARG] = self.layout
         return kwargs
 
 
@@ -71,33 +89,33 @@ def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int64)
 
 
-def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, group=None, pad_id: int | None = None) -> ShardedBatch:
-    """Cut a global batch into this rank's equal time shard, with next-token labels shifted globally.
+def _padding_plan(layout: str, P: int, T: int, cu_seqlens: torch.Tensor | None) -> tuple[list[tuple[int, int]], bool]:
+    """Where ``pad_id`` tokens go so that the named ``layout`` gives every rank the same number of tokens:
+    ``(pads, own_document)``, ``pads`` the ``(global position before padding, count)`` pairs with a count,
+    ascending. ``"contiguous"``: ``(-T) % P`` at the end; ``"zigzag"`` (and ``"document_zigzag"`` of one
+    sequence): ``(-T) % 2P`` at the end; both a document of their own. ``"document_zigzag"``: each document's
+    ``(-length) % 2P`` at its own end, extending it."""
+    if layout == "contiguous":
+        return [(T, n) for n in [(-T) % P] if n], True
+    if layout == "zigzag" or cu_seqlens is None:
+        return [(T, n) for n in [(-T) % (2 * P)] if n], True
+    cu = cu_seqlens.tolist()
+    return [(e, n) for s, e in zip(cu[:-1], cu[1:]) for n in [(s - e) % (2 * P)] if n], False
 
-    Call it on every rank with the same global batch.
 
-    Args:
-        input_ids: ``[B, T]`` the global tokens; ``B == 1`` for a packed batch. ``T`` must split
-            evenly over the group's ``P`` ranks, unless ``pad_id`` is given.
-        labels: ``[B, T]`` the target of each token *before* shifting (Hugging Face's convention:
-            ``labels = input_ids``, ``-100`` where no loss is wanted); default ``input_ids``.
-        position_ids: ``[B, T]`` global positions restarting at each document; default derived
-            from ``cu_seqlens`` (or ``arange(T)``). Without ``cu_seqlens``, a ``position_ids`` row with
-            restarts (``B == 1``) defines the documents, as Hugging Face's flattening collator does.
-        cu_seqlens: ``[N+1]`` global document boundaries (``0 ... T``), or None.
-        group: the context-parallel process group or 1-D ``DeviceMesh`` (default: the world).
-        pad_id: where ``T % P != 0`` (``B == 1``), append ``(-T) % P`` tokens ``pad_id`` as a document of
-            their own (labels ``-100``): no real token sees them, and no token of theirs is learned
-            (:attr:`ShardedBatch.padding` says how many). None: refuse such a ``T``.
-
-    Returns:
-        A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.
-
-    Raises:
-        ValueError: shapes that disagree, ``T % P != 0`` without ``pad_id`` (or with ``B > 1``), or boundaries
-            that do not cover ``0 ... T``.
-    """
+def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 cu_seqlens: torch.Tensor | None = None, *, rank: int, world_size: int, layout="contiguous",
+                 pad_id: int | None = None) -> ShardedBatch:
+    """Rank ``rank``'s share of a global batch under ``layout``, with next-token labels shifted over the global
+    stream: :func:`shard_batch` without a process group (the same on every rank; ``rank`` and ``world_size``
+    given). Arguments as :func:`shard_batch`'s."""
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    if not isinstance(layout, TokenLayout) and layout not in LAYOUTS:
+        raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -118,28 +136,101 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     elif position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(position_ids.shape)}")
-    group = process_group(group, "group")
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
-    padding = (-T) % P
-    if padding and (pad_id is None or B != 1):
-        how = "or pass pad_id= to pad it" if B == 1 else f"pad_id= pads only batches of B == 1, got B={B}"
-        raise ValueError(f"the global batch's T={T} tokens must split evenly over {P} ranks ({how})")
-    if padding:  # a document of its own at the end: it changes nothing before it
-        input_ids = torch.cat([input_ids, input_ids.new_full((1, padding), pad_id)], dim=1)
-        labels = torch.cat([labels, labels.new_full((1, padding), IGNORE_INDEX)], dim=1)
-        position_ids = torch.cat([position_ids, torch.arange(padding, device=position_ids.device)[None]], dim=1)
-        ends = ([T] if cu_seqlens is None else cu_seqlens[1:].tolist()) + [T + padding]
-        cu_seqlens = torch.tensor([0, *ends], dtype=torch.int64, device=input_ids.device)
-        T += padding
 
-    # Shift over the global batch, so the token at a rank's last place still learns the next rank's first.
+    padding = 0
+    if isinstance(layout, TokenLayout):
+        if pad_id is not None:
+            raise ValueError("pad_id pads for a named layout; a TokenLayout must cover the batch's T tokens as given")
+    else:
+        pads, own_document = _padding_plan(layout, world_size, T, cu_seqlens)
+        if pads and (pad_id is None or B != 1):
+            how = "or pass pad_id= to pad it" if B == 1 else f"pad_id= pads only batches of B == 1, got B={B}"
+            unit = "P" if layout == "contiguous" else "2P (every document's, for document_zigzag)"
+            raise ValueError(f"the global batch's T={T} tokens must split evenly over {world_size} ranks under the "
+                             f"{layout!r} layout, a multiple of {unit} ({how})")
+        if pads:
+            input_ids, labels, position_ids, cu_seqlens = _padded(input_ids, labels, position_ids, cu_seqlens, pads,
+                                                                  pad_id, own_document)
+            padding = sum(n for _, n in pads)
+            T += padding
+    layout = make_layout(layout, world_size, T, cu_seqlens)
+
+    # Shift over the global stream before dealing the tokens out, so a token at the end of one of a rank's
+    # ranges still learns the first token of the next range, wherever that lies.
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if cu_seqlens is not None:
         shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
-    own = slice(rank * (T // P), (rank + 1) * (T // P))
-    return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(),
-                        position_ids[:, own].contiguous(), cu_seqlens, padding)
+    own = layout.local_token_index(rank).to(input_ids.device)
+    return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(), position_ids[:, own].contiguous(),
+                        cu_seqlens, layout, rank, padding)
+
+
+def _padded(input_ids, labels, position_ids, cu_seqlens, pads, pad_id: int, own_document: bool):
+    """The batch (``B == 1``) with ``pads`` (``(global position, count)``, ascending, at document ends) inserted,
+    labels ``-100``. ``own_document``: the padding is a document of its own (one block after the last token:
+    it changes nothing before it), positions from 0; otherwise each block extends the document that ends where
+    it goes, after that document's last real token (so no real token sees it), continuing its positions."""
+    T = input_ids.shape[1]
+    ids, labs, pos, before = [], [], [], 0
+    for at, n in pads:
+        first = 0 if own_document else int(position_ids[0, at - 1]) + 1
+        ids += [input_ids[:, before:at], input_ids.new_full((1, n), pad_id)]
+        labs += [labels[:, before:at], labels.new_full((1, n), IGNORE_INDEX)]
+        pos += [position_ids[:, before:at], torch.arange(first, first + n, device=position_ids.device)[None]]
+        before = at
+    ids.append(input_ids[:, before:])  # the documents after the last padded one
+    labs.append(labels[:, before:])
+    pos.append(position_ids[:, before:])
+    ends = [T] if cu_seqlens is None else cu_seqlens[1:].tolist()
+    if own_document:
+        ends.append(T + pads[0][1])
+    else:
+        ends = [e + sum(n for at, n in pads if at <= e) for e in ends]
+    return (torch.cat(ids, dim=1), torch.cat(labs, dim=1), torch.cat(pos, dim=1),
+            torch.tensor([0, *ends], dtype=torch.int64, device=input_ids.device))
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, group=None, pad_id: int | None = None, *,
+                layout="contiguous") -> ShardedBatch:
+    """Cut a global batch into this rank's share under ``layout``, with next-token labels shifted globally.
+
+    Call it on every rank with the same global batch.
+
+    Args:
+        input_ids: ``[B, T]`` the global tokens; ``B == 1`` for a packed batch. Under a named layout every
+            rank gets the same number of tokens: ``T`` a multiple of ``P`` (contiguous) or ``2P`` (zigzag;
+            every document's length, for document_zigzag), unless ``pad_id`` is given.
+        labels: ``[B, T]`` the target of each token *before* shifting (Hugging Face's convention:
+            ``labels = input_ids``, ``-100`` where no loss is wanted); default ``input_ids``.
+        position_ids: ``[B, T]`` global positions restarting at each document; default derived
+            from ``cu_seqlens`` (or ``arange(T)``). Without ``cu_seqlens``, a ``position_ids`` row with
+            restarts (``B == 1``) defines the documents, as Hugging Face's flattening collator does.
+        cu_seqlens: ``[N+1]`` global document boundaries (``0 ... T``), or None.
+        group: the context-parallel process group or 1-D ``DeviceMesh`` (default: the world).
+        pad_id: (``B == 1``, named layouts) the token that pads the batch to what the layout splits evenly,
+            labelled ``-100`` so no token of it is learned (:attr:`ShardedBatch.padding` says how many).
+            ``"contiguous"`` and ``"zigzag"``: ``(-T) % P`` resp. ``(-T) % 2P`` tokens appended as a document
+            of their own, which no real token sees (under zigzag they land in rank 0's second range).
+            ``"document_zigzag"`` of a packed batch: each document's ``(-length) % 2P`` tokens appended to that
+            document, after its last real token (so no real token sees them), positions continuing, and
+            ``cu_seqlens`` moved to include them (Megatron-Core's padded packed format). None: refuse such a ``T``.
+        layout: one of :data:`~kdacp.distributed.layout.LAYOUTS` (``"contiguous"``: rank ``r`` holds the
+            ``r``-th equal time shard; ``"zigzag"``: the stream cut into ``2P`` chunks, rank ``r`` holding chunks
+            ``r`` and ``2P-1-r``; ``"document_zigzag"``: the same per document), or a
+            :class:`~kdacp.distributed.layout.TokenLayout` of the ``T`` tokens (taken as is, uneven allowed).
+
+    Returns:
+        A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.
+
+    Raises:
+        ValueError: shapes that disagree, a ``T`` the layout does not split evenly without ``pad_id`` (or with
+            ``B > 1``), boundaries that do not cover ``0 ... T``, an unknown layout or one of other size.
+    """
+    group = process_group(group, "group")
+    return shard_tokens(input_ids, labels, position_ids, cu_seqlens, rank=dist.get_rank(group),
+                        world_size=dist.get_world_size(group), layout=layout, pad_id=pad_id)
 
 
 def global_token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group=None,

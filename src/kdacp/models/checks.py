@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from ..layers.context_parallel import ContextParallel
+from .batch import LAYOUT_KWARG
 
-__all__ = ["HONOURED_KWARGS", "SILU_NAMES", "CallCheck", "check_training_call", "global_cu_seqlens",
-           "refuse_cache_and_mask", "token_mixers"]
+__all__ = ["HONOURED_KWARGS", "SILU_NAMES", "CallCheck", "check_batch_layout", "check_training_call",
+           "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
@@ -22,6 +23,7 @@ HONOURED_KWARGS = frozenset({
     "num_items_in_batch",  # the loss counts its labelled tokens over the loss group itself: the same number
     "output_hidden_states", "output_router_logits", "return_dict",  # per token: each rank returns its own
     "past_key_values", "cache_params",  # earlier 5.x cache names: refused as caches by the token mixers
+    LAYOUT_KWARG,  # the batch's token layout, checked against the model's (check_batch_layout)
 })
 # Honoured at these values only: the attention is causal and returns no weights.
 _HONOURED_VALUES = {"is_causal": (None, True), "output_attentions": (None, False)}
@@ -73,6 +75,23 @@ def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
     if cu is not None and cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
         raise ValueError("under kdacp.parallelize, cu_seq_lens_q and cu_seq_lens_k are the same global boundaries")
     return cu
+
+
+def check_batch_layout(cp: ContextParallel, kwargs: dict, B: int, T: int, cu_seqlens: torch.Tensor | None,
+                       device: torch.device) -> None:
+    """Pop the token layout a token mixer received from :meth:`kdacp.ShardedBatch.model_kwargs` and raise
+    ``ValueError`` unless it is the layout ``cp`` gives this batch (``B`` rows of ``T`` local tokens, or the
+    packed row of global ``cu_seqlens``): a batch sharded by one layout and run by another would be wrong
+    everywhere. Absent (keyword arguments made by hand): the batch is taken to follow ``cp``'s layout."""
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        return
+    expected = cp.attention_context(B, T, cu_seqlens, device).layout
+    if layout != expected:
+        def show(x):
+            return f"{x.world_size} ranks, rank 0 holding {list(x.ranges[0])} of {x.num_tokens} tokens"
+        raise ValueError(f"the batch was sharded under another token layout ({show(layout)}) than the model runs "
+                         f"({cp.layout!r}: {show(expected)}); pass shard_batch(layout=...) the model's layout")
 
 
 def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:

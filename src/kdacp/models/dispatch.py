@@ -17,7 +17,7 @@ SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3
 _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
 
 
-def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
+def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Module:
     """Apply context parallelism to a Hugging Face model in place, from outside its code: transformers'
     ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
     (:func:`kdacp.models.qwen3_next.parallelize`), or their base models. The model's own parameters are
@@ -28,6 +28,11 @@ def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
         model: the model.
         cp: a :class:`kdacp.ContextParallel`, or a ``DeviceMesh`` (:meth:`ContextParallel.from_mesh`:
             1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
+        layout: the token layout every batch is sharded by (``"contiguous"``, ``"zigzag"``,
+            ``"document_zigzag"`` or a :class:`~kdacp.distributed.layout.TokenLayout`; zigzag balances the softmax
+            attention's causal work): with a mesh, the context's layout; with a ``ContextParallel``, it must be
+            that context's (default: the context's, or contiguous for a mesh). Shard each batch with
+            ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses one of another.
         loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
             :mod:`kdacp.models.batch`): a process group or 1-D mesh, the flattened dp x cp mesh under
             FSDP2/DDP; default: the context-parallel group.
@@ -36,7 +41,8 @@ def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
         ``model``.
 
     Raises:
-        ValueError: a model of another type (``config.model_type``), or what the model's adapter refuses.
+        ValueError: a model of another type (``config.model_type``), a ``layout`` other than ``cp``'s, or what the
+            model's adapter refuses.
         ImportError: transformers missing or without the model (the ``models`` extra).
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -45,7 +51,10 @@ def parallelize(model: nn.Module, cp, *, loss_group=None) -> nn.Module:
         raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
                          f"{type(model).__name__} with config.model_type={model_type!r}")
     if isinstance(cp, DeviceMesh):
-        cp = ContextParallel.from_mesh(cp)
+        cp = ContextParallel.from_mesh(cp, layout="contiguous" if layout is None else layout)
+    elif layout is not None and isinstance(cp, ContextParallel) and cp.layout != layout:
+        raise ValueError(f"layout={layout!r} differs from the context's own layout {cp.layout!r}: give it to "
+                         "ContextParallel(..., layout=) or pass a DeviceMesh")
     return _ADAPTERS[model_type].parallelize(model, cp, loss_group)
 
 

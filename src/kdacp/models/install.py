@@ -14,7 +14,7 @@ from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
-from .checks import CallCheck, check_training_call, global_cu_seqlens
+from .checks import CallCheck, check_batch_layout, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
 
 __all__ = ["install", "mixer_forward"]
@@ -23,13 +23,16 @@ __all__ = ["install", "mixer_forward"]
 def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_states: torch.Tensor, cache=None,
                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """A transformers linear-attention module's ``forward`` under ``parallelize``: :func:`mix_tokens` on
-    ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's time shard
-    ``hidden_states [B, T/P, hidden]``; ``kwargs['cu_seq_lens_q']`` holds the global ``[N+1]`` boundaries of a
-    packed batch (``B == 1``) or is absent. Returns ``[B, T/P, hidden]``.
+    ``parts(module)`` (the adapter's :class:`kdacp.layers.delta_rule.MixerParts`), on this rank's tokens
+    ``hidden_states [B, L, hidden]`` (its ranges of ``cp``'s token layout, in global order);
+    ``kwargs['cu_seq_lens_q']`` holds the global ``[N+1]`` boundaries of a packed batch (``B == 1``) or is absent,
+    ``kwargs['kdacp_layout']`` the layout the batch was sharded by (checked against ``cp``'s). Returns
+    ``[B, L, hidden]``.
 
     Under :func:`kdacp.models.prefill` (``cache`` its :class:`PrefillCache`) the layer runs on the pass's hooks
     (:meth:`PrefillCache.layer`): from the cached states, recording its final ones."""
     cu_seqlens = global_cu_seqlens(kwargs)
+    check_batch_layout(cp, kwargs, *hidden_states.shape[:2], cu_seqlens, hidden_states.device)
     layer = None
     if isinstance(cache, PrefillCache):  # the cache refusal below stands for every other cache
         layer, cache = cache.layer(cp, module.layer_idx), None

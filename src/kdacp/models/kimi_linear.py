@@ -2,8 +2,9 @@
 
 :func:`parallelize` changes how the model's token mixers run, never what they hold: the model's own
 parameters are used in place (``model.state_dict()`` keeps its keys and tensors), and the model code is
-not forked. Every rank holds the whole model and one equal time shard of the global batch, in rank order
-(:func:`kdacp.shard_batch`); everything but the two token mixers works per token and needs nothing else.
+not forked. Every rank holds the whole model and its share of the global batch under the context's token
+layout (:func:`kdacp.shard_batch`: equal time shards in rank order, zigzag, ...); everything but the two token
+mixers works per token and needs nothing else.
 
 * KDA layers (``KimiLinearDeltaAttention``): their ``forward`` is replaced, on the instance, by
   :func:`kdacp.models.install.mixer_forward`, which runs the token mixer kdacp's own layers run

@@ -1,19 +1,22 @@
 """A long prompt's forward pass under context parallelism into the model's own cache, then decoding from it.
 
 :func:`prefill` runs a :func:`kdacp.parallelize`'d transformers model (Kimi Linear, Qwen3-Next) once over a
-prompt cut by :func:`kdacp.shard_batch` (batch size 1, one document), without gradients, and returns on every
-rank the model's own ``DynamicCache`` for the whole prompt, as the one-process ``model(prompt, use_cache=True)``
-fills it, and the last prompt token's logits:
+prompt cut by :func:`kdacp.shard_batch` (batch size 1, one document) under the model's token layout
+(:data:`PREFILL_LAYOUTS`: contiguous, or zigzag, where rank 0 holds the prompt's first and last chunks),
+without gradients, and returns on every rank the model's own ``DynamicCache`` for the whole prompt, as the
+one-process ``model(prompt, use_cache=True)`` fills it, and the last prompt token's logits:
 
 * linear-attention layers (KDA, GDN): the recurrent state ``[1, HV, K, V]`` float32, exact on every rank
   (``cp.chunk_kda`` returns the final state on every rank), and the convolution state ``[1, C, W]``, the last
   ``W`` tokens of the convolution's *input* (q|k|v before the convolution, the model's channel order) in the
-  model's dtype, from the rank holding the prompt's last token (one broadcast for all layers);
+  model's dtype, from the rank holding the prompt's last token (one broadcast for all layers), continued
+  from the left halo of the range holding it where that range is shorter;
 * attention layers: keys and values of every prompt token in the model's own cache layout (Kimi Linear's MLA:
   its compressed latents; Qwen3-Next: keys after the rotary embedding), all-gathered over the group as each
-  layer runs; the layer's queries attend the gathered keys (lower-right causal), so the cache's keys are the
-  ones attended, and the earlier ranks attend fewer of them;
-* the cache's position (``cache.get_seq_length()``), which is its attention layers' key count.
+  layer runs and put in global order; the queries of each of a rank's ranges attend the gathered keys up to the
+  range's last token (lower-right causal), so the cache's keys are the ones attended;
+* the cache's position (``cache.get_seq_length()``): its attention layers' key count, and its linear-attention
+  layers' token count.
 
 Passing a ``cache`` continues it (chunked prefill): the pieces' recurrent states enter as initial states, the
 first rank's convolution reads the cached convolution input as its left halo, and the attention keys append.
@@ -33,20 +36,24 @@ prompt token and every new one, greedy or sampled, no collective until one check
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..distributed.comm import process_group
+from ..distributed.layout import make_layout
 from .attention import ATTENTION_NAME, cudnn_attend, split_lower_right
 from .batch import ShardedBatch, shard_batch
 
-__all__ = ["PREFILL_ATTENTIONS", "LayerPrefill", "PrefillCache", "PrefillOutput", "cache_tensors", "generate",
+__all__ = ["PREFILL_ATTENTIONS", "PREFILL_LAYOUTS", "LayerPrefill", "PrefillCache", "PrefillOutput", "cache_tensors", "generate",
            "own_forwards", "prefill", "split_lower_right"]
 
 # the attention implementations the gathered prefill attention calls (lower-right causal masks)
 PREFILL_ATTENTIONS = ("eager", "sdpa")
+# The token layouts prefill runs: a prompt's padding comes after its last token, every rank holds as many tokens.
+PREFILL_LAYOUTS = ("contiguous", "zigzag")
 
 
 class PrefillOutput(NamedTuple):
@@ -61,16 +68,20 @@ class PrefillCache:
     """The model's transformers ``cache`` as this rank's token mixers see it during one :func:`prefill` pass.
 
     The pass covers global tokens ``[0, valid)`` after the cache's ``past`` ones (``valid``: the prompt's tokens,
-    without :func:`kdacp.shard_batch`'s padding); this rank holds ``[start, start + T_local)``. Attention layers
-    call :meth:`update`; linear-attention layers run on :meth:`layer`'s hooks. Every other attribute is the
-    model cache's. :meth:`finish` writes the linear-attention layers' states into the cache.
+    without :func:`kdacp.shard_batch`'s padding, which comes after them); this rank holds its ranges of
+    ``layout`` (contiguous or zigzag). Attention layers call :meth:`update`; linear-attention layers run on
+    :meth:`layer`'s hooks. Every other attribute is the model cache's. :meth:`finish` writes the
+    linear-attention layers' states into the cache.
     """
 
-    def __init__(self, cache, group, T_local: int, valid: int):
-        self.cache, self.group = cache, group
+    def __init__(self, cache, group, layout, valid: int):
+        self.cache, self.group, self.layout, self.valid = cache, group, layout, valid
         self.rank = dist.get_rank(group)
-        self.start, self.T_local, self.valid = self.rank * T_local, T_local, valid
-        self.owner = (valid - 1) // T_local  # the group rank holding the prompt's last token
+        self.owner, last = layout.owner(valid - 1)  # the group rank holding the prompt's last token
+        # this rank's last prompt token (the prompt's last one on the owner; a rank of padding only: 0)
+        own = layout.local_token_index(self.rank)
+        self.last_local = last if self.rank == self.owner else max(int((own < valid).sum()) - 1, 0)
+        self._order = torch.cat([layout.local_token_index(r) for r in range(layout.world_size)]).argsort()
         self._conv_inputs: dict[int, torch.Tensor] = {}  # layer -> this rank's candidate [B, C, W]
         self._states: dict[int, torch.Tensor] = {}       # layer -> final state [1, HV, K, V]
 
@@ -79,20 +90,27 @@ class PrefillCache:
             raise AttributeError(name)
         return getattr(self.__dict__["cache"], name)
 
-    @property
-    def last_local(self) -> int:
-        """Local index of this rank's last prompt token (the prompt's last one on the owner)."""
-        return min(max(self.valid - 1 - self.start, 0), self.T_local - 1)
-
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's ``x [..., T_local, D]`` -> every rank's, in rank order, the prompt's tokens only
-        ``[..., valid, D]`` (one all-gather)."""
+        """This rank's ``x [..., T_local, D]`` -> every rank's, in global order, the prompt's tokens only
+        ``[..., valid, D]`` (one all-gather; every rank holds as many tokens)."""
         if dist.get_world_size(self.group) == 1:
             return x[..., :self.valid, :]
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
                  for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-2)[..., :self.valid, :]
+        stream = torch.cat(parts, dim=-2)
+        if not self.layout.is_contiguous:
+            stream = stream.index_select(-2, self._order.to(stream.device))
+        return stream[..., :self.valid, :]
+
+    def query_pieces(self) -> list[tuple[int, int, int, int]]:
+        """``(local_start, length, n, global_start)`` of each of this rank's ranges: its first ``n`` tokens are
+        prompt tokens, the rest padding."""
+        pieces, local = [], 0
+        for s, e in self.layout.ranges[self.rank]:
+            pieces.append((local, e - s, min(max(self.valid - s, 0), e - s), s))
+            local += e - s
+        return pieces
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """An attention layer's ``cache.update``: this rank's keys and values ``[B, H, T_local, D]`` gathered and
@@ -116,12 +134,15 @@ class PrefillCache:
                           width: int) -> None:
         """Keep the last ``W = width + 1`` convolution input tokens up to this rank's last prompt token,
         ``[B, C, W]`` (the model's layout): ``xs`` (``[B, T_local, C_i]``, q|k|v in the model's channel order)
-        after their left ``halos`` (``[B, width, C_i]``; None: zeros, as transformers pads a short prompt)."""
+        after the left halo of the range holding that token (``halos[i] [B, R, width, C_i]``; None: zeros, as
+        transformers pads a short prompt)."""
         e = self.last_local
-        x = torch.cat([x[:, max(e - width, 0):e + 1] for x in xs], dim=-1)  # only what the tail needs
-        if e < width:  # the tail reaches into the halo
-            halo = (x.new_zeros(x.shape[0], width - e, x.shape[-1]) if halos[0] is None
-                    else torch.cat(halos, dim=-1)[:, e:].to(x.dtype))
+        k = max(i for i, piece in enumerate(self.query_pieces()) if piece[0] <= e)
+        start = self.query_pieces()[k][0]  # the range's first local token
+        x = torch.cat([x[:, max(e - width, start):e + 1] for x in xs], dim=-1)  # only what the tail needs
+        if e - start < width:  # the tail reaches into the range's halo
+            halo = (x.new_zeros(x.shape[0], width - (e - start), x.shape[-1]) if halos[0] is None
+                    else torch.cat([h[:, k] for h in halos], dim=-1)[:, e - start:].to(x.dtype))
             x = torch.cat([halo, x], dim=1)
         self._conv_inputs[layer_idx] = x.transpose(1, 2).contiguous()
 
@@ -139,38 +160,39 @@ class PrefillCache:
             self._conv_inputs = {i: p.view_as(self._conv_inputs[i]) for i, p in zip(layers, parts)}
         for i in layers:
             conv = self._conv_inputs.pop(i)
-            count = getattr(self.cache.layers[i], "cumulative_length_linear", None) if hasattr(self.cache, "layers") \
-                else None
-            before = None if count is None else int(count)
             self.cache.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
+            # transformers (5.25 on) counts a linear-attention layer's tokens by the convolution input handed to
+            # it, and the model's position is the first layer's count: this pass hands the last W of its tokens.
+            counted = getattr(self.cache.layers[i], "cumulative_length_linear", None)
+            if counted is not None:
+                counted.add_(self.valid - conv.shape[-1])
             self.cache.update_recurrent_state(self._states.pop(i).to(torch.float32), i)
-            if before is not None:
-                # transformers (>= 5.2x) counts a linear-attention layer's tokens by the width of the convolution
-                # input it is given, and reads the cache's position from that count when layer 0 is one; the
-                # input recorded here is only the last W tokens, so the count is set to the tokens passed
-                self.cache.layers[i].cumulative_length_linear.fill_(before + self.valid)
 
 
 class _PrefillConv:
-    """A layer's convolution context during prefill: the context-parallel one's halos, except that the first
-    rank continues the cached convolution input, and the layer's last ``W`` input tokens recorded."""
+    """A layer's convolution context during prefill: the context-parallel one's halos, except that the halo slots
+    before the prompt's first token (of the ranges starting within ``W - 1`` tokens of it) continue the cached
+    convolution input, and the layer's last ``W`` input tokens recorded."""
 
     def __init__(self, base, view: PrefillCache, layer_idx: int):
-        if len(base.ranges) != 1:
-            raise ValueError(f"kdacp.models.prefill runs the contiguous layout; layer {layer_idx}'s rank holds "
-                             f"{len(base.ranges)} ranges")
         self.base, self.view, self.layer_idx = base, view, layer_idx
         self.local_cu_seqlens, self.local_cu_seqlens_cpu = base.local_cu_seqlens, base.local_cu_seqlens_cpu
         self.range_starts = base.range_starts
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
-        # one range: each halo [B, 1, W-1, C]
-        halos = [None if h is None else h[:, 0] for h in self.base.left_halos(xs, width)]
+        halos = self.base.left_halos(xs, width)  # each [B, R, W-1, C] (None on one device)
         past = self.view.conv_state(self.layer_idx)
-        if self.view.rank == 0 and past is not None and width:
-            # [B, C, W] -> its last W-1 tokens [B, W-1, C], split as xs' channels (q|k|v: the model's order)
+        starts = [k for k, (s, _) in enumerate(self.base.ranges) if s < width]
+        if past is not None and width and starts:
+            # [B, C, W] -> its last W-1 tokens [B, W-1, C] (global tokens -(W-1) .. -1), split as xs' channels
             tail = past[..., past.shape[-1] - width:].transpose(1, 2).to(xs[0].dtype)
-            halos = list(tail.split([x.shape[-1] for x in xs], dim=-1))
+            R = len(self.base.ranges)
+            halos = [(h if h is not None else x.new_zeros(x.shape[0], R, width, x.shape[-1])).clone()
+                     for h, x in zip(halos, xs)]
+            for h, t in zip(halos, tail.split([x.shape[-1] for x in xs], dim=-1)):
+                for k in starts:  # slot j of range k holds global token start_k - width + j
+                    s = self.base.ranges[k][0]
+                    h[:, k, :width - s] = t[:, s:]
         self.view.record_conv_input(self.layer_idx, xs, halos, width)
         return halos
 
@@ -244,32 +266,40 @@ def _fast_lower_right(module, query, key, value, n: int, scale: float | None):
 
 
 class _GatheredAttention:
-    """The attention modules' function during prefill (in place of the Ulysses one): this rank's prompt queries
-    ``[B, H, n, D]`` against the cache's keys up to its last one (``key``/``value`` as :meth:`PrefillCache.update`
-    returned them), through the model's implementation; the padding's queries get zeros."""
+    """The attention modules' function during prefill (in place of the Ulysses one): the prompt queries of each of
+    this rank's ranges ``[B, H, n, D]`` against the cache's keys up to the range's last prompt token
+    (``key``/``value`` as :meth:`PrefillCache.update` returned them, in global order), through the model's
+    implementation; the padding's queries get zeros."""
 
     def __init__(self, inner_name: str, inner, view: PrefillCache):
         self.inner_name, self.inner, self.view = inner_name, inner, view
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         view = self.view
-        B, H, Tq, _ = query.shape
-        n = min(max(view.valid - view.start, 0), Tq)
-        Tk = key.shape[-2] - view.valid + view.start + n  # past + the keys up to this rank's last prompt token
+        B, H = query.shape[:2]
+        past = key.shape[-2] - view.valid  # the cache's keys before this pass
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "use_cache"):
             kwargs.pop(name, None)
-        if n == 0:  # a rank of padding only
-            return query.new_zeros(B, Tq, H, value.shape[-1]), None
+        outs = []
+        for local, length, n, start in view.query_pieces():
+            if n:
+                outs.append(self._attend(module, query[:, :, local:local + n], key[:, :, :past + start + n],
+                                         value[:, :, :past + start + n], kwargs))
+            if n < length:  # the padding's queries
+                outs.append(query.new_zeros(B, length - n, H, value.shape[-1]))
+        return torch.cat(outs, dim=1), None
+
+    def _attend(self, module, query, key, value, kwargs):
+        """``n`` queries ``[B, H, n, D]`` that are the last ``n`` of the keys ``[B, H_kv, Tk, D]``, lower-right
+        causal -> ``[B, n, H, Dv]``."""
+        n, Tk = query.shape[-2], key.shape[-2]
         out = None
         if self.inner_name == "sdpa" and n < Tk and not kwargs.get("dropout"):
-            out = _fast_lower_right(module, query[:, :, :n], key[:, :, :Tk], value[:, :, :Tk], n,
-                                    kwargs.get("scaling"))
+            out = _fast_lower_right(module, query, key, value, n, kwargs.get("scaling"))
         if out is None:
             mask = _lower_right_causal(self.inner_name, n, Tk, query.dtype, query.device)
-            out, _ = self.inner(module, query[:, :, :n], key[:, :, :Tk], value[:, :, :Tk], mask, **kwargs)
-        if n < Tq:  # the padding's queries
-            out = torch.cat([out, out.new_zeros(B, Tq - n, H, value.shape[-1])], dim=1)
-        return out, None
+            out, _ = self.inner(module, query, key, value, mask, **kwargs)
+        return out
 
 
 def _parallel_modules(model) -> tuple[list, list]:
@@ -310,6 +340,17 @@ def cache_tensors(cache) -> dict:
 MIN_TRANSFORMERS = "5.24"
 
 
+def _model_layout(linear: list, attention: list):
+    """The token layout of a parallelised model's contexts (a name or a TokenLayout), or None without one;
+    ``ValueError`` if its token mixers disagree."""
+    contexts = [m._kdacp_ulysses.cp for m in attention] + [m.forward.args[2] for m in linear
+                                                           if isinstance(m.forward, functools.partial)]
+    layouts = {repr(cp.layout): cp.layout for cp in contexts}
+    if len(layouts) > 1:
+        raise ValueError(f"the model's token mixers run different layouts: {sorted(layouts)}")
+    return next(iter(layouts.values()), None)
+
+
 def _check_call(model, batch: ShardedBatch, group) -> None:
     """``ValueError`` for what :func:`prefill` does not run (``ImportError`` for a transformers older than
     :data:`MIN_TRANSFORMERS`), before anything runs."""
@@ -323,7 +364,16 @@ def _check_call(model, batch: ShardedBatch, group) -> None:
     linear, attention = _parallel_modules(model)
     if not linear and not attention:
         raise ValueError(f"kdacp.models.prefill runs a kdacp.parallelize'd model; {type(model).__name__} is not")
-    B, T_local = batch.input_ids.shape
+    layout = _model_layout(linear, attention)
+    if layout not in PREFILL_LAYOUTS:
+        raise ValueError(f"kdacp.models.prefill and generate run the layouts {PREFILL_LAYOUTS}; the model runs "
+                         f"{layout!r}")
+    expected = make_layout(layout, dist.get_world_size(group), batch.layout.num_tokens, batch.cu_seqlens)
+    if batch.layout != expected:
+        raise ValueError(f"the prompt was sharded under another layout than the model's {layout!r}: rank "
+                         f"{batch.rank} holds {list(batch.layout.ranges[batch.rank])}, expected "
+                         f"{list(expected.ranges[batch.rank])}; pass shard_batch(layout={layout!r})")
+    B = batch.input_ids.shape[0]
     cu = batch.cu_seqlens
     one_document = cu is None or cu.numel() == (3 if batch.padding else 2)
     if B != 1 or not one_document:
@@ -357,18 +407,19 @@ def prefill(model, batch: ShardedBatch, cache=None, group=None) -> PrefillOutput
         :class:`PrefillOutput`: the cache (the same on every rank) and the last prompt token's logits.
 
     Raises:
-        ValueError: an unparallelised model, a batch of several rows or documents, another attention
-            implementation, another group, or a linear-attention mode other than ``state``.
+        ValueError: an unparallelised model, a model under another token layout than those of
+            :data:`PREFILL_LAYOUTS` (the prompt sharded under another than the model's is refused by its token
+            mixers), a batch of several rows or documents, another attention implementation, another group, or a
+            linear-attention mode other than ``state``.
         ImportError: transformers older than :data:`MIN_TRANSFORMERS`.
     """
     group = process_group(group, "group")
     _check_call(model, batch, group)
-    T_local = batch.input_ids.shape[1]
     if cache is None:
         from transformers import DynamicCache
         cache = DynamicCache(config=model.config)
     past = cache.get_seq_length()
-    view = PrefillCache(cache, group, T_local, dist.get_world_size(group) * T_local - batch.padding)
+    view = PrefillCache(cache, group, batch.layout, batch.layout.num_tokens - batch.padding)
     kwargs = batch.model_kwargs()
     del kwargs["labels"]  # no loss
     kwargs.update(cache=view, use_cache=True, position_ids=batch.position_ids + past,
@@ -407,10 +458,12 @@ def own_forwards(model):
 
 
 def _prompt(batch: ShardedBatch, group) -> torch.Tensor:
-    """The whole prompt ``[1, T]`` from every rank's shard (one all-gather), without padding."""
+    """The whole prompt ``[1, T]`` from every rank's shard (one all-gather), in global order, without padding."""
     parts = [torch.empty_like(batch.input_ids) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, batch.input_ids.contiguous(), group=group)
-    ids = torch.cat(parts, dim=1)
+    layout = batch.layout
+    order = torch.cat([layout.local_token_index(r) for r in range(layout.world_size)]).argsort()
+    ids = torch.cat(parts, dim=1).index_select(1, order.to(batch.input_ids.device))
     return ids[:, :ids.shape[1] - batch.padding]
 
 
@@ -460,7 +513,8 @@ def generate(model, batch: ShardedBatch, max_new_tokens: int, group=None, **gene
     prompt = _prompt(batch, group)
     cache = None
     if prompt.shape[1] > 1:
-        head = shard_batch(prompt[:, :-1], group=group, pad_id=int(prompt[0, 0]))
+        layout = _model_layout(*_parallel_modules(model))
+        head = shard_batch(prompt[:, :-1], group=group, pad_id=int(prompt[0, 0]), layout=layout)
         cache = prefill(model, head, group=group).cache
     with own_forwards(model):
         ids = model.generate(prompt, cache=cache, use_cache=True, max_new_tokens=max_new_tokens, **generate_kwargs)

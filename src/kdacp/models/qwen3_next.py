@@ -2,7 +2,7 @@
 
 As for Kimi Linear (:mod:`kdacp.models.kimi_linear`): the model's own parameters are used in place
 (``model.state_dict()`` keeps its keys and tensors), the model code is not forked, and every rank holds
-the whole model and one equal time shard of the global batch (:func:`kdacp.shard_batch`).
+the whole model and its share of the global batch under the context's token layout (:func:`kdacp.shard_batch`).
 
 * Gated DeltaNet layers (``Qwen3NextGatedDeltaNet``): their ``forward`` is replaced, on the instance, by
   :func:`kdacp.models.install.mixer_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's
