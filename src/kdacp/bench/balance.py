@@ -27,7 +27,7 @@ from kdacp.distributed.layout import make_layout
 
 from .harness import PlotSpec, markdown_table
 from .hybrid_model import BACKWARD_FLOP_RATIO, causal_pairs
-from .stage_probe import median_time
+from .timing import median_time
 
 __all__ = ["LAYOUTS", "PLOTS", "markdown", "rank_attention", "run"]
 
