@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from kdacp.distributed.layout import ranges_layout, zigzag_layout
 from kdacp.layers import ContextParallel, build_cp_context
-from kdacp.models.attention import _ContextParallelAttention, document_causal_mask, gathered_attention, kv_replication
+from kdacp.models.attention import (_ContextParallelAttention, document_causal_mask, gathered_attention, kv_replication,
+                                    sdpa_lower_right)
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks
 
@@ -80,13 +81,19 @@ def _check(rank, world_size, cases, refs):
         assert rel_err(out, ref["out"][:, own]) < TOL, f"output, {where}"
         for n, x in (("dq", q), ("dk", k), ("dv", v)):
             assert rel_err(x.grad, ref[n][:, :, own]) < TOL, f"{n}, {where}"
-        # the GPU's path without a mask tensor, on the whole keys in global order
+        # the GPU's path without a mask tensor (SDPA with a lower-right causal bias per piece), on the whole keys
+        # in global order: outputs and gradients
         context = build_cp_context(None if cu is None else torch.tensor(cu), local_length=len(own), batch_size=rows,
                                    layout=layout, group=dist.group.WORLD, with_plan=False)
         groups = H // H_kv
-        split = gathered_attention(_math_attend, ref["q"][:, :, own], *(ref[n].repeat_interleave(groups, dim=1)
-                                                                         for n in ("k", "v")), context)
+        q = ref["q"][:, :, own].clone().requires_grad_()
+        k, v = (ref[n].clone().requires_grad_() for n in ("k", "v"))
+        split = gathered_attention(sdpa_lower_right(SCALE), q, *(x.repeat_interleave(groups, dim=1) for x in (k, v)),
+                                   context)
         assert rel_err(split.transpose(1, 2), ref["out"][:, own]) < TOL, f"split path, {where}"
+        # the other ranks' queries' gradients reach k and v too: compare this rank's share through its own queries
+        (split.transpose(1, 2) * ref["w"][:, own]).sum().backward()
+        assert rel_err(q.grad, ref["dq"][:, :, own]) < TOL, f"split path dq, {where}"
 
 
 def test_exchange_choice_follows_bytes_under_a_balanced_layout():

@@ -29,7 +29,9 @@ call takes no mask, so it runs Ulysses only (``H % P == 0``, checked by :func:`c
 
 The gathered path runs the inner function with a dense ``[T_local, T]`` mask on the CPU; on a GPU it runs no
 dense mask: each piece of the rank's queries (one range, one document) attends its document's keys up to its
-last token as split calls merged by their log-sum-exps (:func:`gathered_attention`, cuDNN's kernel).
+last token in one SDPA call with a lower-right causal bias (:func:`gathered_attention`, the memory-efficient
+kernel, differentiable; a merge of split calls by their log-sum-exps would not be, since the kernels return the
+log-sum-exp without a gradient).
 """
 from __future__ import annotations
 
@@ -38,13 +40,15 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..layers.comm import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 
 __all__ = ["ATTENTION_NAME", "BALANCED", "INNER_ATTENTIONS", "check_attention", "cudnn_attend", "document_causal_mask",
-           "gathered_attention", "install_attention", "kv_replication", "replicate_kv_heads", "split_lower_right"]
+           "gathered_attention", "install_attention", "kv_replication", "replicate_kv_heads", "sdpa_lower_right",
+           "split_lower_right"]
 
 ATTENTION_NAME = "kdacp_ulysses"
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -118,14 +122,23 @@ def cudnn_attend(scale: float | None):
     return attend
 
 
+def sdpa_lower_right(scale: float | None):
+    """An ``attend`` for :func:`gathered_attention`: PyTorch's SDPA with a lower-right causal bias
+    (``torch.nn.attention.bias.causal_lower_right``; its memory-efficient kernel on a GPU, with its backward:
+    outputs and gradients in one call, no mask tensor)."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]),
+                                              scale=scale)
+    return attend
+
+
 def gathered_attention(attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context) -> torch.Tensor:
     """This rank's queries ``query [B, H, T_local, Dq]`` against the whole sequence's keys and values
     ``[B, H, T, D*]`` (global order, heads already matching the queries') under the layout's causal
     per-document mask, with no mask tensor: each of ``context.attention_pieces`` (one range, one document)
-    attends its document's keys up to its last token by :func:`split_lower_right` over ``attend``.
-    Returns ``[B, H, T_local, Dv]``."""
-    outs = [split_lower_right(attend, query[:, :, a:b], key[:, :, k0:k1], value[:, :, k0:k1], b - a)
-            for a, b, k0, k1 in context.attention_pieces]
+    attends its document's keys up to its last token by ``attend(q, k, v) -> out``, lower-right causal
+    (:func:`sdpa_lower_right`). Returns ``[B, H, T_local, Dv]``."""
+    outs = [attend(query[:, :, a:b], key[:, :, k0:k1], value[:, :, k0:k1]) for a, b, k0, k1 in context.attention_pieces]
     return torch.cat(outs, dim=2)
 
 
@@ -212,18 +225,18 @@ class _ContextParallelAttention:
         return out
 
     def _split(self, module, query, k, v, context, kwargs):
-        """:func:`gathered_attention` on cuDNN (``[B, T, H, Dv]``), or None where cuDNN's attention does not run
-        these tensors (the caller then masks densely)."""
-        if not torch.backends.cuda.cudnn_sdp_enabled():
+        """:func:`gathered_attention` on SDPA's memory-efficient kernel (``[B, T, H, Dv]``), or None where it does
+        not run these tensors (the caller then masks densely)."""
+        if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return None
         groups = query.shape[1] // k.shape[1]
         k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
         scale = kwargs.get("scaling", getattr(module, "scaling", None))
         try:
-            return gathered_attention(cudnn_attend(scale), query, k, v, context).transpose(1, 2)
+            return gathered_attention(sdpa_lower_right(scale), query, k, v, context).transpose(1, 2)
         except torch.cuda.OutOfMemoryError:
             raise
-        except RuntimeError:  # cuDNN refuses these shapes or dtypes
+        except RuntimeError:  # the kernel refuses these shapes or dtypes
             return None
 
     def _mask(self, cu, T: int, queries, q: torch.Tensor) -> torch.Tensor:
