@@ -50,10 +50,10 @@ def make_inputs(family: str, T: int, K: int = 128, V: int = 128, seed: int = 0, 
 
 
 def _leaves(x: dict, dtype) -> dict:
-    """Fresh leaves requiring grad: q, k, v, beta in ``dtype``; gate, A_log, dt_bias float32 (float64 with
-    float64)."""
+    """Fresh leaves requiring grad: q, k, v, the gate logits and beta in ``dtype`` (as a model's projections give
+    them; kdacp's op takes q, k, v and g in one dtype); A_log, dt_bias float32 (float64 with float64)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return {n: x[n].to(dtype if n in ("q", "k", "v", "beta") else wide).detach().requires_grad_() for n in LEAVES}
+    return {n: x[n].to(dtype if n in ("q", "k", "v", "g", "beta") else wide).detach().requires_grad_() for n in LEAVES}
 
 
 def _errors(o, final, leaves, truth) -> dict:
