@@ -83,3 +83,18 @@ def test_opaque_region_under_inductor():
         for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
             assert rel_err(c, e) < 1e-5
     assert counter.frame_count == 1
+
+
+def test_document_count_marked_dynamic_compiles_once():
+    """The number of boundaries is a shape: marked dynamic (``torch._dynamo.mark_dynamic(cu_seqlens, 0)``), batches
+    with other document counts replay the same graph too."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss, backend=counter, fullgraph=True)
+    for cu in ([0, 5, 12], [0, 2, 9, 12], [0, 1, 2, 3, 12]):
+        cu = torch.tensor(cu)
+        torch._dynamo.mark_dynamic(cu, 0)
+        for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
+            assert rel_err(c, e) < 1e-6
+    assert counter.frame_count == 1

@@ -15,6 +15,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | GDN's ``dt_bias`` stand-in for the KDA op's checks (a meta tensor) | ``gdn`` | ``(size, dtype)`` | :data:`META_STAND_INS` (LRU) |
 | call signatures every rank verified | ``distributed.checks`` | per live plan (:func:`~kdacp.distributed.checks.verified_plans`) | freed with its plan |
 | a layer context's packed batches (host copy, plan, convolution context) | ``layers.context_parallel`` | per context | :data:`CACHED_BATCHES` (oldest dropped) |
+| the opaque regions a compiled graph names by id (their settings: a layer context, the op, head dims) | ``compile`` | per distinct settings | one per layer kind and context, for the process (:func:`~kdacp.compile.region_count`) |
 | a layer context's plans of batch rows | ``layers.context_parallel`` | per context | :data:`CACHED_SHAPES` (least recent dropped) |
 """
 
