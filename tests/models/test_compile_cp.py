@@ -49,11 +49,11 @@ def _worker(rank, world_size, cases, backend, results):
     import torch._dynamo.testing
 
     import kdacp
-    for name, mode in cases:
+    for name, mode, overrides in cases:
         torch._dynamo.reset()  # the models share transformers' wrapper code: each starts from no compiled code
         make_model = _models(name)
         cp = kdacp.ContextParallel(mode)
-        eager, model = kdacp.parallelize(make_model(), cp), kdacp.parallelize(make_model(), cp)
+        eager, model = (kdacp.parallelize(make_model(**overrides), cp) for _ in range(2))
         counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         compiled = torch.compile(model, backend=counter, fullgraph=True)
         worst = ("", 0.0)
@@ -66,25 +66,27 @@ def _worker(rank, world_size, cases, backend, results):
             assert worst[1] < TOL, f"{name}/{mode} batch {cu}: {worst[0]} off by {worst[1]:.2e} (rank {rank})"
         assert counter.frame_count == 1, f"{name}/{mode}: {counter.frame_count} compilations for {len(BATCHES)} batches"
         if rank == 0:
-            results[f"{name}/{mode}"] = worst
+            results[f"{name}/{mode}" + ("/K-V gather" if overrides else "")] = worst
 
 
 def _run(cases, backend):
     results = torch.multiprocessing.Manager().dict()
     run_ranks(_worker, 2, cases, backend, results, timeout_s=900)
-    assert set(results) == {f"{name}/{mode}" for name, mode in cases}
+    assert len(results) == len(cases)
     print(dict(results))
 
 
 def test_compiled_models_match_eager_without_recompiling():
-    _run([("kimi_linear", "state"), ("qwen3_next", "state")], "aot_eager")
+    _run([("kimi_linear", "state", {}), ("qwen3_next", "state", {})], "aot_eager")
 
 
 @pytest.mark.slow
-def test_compiled_models_match_eager_ulysses():
-    _run([("kimi_linear", "ulysses"), ("qwen3_next", "ulysses")], "aot_eager")
+def test_compiled_models_match_eager_ulysses_and_gather():
+    # 3 MLA heads do not split over 2 ranks: the softmax attention gathers K/V instead of Ulysses
+    _run([("kimi_linear", "ulysses", {}), ("qwen3_next", "ulysses", {}),
+          ("kimi_linear", "state", dict(num_attention_heads=3, num_key_value_heads=3))], "aot_eager")
 
 
 @pytest.mark.slow
 def test_compiled_models_match_eager_inductor():
-    _run([("kimi_linear", "state"), ("qwen3_next", "state")], "inductor")
+    _run([("kimi_linear", "state", {}), ("qwen3_next", "state", {})], "inductor")
