@@ -15,6 +15,12 @@ so a region in flight twice, or re-run by checkpointing, needs no bookkeeping. T
 region per backward (its exchanges included, on every rank alike).
 
 Outside ``torch.compile`` :func:`run_opaque` calls the region directly (its own autograd, nothing re-run).
+
+Use: ``torch.compile(kdacp.parallelize(model, cp), fullgraph=True)`` traces a Hugging Face model's whole forward,
+its loss included, in one graph (:func:`kdacp.layers.delta_rule.mix_tokens` runs its convolutions and recurrence
+as one region; the softmax attention's exchanges trace as they are). A batch with other boundaries replays the
+graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynamic,
+``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or each new count compiles once more.
 """
 from __future__ import annotations
 
