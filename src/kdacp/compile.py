@@ -20,7 +20,8 @@ Use: ``torch.compile(kdacp.parallelize(model, cp), fullgraph=True)`` traces a Hu
 its loss included, in one graph (:func:`kdacp.layers.delta_rule.mix_tokens` runs its convolutions and recurrence
 as one region; the softmax attention's exchanges trace as they are). A batch with other boundaries replays the
 graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynamic,
-``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or each new count compiles once more.
+``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or the first batch with another count compiles once more
+(after which torch treats that size as dynamic).
 """
 from __future__ import annotations
 
