@@ -2,8 +2,8 @@
 tests/models/test_kimi_linear_cp.py and test_qwen3_next_cp.py) on 2 gloo ranks: the whole forward in one graph
 (``fullgraph=True``: no graph break in any block, the token mixers' opaque region and the exchanges are custom
 ops), the logits, the loss and every parameter's all-reduced gradient within ``TOL`` of the same model in eager
-mode, and batches with other document boundaries (as many documents) replaying that graph: one compilation for
-all of them. Default: the ``aot_eager`` backend; inductor (C++ on the CPU: minutes here) in the slow test.
+mode, and batches with other document boundaries replaying that graph (with ``cu_seqlens`` marked dynamic in
+size, other document counts too): one compilation for all of them. Default: the ``aot_eager`` backend; inductor (C++ on the CPU: minutes here) in the slow test.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from tests.models.cp_common import TOL, VOCAB
 from tests.multiprocess import run_ranks
 
 # Global boundaries of the batches (192 tokens, 96 a rank): one document crosses the rank edge in each, at
-# another place; the last batch's documents end exactly at the edge.
-BATCHES = ([0, 60, 67, 144, 192], [0, 30, 101, 150, 192], [0, 5, 96, 120, 192])
+# another place; the third batch's documents end exactly at the edge; the last has fewer documents (its
+# boundaries, like all, marked dynamic in size).
+BATCHES = ([0, 60, 67, 144, 192], [0, 30, 101, 150, 192], [0, 5, 96, 120, 192], [0, 100, 192])
 
 
 def _step(model, call, ids, cu, world_size):
@@ -26,6 +27,7 @@ def _step(model, call, ids, cu, world_size):
     ``model``'s parameters averaged over the ranks."""
     import kdacp
     batch = kdacp.shard_batch(ids, cu_seqlens=torch.tensor(cu))
+    torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)  # the document count: a new one compiles nothing
     model.zero_grad()
     out = call(**batch.model_kwargs())
     out.loss.backward()
