@@ -80,6 +80,8 @@ def process_group(group, what: str = "group"):
     """
     if group is None:
         return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):  # first: torch.compile cannot ask a ProcessGroup hasattr()
+        return group
     if hasattr(group, "get_group") and hasattr(group, "ndim"):
         if group.ndim != 1:
             raise ValueError(f"{what} must be a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh "

@@ -8,12 +8,15 @@ recurrence) and the Hugging Face adapters (:mod:`kdacp.models`), each on its own
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
 
 from ..backends import resolve_backend
+from ..compile import run_opaque
+from ..reference.gates import compute_dtype
 from .context_parallel import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution, causal_conv1d
@@ -111,24 +114,65 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
     beta = beta_from_logits(beta)
     heads, v_heads = cp.head_slice(parts.num_heads), cp.head_slice(parts.num_v_heads)
 
-    context = cp.context(*q.shape[:2], cu_seqlens, q.device)
-    weights = parts.conv_weights(heads, v_heads)
-    halos = context.left_halos([q, k, v], weights[0][0].shape[-1] - 1)
-    q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=context.local_cu_seqlens,
-                             cu_seqlens_cpu=context.local_cu_seqlens_cpu, fused=fused,
-                             range_starts=context.range_starts)
-               for y, (weight, bias), halo in zip((q, k, v), weights, halos))
-
-    o, final_state = cp.recurrence(
-        parts.op, q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
-        cu_seqlens=cu_seqlens, backend=backend,
-        initial_state=None if initial_state is None else initial_state[:, v_heads].contiguous(),
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-        **parts.gate_arguments(gate, v_heads))
-    o, final_state = cp.to_sequence(o, final_state)
+    gate_arguments = parts.gate_arguments(gate, v_heads)
+    gate_tensors = {name: a for name, a in gate_arguments.items() if isinstance(a, torch.Tensor)}
+    gate_options = tuple((name, a) for name, a in gate_arguments.items() if name not in gate_tensors)
+    # under torch.compile one opaque op: it reads the batch's boundaries on the host (kdacp.compile)
+    o, *final_state = run_opaque(
+        _ConvolveAndRecur, (cp, parts.op, K, V, backend, fused, tuple(gate_tensors), gate_options, output_final_state),
+        q, k, v, beta, cu_seqlens, None if initial_state is None else initial_state[:, v_heads].contiguous(),
+        *(w for pair in parts.conv_weights(heads, v_heads) for w in pair), *gate_tensors.values())
+    o, final_state = cp.to_sequence(o, final_state[0] if output_final_state else None)
     weight, eps, activation = parts.norm_arguments()
     o = rms_norm_gated(o, p.output_gate.unflatten(-1, (-1, V)), weight, eps, activation, fused)
     return parts.output(o.flatten(-2)), final_state
+
+
+@dataclass(frozen=True)
+class _ConvolveAndRecur:
+    """The part of :func:`mix_tokens` that reads the batch's document boundaries: the short convolutions with
+    their halo, then the recurrence, through the hooks of ``cp``, on the head-sharded tokens (an
+    :class:`kdacp.compile.OpaqueRegion`). Settings: ``op``, the head dims ``K``, ``V``, the recurrence's
+    ``backend``, ``fused`` convolutions, the names of the gate's tensor keywords and its other keywords
+    ``(name, value)``, and whether the final states are returned."""
+
+    cp: object
+    op: Callable
+    K: int
+    V: int
+    backend: str
+    fused: bool
+    gate_names: tuple
+    gate_options: tuple
+    output_final_state: bool
+
+    def __call__(self, q, k, v, beta, cu_seqlens, initial_state, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
+                 *gate_tensors) -> tuple[torch.Tensor, ...]:
+        """``q, k [B, T, H*K]``, ``v [B, T, HV*V]``, ``beta [B, T, HV]``, the global ``cu_seqlens``,
+        ``initial_state [N, HV, K, V]`` or None, the convolutions' weights and biases (:meth:`MixerParts.conv_weights`)
+        and the gate's tensors -> ``(o [B, T, HV, V],)``, and ``final_state`` second where asked for."""
+        K, V, cp = self.K, self.V, self.cp
+        context = cp.context(*q.shape[:2], cu_seqlens, q.device)
+        weights = ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias))
+        halos = context.left_halos([q, k, v], q_weight.shape[-1] - 1)
+        q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=context.local_cu_seqlens,
+                                 cu_seqlens_cpu=context.local_cu_seqlens_cpu, fused=self.fused,
+                                 range_starts=context.range_starts)
+                   for y, (weight, bias), halo in zip((q, k, v), weights, halos))
+        o, final_state = cp.recurrence(
+            self.op, q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
+            cu_seqlens=cu_seqlens, backend=self.backend, initial_state=initial_state,
+            output_final_state=self.output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            **dict(zip(self.gate_names, gate_tensors)), **dict(self.gate_options))
+        return (o, final_state) if self.output_final_state else (o,)
+
+    def fake(self, q, k, v, beta, cu_seqlens, initial_state, *weights_and_gate) -> tuple[torch.Tensor, ...]:
+        B, T, HV = v.shape[0], v.shape[1], v.shape[2] // self.V
+        o = v.new_empty(B, T, HV, self.V)
+        if not self.output_final_state:
+            return (o,)
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return o, q.new_empty(N, HV, self.K, self.V, dtype=compute_dtype(q))
 
 
 class DeltaRuleLayer(nn.Module):

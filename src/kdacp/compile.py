@@ -1,0 +1,159 @@
+"""``torch.compile`` of code that calls kdacp's context-parallel regions: a region runs as one opaque custom op.
+
+What ``torch.compile`` cannot trace in a context-parallel token mixer is the part that reads the batch's document
+boundaries on the host (plans, routes, local boundaries; :mod:`kdacp.distributed`) and exchanges states between
+ranks. Traced, those host values would become constants of the graph (a new graph for every batch), and the
+exchanges would break it. :func:`run_opaque` hands such a part to the graph as one call of the custom op
+``kdacp::opaque_region``: the graph holds the region's tensors (the boundaries among them, as a tensor, never their
+values) and the region's static settings, baked once as the id of its :class:`OpaqueRegion`; the region runs in
+eager PyTorch inside the op, whatever the backend (``aot_eager``, ``inductor``), so a new batch replays the same
+graph.
+
+Autograd: the op's backward (``kdacp::opaque_region_backward``) runs the region again, this time with autograd,
+and differentiates it (as activation checkpointing does): nothing is kept between the two ops but their inputs,
+so a region in flight twice, or re-run by checkpointing, needs no bookkeeping. The cost is one more forward of the
+region per backward (its exchanges included, on every rank alike).
+
+Outside ``torch.compile`` :func:`run_opaque` calls the region directly (its own autograd, nothing re-run).
+
+Use: ``torch.compile(kdacp.parallelize(model, cp), fullgraph=True)`` traces a Hugging Face model's whole forward,
+its loss included, in one graph (:func:`kdacp.layers.delta_rule.mix_tokens` runs its convolutions and recurrence
+as one region; the softmax attention's exchanges trace as they are). A batch with other boundaries replays the
+graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynamic,
+``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or the first batch with another count compiles once more
+(after which torch treats that size as dynamic).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+from torch._C import DispatchKey
+
+__all__ = ["OpaqueRegion", "region_count", "run_opaque"]
+
+
+class OpaqueRegion(Protocol):
+    """A part of a computation that runs outside the graph. Built from static settings only (hashable: the
+    same settings give an equal region, which the graph names by one id); called on tensors."""
+
+    def __call__(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The region in eager PyTorch, differentiable: a fixed number of new tensors (none aliasing an
+        input), that number set by the settings."""
+
+    def fake(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Tensors of the shapes, dtypes and devices :meth:`__call__` returns for ``inputs`` (which may be
+        fake tensors: read their shapes only)."""
+
+
+_REGIONS: list[OpaqueRegion] = []  # the region of each id: made once per distinct settings, for the process
+_IDS: dict[OpaqueRegion, int] = {}
+
+
+def region_count() -> int:
+    """How many distinct regions the process has given an id (each is kept for the process's lifetime:
+    one per layer kind and context, not per batch)."""
+    return len(_REGIONS)
+
+
+@torch.compiler.assume_constant_result
+def _region_id(kind: type, *settings) -> int:
+    """The id of ``kind(*settings)``, given on its first request. A constant for ``torch.compile``: the
+    graph holds the number, not the lookup."""
+    region = kind(*settings)
+    if region not in _IDS:
+        _IDS[region] = len(_REGIONS)
+        _REGIONS.append(region)
+    return _IDS[region]
+
+
+def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``kind(*settings)(*inputs)``: directly in eager mode; under ``torch.compile``, as one call of the
+    opaque custom op (see the module docstring).
+
+    Args:
+        kind: an :class:`OpaqueRegion` class; ``settings``: its constructor's arguments (hashable; objects
+            such as a context-parallel context are compared by identity).
+        inputs: the region's tensors (or None); gradients flow to those that require them.
+
+    Returns:
+        The region's output tensors.
+    """
+    if not torch.compiler.is_compiling():
+        return kind(*settings)(*inputs)
+    # The op takes no None in its list (a None there hides every input's requires_grad from autograd).
+    present = [x is not None for x in inputs]
+    tensors = [x for x in inputs if x is not None]
+    differentiable = [x.requires_grad for x in tensors]
+    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present, differentiable))
+
+
+def _with_nones(tensors, present) -> list:
+    """The region's inputs: ``tensors`` with a None where ``present`` says."""
+    it = iter(tensors)
+    return [next(it) if p else None for p in present]
+
+
+def _own(outputs, inputs) -> list[torch.Tensor]:
+    """``outputs`` as a custom op may return them: a copy of any that shares memory with an input."""
+    taken = {x.untyped_storage().data_ptr() for x in inputs if x is not None}
+    return [y.clone() if y.untyped_storage().data_ptr() in taken else y for y in outputs]
+
+
+@torch.library.custom_op("kdacp::opaque_region", mutates_args=())
+def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool],
+                   differentiable: list[bool]) -> list[torch.Tensor]:
+    """The region's outputs on its ``inputs`` (the non-None ones; ``present``: where they go among its
+    arguments); ``differentiable``: which inputs the backward differentiates."""
+    with torch.no_grad():  # the backward op re-runs the region with autograd: nothing to record here
+        return _own(_REGIONS[region](*_with_nones(inputs, present)), inputs)
+
+
+@_opaque_region.register_fake
+def _(region, inputs, present, differentiable):
+    return list(_REGIONS[region].fake(*_with_nones(inputs, present)))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Autograd recording inside a custom op's implementation, which the dispatcher runs with the autograd
+    keys excluded (and hence records nothing, even under ``enable_grad``)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradFunctionality, DispatchKey.ADInplaceOrView):
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
+@torch.library.custom_op("kdacp::opaque_region_backward", mutates_args=())
+def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: list[bool], differentiable: list[bool],
+                            grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The gradients of the ``differentiable`` inputs, in order, for the outputs' gradients ``grads``."""
+    with _autograd_inside_op():
+        leaves = [x.detach().requires_grad_() if d else x for x, d in zip(inputs, differentiable)]
+        outputs = _REGIONS[region](*_with_nones(leaves, present))
+        pairs = [(y, g) for y, g in zip(outputs, grads) if g is not None and y.requires_grad]
+        wrt = [x for x, d in zip(leaves, differentiable) if d]
+        found = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs \
+            else [None] * len(wrt)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, found)]
+
+
+@_opaque_region_backward.register_fake
+def _(region, inputs, present, differentiable, grads):
+    return [torch.empty_like(x) for x, d in zip(inputs, differentiable) if d]
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.region, tensors, ctx.present, ctx.differentiable = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grads):
+    found = iter(torch.ops.kdacp.opaque_region_backward(ctx.region, list(ctx.saved_tensors), ctx.present,
+                                                        ctx.differentiable, list(grads)))
+    return None, [next(found) if d else None for d in ctx.differentiable], None, None
+
+
+_opaque_region.register_autograd(_backward, setup_context=_setup_context)

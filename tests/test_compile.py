@@ -1,0 +1,100 @@
+"""``kdacp.compile.run_opaque`` on one process: a region that reads an int64 tensor's values on the host (as the
+token mixer reads the document boundaries) compiles into one graph that a new batch of boundaries replays, with
+the outputs and every gradient of eager mode; compiled directly, the same region does not compile in one graph. The models under ``kdacp.parallelize``: tests/models/test_compile_cp.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from kdacp.compile import run_opaque
+from tests.helpers import rel_err
+
+
+@dataclass(frozen=True)
+class _SegmentScan:
+    """A cumulative sum of ``x [T, C] * w [C]`` (plus ``bias [C]`` if given) restarting at each boundary of
+    ``cu [N+1]``, whose values it reads on the host; with ``total``, also each segment's sum ``[N, C]``."""
+
+    total: bool
+
+    def __call__(self, x, cu, w, bias):
+        y = x * w if bias is None else x * w + bias
+        parts = [y[s:e].cumsum(0) for s, e in zip(cu.tolist(), cu[1:].tolist())]
+        out = torch.cat(parts)
+        return (out, torch.stack([p[-1] for p in parts])) if self.total else (out,)
+
+    def fake(self, x, cu, w, bias):
+        out = torch.empty_like(x)
+        return (out, x.new_empty(cu.shape[0] - 1, x.shape[1])) if self.total else (out,)
+
+
+def _loss(x, cu, w, bias, total: bool, opaque: bool):
+    """A loss through the region, with traced work before (``sin``) and after it (a square)."""
+    inputs = (x.sin(), cu, w, bias)
+    outs = run_opaque(_SegmentScan, (total,), *inputs) if opaque else _SegmentScan(total)(*inputs)
+    return sum((o ** 2).sum() for o in outs)
+
+
+def _gradients(fn, x, cu, w, bias, total, opaque):
+    params = [t for t in (x, w, bias) if t is not None]
+    for p in params:
+        p.grad = None
+    loss = fn(x, cu, w, bias, total, opaque)
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("total, with_bias", [(False, True), (True, False)])
+def test_opaque_region_compiles_once_and_matches_eager(total, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    bias = torch.randn(3, generator=g, requires_grad=True) if with_bias else None  # a None input otherwise
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss, backend=counter, fullgraph=True)
+    for cu in ([0, 5, 12], [0, 9, 12], [0, 1, 12]):  # new boundaries, same count: the same graph
+        cu = torch.tensor(cu)
+        eager = _gradients(_loss, x, cu, w, bias, total, True)
+        got = _gradients(compiled, x, cu, w, bias, total, True)
+        for e, c in zip(eager, got):
+            assert rel_err(c, e) < 1e-6
+    assert counter.frame_count == 1
+
+
+def test_region_compiled_directly_does_not_trace():
+    """The mechanism matters: without run_opaque the boundaries read on the host become data-dependent sizes,
+    which one graph (``fullgraph=True``, torchtitan's per-block compile) does not compile (torch 2.13: the
+    backward's compilation fails on a guard on them)."""
+    x, w = torch.randn(12, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        torch.compile(_loss, backend="aot_eager", fullgraph=True)(x, torch.tensor([0, 5, 12]), w, None, False, False)
+
+
+@pytest.mark.slow
+def test_opaque_region_under_inductor():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_loss, backend=counter, fullgraph=True)
+    for cu in ([0, 5, 12], [0, 9, 12]):
+        cu = torch.tensor(cu)
+        for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
+            assert rel_err(c, e) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_document_count_marked_dynamic_compiles_once():
+    """The number of boundaries is a shape: marked dynamic (``torch._dynamo.mark_dynamic(cu_seqlens, 0)``), batches
+    with other document counts replay the same graph too."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss, backend=counter, fullgraph=True)
+    for cu in ([0, 5, 12], [0, 2, 9, 12], [0, 1, 2, 3, 12]):
+        cu = torch.tensor(cu)
+        torch._dynamo.mark_dynamic(cu, 0)
+        for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
+            assert rel_err(c, e) < 1e-6
+    assert counter.frame_count == 1
