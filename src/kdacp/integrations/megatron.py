@@ -15,9 +15,9 @@ whose ``cp`` exceeds the GDN head count needs :class:`KdacpTransformerConfig`, s
 ``TransformerConfig`` asserts that the heads divide by ``tp x cp``.
 
 Token layout: Megatron gives each rank a zigzag shard (``2P`` chunks, rank ``r`` holding chunks ``r`` and
-``2P-1-r``; for THD batches per document). kdacp's state exchange runs on contiguous shards, so the module
-moves its input to the contiguous layout and its output back (:func:`zigzag_to_contiguous`, a point-to-point
-exchange whose cost its docstring states) around the whole mixer.
+``2P-1-r``; for THD batches per document). kdacp takes it as it comes (its ``"zigzag"`` and
+``"document_zigzag"`` layouts): the state chain runs through the chunks in token order and each chunk's
+convolution halo comes from whichever rank holds the tokens before it, so no token moves between ranks.
 
 Supported: tensor parallelism on the head dimension (Megatron's sharding of ``in_proj``, ``conv1d``, ``A_log``,
 ``dt_bias`` and ``out_proj``) without sequence parallelism. Refused by name, before any rank blocks:
@@ -54,7 +54,7 @@ from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
-__all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "contiguous_to_zigzag", "cpu_stand_ins",
+__all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins",
            "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs",
            "zigzag_to_contiguous"]
 
@@ -90,124 +90,16 @@ class KdacpTransformerConfig(TransformerConfig):
             self.linear_num_key_heads, self.linear_num_value_heads = H, HV
 
 
-# --- Megatron's zigzag shards <-> kdacp's contiguous shards --------------------------------------------------
-# Deleted once kdacp's plan takes Megatron's zigzag layout natively.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Route:
-    """Where this rank's tokens go in one relayout: ``send[q]`` the local positions (dim 0) sent to group
-    rank ``q`` and ``recv[q]`` the local positions filled from rank ``q``, both in global token order
-    (entry ``me``: the tokens that stay)."""
-
-    send: tuple[torch.Tensor, ...]
-    recv: tuple[torch.Tensor, ...]
-
-    def inverse(self) -> _Route:
-        return _Route(self.recv, self.send)
-
-
-def _zigzag_pieces(cu_seqlens: tuple[int, ...], P: int):
-    """``(global_start, length, rank, local_start)`` of every zigzag piece: document ``[s, e)`` cut into
-    ``2P`` chunks of ``c = (e - s) / 2P``, chunk ``j`` held by rank ``j`` (``j < P``) or ``2P-1-j``, at
-    local offset ``s / P`` (its first chunk) or ``s / P + c`` (its second)."""
-    for s, e in zip(cu_seqlens, cu_seqlens[1:]):
-        c = (e - s) // (2 * P)
-        for j in range(2 * P):
-            first = j < P
-            yield s + j * c, c, (j if first else 2 * P - 1 - j), s // P + (0 if first else c)
-
-
-@functools.lru_cache(maxsize=CACHED_LAYOUTS)
-def _zigzag_route(cu_seqlens: tuple[int, ...], P: int, rank: int, device: torch.device) -> _Route:
-    """The route from Megatron's zigzag shards of the documents ``cu_seqlens`` (global, ``[N+1]``) to
-    contiguous shards (rank ``q`` holding tokens ``[q T, (q+1) T)``, ``T = cu_seqlens[-1] / P``)."""
-    T = cu_seqlens[-1] // P
-    send, recv = [[] for _ in range(P)], [[] for _ in range(P)]
-    for start, length, owner, local in _zigzag_pieces(cu_seqlens, P):
-        end = start + length
-        while start < end:  # a piece may straddle contiguous shards
-            dst = start // T
-            stop = min(end, (dst + 1) * T)
-            if owner == rank:
-                send[dst].append(range(local, local + stop - start))
-            if dst == rank:
-                recv[owner].append(range(start - dst * T, stop - dst * T))
-            local += stop - start
-            start = stop
-
-    def index(ranges):
-        return torch.tensor([i for r in ranges for i in r], dtype=torch.int64, device=device)
-    return _Route(tuple(map(index, send)), tuple(map(index, recv)))
-
-
-def _move(x: torch.Tensor, route: _Route, group) -> torch.Tensor:
-    """``x [T, ...]`` relaid along dim 0 by ``route``: one send and one receive per peer that shares tokens."""
-    rank = dist.get_rank(group)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    ops, received = [], []
-    for q, (send, recv) in enumerate(zip(route.send, route.recv)):
-        if q == rank:
-            out.index_copy_(0, recv, x.index_select(0, send))
-            continue
-        if len(send):
-            ops.append(dist.P2POp(dist.isend, x.index_select(0, send), dist.get_global_rank(group, q), group))
-        if len(recv):
-            buffer = x.new_empty((len(recv), *x.shape[1:]))
-            ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, q), group))
-            received.append((recv, buffer))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for recv, buffer in received:
-        out.index_copy_(0, recv, buffer)
-    return out
-
-
-class _Relayout(torch.autograd.Function):
-    """A permutation of tokens across ranks; its adjoint is the inverse permutation."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, route: _Route, group) -> torch.Tensor:
-        ctx.route, ctx.group = route, group
-        return _move(x, route, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _move(grad, ctx.route.inverse(), ctx.group), None, None
-
-
-def zigzag_to_contiguous(x: torch.Tensor, cu_seqlens: tuple[int, ...], group) -> torch.Tensor:
-    """This rank's zigzag shard ``x [T, ...]`` (Megatron's CP layout, dim 0 the local tokens) -> its
-    contiguous shard (rank ``r`` holding global tokens ``[r T, (r+1) T)``); differentiable.
-
-    ``cu_seqlens``: the global document boundaries (``(0, P T)`` for unpacked rows, each row cut alike; every
-    document's length divisible by ``2P``).
-
-    Cost: each rank sends and receives at most ``T`` tokens of ``x.shape[1:]`` elements (exactly those not
-    already on their contiguous rank: for one document rank 0 keeps ``T/2``, and at ``P = 2`` every rank keeps
-    half), in one batch of point-to-point messages to at most four peers per document piece. Around a
-    :class:`KdacpGatedDeltaNet` (input and output, ``b x hidden_size`` elements a token): at most
-    ``2 T b hidden_size`` elements sent per rank and layer in the forward, as many in the backward.
-    """
-    return _Relayout.apply(x, _zigzag_route(cu_seqlens, dist.get_world_size(group), dist.get_rank(group),
-                                            x.device), group)
-
-
-def contiguous_to_zigzag(x: torch.Tensor, cu_seqlens: tuple[int, ...], group) -> torch.Tensor:
-    """The inverse of :func:`zigzag_to_contiguous` (same arguments, same cost)."""
-    route = _zigzag_route(cu_seqlens, dist.get_world_size(group), dist.get_rank(group), x.device)
-    return _Relayout.apply(x, route.inverse(), group)
-
-
 # --- the module ---------------------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
-def _context(group, strategy: str):
-    """One kdacp context per CP group and strategy, shared by every layer: its plan memo holds each batch's
-    plan once, not once per layer."""
-    return ContextParallel("state", group, strategy=strategy)
+def _context(group, strategy: str, layout: str):
+    """One kdacp context per CP group, strategy and layout, shared by every layer: its memo holds each batch's
+    context (plan, boundaries, halo routes) once, not once per layer. Megatron's token layouts are kdacp's own:
+    ``"zigzag"`` for [s, b, h] rows (rank r holds chunks r and 2cp-1-r of each row) and ``"document_zigzag"``
+    for THD batches (the same per document)."""
+    return ContextParallel("state", group, strategy=strategy, layout=layout)
 
 
 @contextlib.contextmanager
@@ -278,7 +170,9 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                              A_init_range, pg_collection, name=name, cp_comm_type=cp_comm_type)
         self.strategy, self.backend = strategy, backend
         cp = pg_collection.cp
-        self.context = SINGLE_DEVICE if cp.size() == 1 else _context(cp, strategy)
+        # Megatron's zigzag shards as they come: kdacp's state chain runs through each rank's two chunks
+        self.contexts = {packed: SINGLE_DEVICE if cp.size() == 1 else
+                         _context(cp, strategy, "document_zigzag" if packed else "zigzag") for packed in (False, True)}
 
     def _setup_variant_attrs(self):
         super()._setup_variant_attrs()
@@ -288,7 +182,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                                self.num_v_heads_local_tp, self.num_v_heads_local_tp)
 
     def extra_repr(self) -> str:
-        return f"context={self.context!r}, backend={self.backend!r}"
+        return f"context={self.contexts[False]!r}, backend={self.backend!r}"
 
     def _global_cu_seqlens(self, packed_seq_params: PackedSeqParams | None, batch: int,
                            total: int) -> torch.Tensor | None:
@@ -312,13 +206,6 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                              f"lengths {bad} do not divide by {step} (pad them: cu_seqlens_q_padded)")
         return cu
 
-    def _relayout(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, to_contiguous: bool) -> torch.Tensor:
-        if self.cp_size == 1:
-            return x
-        cu = (0, x.shape[0] * self.cp_size) if cu_seqlens is None else tuple(cu_seqlens.tolist())
-        move = zigzag_to_contiguous if to_contiguous else contiguous_to_zigzag
-        return move(x, cu, self.pg_collection.cp)
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, inference_context=None,
                 packed_seq_params: PackedSeqParams | None = None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
@@ -329,30 +216,30 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         cu = self._global_cu_seqlens(packed_seq_params, B, T * self.cp_size)
         if self.cp_size > 1 and cu is None and T % 2:
             raise ValueError(f"Megatron's zigzag layout gives each rank two equal chunks: s={T} must be even")
-        x = self._relayout(hidden_states, cu, to_contiguous=True)
-        qkvzba, _ = self.in_proj(x)                                                    # [T, B, C / tp]
+        context = self.contexts[cu is not None]
+        qkvzba, _ = self.in_proj(hidden_states)                                                    # [T, B, C / tp]
         qkv, gate, beta, alpha = torch.split(qkvzba.transpose(0, 1), self.feat_dim_split, dim=-1)
-        qkv = self._causal_conv(qkv, T, cu)
+        qkv = self._causal_conv(context, qkv, cu)
         q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         q, k = (t.unflatten(-1, (-1, self.key_head_dim)) for t in (q, k))               # [B, T, H / tp, K]
         v = v.unflatten(-1, (-1, self.value_head_dim))                                  # [B, T, HV / tp, V]
         # g: raw logits, turned into -exp(A_log) softplus(g + dt_bias) inside kdacp's op (in float32)
-        o, _ = self.context.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
+        o, _ = context.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
                                        cu_seqlens=cu, backend=self.backend, use_gate_in_kernel=True,
                                        A_log=self.A_log, dt_bias=self.dt_bias,
                                        use_qk_l2norm_in_kernel=self.use_qk_l2norm)
         norm = self._apply_gated_norm(o, gate.reshape(B, T, -1, self.value_head_dim))  # [B T HV / tp, V]
         out, out_bias = self.out_proj(norm.reshape(B, T, -1).transpose(0, 1).contiguous())
-        return self._relayout(out, cu, to_contiguous=False), out_bias
+        return out, out_bias
 
-    def _causal_conv(self, x: torch.Tensor, T: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """``silu(depthwise causal conv)`` of this rank's contiguous tokens ``x [B, T, D]``, each document's
-        taps reaching back onto the previous rank where it began there."""
-        conv = self.context.conv_context(T, cu_seqlens)
+    def _causal_conv(self, context, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """``silu(depthwise causal conv)`` of this rank's tokens ``x [B, T, D]`` (its zigzag chunks), each chunk's
+        taps reaching back to whichever rank holds the tokens before it, within the document."""
+        batch = context.context(*x.shape[:2], cu_seqlens, x.device)
         weight = self.conv1d.weight  # looked up per call: wrappers may replace parameters after build
-        halo = conv.left_halos([x], weight.shape[-1] - 1)[0]
-        return causal_conv1d(x, weight[:, 0], self.conv1d.bias, halo=halo, cu_seqlens=conv.cu_seqlens,
-                             cu_seqlens_cpu=conv.cu_seqlens_cpu,
+        halo = batch.left_halos([x], weight.shape[-1] - 1)[0]
+        return causal_conv1d(x, weight[:, 0], self.conv1d.bias, halo=halo, cu_seqlens=batch.local_cu_seqlens,
+                             cu_seqlens_cpu=batch.local_cu_seqlens_cpu, range_starts=batch.range_starts,
                              fused=resolve_backend(self.backend, x.device) == "fla")
 
 
