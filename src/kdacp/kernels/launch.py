@@ -52,7 +52,7 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         :class:`.planning.SummaryPlan` (their first tokens and the count per sequence).
     """
     device = inputs[0].device
-    pieces, m_pieces = precision.pieces(inputs[0].dtype)
+    pieces, m_pieces = precision.pieces(inputs[0].dtype, backward=reverse)
     K, V, HV = dims.K, dims.V, dims.HV
     block_v = min(config.block_v, K, a_cols or K)
     # cutting a summary without transition output into sub-segments adds transition columns: only
