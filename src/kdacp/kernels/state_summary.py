@@ -22,7 +22,8 @@ from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
 from .precision import SummaryPrecision, chunk_decay, dot_state, dot_state_left, resolve_precision
-from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile
+from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile,
+                    walk_tile)
 
 __all__ = ["state_summary", "transition"]
 
@@ -39,8 +40,8 @@ RAW_KEYS_DEFAULT = replace(DEFAULT_CONFIG, v_first=False)
 
 @triton.jit
 def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_chunks, o_k, o_c, m_u,
-          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, PIECES: tl.constexpr, VF: tl.constexpr,
-          SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
+          RAW_KEYS: tl.constexpr, PIECES: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile (``RAW_KEYS``:
     ``p_kg`` holds raw keys, whose gate is applied to ``v_new``)."""
     o_t = tl.arange(0, BT)
@@ -109,15 +110,9 @@ def _state_summary_kernel(
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
     st = initial_tile(o_k, o_c, MOFF, VF)
-    if PIECES == M_PIECES:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    elif tl.program_id(0) * BV < MOFF:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    else:  # a transition tile under a policy that rounds M differently
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, M_PIECES, VF, SCALAR_GATE, RAW_KEYS)
+    # the arguments as a literal tuple: one bound to a name first would lose its constexprs
+    st = walk_tile(_walk, (st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u, BT,
+                           BV, HAS_S, VF, SCALAR_GATE, RAW_KEYS), MOFF, BV, PIECES, M_PIECES)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
