@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kdacp.distributed.plan import STRATEGIES, rank_layouts
-from kdacp.distributed.strategies import AffineMessage, ScanExchange, make_exchange, scan_schedule, simulate_scan
+from kdacp.affine import AffineMap
+from kdacp.distributed.strategies import ScanExchange, make_exchange, scan_schedule, simulate_scan
 from tests.distributed.test_cp_chunk_kda import _cases, _check_case
 from tests.multiprocess import run_ranks
 
@@ -31,7 +32,7 @@ def _random_route(P: int, rng: random.Random) -> tuple[tuple[int, ...], tuple[bo
     return emits, affine
 
 
-def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> list[AffineMessage | None]:
+def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> list[AffineMap | None]:
     HV, K, V = shape
     out = []
     for e, a in zip(emits, affine):
@@ -40,7 +41,7 @@ def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> li
             continue
         offset = torch.randn(e, HV, K, V, generator=gen, dtype=torch.float64)
         transition = 0.6 * torch.randn(e, HV, K, K, generator=gen, dtype=torch.float64) if a else None
-        out.append(AffineMessage(offset, transition))
+        out.append(AffineMap(offset, transition))
     return out
 
 

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kdacp.affine import StateSummary, SummaryParts
+from kdacp.affine import AffineMap, SummaryParts
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 
 __all__ = ["CHAIN_STAGES", "SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
@@ -55,8 +55,8 @@ class SleepBackend:
         """Zero summaries; ``parts``: one piece per segment (its state pass then runs as one, as timed)."""
         self._sleep("state_summary", span)
         n = span.num_segments
-        summary = StateSummary(self._zeros(n, self.HV, self.K, self.V),
-                               self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+        summary = AffineMap(self._zeros(n, self.HV, self.K, self.V),
+                            self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
         return SummaryParts(summary, summary, span.cu_seqlens[:-1], (1,) * n) if parts else summary
 
     def state_pass(self, chunks, span, initial_state, output_final_state: bool) -> LocalStates:

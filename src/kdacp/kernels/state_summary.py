@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..affine import StateSummary, SummaryParts
+from ..affine import AffineMap, SummaryParts
 from .checks import check_summary_inputs
 from .config import SummaryConfig
 from .launch import gate_strides, launch_summary, token_strides
@@ -129,15 +129,15 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
         parts=parts)
     if parts:
         S_parts, M_parts, plan = kept
-        return SummaryParts(StateSummary(S, M), StateSummary(S_parts, M_parts),
+        return SummaryParts(AffineMap(S, M), AffineMap(S_parts, M_parts),
                             tuple(s - plan.starts[0] for s in plan.starts), plan.counts)
-    return StateSummary(S, M)
+    return AffineMap(S, M)
 
 
 def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
                   num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
                   raw_keys: bool = False, config: SummaryConfig | None = None,
-                  precision: SummaryPrecision | str | None = None, parts: bool = False) -> StateSummary | SummaryParts:
+                  precision: SummaryPrecision | str | None = None, parts: bool = False) -> AffineMap | SummaryParts:
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
@@ -172,7 +172,7 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
             sub-segments at once.
 
     Returns:
-        ``StateSummary(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
+        ``AffineMap(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
         ``N`` is ``B``, the number of sequences with ``cu_seqlens``, or 1 with ``segment``. With
         ``parts``: :class:`~kdacp.affine.SummaryParts`.
 
