@@ -103,7 +103,7 @@ def test_scan_schedule_shape(P):
 
 
 class _Mailbox:
-    """In-process stand-in for ``comm.post_recv`` / ``comm.send``: ``group`` is ``("fake", rank)``; a
+    """In-process stand-in for ``collectives.post_recv`` / ``collectives.send``: ``group`` is ``("fake", rank)``; a
     receive whose message was not sent yet fails instead of blocking."""
 
     class _Work:
@@ -143,8 +143,8 @@ def test_scan_exchange_in_one_process(P, backward, monkeypatch):
     rng, gen = random.Random(7 * P + backward), torch.Generator().manual_seed(P)
     for _ in range(25):
         box = _Mailbox()
-        monkeypatch.setattr(strategies.comm, "post_recv", box.post_recv)
-        monkeypatch.setattr(strategies.comm, "send", box.send)
+        monkeypatch.setattr(strategies.collectives, "post_recv", box.post_recv)
+        monkeypatch.setattr(strategies.collectives, "send", box.send)
         emits, affine = _random_route(P, rng)  # by position
         messages = _random_messages(emits, affine, gen)
         want = _sequential(messages, emits)

@@ -72,7 +72,7 @@ import torch
 from ..affine import AffineMap, apply_state_summary, entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
-from . import comm
+from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
 from .strategies import Route, StateExchange, make_exchange
 
@@ -207,7 +207,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     if output_final_state:  # the segments that end here form a prefix
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
-            final_state = comm.all_reduce_sum(final_state, plan.group)
+            final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
@@ -244,7 +244,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         dht_all = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
         if dfinal is not None:
             dht_all += dfinal
-        dht_all = comm.all_reduce_sum(dht_all, plan.group)
+        dht_all = collectives.all_reduce_sum(dht_all, plan.group)
     _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
     exchange = exchange or make_exchange(plan.strategy)
     if len(layout.positions) > 1:
@@ -353,7 +353,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         final_state = states.final_state.new_zeros(plan.num_sequences, HV, K, V)
         ends = [j for j, s in enumerate(segments) if not s.sends]
         final_state[[segments[j].sequence for j in ends]] = states.final_state[ends]
-        final_state = comm.all_reduce_sum(final_state, plan.group)
+        final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
     # the backward's affine messages read M of the segments of the sending span (kept only where one is affine)

@@ -25,7 +25,7 @@ import torch
 
 from ..affine import AffineMap
 from ..caches import SCAN_SCHEDULES
-from . import comm
+from . import collectives
 
 __all__ = ["Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
            "ScanExchange", "ScanSchedule", "scan_schedule", "simulate_scan", "make_exchange"]
@@ -106,7 +106,7 @@ class _OrderedSends:
         while queue and queue[0] in self.ready:
             payload = self.ready.pop(queue.pop(0))
             self.kept.append(payload)  # alive until its send completes
-            self.works.append(comm.send(payload, peer, self.group))
+            self.works.append(collectives.send(payload, peer, self.group))
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Pending:
     def finish_sends(self) -> None:
         """Wait for this rank's sends (their buffers are freed after)."""
         if self.outbox is not None:
-            comm.wait(self.outbox.works)
+            collectives.wait(self.outbox.works)
             self.outbox.works.clear()
             self.outbox.kept.clear()
 
@@ -178,7 +178,7 @@ class P2PExchange:
             src, dst = route.source(i), route.target(i)
             if src is not None and src != route.rank:
                 buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
-                pending.receives[i] = (buffer, comm.post_recv(buffer, src, route.group))
+                pending.receives[i] = (buffer, collectives.post_recv(buffer, src, route.group))
             if dst is not None and dst != route.rank:
                 keys.append((i + 1, dst))  # a value is keyed by the position it enters
         pending.outbox = _OrderedSends(keys, route.group)
@@ -232,7 +232,7 @@ class AllGatherExchange:
                 if message.transition is not None:
                     buffer[route.slots[i], ..., V:] = message.transition
         pending.recv_buffer = buffer  # alive until the gather completes
-        pending.recv_work, pending.gathered = comm.post_all_gather(buffer, route.group)
+        pending.recv_work, pending.gathered = collectives.post_all_gather(buffer, route.group)
 
     def receive(self, pending: Pending) -> list:
         route = pending.route
@@ -433,7 +433,7 @@ class ScanExchange:
             for src, dst, is_open in transfers:  # ascending src (and dst) within a round
                 if dst in mine and route.order[src] != route.rank:
                     buffer = torch.empty(n, HV, K, V + (K if is_open else 0), dtype=route.dtype, device=route.device)
-                    pending.receives[(d, dst)] = (buffer, comm.post_recv(buffer, route.order[src], route.group))
+                    pending.receives[(d, dst)] = (buffer, collectives.post_recv(buffer, route.order[src], route.group))
                 if src in mine and route.order[dst] != route.rank:
                     keys.append(((d, dst), route.order[dst]))
         pending.outbox = _OrderedSends(keys, route.group)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..caches import CP_CONTEXTS, TensorKey
 from ..distributed import new_cp_group
 from ..distributed.layout import LAYOUTS, TokenLayout
-from .comm import heads_to_time, time_to_heads
+from .autograd_collectives import heads_to_time, time_to_heads
 from .cp_context import CPContext, build_cp_context
 
 __all__ = ["ContextParallel", "SINGLE_DEVICE", "MODES", "hybrid_ulysses_size"]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..layers.comm import all_gather_along, heads_to_time, time_to_heads
+from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import torch
 
-from ..distributed.comm import process_group
+from ..distributed.groups import process_group
 from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
