@@ -89,7 +89,8 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
 
     Args:
         parts: the modules' parts (:class:`MixerParts`).
-        cp: the context-parallel hooks (:class:`ContextParallel` or :data:`SINGLE_DEVICE`).
+        cp: the context-parallel hooks (:class:`~kdacp.layers.cp_hooks.CPHooks`: :class:`ContextParallel` or
+            :data:`SINGLE_DEVICE`).
         x: ``[B, T, hidden]``, this rank's tokens of the global batch under ``cp`` (its layout's ranges, in
             global order).
         cu_seqlens: ``[N+1]`` int64 global offsets of a packed batch (``B == 1``), or None. The same tensor
