@@ -152,7 +152,7 @@ def test_bad_summary_config_raises(field, value):
 def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from kdacp.kernels.stages import launch_fitting_stages
+    from kdacp.kernels.pipelining import launch_fitting_stages
 
     class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory up to ``fits`` stages
         def __init__(self, fits):
@@ -177,7 +177,7 @@ def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
 
 
 def test_launch_passes_the_register_limit_to_triton():
-    from kdacp.kernels.stages import launch_fitting_stages
+    from kdacp.kernels.pipelining import launch_fitting_stages
 
     seen = []
 

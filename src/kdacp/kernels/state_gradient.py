@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .checks import check_summary_inputs
 from .config import SummaryConfig
-from .launch import gate_strides, launch_summary, token_strides
+from .summary_launcher import gate_strides, launch_summary, token_strides
 from .precision import (SummaryPrecision, chunk_decay, dot_inputs, dot_state, dot_state_left, dot_state_paired,
                         resolve_precision, stack_rows)
 from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates,

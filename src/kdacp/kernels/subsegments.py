@@ -1,4 +1,4 @@
-"""Launch planning of the summary kernels: how sequences are cut into sub-segments walked in parallel."""
+"""The summary kernels' sub-segments: how sequences are cut into pieces walked in parallel, as device work lists."""
 from __future__ import annotations
 
 import functools
