@@ -25,8 +25,6 @@ import weakref
 
 import torch
 
-__all__ = ["TensorKey"]
-
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
 SCAN_SCHEDULES = 512      # routes whose scan schedule is kept

@@ -16,8 +16,6 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["KDAOptions", "KDAInputs", "Span", "LocalStates", "LocalGrads", "LocalBackend", "tensor_fields"]
-
 
 @dataclass(frozen=True)
 class KDAOptions:

@@ -17,8 +17,6 @@ from .inputs import random_inputs
 from .stage_probe import time_roles
 from .timing import median_time, queued_device_time
 
-__all__ = ["OPTIONS", "Calibration", "calibration_rows", "measure_stages", "op_times"]
-
 # Kimi Linear's gate and norm settings
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
 

@@ -26,8 +26,7 @@ from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageT
                                          join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "MODEL_LAYOUTS", "Prediction", "zigzag_chain", "StepPrediction", "check_stack", "fla_programs", "predict", "predict_step",
-           "route_path", "route_step_path", "simulate", "simulate_shared", "step_programs"]
+__all__ = ["predict", "route_path", "route_step_path"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 MODEL_LAYOUTS = ("contiguous", "zigzag")

@@ -8,8 +8,6 @@ import torch
 from kdacp.affine import AffineMap, SummaryParts
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
 
-__all__ = ["CHAIN_STAGES", "SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
-
 # Seconds each stage of SleepBackend sleeps for a whole rank's tokens, ten times an H200's at 16K
 # tokens: the summaries and state passes from issue 3's figures, the other stages a rough split of
 # the rest of the 10.45 ms one-GPU step (issue 4).

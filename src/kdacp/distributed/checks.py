@@ -19,8 +19,6 @@ from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfi
 from . import collectives
 from .plan import CPPlan
 
-__all__ = ["check_cp_call", "verified_plans"]
-
 # The call signatures every rank has verified, per plan object (a new plan always checks again); an
 # entry goes with its plan.
 _VERIFIED: dict[int, set] = {}

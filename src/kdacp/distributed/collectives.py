@@ -9,9 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["post_recv", "send", "wait", "all_gather", "post_all_gather", "all_reduce_sum", "all_gather_signatures",
-           "exchange_blocks", "all_to_all_equal", "gather_along", "sum_own_block"]
-
 
 def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)

@@ -1,4 +1,3 @@
 """The former name of :mod:`.groups`' ``process_group``, kept importable for modules that still import it here."""
 from .groups import process_group
 
-__all__ = ["process_group"]

@@ -9,8 +9,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_group", "init_device_mesh", "process_group", "group_timeout"]
-
 
 def new_group(ranks=None, timeout=None):
     """A new process group over global ``ranks`` (default: all), on the default group's backend.

@@ -76,8 +76,6 @@ from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
 from .strategies import Route, StateExchange, make_exchange
 
-__all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
-
 
 @dataclass
 class CPForward:

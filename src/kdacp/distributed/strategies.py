@@ -27,9 +27,6 @@ from ..affine import AffineMap
 from ..caches import SCAN_SCHEDULES
 from . import collectives
 
-__all__ = ["Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
-           "ScanExchange", "ScanSchedule", "scan_schedule", "simulate_scan", "make_exchange"]
-
 
 @dataclass(frozen=True)
 class Route:

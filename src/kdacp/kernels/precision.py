@@ -34,9 +34,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["SummaryPrecision", "DEFAULT_LOW_PRECISION", "resolve_precision", "F32_DOT", "INTERPRET", "to_bf16",
-           "chunk_decay", "dot_state", "dot_state_paired", "dot_state_left", "dot_inputs", "stack_rows"]
-
 
 class SummaryPrecision(str, enum.Enum):
     """How the summary kernels round the float32 operand of each state product, with bf16 inputs.

@@ -30,8 +30,6 @@ from .precision import (SummaryPrecision, chunk_decay, dot_inputs, dot_state, do
 from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates,
                     load_stacked_columns, locate_program, store_tile, walk_tile)
 
-__all__ = ["state_gradient_summary"]
-
 # Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md): a serial walk over
 # heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T); three stages let
 # each step's input copies overlap the step before (two wait for them at once).

@@ -25,8 +25,6 @@ from .precision import SummaryPrecision, chunk_decay, dot_state, dot_state_left,
 from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile,
                     walk_tile)
 
-__all__ = ["state_summary", "transition"]
-
 _OUTPUTS = ("both", "state", "transition")
 # With gated keys the transposed tile (v_first) feeds both products' state operand from registers, where [K, BV]
 # sends its state pieces through shared memory (13% faster at bf16, T=16K, 32 heads, K=V=128; two stages keep two

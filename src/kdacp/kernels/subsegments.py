@@ -8,8 +8,6 @@ import torch
 
 from ..caches import SUMMARY_PLANS
 
-__all__ = ["SummaryPlan", "plan_summary", "pick_chunks_per_program", "sm_count"]
-
 # Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
 # sub-segment shorter than this costs more in transition columns and folding than it gains.
 _MIN_CHUNKS = 8

@@ -14,8 +14,6 @@ from .subsegments import pick_chunks_per_program, plan_summary
 from .precision import SummaryPrecision
 from .pipelining import launch_fitting_stages
 
-__all__ = ["token_strides", "gate_strides", "launch_summary"]
-
 
 def token_strides(x: torch.Tensor, head_first: bool = False) -> tuple[int, int, int]:
     """``(batch, token, head)`` strides of a 4-d tensor stored token-first or head-first."""

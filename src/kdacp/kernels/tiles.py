@@ -4,9 +4,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["locate_program", "initial_tile", "walk_tile", "store_tile", "load_last_gate", "decay_tile",
-           "load_row_gates", "key_gate_rows", "load_stacked_columns"]
-
 
 @triton.jit
 def locate_program(work, head_start, MOFF, K: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):

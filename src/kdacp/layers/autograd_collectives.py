@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_to_all_equal, exchange_blocks, gather_along, sum_own_block
 
-__all__ = ["all_gather_along", "all_to_all", "all_to_all_gather", "exchange_rows", "heads_to_time", "time_to_heads"]
-
 
 class _Linear(torch.autograd.Function):
     """``move(x)``, a linear exchange between ranks; backward ``adjoint(grad)``, its adjoint exchange."""

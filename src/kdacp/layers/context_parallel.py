@@ -28,8 +28,6 @@ from .autograd_collectives import heads_to_time, time_to_heads
 from .cp_context import CPContext, build_cp_context
 from .cp_hooks import CPHooks
 
-__all__ = ["ContextParallel", "SINGLE_DEVICE", "MODES", "hybrid_ulysses_size"]
-
 MODES = ("state", "ulysses", "hybrid")
 
 

@@ -22,8 +22,6 @@ from ..distributed import build_cp_plan
 from ..distributed.layout import TokenLayout, make_layout
 from .autograd_collectives import exchange_rows
 
-__all__ = ["CPContext", "HaloRoute", "build_cp_context", "halo_route"]
-
 
 @dataclass(frozen=True)
 class HaloRoute:

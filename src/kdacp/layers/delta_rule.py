@@ -18,8 +18,6 @@ from .context_parallel import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution, causal_conv1d
 
-__all__ = ["DeltaRuleLayer", "MixerParts", "Projected", "beta_from_logits", "initial_dt_bias", "mix_tokens"]
-
 
 def initial_dt_bias(n: int, device=None) -> torch.Tensor:
     """FLA's initial ``dt_bias [n]`` float32: ``softplus^-1(dt)`` with ``dt`` log-uniform in [1e-3, 1e-1]

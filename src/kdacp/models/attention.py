@@ -43,9 +43,6 @@ from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_
 from ..layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 
-__all__ = ["ATTENTION_NAME", "BALANCED", "INNER_ATTENTIONS", "check_attention", "cudnn_attend", "document_causal_mask",
-           "gathered_attention", "install_attention", "kv_replication", "replicate_kv_heads", "split_lower_right"]
-
 ATTENTION_NAME = "kdacp_ulysses"
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 BALANCED = 1.05  # the gather's attention work max/mean over ranks up to which it counts as balanced

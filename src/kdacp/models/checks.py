@@ -9,9 +9,6 @@ import torch.nn as nn
 
 from ..layers.context_parallel import ContextParallel
 
-__all__ = ["HONOURED_KWARGS", "SILU_NAMES", "CallCheck", "check_training_call", "global_cu_seqlens",
-           "refuse_cache_and_mask", "token_mixers"]
-
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
 

@@ -17,8 +17,6 @@ from .batch import causal_lm_loss
 from .checks import CallCheck, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
 
-__all__ = ["install", "mixer_forward"]
-
 
 def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_states: torch.Tensor, cache=None,
                   attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

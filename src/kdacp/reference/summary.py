@@ -21,9 +21,6 @@ from .chunk import chunk_bounds
 from ..sequences import sequence_bounds
 from .gates import compute_dtype
 
-__all__ = ["state_summary", "transition", "state_gradient_summary", "chunk_dv_local",
-           "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]
-
 
 def _segments(x: torch.Tensor, cu_seqlens, chunk_size: int):
     B, T = x.shape[:2]
