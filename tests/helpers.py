@@ -68,15 +68,15 @@ def differentiable_inputs(args: dict) -> dict:
 
 @contextlib.contextmanager
 def count_signature_gathers():
-    """Count calls of the cross-rank check's all-gather (``kdacp.distributed.comm``) inside the block;
+    """Count calls of the cross-rank check's all-gather (``kdacp.distributed.collectives``) inside the block;
     yields the list that grows by one per call."""
-    from kdacp.distributed import comm
-    gathers, real = [], comm.all_gather_signatures
-    comm.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
+    from kdacp.distributed import collectives
+    gathers, real = [], collectives.all_gather_signatures
+    collectives.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
     try:
         yield gathers
     finally:
-        comm.all_gather_signatures = real
+        collectives.all_gather_signatures = real
 
 
 class _FakeEvent:

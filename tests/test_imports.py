@@ -144,5 +144,5 @@ def test_the_top_level_exports_what_users_call():
     """``kdacp`` exports the ops, plans, layers, model helpers, precompile and the reference; internals
     (the summary algebra, the kernel launchers) stay in their modules."""
     assert {"chunk_kda", "chunk_gated_delta_rule", "build_cp_plan", "global_token_mean_loss"} <= set(kdacp.__all__)
-    assert not {"StateSummary", "state_summary", "transition", "compose_state_summaries"} & set(kdacp.__all__)
+    assert not {"AffineMap", "state_summary", "transition", "compose_state_summaries"} & set(kdacp.__all__)
     assert all(hasattr(kdacp, name) for name in kdacp.__all__)

@@ -78,7 +78,7 @@ def test_million_tokens_virtual_ranks(P, gate_logit):
             inputs = KDAInputs(*(x[name][:, cut] for name in ("q", "k", "v", "g", "beta")), x["A_log"], x["dt_bias"])
             span = Span(0, n, (0, n))
             summary = backend.state_summary(backend.prepare(inputs, span), span, with_transition=True)
-            state = summary.state if state is None else summary.state + summary.transition @ state
+            state = summary.offset if state is None else summary.offset + summary.transition @ state
         last = slice((P - 1) * n, T)
         o_last, final = chunk_kda(**{name: t[:, last] if t.dim() > 1 else t for name, t in x.items()},
                                   initial_state=state, output_final_state=True, backend="fla", **settings)

@@ -6,8 +6,8 @@ device sync on later calls; none holds a tensor a caller passed.
 
 | memo | kept in | entries | bound |
 |---|---|---|---|
-| sub-segment work lists of the summary kernels | ``kernels.planning`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
-| pipeline stages that fit in shared memory | ``kernels.stages`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
+| sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
+| pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
 | FLA's packed-sequence arguments | ``backends.fla_backend`` | boundaries of a batch | :data:`FLA_VARLEN_BATCHES` (LRU) |
 | FLA's modules, and whether its GDN backward runs here | ``backends.fla_adapter`` | one | one |
 | scan schedules | ``distributed.strategies`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
@@ -25,8 +25,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-
-__all__ = ["TensorKey"]
 
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)

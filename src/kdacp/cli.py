@@ -574,18 +574,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 128; 32 on CPU); virtual: K = V (default 16)")
     for flag, (_, _, text) in _LINK_OPTIONS.items():
         bench.add_argument(flag, type=_positive_float, default=None, help=f"scaling suite: {text}")
-    bench.add_argument("--ranks", type=_rank_counts, default=None,
-                       help="virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 on CPU; "
-                            "up to 1024 on CUDA)")
-    bench.add_argument("--predict-ranks", type=_rank_counts, default=None,
-                       help="scaling suite: comma-separated rank counts to predict (default: 2,4,...,1024); hybrid and "
-                            "balance: the rank counts (default: 8,16,64)")
-    bench.add_argument("--step-layers", type=_positive_int, default=None,
-                       help="scaling suite: token-mixer layers of the step model's training step (default: 36, "
-                            "Qwen3-Next-80B's Gated DeltaNet layers)")
-    bench.add_argument("--sync-every", type=_sync_intervals, default=None,
-                       help="scaling suite: comma-separated mixer layers between attention layers, a step model "
-                            "row each; 0: none (default: 0,3)")
+    for flag, kind, text in (
+            ("--ranks", _rank_counts, "virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 "
+                                      "on CPU; up to 1024 on CUDA)"),
+            ("--predict-ranks", _rank_counts, "scaling suite: comma-separated rank counts to predict (default: "
+                                              "2,4,...,1024); hybrid and balance: the rank counts (default: 8,16,64)"),
+            ("--step-layers", _positive_int, "scaling suite: token-mixer layers of the step model's training step "
+                                             "(default: 36, Qwen3-Next-80B's Gated DeltaNet layers)"),
+            ("--sync-every", _sync_intervals, "scaling suite: comma-separated mixer layers between attention layers, "
+                                              "a step model row each; 0: none (default: 0,3)")):
+        bench.add_argument(flag, type=kind, default=None, help=text)
     bench.add_argument("--sleep-check", action="store_true",
                        help="scaling suite, two or more CPU ranks: also check the model's composition with ranks "
                             "whose stages sleep (no compute, so no contention for cores)")

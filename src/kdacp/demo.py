@@ -36,8 +36,8 @@ from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard
 from .precompile import precompile
 from .workers import RankContext
 
-__all__ = ["CONV_SIZE", "DTYPES", "DemoConfig", "HEADS", "LAYER_TYPES", "PHASES", "TOLERANCE", "demo_batch", "demo_config",
-           "demo_model", "demo_step", "demo_worker", "rank_count"]
+__all__ = ["DTYPES", "DemoConfig", "PHASES", "demo_batch", "demo_config", "demo_model", "demo_step", "demo_worker",
+           "rank_count"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.

@@ -21,8 +21,6 @@ from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
 
-__all__ = ["chunk_gated_delta_rule", "gdn_as_kda_arguments"]
-
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
     """The KDA op's gate keywords for GDN's ``g [B, T, HV]`` (natural-log decay, or logits with

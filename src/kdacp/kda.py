@@ -23,8 +23,6 @@ from .kernels.precision import resolve_precision
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
 
-__all__ = ["ChunkKDAFunction", "check_and_prepare", "chunk_kda", "run_prepared"]
-
 
 @dataclass(frozen=True)
 class _Call:

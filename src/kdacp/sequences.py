@@ -11,8 +11,6 @@ import torch
 
 from .validation import check_cu_seqlens
 
-__all__ = ["sequence_bounds", "sequence_positions"]
-
 
 def sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None = None) -> tuple[tuple[int, int, int], ...]:
     """``(batch row, first token, end token)`` of every sequence, in order: ``B`` rows of ``T`` tokens, or

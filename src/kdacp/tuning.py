@@ -11,8 +11,6 @@ from pathlib import Path
 
 from .backends.fla_configs import USER_CONFIGS, export_fla_configs, gpu_dir_name
 
-__all__ = ["tune"]
-
 
 def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: int = 2048, heads: int = 32,
          head_dim: int = 128, batches=("one_sequence", "docs7"), gates=(-5.0, None)) -> list[Path]:

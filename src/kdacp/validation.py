@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KDADims", "FINITE_CHECKED", "check_finite_inputs", "nonfinite_mask", "nonfinite_names", "check_kda_inputs", "check_kda_dtypes", "check_cu_seqlens", "check_chunk_size", "check_tensor"]
-
 
 @dataclass(frozen=True)
 class KDADims:

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_world_size", "deadline",
-           "free_port", "under_torchrun", "pick_backend", "RANKS_PER_CORE", "RANK_MEMORY_MB"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "deadline", "free_port",
+           "under_torchrun", "pick_backend"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.

@@ -25,7 +25,7 @@ def _stage_results(backend, x: KDAInputs, span: Span, h0, do, dht, head: Span):
     saved = backend.to_saved(chunks)
     summary = backend.state_summary(chunks, head, True)
     G = backend.state_gradient_summary(backend.backward_local(saved, head, do[:, head.start:head.end], h0[:1]))
-    results = dict(o=o, final_state=states.final_state, S_ext=summary.state, M=summary.transition, G=G)
+    results = dict(o=o, final_state=states.final_state, S_ext=summary.offset, M=summary.transition, G=G)
     for suffix, kept in (("", None), ("_kept", states)):  # recomputed states, or the forward's
         local = backend.backward_local(saved, span, do, h0, kept)
         states = backend.backward_states(local, dht)

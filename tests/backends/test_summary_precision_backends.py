@@ -25,7 +25,7 @@ def test_kda_backend_passes_the_policy(precision):
     backend = _backend(FlaBackend, precision)
     got = backend.state_summary(SimpleNamespace(**low), span, with_transition=True)
     want = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], precision=precision)
-    assert torch.equal(got.state, want.state) and torch.equal(got.transition, want.transition)
+    assert torch.equal(got.offset, want.offset) and torch.equal(got.transition, want.transition)
     local = SimpleNamespace(**low, dv_local=low["dv"], span=span)
     G = backend.state_gradient_summary(local)
     assert torch.equal(G, kn.state_gradient_summary(low["qg"], low["kg"], low["w"], low["gc"], low["do"], low["dv"],
@@ -33,7 +33,7 @@ def test_kda_backend_passes_the_policy(precision):
     # the policy changes the result: the test would notice it being dropped
     other = kn.state_summary(low["kg"], low["w"], low["u"], low["gc"],
                              precision="exact" if precision == "one_piece" else "one_piece")
-    assert not torch.equal(got.state, other.state)
+    assert not torch.equal(got.offset, other.offset)
 
 
 def test_gdn_backend_passes_the_policy():
@@ -44,7 +44,7 @@ def test_gdn_backend_passes_the_policy():
     got = backend.state_summary(SimpleNamespace(saved=saved, w=low["w"], u=low["u"]), span, with_transition=False)
     want = kn.state_summary(low["k"], low["w"], low["u"], low["gc"], output="state", raw_keys=True,
                             precision="one_piece")
-    assert torch.equal(got.state, want.state)
+    assert torch.equal(got.offset, want.offset)
     G = backend.state_gradient_summary(SimpleNamespace(saved=saved, w=low["w"], do=low["do"], dv=low["dv"], span=span))
     assert torch.equal(G, kn.state_gradient_summary(low["q"], low["k"], low["w"], low["gc"], low["do"], low["dv"],
                                                     SCALE, raw_keys=True, precision="one_piece"))

@@ -28,7 +28,7 @@ def test_summary_then_state_pass_equals_whole(gate):
     whole = backend.state_pass(chunks, span, h0, True)
     # one sequence cut in two: the second part starts from the first part's summary applied to h0
     first = backend.state_summary(chunks, Span(0, CUT, (0, CUT)), with_transition=True)
-    S_mid = first.transition @ h0 + first.state
+    S_mid = first.transition @ h0 + first.offset
     assert rel_err(backend.state_pass(chunks, second, S_mid, True).final_state, whole.final_state) < 1e-10
     o_second = backend.output(chunks, second, S_mid, None)
     assert rel_err(o_second, backend.output(chunks, span, h0, whole)[:, CUT:]) < 1e-10

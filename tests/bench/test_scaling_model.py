@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, route_step_path, simulate,
-                                       simulate_shared, step_programs)
+from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, route_step_path,
+                                       simulate_on_cores, simulate_shared, step_programs)
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes, chain_route, programs
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 from kdacp.distributed.plan import STRATEGIES
@@ -14,7 +14,7 @@ from tests.distributed.test_cost_model import LINK, TIMES
 
 def test_fla_by_hand():
     # summaries end at 1 on ranks 0-2 (none on the last), gather ends at 1.6, rank i folds i x 0.1, then 5
-    finish = simulate(fla_programs(4, "forward", TIMES), LINK)
+    finish = simulate_on_cores(fla_programs(4, "forward", TIMES), LINK)
     assert finish == pytest.approx([6.6, 6.7, 6.8, 6.9])
 
 
@@ -29,12 +29,12 @@ def test_predict_adds_directions_and_divides_by_one_device():
 
 def test_shared_cores_serialise_compute():
     link = Link()
-    assert simulate([[("compute", 1.0)], [("compute", 3.0)]], link, cores=1) == pytest.approx([2.0, 4.0])
-    assert simulate([[("compute", 1.0)], [("compute", 3.0)]], link, cores=None) == pytest.approx([1.0, 3.0])
+    assert simulate_on_cores([[("compute", 1.0)], [("compute", 3.0)]], link, cores=1) == pytest.approx([2.0, 4.0])
+    assert simulate_on_cores([[("compute", 1.0)], [("compute", 3.0)]], link, cores=None) == pytest.approx([1.0, 3.0])
     # a rank waiting for a message leaves its core to the others
     progs = [[("compute", 2.0), ("send", 1, 0)], [("recv", 0), ("compute", 1.0)], [("compute", 2.0)]]
     fast = Link(latency_s=0.0, bandwidth=1e30)
-    assert simulate(progs, fast, cores=1) == pytest.approx([4.0, 5.0, 4.0])
+    assert simulate_on_cores(progs, fast, cores=1) == pytest.approx([4.0, 5.0, 4.0])
 
 
 @pytest.mark.parametrize("P", [2, 3, 5, 7, 8, 13])

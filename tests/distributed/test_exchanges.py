@@ -41,7 +41,7 @@ class _GatherWork:
 
 
 class _Wire:
-    """``comm.post_recv`` / ``comm.send`` / ``comm.post_all_gather`` between threads; ``group`` is
+    """``collectives.post_recv`` / ``collectives.send`` / ``collectives.post_all_gather`` between threads; ``group`` is
     ``("wire", rank)``. Per ordered pair of ranks the n-th send fills the n-th posted receive."""
 
     def __init__(self, world_size: int):
@@ -101,9 +101,9 @@ def run_exchange(strategy: str, holders, emits, affine, messages, monkeypatch) -
     """Every position's incoming value, each rank a thread calling begin, send and receive on its positions."""
     P = max(holders) + 1
     wire = _Wire(P)
-    monkeypatch.setattr(strategies.comm, "post_recv", wire.post_recv)
-    monkeypatch.setattr(strategies.comm, "send", wire.send)
-    monkeypatch.setattr(strategies.comm, "post_all_gather", wire.post_all_gather)
+    monkeypatch.setattr(strategies.collectives, "post_recv", wire.post_recv)
+    monkeypatch.setattr(strategies.collectives, "send", wire.send)
+    monkeypatch.setattr(strategies.collectives, "post_all_gather", wire.post_all_gather)
     n = max(max(emits), 1)
     got, errors = {}, []
 

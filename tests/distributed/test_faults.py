@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import kdacp
 from kdacp import kda
-from kdacp.distributed import STRATEGIES, build_cp_plan, comm, new_cp_group
+from kdacp.distributed import STRATEGIES, build_cp_plan, groups, new_cp_group
 from kdacp.kda import chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
@@ -24,11 +24,11 @@ SLACK_S = 6.0  # compute and process start-up on a loaded 2-core machine
 
 def _group_timeouts(rank: int, P: int) -> None:
     assert kdacp.new_cp_group is new_cp_group
-    default = comm.group_timeout()
+    default = groups.group_timeout()
     assert default == timedelta(seconds=90)  # tests/multiprocess.py's init_process_group timeout
-    assert comm.group_timeout(new_cp_group()) == default  # the default group's, not torch's 30 min
-    assert comm.group_timeout(new_cp_group(timeout=7)) == timedelta(seconds=7)
-    assert comm.group_timeout(new_cp_group(list(range(P)), timeout=timedelta(seconds=8))) == timedelta(seconds=8)
+    assert groups.group_timeout(new_cp_group()) == default  # the default group's, not torch's 30 min
+    assert groups.group_timeout(new_cp_group(timeout=7)) == timedelta(seconds=7)
+    assert groups.group_timeout(new_cp_group(list(range(P)), timeout=timedelta(seconds=8))) == timedelta(seconds=8)
     for bad in (0, -1.0, "5", True):
         with pytest.raises(ValueError, match="timeout"):
             new_cp_group(timeout=bad)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kdacp.distributed.plan import STRATEGIES, rank_layouts
-from kdacp.distributed.strategies import AffineMessage, ScanExchange, make_exchange, scan_schedule, simulate_scan
+from kdacp.affine import AffineMap
+from kdacp.distributed.strategies import ScanExchange, make_exchange, scan_schedule, simulate_scan
 from tests.distributed.test_cp_chunk_kda import _cases, _check_case
 from tests.multiprocess import run_ranks
 
@@ -31,7 +32,7 @@ def _random_route(P: int, rng: random.Random) -> tuple[tuple[int, ...], tuple[bo
     return emits, affine
 
 
-def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> list[AffineMessage | None]:
+def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> list[AffineMap | None]:
     HV, K, V = shape
     out = []
     for e, a in zip(emits, affine):
@@ -40,7 +41,7 @@ def _random_messages(emits, affine, gen: torch.Generator, shape=(2, 3, 4)) -> li
             continue
         offset = torch.randn(e, HV, K, V, generator=gen, dtype=torch.float64)
         transition = 0.6 * torch.randn(e, HV, K, K, generator=gen, dtype=torch.float64) if a else None
-        out.append(AffineMessage(offset, transition))
+        out.append(AffineMap(offset, transition))
     return out
 
 
@@ -102,7 +103,7 @@ def test_scan_schedule_shape(P):
 
 
 class _Mailbox:
-    """In-process stand-in for ``comm.post_recv`` / ``comm.send``: ``group`` is ``("fake", rank)``; a
+    """In-process stand-in for ``collectives.post_recv`` / ``collectives.send``: ``group`` is ``("fake", rank)``; a
     receive whose message was not sent yet fails instead of blocking."""
 
     class _Work:
@@ -142,8 +143,8 @@ def test_scan_exchange_in_one_process(P, backward, monkeypatch):
     rng, gen = random.Random(7 * P + backward), torch.Generator().manual_seed(P)
     for _ in range(25):
         box = _Mailbox()
-        monkeypatch.setattr(strategies.comm, "post_recv", box.post_recv)
-        monkeypatch.setattr(strategies.comm, "send", box.send)
+        monkeypatch.setattr(strategies.collectives, "post_recv", box.post_recv)
+        monkeypatch.setattr(strategies.collectives, "send", box.send)
         emits, affine = _random_route(P, rng)  # by position
         messages = _random_messages(emits, affine, gen)
         want = _sequential(messages, emits)

@@ -138,7 +138,7 @@ def test_other_chunk_sizes(chunk_size, T, L):
     assert rel_err(G, ref_grad(x, chunk_size=chunk_size)) < TOL
     # the chunking matters: the same inputs read at chunk size 64 (other last chunks) give another summary
     if chunk_size != 64:
-        assert rel_err(kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], precision=PINNED).state, S_ref) > 1e-3
+        assert rel_err(kn.state_summary(low["kg"], low["w"], low["u"], low["gc"], precision=PINNED).offset, S_ref) > 1e-3
 
 
 @pytest.mark.parametrize("field,value", [("block_v", 48), ("num_warps", 3), ("v_first", 1),
@@ -152,7 +152,7 @@ def test_bad_summary_config_raises(field, value):
 def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from kdacp.kernels.stages import launch_fitting_stages
+    from kdacp.kernels.pipelining import launch_fitting_stages
 
     class Kernel:  # stands for a Triton kernel whose buffers fit in shared memory up to ``fits`` stages
         def __init__(self, fits):
@@ -177,7 +177,7 @@ def test_launch_falls_back_to_fewer_stages_when_shared_memory_runs_out():
 
 
 def test_launch_passes_the_register_limit_to_triton():
-    from kdacp.kernels.stages import launch_fitting_stages
+    from kdacp.kernels.pipelining import launch_fitting_stages
 
     seen = []
 
@@ -255,7 +255,7 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
                            precision=PINNED)
     n = len(out.starts)
     assert out.starts[0] == 0 and all(s % C == 0 for s in out.starts) and list(out.starts) == sorted(set(out.starts))
-    assert out.parts.state.shape[0] == out.parts.transition.shape[0] == n > 1
+    assert out.parts.offset.shape[0] == out.parts.transition.shape[0] == n > 1
     if L is not None:
         assert n == -(-(-(-T // C)) // L)
 
@@ -267,10 +267,10 @@ def test_summary_parts_give_the_state_entering_every_sub_segment(L, raw):
     entering = affine.entry_states(out, S0[None].float())
     assert entering.shape == (n, 2, 64, 64)
     for j, start in enumerate(out.starts):
-        expected = S0 if start == 0 else truth(start).transition[0] @ S0 + truth(start).state[0]
+        expected = S0 if start == 0 else truth(start).transition[0] @ S0 + truth(start).offset[0]
         assert rel_err(entering[j], expected) < TOL, j
     S_all, M_all = truth(T)
-    assert rel_err(out.summary.state, S_all) < TOL and rel_err(out.summary.transition, M_all) < TOL
+    assert rel_err(out.summary.offset, S_all) < TOL and rel_err(out.summary.transition, M_all) < TOL
     with pytest.raises(ValueError, match="output='both'"):
         kn.state_summary(k, low["w"], low["u"], low["gc"], chunk_size=C, output="state", raw_keys=raw, parts=True,
                          precision=PINNED)
@@ -291,7 +291,7 @@ def test_summary_parts_of_packed_sequences():
     for j, start in enumerate(out.starts):
         n = next(i for i in range(len(CU) - 1) if CU[i] <= start < CU[i + 1])
         seg = {f: t[:, CU[n]:start] for f, t in x.items()}
-        expected = S0[n] if start == CU[n] else ref_summary(seg).transition[0] @ S0[n] + ref_summary(seg).state[0]
+        expected = S0[n] if start == CU[n] else ref_summary(seg).transition[0] @ S0[n] + ref_summary(seg).offset[0]
         assert rel_err(entering[j], expected) < TOL, j
     with pytest.raises(ValueError, match="one packed row"):
         kn.state_summary(low["kg"].expand(2, -1, -1, -1), low["w"].expand(2, -1, -1, -1),
@@ -731,7 +731,7 @@ def test_gpu_raw_keys_float32_accurate_qwen3_next_shapes_bf16():
         G_raw = kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"], raw_keys=True,
                                           precision=PINNED)
         G_pre = kn.state_gradient_summary(x["qg"], x["kg"], x["w"], gc, x["do"], x["dv"], x["scale"], precision=PINNED)
-        for got, pre_got, truth in ((raw.state, pre.state, r["S"]), (raw.transition, pre.transition, r["M"]),
+        for got, pre_got, truth in ((raw.offset, pre.offset, r["S"]), (raw.transition, pre.transition, r["M"]),
                                     (G_raw, G_pre, r["G"])):
             assert torch.isfinite(got).all()
             # the pre-gated inputs carry bf16 rounding of the gated values (~1e-3); raw keys none

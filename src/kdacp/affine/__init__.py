@@ -1,7 +1,9 @@
-"""The algebra of affine state summaries, written once: the type, apply and compose.
+"""The affine maps of states, written once: the type, apply and compose.
 
-A summary acts on a state as ``S_out = M S_in + S_ext`` (forward; backward the same form with ``M^T``
-and ``G``: ``dS_in = M^T dS_out + G``), and ``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``.
+One map ``x -> A x + b`` serves every place states are carried across tokens: a segment's summary
+acts on a state as ``S_out = M S_in + S_ext`` (forward; backward the same form with ``M^T`` and ``G``:
+``dS_in = M^T dS_out + G``), an exchange's message as ``x_out = A x_in + b`` (``A`` absent where the
+value is known outright), and ``(M2, S2) o (M1, S1) = (M2 M1, M2 S1 + S2)``.
 
 Precision rule (every caller: the reference, the kernels' users, the exchange strategies): float32
 operands on a GPU, outside autograd, go through one Triton kernel in float32 (3xTF32 products, as the
@@ -20,16 +22,42 @@ import torch
 
 from .product import affine_product
 
-__all__ = ["StateSummary", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
+__all__ = ["AffineMap", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
            "compose_state_summaries", "entry_states"]
 
 
-class StateSummary(NamedTuple):
-    """``S_out = M S_in + S_ext``: ``state`` is ``S_ext [N, HV, K, V]``, ``transition`` is ``M [N, HV, K, K]``
-    (either may be ``None`` where it was not asked for)."""
+class AffineMap(NamedTuple):
+    """``x -> transition @ x + offset`` on states ``[..., K, V]``: ``offset [..., K, V]``, ``transition
+    [..., K, K]``.
 
-    state: torch.Tensor | None
-    transition: torch.Tensor | None
+    ``transition`` ``None``: the constant map (its value is known outright, whatever comes in). A
+    segment's summary is ``AffineMap(S_ext, M)`` (``S_out = M S_in + S_ext``), with ``None`` in a field
+    that was not asked for. Products by the precision rule of this module.
+    """
+
+    offset: torch.Tensor | None
+    transition: torch.Tensor | None = None
+
+    @property
+    def constant(self) -> bool:
+        """The map ignores its input (no transition)."""
+        return self.transition is None
+
+    def apply(self, x: torch.Tensor | None) -> torch.Tensor:
+        """``transition @ x + offset`` (``x [..., K, V]``; the offset itself for a constant map, whose ``x`` may
+        be ``None``)."""
+        if self.transition is None:
+            return self.offset
+        return apply_state_summary(self.offset, self.transition, x)
+
+    def compose(self, earlier: AffineMap) -> AffineMap:
+        """``self o earlier``, the map of ``earlier`` then ``self``: ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``
+        (constant when either is: a constant ``self`` is returned as it is)."""
+        if self.transition is None:
+            return self
+        if earlier.transition is None:
+            return AffineMap(apply_state_summary(self.offset, self.transition, earlier.offset))
+        return compose_state_summaries(earlier, self)
 
 
 class SummaryParts(NamedTuple):
@@ -39,8 +67,8 @@ class SummaryParts(NamedTuple):
     sequence's (host ints, increasing); ``counts``: pieces per sequence. A state pass over all pieces at
     once starts each from :func:`entry_states`."""
 
-    summary: StateSummary
-    parts: StateSummary
+    summary: AffineMap
+    parts: AffineMap
     starts: tuple[int, ...]
     counts: tuple[int, ...]
 
@@ -102,13 +130,13 @@ def apply_state_gradient_summary(G: torch.Tensor, M: torch.Tensor, dS_out: torch
     return _products(M.transpose(-1, -2), dS_out, G)[0]
 
 
-def compose_state_summaries(first, second) -> StateSummary:
+def compose_state_summaries(first, second) -> AffineMap:
     """Summary of ``first`` followed by ``second`` (each ``(S_ext, M)``): ``(M2 S1 + S2, M2 M1)``."""
     (S1, M1), (S2, M2) = first, second
     _check_pair("second M", M2, "first M", M1, M2.shape[-1])
     _check_pair("second M", M2, "first S_ext", S1, None)
     _check_pair("second M", M2, "second S_ext", S2, S1.shape[-1])
-    return StateSummary(*_products(M2, S1, S2, M1))
+    return AffineMap(*_products(M2, S1, S2, M1))
 
 
 def entry_states(parts: SummaryParts, initial: torch.Tensor) -> torch.Tensor:
@@ -120,7 +148,7 @@ def entry_states(parts: SummaryParts, initial: torch.Tensor) -> torch.Tensor:
         S = initial[row]
         states.append(S)
         for j in range(first, first + count - 1):
-            S = apply_state_summary(parts.parts.state[j], parts.parts.transition[j], S)
+            S = apply_state_summary(parts.parts.offset[j], parts.parts.transition[j], S)
             states.append(S)
         first += count
     return torch.stack(states)

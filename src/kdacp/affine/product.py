@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["affine_product"]
-
 
 @triton.jit
 def _tile(a, x, b, out, n, i_m, i_c, K, C, sa_n, sa_r, sa_c, sx_n, sx_r, sx_c, sb_n, sb_r, sb_c,

@@ -16,8 +16,6 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["KDAOptions", "KDAInputs", "Span", "LocalStates", "LocalGrads", "LocalBackend", "tensor_fields"]
-
 
 @dataclass(frozen=True)
 class KDAOptions:
@@ -153,7 +151,7 @@ class LocalBackend(Protocol):
     def prepare(self, inputs: KDAInputs, span: Span): ...
 
     def state_summary(self, chunks, span: Span, with_transition: bool, parts: bool = False):
-        """``StateSummary(state=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``. ``parts`` (with
+        """``AffineMap(offset=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``. ``parts`` (with
         the transition): :class:`~kdacp.affine.SummaryParts`, the summaries and those of consecutive
         pieces of each segment, so that the state pass can run over all pieces at once
         (``span.cut(parts.starts)``) from :func:`~kdacp.affine.entry_states`."""

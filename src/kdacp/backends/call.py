@@ -11,8 +11,6 @@ from . import make_backend
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
 from .fla_adapter import fla_gated_gdn_backward_supported
 
-__all__ = ["PreparedCall", "prepare_call", "input_dtypes", "input_gradients", "wants_gradient"]
-
 
 @dataclass(frozen=True)
 class PreparedCall:

@@ -20,8 +20,6 @@ from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates
 from .fla_adapter import load_fla
 from ..kernels import state_gradient_summary, state_summary
 
-__all__ = ["FlaBackend"]
-
 
 class TokenSaved:
     """A dataclass of tensors ``[1, T, ...]`` saved for the backward, but for the per-head parameters ``A_log``

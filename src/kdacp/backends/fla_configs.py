@@ -21,9 +21,6 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["SHIPPED_CONFIGS", "USER_CONFIGS", "gpu_dir_name", "use_shipped_configs", "export_fla_configs",
-           "fla_key_hash", "autotuner_kernel_name", "seed_autotuner"]
-
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 # where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
 USER_CONFIGS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kdacp" / "fla-configs"

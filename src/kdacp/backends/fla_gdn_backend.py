@@ -26,8 +26,6 @@ from .base import KDAInputs, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend, FlaBackwardStates, TokenSaved
 from ..kernels import state_gradient_summary, state_summary
 
-__all__ = ["FlaGDNBackend"]
-
 
 @dataclass
 class GDNSaved(TokenSaved):

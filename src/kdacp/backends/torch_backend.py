@@ -14,8 +14,6 @@ from .. import reference
 from ..affine import SummaryParts
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 
-__all__ = ["TorchBackend"]
-
 
 @dataclass(frozen=True)
 class TorchBackward:

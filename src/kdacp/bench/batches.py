@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["BATCHES", "DOCS_7", "document_lengths", "cu_seqlens_of"]
-
 # Seven documents of a 32K-token batch (16K tokens per rank on 2 ranks); the third crosses the edge.
 DOCS_7 = (7777, 3000, 12000, 513, 1000, 1000, 7478)
 BATCHES = ("one_sequence", "docs7", "lognormal")

@@ -7,18 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kdacp.affine import compose_state_summaries
+from kdacp.affine import AffineMap, compose_state_summaries
 from kdacp.backends.call import prepare_call
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes
 from kdacp.distributed.plan import rank_layouts
-from kdacp.distributed.strategies import AffineMessage
 from kdacp.reference.gates import compute_dtype
 
 from .inputs import random_inputs
 from .stage_probe import time_roles
 from .timing import median_time, queued_device_time
-
-__all__ = ["OPTIONS", "Calibration", "calibration_rows", "measure_stages", "op_times"]
 
 # Kimi Linear's gate and norm settings
 OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
@@ -31,8 +28,8 @@ def op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: 
     kernels still running, so the host has queued the product before its input arrives, and the
     critical path holds only its device time (the host's time per product is larger and hidden)."""
     wire = torch.finfo(state_dtype).bits // 8
-    msg = AffineMessage(torch.randn(n, HV, K, V, device=device, dtype=state_dtype),
-                        torch.randn(n, HV, K, K, device=device, dtype=state_dtype))
+    msg = AffineMap(torch.randn(n, HV, K, V, device=device, dtype=state_dtype),
+                    torch.randn(n, HV, K, K, device=device, dtype=state_dtype))
     x = torch.randn(n, HV, K, V, device=device, dtype=state_dtype)
     a, b = (msg.offset, msg.transition), (x, msg.transition)
     ops = dict(apply=lambda: msg.apply(x).to(state_dtype),

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PlotSpec", "load_module_file", "run_context", "markdown_table", "write_results"]
-
 
 @dataclass(frozen=True)
 class PlotSpec:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GATES", "random_inputs"]
-
 GATES = ("kda", "gdn")
 
 

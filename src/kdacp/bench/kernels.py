@@ -300,14 +300,14 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
     for form, gc in gates.items():
         contenders[f"kdacp state_summary (S_ext+M, {form} gate)"] = (
             lambda gc=gc: kn.state_summary(x["kg"], x["w"], x["u"], gc, chunk_size=chunk_size), costs["both"],
-            lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+            lambda out: {"S": rel_err(out.offset, r["S"]), "M": rel_err(out.transition, r["M"])})
         contenders[f"kdacp state_gradient_summary (G, {form} gate)"] = (
             lambda gc=gc: kn.state_gradient_summary(*gargs, gc, x["do"], x["dv"], x["scale"], chunk_size=chunk_size),
             costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
         # what the fla GDN backend runs: FLA's raw q, k [T, 16, K], gated inside the kernels
         contenders[f"kdacp state_summary (S_ext+M, {form} gate, raw k)"] = (
             lambda gc=gc: kn.state_summary(x["k"], x["w"], x["u"], gc, chunk_size=chunk_size, raw_keys=True),
-            costs["both"], lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+            costs["both"], lambda out: {"S": rel_err(out.offset, r["S"]), "M": rel_err(out.transition, r["M"])})
         contenders[f"kdacp state_gradient_summary (G, {form} gate, raw q, k)"] = (
             lambda gc=gc: kn.state_gradient_summary(x["q"], x["k"], x["w"], gc, x["do"], x["dv"], x["scale"],
                                                     chunk_size=chunk_size, raw_keys=True),
@@ -316,7 +316,7 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
         contenders[f"kdacp state_summary (S_ext+M, scalar gate, raw k) [{policy}]"] = (
             lambda policy=policy: kn.state_summary(x["k"], x["w"], x["u"], x["gc"], chunk_size=chunk_size,
                                                    raw_keys=True, precision=policy),
-            costs["both"], lambda out: {"S": rel_err(out.state, r["S"]), "M": rel_err(out.transition, r["M"])})
+            costs["both"], lambda out: {"S": rel_err(out.offset, r["S"]), "M": rel_err(out.transition, r["M"])})
         contenders[f"kdacp state_gradient_summary (G, scalar gate, raw q, k) [{policy}]"] = (
             lambda policy=policy: kn.state_gradient_summary(x["q"], x["k"], x["w"], x["gc"], x["do"], x["dv"],
                                                             x["scale"], chunk_size=chunk_size, raw_keys=True,
@@ -324,7 +324,7 @@ def run_gdn(T=16384, H=16, HV=32, K=128, V=128, chunk_size=64, *, dtype=torch.bf
             costs["grad"], lambda G: {"G": rel_err(G, r["G"])})
     contenders["kdacp state_summary (S_ext only, scalar gate)"] = (
         lambda: kn.state_summary(x["kg"], x["w"], x["u"], x["gc"], chunk_size=chunk_size, output="state"),
-        costs["state"], lambda out: {"S": rel_err(out.state, r["S"])})
+        costs["state"], lambda out: {"S": rel_err(out.offset, r["S"])})
     # what our kernels need beyond FLA's inputs: the gated q, k per value head (an upper bound, eager)
     contenders["PyTorch qg, kg from q, k, gc (eager, ours need them)"] = (
         lambda: gdn_gated(x["q"], x["k"], x["gc"], chunk_size), (0, 4 * T * K * (H + HV)), lambda _: {})

@@ -9,8 +9,6 @@ from kdacp.distributed.cost_model import Link
 
 from .timing import median_time
 
-__all__ = ["measure_link"]
-
 
 def measure_link(nbytes: int, device, group=None, iters: int = 10) -> Link:
     """The link between ranks 0 and 1 of ``group`` (point-to-point) and over the group (all-gather), from

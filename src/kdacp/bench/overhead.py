@@ -51,9 +51,6 @@ from .harness import PlotSpec, markdown_table
 from .stage_probe import ROLE_RANKS, probe_rounds
 from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync, time_queued
 
-__all__ = ["FAMILIES", "PLOTS", "ReadyExchange", "device_role_call", "markdown", "rank_step", "role_call", "role_plans",
-           "run"]
-
 FAMILIES = ("kda", "gdn")
 GDN_OPTIONS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=None, safe_gate=False)
 PLOTS = {"overhead": PlotSpec(x="label", y="ratio", bars=True, where=("source", "overhead"),

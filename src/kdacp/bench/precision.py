@@ -124,7 +124,7 @@ def virtual_cp(family: str, x: dict, P: int, policy: str, want: dict, backend: s
             summary = call.backend.state_summary(chunks, span, with_transition=True)
             stages.append((call, span, chunks, summary))
             if r < P - 1:
-                states.append(summary.state if r == 0 else apply_state_summary(summary.state, summary.transition,
+                states.append(summary.offset if r == 0 else apply_state_summary(summary.offset, summary.transition,
                                                                                states[-1]))
         douts = [None] * P
         douts[-1] = x["dfinal"].to(torch.float64 if dtype == torch.float64 else torch.float32)

@@ -26,8 +26,7 @@ from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageT
                                          join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
 
-__all__ = ["MODEL_STRATEGIES", "MODEL_LAYOUTS", "Prediction", "zigzag_chain", "StepPrediction", "check_stack", "fla_programs", "predict", "predict_step",
-           "route_path", "route_step_path", "simulate", "simulate_shared", "step_programs"]
+__all__ = ["predict", "route_path", "route_step_path"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 MODEL_LAYOUTS = ("contiguous", "zigzag")
@@ -54,9 +53,11 @@ class Prediction:
         return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
 
 
-def simulate(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:
+def simulate_on_cores(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:
     """The finish time of every position's program (ops as in the module docstring); ``cores``:
-    ``None`` for a device per position, else the positions share that many cores.
+    ``None`` (or as many as positions) for a device per position (the runtime cost model's
+    :func:`~kdacp.distributed.cost_model.simulate`), else the positions share that many cores
+    (:func:`simulate_shared`, a global clock).
 
     Raises:
         RuntimeError: a program waits for a message nobody sends (or an all-gather not all join).
@@ -162,7 +163,7 @@ def route_path(strategy: str, emits, affine, stages: list[RoleStages], times: St
     """The critical path (seconds: the slowest position's finish) of ``strategy`` (``p2p``, ``allgather``,
     ``scan``) on any one route, ``emits``/``affine`` and ``stages`` by position in the direction states flow
     (a packed batch's layout, where :func:`predict` takes one sequence's chain)."""
-    return max(simulate(programs(strategy, emits, affine, stages, times), link, cores))
+    return max(simulate_on_cores(programs(strategy, emits, affine, stages, times), link, cores))
 
 
 def _check(strategy: str, P: int, layout: str = "contiguous") -> None:
@@ -297,7 +298,7 @@ def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleS
     check_stack(layers, sync_every)
     layer = _route_layer(strategy, {"forward": (forward, forward_stages), "backward": (backward, backward_stages)},
                          times)
-    return max(simulate(_assemble(layer, len(forward[0]), layers, sync_every), link, cores))
+    return max(simulate_on_cores(_assemble(layer, len(forward[0]), layers, sync_every), link, cores))
 
 
 def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,
@@ -306,7 +307,7 @@ def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_eve
     token-mixer layers (:func:`step_programs`): the slowest rank's finish against ``layers`` one-device steps."""
     _check(strategy, P, layout)
     check_stack(layers, sync_every)
-    finish = simulate(step_programs(strategy, P, times, layers, sync_every, layout), link, cores)
+    finish = simulate_on_cores(step_programs(strategy, P, times, layers, sync_every, layout), link, cores)
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return StepPrediction(strategy, P, layers, sync_every, max(finish), layers * sum(one))
 
@@ -318,6 +319,6 @@ def predict(strategy: str, P: int, times: StageTimes, link: Link = DEFAULT_LINK,
     per rank."""
     _check(strategy, P, layout)
     layer = _layer(strategy, P, times, layout)
-    paths = [max(simulate(layer(direction, 0), link, cores)) for direction in ("forward", "backward")]
+    paths = [max(simulate_on_cores(layer(direction, 0), link, cores)) for direction in ("forward", "backward")]
     one = times.fla_one_device if strategy == "fla" else times.one_device
     return Prediction(strategy, P, paths[0], paths[1], sum(one))

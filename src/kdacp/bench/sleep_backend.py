@@ -5,10 +5,8 @@ import time
 
 import torch
 
-from kdacp.affine import StateSummary, SummaryParts
+from kdacp.affine import AffineMap, SummaryParts
 from kdacp.backends.base import BackwardStates, KDAInputs, LocalGrads, LocalStates
-
-__all__ = ["CHAIN_STAGES", "SLEEP_STAGES", "SleepBackend", "sleep_inputs"]
 
 # Seconds each stage of SleepBackend sleeps for a whole rank's tokens, ten times an H200's at 16K
 # tokens: the summaries and state passes from issue 3's figures, the other stages a rough split of
@@ -55,8 +53,8 @@ class SleepBackend:
         """Zero summaries; ``parts``: one piece per segment (its state pass then runs as one, as timed)."""
         self._sleep("state_summary", span)
         n = span.num_segments
-        summary = StateSummary(self._zeros(n, self.HV, self.K, self.V),
-                               self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
+        summary = AffineMap(self._zeros(n, self.HV, self.K, self.V),
+                            self._zeros(n, self.HV, self.K, self.K) if with_transition else None)
         return SummaryParts(summary, summary, span.cu_seqlens[:-1], (1,) * n) if parts else summary
 
     def state_pass(self, chunks, span, initial_state, output_final_state: bool) -> LocalStates:

@@ -20,8 +20,6 @@ from kdacp.distributed.strategies import Pending
 
 from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync
 
-__all__ = ["ROLE_RANKS", "StageProbe", "probe_role", "probe_rounds", "queue_ahead", "time_roles"]
-
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
 
 

@@ -8,8 +8,6 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["log", "max_rel_diff", "record_row", "step_functions"]
-
 
 def _train_step(fn, x: dict, do: torch.Tensor):
     """One forward + backward of ``fn(**x) -> (o, final_state)``: ``(o, gradients of x)``, not accumulated."""

@@ -12,8 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-__all__ = ["Clock", "check_queued_ahead", "median_time", "median_times", "peak_gb", "queue_ahead_for",
-           "queued_device_time", "sleep_then_mark", "sync", "time_queued", "time_round_robin", "timed_columns"]
+__all__ = ["Clock", "sync"]
 
 
 def sync(device: torch.device) -> None:

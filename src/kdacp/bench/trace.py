@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["trace_step", "breakdown", "top_ops"]
+__all__ = ["breakdown", "top_ops"]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -27,7 +27,8 @@ import contextlib
 import torch
 
 from kdacp import reference
-from kdacp.distributed.strategies import AffineMessage, simulate_scan
+from kdacp.affine import AffineMap
+from kdacp.distributed.strategies import simulate_scan
 
 from .harness import PlotSpec
 from .inputs import random_inputs
@@ -42,7 +43,7 @@ CHUNK = 64
 WORLD_SIZES = {"cpu": (2, 4, 8, 16, 64), "cuda": (2, 4, 8, 16, 64, 256, 1024)}
 
 
-def incoming_states(summaries: list[AffineMessage], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:
+def incoming_states(summaries: list[AffineMap], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:
     """The incoming state of segments ``1 .. P-1`` from the segments' summaries (``summaries[0]`` is
     absolute: the first segment starts the sequence), in ``strategy``'s order, messages in ``wire``."""
     P = len(summaries) + 1
@@ -109,8 +110,8 @@ def _rows(world_sizes, tokens_per_rank: int, HV: int, K: int, V: int, seed: int,
         inter = reference.chunk_kda_intermediates(**args, cu_seqlens=cu)
         S, M = reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, cu_seqlens=cu)
         wire = torch.float32
-        msgs = [AffineMessage(S[0:1].to(wire))] + [AffineMessage(S[r:r + 1].to(wire), M[r:r + 1].to(wire))
-                                                    for r in range(1, P - 1)]
+        msgs = [AffineMap(S[0:1].to(wire))] + [AffineMap(S[r:r + 1].to(wire), M[r:r + 1].to(wire))
+                                               for r in range(1, P - 1)]
         # The truth: one unsplit float64 pass, with its state at every segment edge.
         whole = reference.chunk_kda_intermediates(**args)
         o_ref, per_rank = whole.o, tokens_per_rank // CHUNK

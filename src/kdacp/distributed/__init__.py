@@ -6,9 +6,8 @@ with ``cp=plan`` on every rank with that rank's tokens. Give both a group from :
 the compute kernels' queue, and it keeps kdacp's messages out of the queue of other collectives
 (gradient all-reduces) on the default group.
 """
-from .comm import init_device_mesh, process_group
-from .comm import new_group as new_cp_group
-from .plan import STRATEGIES, CPPlan, LocalSegment, RankLayout, build_cp_plan
+from .groups import init_device_mesh
+from .groups import new_group as new_cp_group
+from .plan import STRATEGIES, CPPlan, build_cp_plan
 
-__all__ = ["CPPlan", "LocalSegment", "RankLayout", "STRATEGIES", "build_cp_plan", "init_device_mesh", "new_cp_group",
-           "process_group"]
+__all__ = ["CPPlan", "STRATEGIES", "build_cp_plan", "init_device_mesh", "new_cp_group"]

@@ -16,10 +16,8 @@ import torch.distributed as dist
 
 from ..kernels.precision import SummaryPrecision, resolve_precision
 from ..validation import check_kda_dtypes, check_kda_inputs, check_tensor, nonfinite_mask, nonfinite_names
-from . import comm
+from . import collectives
 from .plan import CPPlan
-
-__all__ = ["check_cp_call", "verified_plans"]
 
 # The call signatures every rank has verified, per plan object (a new plan always checks again); an
 # entry goes with its plan.
@@ -152,7 +150,7 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         finite = nonfinite_mask(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                                      A_log=A_log if use_gate_in_kernel else None,
                                      dt_bias=dt_bias if use_gate_in_kernel else None))
-    rows = comm.all_gather_signatures(signature, plan.group, device, finite)
+    rows = collectives.all_gather_signatures(signature, plan.group, device, finite)
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(rows) if not row[0]]

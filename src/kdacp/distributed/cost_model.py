@@ -67,8 +67,7 @@ from dataclasses import dataclass, field
 
 from .strategies import scan_schedule
 
-__all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "simulate", "deadlock_error", "join_gather", "chain_route",
-           "programs", "exchange_stage_times", "choose_strategy"]
+__all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "exchange_stage_times"]
 
 ROLES = ("first", "through", "last")
 

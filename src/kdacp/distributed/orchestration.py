@@ -69,14 +69,12 @@ from functools import lru_cache
 
 import torch
 
-from ..affine import apply_state_summary, entry_states
+from ..affine import AffineMap, apply_state_summary, entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
-from . import comm
+from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
-from .strategies import AffineMessage, Route, StateExchange, make_exchange
-
-__all__ = ["CPForward", "CPGrads", "cp_forward", "cp_backward"]
+from .strategies import Route, StateExchange, make_exchange
 
 
 @dataclass
@@ -172,10 +170,10 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         summary = backend.state_summary(chunks, head, with_transition=True, parts=backend.parallel_pieces)
         if backend.parallel_pieces:
             pieces, summary = summary, summary.summary
-        message, transition = AffineMessage(summary.state, summary.transition), summary.transition
+        message, transition = summary, summary.transition
     elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
         rest_states = backend.state_pass(chunks, rest, known_initial, True)
-        message = AffineMessage(rest_states.final_state[-layout.num_send:])
+        message = AffineMap(rest_states.final_state[-layout.num_send:])
     exchange.send(pending, (message,))
     if rest_states is not None:
         rest_o = backend.output(chunks, rest, known_initial, rest_states)
@@ -207,7 +205,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     if output_final_state:  # the segments that end here form a prefix
         final_state = _by_sequence(plan, segments, local_final, slice(0, len(segments) - layout.num_send))
         if plan.world_size > 1:
-            final_state = comm.all_reduce_sum(final_state, plan.group)
+            final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
     return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
@@ -244,7 +242,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
         dht_all = torch.zeros(plan.num_sequences, HV, K, V, dtype=state_dtype, device=do.device)
         if dfinal is not None:
             dht_all += dfinal
-        dht_all = comm.all_reduce_sum(dht_all, plan.group)
+        dht_all = collectives.all_reduce_sum(dht_all, plan.group)
     _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
     exchange = exchange or make_exchange(plan.strategy)
     if len(layout.positions) > 1:
@@ -260,14 +258,14 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
     if route.affine[position]:  # a through rank: its one segment both receives and sends
-        message = AffineMessage(backend.state_gradient_summary(local), transition.transpose(-1, -2))
+        message = AffineMap(backend.state_gradient_summary(local), transition.transpose(-1, -2))
     elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
         states = backend.backward_states(local, final_grads)
         if n_head:
-            message = AffineMessage(states.dinitial_state[:n_head])
+            message = AffineMap(states.dinitial_state[:n_head])
     elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
         head_dht = None if final_grads is None else final_grads[:n_head]
-        message = AffineMessage(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
+        message = AffineMap(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
     exchange.send(pending, (message,))
     dS_out, = exchange.receive(pending)
     if states is None:
@@ -315,7 +313,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
     offsets = transition = None
     if last and any(s.sends and s.receives for s in segments):  # an affine message: (S_ext, M) of every segment
         summary = backend.state_summary(chunks, span, with_transition=True)
-        offsets, transition = summary.state, summary.transition
+        offsets, transition = summary
         if given is not None:  # a sequence that starts in its range sends M S_0 + S_ext
             known = [j for j in range(first, last) if segments[j].sends and not segments[j].receives]
             if known:
@@ -333,7 +331,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         if not rows:
             messages.append(None)
         else:
-            messages.append(AffineMessage(offsets[rows], transition[rows] if route.affine[p] else None))
+            messages.append(AffineMap(offsets[rows], transition[rows] if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
     seen = {p: 0 for p in route.positions}
@@ -353,7 +351,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         final_state = states.final_state.new_zeros(plan.num_sequences, HV, K, V)
         ends = [j for j, s in enumerate(segments) if not s.sends]
         final_state[[segments[j].sequence for j in ends]] = states.final_state[ends]
-        final_state = comm.all_reduce_sum(final_state, plan.group)
+        final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
     # the backward's affine messages read M of the segments of the sending span (kept only where one is affine)
@@ -387,9 +385,9 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
         for k, i in enumerate(route.positions):
             rows = [j for j in receiving if segments[j].position == L - 1 - i]
             if rows and route.affine[i]:
-                messages[k] = AffineMessage(dinitial[rows], transition[[j - first for j in rows]].transpose(-1, -2))
+                messages[k] = AffineMap(dinitial[rows], transition[[j - first for j in rows]].transpose(-1, -2))
             elif rows:
-                messages[k] = AffineMessage(dinitial[rows])
+                messages[k] = AffineMap(dinitial[rows])
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
     seen = {p: 0 for p in incoming}

@@ -27,10 +27,6 @@ from ..validation import check_cu_seqlens
 from . import cost_model
 from .layout import LAYOUTS, TokenLayout, contiguous_layout, make_layout
 
-__all__ = ["LocalSegment", "RankLayout", "ChainLink", "CPPlan", "build_cp_plan", "one_rank_plan", "local_cu_seqlens",
-           "rank_layouts", "layout_rank_layouts", "chain_links", "through_ranks", "resolve_strategy", "STRATEGIES",
-           "STRATEGY_CHOICES", "AUTO_STATE_SHAPE"]
-
 STRATEGIES = ("p2p", "allgather", "scan")
 STRATEGY_CHOICES = STRATEGIES + ("auto",)
 # (HV, K, V) that "auto" sizes messages with when not told: Kimi Linear's (H=HV=32, K=V=128)

@@ -3,7 +3,8 @@
 
 The chain's positions are the layout's ranges in the direction states flow (global token order forward,
 reversed backward); a rank holds one position (the contiguous layout) or several. Every position that
-passes something on emits an :class:`AffineMessage` ``x_out = A x_in + b``: ``A`` is ``None`` where the
+passes something on emits a message ``x_out = A x_in + b`` (a :class:`kdacp.affine.AffineMap`): ``A`` is
+``None`` where the
 position knows its outgoing value outright (a chain start), and ``M`` (forward) or ``M^T`` (backward) on
 positions strictly inside a chain. A strategy turns the messages into each position's incoming value.
 Both directions use the same code on a :class:`Route`: ``p2p`` (wavefront), ``allgather`` (one
@@ -22,26 +23,9 @@ from typing import Protocol
 
 import torch
 
-from ..affine import apply_state_summary, compose_state_summaries
+from ..affine import AffineMap
 from ..caches import SCAN_SCHEDULES
-from . import comm
-
-__all__ = ["AffineMessage", "Route", "Pending", "StateExchange", "P2PExchange", "AllGatherExchange",
-           "ScanExchange", "ScanSchedule", "scan_schedule", "simulate_scan", "make_exchange"]
-
-
-@dataclass
-class AffineMessage:
-    """``x_out = transition @ x_in + offset``; ``offset [n, HV, K, V]``, ``transition [n, HV, K, K]`` or ``None``."""
-
-    offset: torch.Tensor
-    transition: torch.Tensor | None = None
-
-    def apply(self, x_in: torch.Tensor | None) -> torch.Tensor:
-        if self.transition is None:
-            return self.offset
-        # one small product per hop, by the precision rule of kdacp.affine
-        return apply_state_summary(self.offset, self.transition, x_in)
+from . import collectives
 
 
 @dataclass(frozen=True)
@@ -119,7 +103,7 @@ class _OrderedSends:
         while queue and queue[0] in self.ready:
             payload = self.ready.pop(queue.pop(0))
             self.kept.append(payload)  # alive until its send completes
-            self.works.append(comm.send(payload, peer, self.group))
+            self.works.append(collectives.send(payload, peer, self.group))
 
 
 @dataclass
@@ -156,14 +140,14 @@ class Pending:
     def finish_sends(self) -> None:
         """Wait for this rank's sends (their buffers are freed after)."""
         if self.outbox is not None:
-            comm.wait(self.outbox.works)
+            collectives.wait(self.outbox.works)
             self.outbox.works.clear()
             self.outbox.kept.clear()
 
 
 class StateExchange(Protocol):
     """``begin`` before the local work (posts receives); ``send`` as soon as this rank's messages are
-    known, one per position of ``route.positions`` (an :class:`AffineMessage`, or ``None`` where the
+    known, one per position of ``route.positions`` (an :class:`~kdacp.affine.AffineMap`, or ``None`` where the
     position passes nothing on); ``receive`` when the incoming values are needed: one per position,
     ``[n, HV, K, V]`` or ``None`` where nothing comes in. Every rank calls all three, in this order,
     whether or not it has anything to pass on."""
@@ -191,7 +175,7 @@ class P2PExchange:
             src, dst = route.source(i), route.target(i)
             if src is not None and src != route.rank:
                 buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
-                pending.receives[i] = (buffer, comm.post_recv(buffer, src, route.group))
+                pending.receives[i] = (buffer, collectives.post_recv(buffer, src, route.group))
             if dst is not None and dst != route.rank:
                 keys.append((i + 1, dst))  # a value is keyed by the position it enters
         pending.outbox = _OrderedSends(keys, route.group)
@@ -202,7 +186,7 @@ class P2PExchange:
         pending.messages = dict(zip(route.positions, messages))
         for i, message in pending.messages.items():
             dst = route.target(i)
-            if dst is not None and message.transition is None:
+            if dst is not None and message.constant:
                 pending.post(i + 1, i, dst, message.offset)
 
     def receive(self, pending: Pending) -> list:
@@ -211,7 +195,7 @@ class P2PExchange:
         for i in route.positions:
             x_in = None if route.source(i) is None else pending.take(i)
             message, dst = pending.messages[i], route.target(i)
-            if dst is not None and message.transition is not None:
+            if dst is not None and not message.constant:
                 pending.post(i + 1, i, dst, message.apply(x_in).to(route.dtype))
             out.append(x_in)
         return out
@@ -245,7 +229,7 @@ class AllGatherExchange:
                 if message.transition is not None:
                     buffer[route.slots[i], ..., V:] = message.transition
         pending.recv_buffer = buffer  # alive until the gather completes
-        pending.recv_work, pending.gathered = comm.post_all_gather(buffer, route.group)
+        pending.recv_work, pending.gathered = collectives.post_all_gather(buffer, route.group)
 
     def receive(self, pending: Pending) -> list:
         route = pending.route
@@ -266,45 +250,24 @@ class AllGatherExchange:
             x = None
             for j in reversed(chain):
                 row = gathered[route.order[j], route.slots[j]]
-                x = AffineMessage(row[..., :V], row[..., V:] if route.affine[j] else None).apply(x)
+                x = AffineMap(row[..., :V], row[..., V:] if route.affine[j] else None).apply(x)
             # a column slice of the gathered buffer: kernels downstream need a dense state
             out.append(None if x is None else x.contiguous())
         return out
 
 
-@dataclass(frozen=True)
-class _Partial:
-    """A composed summary of consecutive positions of a route, in the exchange's dtype (float32 or
-    wider; products by :mod:`kdacp.affine`'s rule): ``x -> transition @ x + offset``.
-
-    ``offset`` ``None``: the empty run (the identity). ``transition`` ``None`` with an offset: the run is
-    *closed*, it holds a chain start (a rank whose message does not depend on its input, or one that
-    emits nothing), so its outgoing value is known outright and nothing earlier can change it.
-    """
-
-    offset: torch.Tensor | None = None
-    transition: torch.Tensor | None = None
-
-    @property
-    def closed(self) -> bool:
-        return self.offset is not None and self.transition is None
-
-
-def _compose(later: _Partial, earlier: _Partial) -> _Partial:
-    """``later o earlier`` (``earlier`` acts first): ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``."""
-    if later.offset is None:
+def _compose(later: AffineMap | None, earlier: AffineMap | None) -> AffineMap | None:
+    """``later o earlier`` of composed runs of consecutive positions, ``None`` the empty run (the
+    identity). A constant map holds a chain start: nothing earlier can change its outgoing value."""
+    if later is None:
         return earlier
-    if earlier.offset is None or later.transition is None:
-        return later
-    if earlier.transition is None:
-        return _Partial(apply_state_summary(later.offset, later.transition, earlier.offset))
-    return _Partial(*compose_state_summaries((earlier.offset, earlier.transition), (later.offset, later.transition)))
+    return later if earlier is None else later.compose(earlier)
 
 
-def _element(message: AffineMessage | None, emits: int, shape: tuple[int, ...], dtype: torch.dtype, device
-             ) -> _Partial:
-    """A rank's own map, padded to ``shape``'s ``n`` rows, in ``dtype``. A rank that emits nothing
-    breaks the chain: its map is the constant zero (closed)."""
+def _element(message: AffineMap | None, emits: int, shape: tuple[int, ...], dtype: torch.dtype, device
+             ) -> AffineMap:
+    """A rank's own map, padded to ``shape``'s ``n`` rows, in ``dtype`` (float32 or wider: the scan's maps
+    are held and sent in it). A rank that emits nothing breaks the chain: its map is the constant zero."""
     def padded(x: torch.Tensor) -> torch.Tensor:
         x = x.to(dtype)
         if x.shape[0] == shape[0]:
@@ -312,23 +275,24 @@ def _element(message: AffineMessage | None, emits: int, shape: tuple[int, ...], 
         return torch.cat([x, x.new_zeros(shape[0] - x.shape[0], *x.shape[1:])])
 
     if message is None or not emits:
-        return _Partial(torch.zeros(shape, dtype=dtype, device=device))
-    if message.transition is None:
-        return _Partial(padded(message.offset))
-    return _Partial(padded(message.offset), padded(message.transition))
+        return AffineMap(torch.zeros(shape, dtype=dtype, device=device))
+    if message.constant:
+        return AffineMap(padded(message.offset))
+    return AffineMap(padded(message.offset), padded(message.transition))
 
 
-def _pack(partial: _Partial, is_open: bool, dtype: torch.dtype) -> torch.Tensor:
-    """One message of the scan: ``[n, HV, K, V]`` (closed) or ``[n, HV, K, V + K]`` (offset | transition)."""
-    if partial.closed == is_open or partial.offset is None:
+def _pack(partial: AffineMap | None, is_open: bool, dtype: torch.dtype) -> torch.Tensor:
+    """One message of the scan: ``[n, HV, K, V]`` (closed: a constant map) or ``[n, HV, K, V + K]``
+    (offset | transition)."""
+    if partial is None or partial.constant == is_open:
         raise RuntimeError("scan schedule and payload disagree (a bug in kdacp's scan schedule)")
     if not is_open:
         return partial.offset.to(dtype)
     return torch.cat([partial.offset, partial.transition], -1).to(dtype)
 
 
-def _unpack(buffer: torch.Tensor, is_open: bool, V: int) -> _Partial:
-    return _Partial(buffer[..., :V], buffer[..., V:]) if is_open else _Partial(buffer)
+def _unpack(buffer: torch.Tensor, is_open: bool, V: int) -> AffineMap:
+    return AffineMap(buffer[..., :V], buffer[..., V:]) if is_open else AffineMap(buffer)
 
 
 @dataclass(frozen=True)
@@ -394,7 +358,7 @@ def scan_schedule(emits: tuple[int, ...], affine: tuple[bool, ...]) -> ScanSched
     return ScanSchedule(tuple(reversed(rounds)), absolute, incoming)
 
 
-def simulate_scan(messages: list[AffineMessage | None], emits, affine, dtype: torch.dtype = torch.float64
+def simulate_scan(messages: list[AffineMap | None], emits, affine, dtype: torch.dtype = torch.float64
                   ) -> list[torch.Tensor | None]:
     """Run the scan's rounds in one process (for tests): every position's incoming value, with
     payloads packed and rounded to ``dtype`` as :class:`ScanExchange` sends them. ``messages``,
@@ -407,7 +371,7 @@ def simulate_scan(messages: list[AffineMessage | None], emits, affine, dtype: to
     shape, V = tuple(first.offset.shape), first.offset.shape[-1]
     shape = (max(emits + (1,)),) + shape[1:]
     own = [_element(m, e, shape, dtype, first.offset.device) for m, e in zip(messages, emits)]
-    held = [_Partial() for _ in messages]
+    held = [None] * len(messages)
     for transfers in schedule.rounds:
         payloads = [_pack(_compose(own[src], held[src]), is_open, dtype) for src, _, is_open in transfers]
         for (_, dst, is_open), payload in zip(transfers, payloads):
@@ -418,7 +382,7 @@ def simulate_scan(messages: list[AffineMessage | None], emits, affine, dtype: to
 @dataclass
 class _ScanPending(Pending):
     schedule: ScanSchedule | None = None
-    own: dict = field(default_factory=dict)   # position -> its own map (_Partial)
+    own: dict = field(default_factory=dict)   # position -> its own map (AffineMap)
 
 
 class ScanExchange:
@@ -452,7 +416,7 @@ class ScanExchange:
     no layout can deadlock. All receives are posted in ``begin``, in (round, position) order, and the
     sends to each peer leave in that order.
 
-    Precision: products by :mod:`kdacp.affine`'s rule (as :meth:`AffineMessage.apply`), composed maps
+    Precision: products by :mod:`kdacp.affine`'s rule (:meth:`~kdacp.affine.AffineMap.compose`), composed maps
     held and sent in ``Route.dtype`` (float32 or wider), so each composition is rounded to it once.
     """
 
@@ -466,7 +430,7 @@ class ScanExchange:
             for src, dst, is_open in transfers:  # ascending src (and dst) within a round
                 if dst in mine and route.order[src] != route.rank:
                     buffer = torch.empty(n, HV, K, V + (K if is_open else 0), dtype=route.dtype, device=route.device)
-                    pending.receives[(d, dst)] = (buffer, comm.post_recv(buffer, route.order[src], route.group))
+                    pending.receives[(d, dst)] = (buffer, collectives.post_recv(buffer, route.order[src], route.group))
                 if src in mine and route.order[dst] != route.rank:
                     keys.append(((d, dst), route.order[dst]))
         pending.outbox = _OrderedSends(keys, route.group)
@@ -486,7 +450,7 @@ class ScanExchange:
 
     def receive(self, pending: Pending) -> list:
         route, schedule = pending.route, pending.schedule
-        held = {i: _Partial() for i in route.positions}
+        held = dict.fromkeys(route.positions)
         for d, transfers in enumerate(schedule.rounds):
             for src, dst, is_open in transfers:
                 if src in held and d > 0 and not schedule.absolute[src]:

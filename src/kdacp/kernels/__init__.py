@@ -5,9 +5,9 @@ kernel runs; every summary is float32. The gate is KDA's per channel (``gc [B, T
 scalar per token and head (``gc [B, T, HV]``, its own kernel variant). The math, and the plain-PyTorch
 version every kernel is tested against, are in :mod:`kdacp.reference.summary`.
 
-Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers), ``launch`` (their
-shared host side), ``planning`` (sub-segments), ``stages`` (pipeline stages that fit), ``compose`` (the
-fold kernel), ``tiles`` (shared Triton helpers), ``precision`` (:class:`SummaryPrecision`, the policy
+Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers), ``summary_launcher``
+(their shared host side), ``subsegments`` (their work lists), ``pipelining`` (pipeline stages that fit),
+``compose`` (the fold kernel), ``tiles`` (shared Triton helpers), ``precision`` (:class:`SummaryPrecision`, the policy
 of their products, and the products themselves), ``checks`` (input checks), ``config``
 (:class:`SummaryConfig`); ``short_conv`` (the layers' depthwise short convolution, forward and
 backward, with its own launchers: :func:`kdacp.kernels.short_conv.causal_conv1d`).

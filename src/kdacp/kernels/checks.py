@@ -10,8 +10,6 @@ import torch
 from ..sequences import sequence_bounds
 from ..validation import check_tensor
 
-__all__ = ["SummaryDims", "check_summary_inputs"]
-
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_K = (64, 128)
 SUPPORTED_V = (64, 128, 256)

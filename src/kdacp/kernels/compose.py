@@ -11,8 +11,6 @@ import triton.language as tl
 
 from .precision import F32_DOT
 
-__all__ = ["fold_summaries"]
-
 
 @triton.jit
 def _fold_kernel(ws, seqs, out_a, out_t, HV, K: tl.constexpr, NCOL: tl.constexpr, TOFF: tl.constexpr,

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["SummaryConfig"]
-
 
 @dataclass(frozen=True)
 class SummaryConfig:

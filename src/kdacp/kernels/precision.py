@@ -34,9 +34,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["SummaryPrecision", "DEFAULT_LOW_PRECISION", "resolve_precision", "F32_DOT", "INTERPRET", "to_bf16",
-           "chunk_decay", "dot_state", "dot_state_paired", "dot_state_left", "dot_inputs", "stack_rows"]
-
 
 class SummaryPrecision(str, enum.Enum):
     """How the summary kernels round the float32 operand of each state product, with bf16 inputs.
@@ -142,6 +139,41 @@ def chunk_decay(g_last, PIECES: tl.constexpr):
 
 
 @triton.jit
+def _dot_piece(a, b, piece, SPLIT_A: tl.constexpr):
+    """``piece @ b`` (``SPLIT_A``: ``piece`` is a piece of ``a``) or ``a @ piece``, as :func:`_dot_bf16`."""
+    return _dot_bf16(piece, b) if SPLIT_A else _dot_bf16(a, piece)
+
+
+@triton.jit
+def _dot_piece_acc(a, b, piece, acc, SPLIT_A: tl.constexpr):
+    """``acc +`` :func:`_dot_piece`, the sum on the tensor cores."""
+    return _dot_bf16_acc(piece, b, acc) if SPLIT_A else _dot_bf16_acc(a, piece, acc)
+
+
+@triton.jit
+def _dot_split(a, b, PIECES: tl.constexpr, SPLIT_A: tl.constexpr):
+    """``a @ b`` in float32, the float32 operand (``a`` with ``SPLIT_A``, else ``b``) split into ``PIECES``
+    bf16 pieces (0: float32 products), the other an input-dtype tile; the smallest pieces' products first."""
+    if PIECES == 0:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=F32_DOT)
+    else:
+        x = a if SPLIT_A else b
+        x1 = to_bf16(x)
+        if PIECES == 1:
+            acc = _dot_piece(a, b, x1, SPLIT_A)
+        else:
+            r = x - x1.to(tl.float32)
+            x2 = to_bf16(r)
+            if PIECES == 3:
+                acc = _dot_piece(a, b, to_bf16(r - x2.to(tl.float32)), SPLIT_A)
+                acc = _dot_piece_acc(a, b, x2, acc, SPLIT_A)
+            else:
+                acc = _dot_piece(a, b, x2, SPLIT_A)
+            acc = _dot_piece_acc(a, b, x1, acc, SPLIT_A)
+    return acc
+
+
+@triton.jit
 def dot_state(a, b, PIECES: tl.constexpr):
     """``a @ b`` in float32: ``a`` an input-dtype tile, ``b`` float32 (``PIECES`` bf16 pieces of ``b``;
     0: float32 products).
@@ -149,23 +181,7 @@ def dot_state(a, b, PIECES: tl.constexpr):
     Callers add the result to the state themselves: a running state passed to ``tl.dot`` as the
     accumulator is truncated at every tensor-core k-step, a bias that adds up along the chunk chain.
     """
-    if PIECES == 0:
-        acc = tl.dot(a.to(tl.float32), b, input_precision=F32_DOT)
-    else:
-        b1 = to_bf16(b)
-        if PIECES == 1:
-            acc = _dot_bf16(a, b1)
-        else:
-            r = b - b1.to(tl.float32)
-            b2 = to_bf16(r)
-            # smallest pieces first
-            if PIECES == 3:
-                acc = _dot_bf16(a, to_bf16(r - b2.to(tl.float32)))
-                acc = _dot_bf16_acc(a, b2, acc)
-            else:
-                acc = _dot_bf16(a, b2)
-            acc = _dot_bf16_acc(a, b1, acc)
-    return acc
+    return _dot_split(a, b, PIECES, False)
 
 
 @triton.jit
@@ -196,22 +212,7 @@ def stack_rows(top, bottom):
 def dot_state_left(a, b, PIECES: tl.constexpr):
     """``a @ b`` in float32: ``a`` float32 (split into ``PIECES`` bf16 pieces; 0: float32 products),
     ``b`` an input-dtype tile."""
-    if PIECES == 0:
-        acc = tl.dot(a, b.to(tl.float32), input_precision=F32_DOT)
-    else:
-        a1 = to_bf16(a)
-        if PIECES == 1:
-            acc = _dot_bf16(a1, b)
-        else:
-            r = a - a1.to(tl.float32)
-            a2 = to_bf16(r)
-            if PIECES == 3:
-                acc = _dot_bf16(to_bf16(r - a2.to(tl.float32)), b)
-                acc = _dot_bf16_acc(a2, b, acc)
-            else:
-                acc = _dot_bf16(a2, b)
-            acc = _dot_bf16_acc(a1, b, acc)
-    return acc
+    return _dot_split(a, b, PIECES, True)
 
 
 @triton.jit

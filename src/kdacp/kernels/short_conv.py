@@ -351,27 +351,38 @@ def _bwd_row(u, x_0, x_1, x_2, x_3, dy_u, g_1, g_2, g_3, n, start, end, dw_0, dw
 
 
 @triton.jit
+def _bwd_pair(u, FIRST: tl.constexpr, x_0, x_1, x_2, x_3, x_4, dy_0, dy_1, g_1, g_2, g_3, n, start, end, dw_0,
+              dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0,
+              w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr, IS_VARLEN: tl.constexpr,
+              MASKED: tl.constexpr, FAST: tl.constexpr):
+    """Backward steps at rows ``r = u - FIRST`` and ``r - 1`` (``x_j = x[r-j]``, ``dy_0, dy_1`` rows ``r, r-1``,
+    ``g_i = g[r+i]``); returns the two rows' ``g`` (``r`` first). Each row index is formed as ``u`` minus a
+    constant where its step starts, as four steps written in a row form them: the same compiled code."""
+    g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u - FIRST, x_0, x_1, x_2, x_3, dy_0, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
+        u - (FIRST + 1), x_1, x_2, x_3, x_4, dy_1, g_a, g_1, g_2, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
+        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
+    return g_a, g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db
+
+
+@triton.jit
 def _bwd_rows(u, x_0, x_1, x_2, x_a, x_b, x_c, x_d, dy_a, dy_b, dy_c, dy_d, g_1, g_2, g_3, n, start, end,
               dw_0, dw_1, dw_2, dw_3, db, dx, dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt,
               s_qd, w_0, w_1, w_2, w_3, b, W: tl.constexpr, SILU: tl.constexpr, HAS_HALO: tl.constexpr,
               IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
     """Backward steps at rows ``u .. u-3`` (``x_0, x_1, x_2`` rows ``u .. u-2``, ``x_a .. x_d`` rows ``u-3 ..
     u-6``, ``dy_a .. dy_d`` rows ``u .. u-3``, ``g_i = g[u+i]``); returns the four rows' ``g`` (``u`` first)."""
-    g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-        u, x_0, x_1, x_2, x_a, dy_a, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+    g_a, g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_pair(
+        u, 0, x_0, x_1, x_2, x_a, x_b, dy_a, dy_b, g_1, g_2, g_3, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx,
+        dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
         W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
-    g_b, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-        u - 1, x_1, x_2, x_a, x_b, dy_b, g_a, g_1, g_2, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
-    g_c, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-        u - 2, x_2, x_a, x_b, x_c, dy_c, g_b, g_a, g_1, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
-        W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
-    g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_row(
-        u - 3, x_a, x_b, x_c, x_d, dy_d, g_c, g_b, g_a, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx, dhalo,
-        cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
+    g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db = _bwd_pair(
+        u, 2, x_2, x_a, x_b, x_c, x_d, dy_c, dy_d, g_b, g_a, g_1, n, start, end, dw_0, dw_1, dw_2, dw_3, db, dx,
+        dhalo, cu_seqlens, lo, hi, halo_rows, cols, m_d, s_gt, s_gd, s_qt, s_qd, w_0, w_1, w_2, w_3, b,
         W, SILU, HAS_HALO, IS_VARLEN, MASKED, FAST)
     return g_a, g_b, g_c, g_d, n, start, end, dw_0, dw_1, dw_2, dw_3, db
 

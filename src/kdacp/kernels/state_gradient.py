@@ -24,13 +24,11 @@ import triton.language as tl
 
 from .checks import check_summary_inputs
 from .config import SummaryConfig
-from .launch import gate_strides, launch_summary, token_strides
+from .summary_launcher import gate_strides, launch_summary, token_strides
 from .precision import (SummaryPrecision, chunk_decay, dot_inputs, dot_state, dot_state_left, dot_state_paired,
                         resolve_precision, stack_rows)
 from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates,
-                    load_stacked_columns, locate_program, store_tile)
-
-__all__ = ["state_gradient_summary"]
+                    load_stacked_columns, locate_program, store_tile, walk_tile)
 
 # Measured on one H200 (bf16, T=16K, 32 heads, K=V=128; benchmarks/RESULTS.md): a serial walk over
 # heads x V tiles beats cutting into sub-segments (which doubles the columns with M^T); three stages let
@@ -40,8 +38,8 @@ DEFAULT_CONFIG = SummaryConfig(block_v=32, num_warps=4, num_stages=3, v_first=Fa
 
 @triton.jit
 def _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start, end,
-               n_chunks, n_run, o_k, o_c, m_v, BT: tl.constexpr, PIECES: tl.constexpr, VF: tl.constexpr,
-               SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+               n_chunks, n_run, o_k, o_c, m_v, BT: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
+               RAW_KEYS: tl.constexpr, PIECES: tl.constexpr):
     """The last ``n_run`` of ``n_chunks`` chunk steps, in reverse, of one state-gradient tile
     (``RAW_KEYS``: ``p_q``, ``p_k`` hold raw queries and keys; their gates scale the float32 operand
     they meet, ``dS`` products or ``do``, so no gated value is rounded to the input dtype)."""
@@ -126,15 +124,9 @@ def _state_gradient_kernel(
     p_dv = dv + b * s_vb + h * s_vh
     # G columns start from zero, M^T columns from the identity
     st = initial_tile(o_k, o_c, V, VF)
-    if PIECES == M_PIECES:
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start,
-                        end, n_chunks, n_run, o_k, o_c, m_v, BT, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    elif tl.program_id(0) * BV < V:
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start,
-                        end, n_chunks, n_run, o_k, o_c, m_v, BT, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    else:  # an M^T tile under a policy that rounds the transition differently
-        st = _walk_back(st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale, start,
-                        end, n_chunks, n_run, o_k, o_c, m_v, BT, M_PIECES, VF, SCALAR_GATE, RAW_KEYS)
+    st = walk_tile(_walk_back, (st, p_q, p_k, p_w, p_g, p_do, p_dv, s_qt, s_kt, s_wt, s_gt, s_gk, s_ot, s_vt, scale,
+                                start, end, n_chunks, n_run, o_k, o_c, m_v, BT, VF, SCALAR_GATE, RAW_KEYS),
+                   V, BV, PIECES, M_PIECES)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 

@@ -17,14 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..affine import StateSummary, SummaryParts
+from ..affine import AffineMap, SummaryParts
 from .checks import check_summary_inputs
 from .config import SummaryConfig
-from .launch import gate_strides, launch_summary, token_strides
+from .summary_launcher import gate_strides, launch_summary, token_strides
 from .precision import SummaryPrecision, chunk_decay, dot_state, dot_state_left, resolve_precision
-from .tiles import decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile
-
-__all__ = ["state_summary", "transition"]
+from .tiles import (decay_tile, initial_tile, key_gate_rows, load_last_gate, load_row_gates, locate_program, store_tile,
+                    walk_tile)
 
 _OUTPUTS = ("both", "state", "transition")
 # With gated keys the transposed tile (v_first) feeds both products' state operand from registers, where [K, BV]
@@ -39,8 +38,8 @@ RAW_KEYS_DEFAULT = replace(DEFAULT_CONFIG, v_first=False)
 
 @triton.jit
 def _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_chunks, o_k, o_c, m_u,
-          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, PIECES: tl.constexpr, VF: tl.constexpr,
-          SCALAR_GATE: tl.constexpr, RAW_KEYS: tl.constexpr):
+          BT: tl.constexpr, BV: tl.constexpr, HAS_S: tl.constexpr, VF: tl.constexpr, SCALAR_GATE: tl.constexpr,
+          RAW_KEYS: tl.constexpr, PIECES: tl.constexpr):
     """``n_chunks`` chunk steps ``S <- Diag(decay) S + kg^T (u - w S)`` of one state tile (``RAW_KEYS``:
     ``p_kg`` holds raw keys, whose gate is applied to ``v_new``)."""
     o_t = tl.arange(0, BT)
@@ -109,15 +108,9 @@ def _state_summary_kernel(
     p_g = gc + b * s_gb + h * s_gh
     # S columns start from zero, M columns from the identity
     st = initial_tile(o_k, o_c, MOFF, VF)
-    if PIECES == M_PIECES:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    elif tl.program_id(0) * BV < MOFF:
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, PIECES, VF, SCALAR_GATE, RAW_KEYS)
-    else:  # a transition tile under a policy that rounds M differently
-        st = _walk(st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u,
-                   BT, BV, HAS_S, M_PIECES, VF, SCALAR_GATE, RAW_KEYS)
+    # the arguments as a literal tuple: one bound to a name first would lose its constexprs
+    st = walk_tile(_walk, (st, p_kg, p_w, p_u, p_g, s_kt, s_wt, s_ut, s_gt, s_gk, start, end, n_run, o_k, o_c, m_u, BT,
+                           BV, HAS_S, VF, SCALAR_GATE, RAW_KEYS), MOFF, BV, PIECES, M_PIECES)
     store_tile(ws, HV, st, o_k, o_c, K, NCOL, VF)
 
 
@@ -134,15 +127,15 @@ def _launch(kg, w, u, gc, dims, *, chunk_size, output, w_head_first, raw_keys, c
         parts=parts)
     if parts:
         S_parts, M_parts, plan = kept
-        return SummaryParts(StateSummary(S, M), StateSummary(S_parts, M_parts),
+        return SummaryParts(AffineMap(S, M), AffineMap(S_parts, M_parts),
                             tuple(s - plan.starts[0] for s in plan.starts), plan.counts)
-    return StateSummary(S, M)
+    return AffineMap(S, M)
 
 
 def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", head_start: int = 0,
                   num_heads: int | None = None, w_head_first: bool = False, cu_seqlens=None, segment=None,
                   raw_keys: bool = False, config: SummaryConfig | None = None,
-                  precision: SummaryPrecision | str | None = None, parts: bool = False) -> StateSummary | SummaryParts:
+                  precision: SummaryPrecision | str | None = None, parts: bool = False) -> AffineMap | SummaryParts:
     """Affine summary ``S_out = M S_in + S_ext`` of each sequence, in float32.
 
     Args:
@@ -177,7 +170,7 @@ def state_summary(kg, w, u, gc, *, chunk_size: int = 64, output: str = "both", h
             sub-segments at once.
 
     Returns:
-        ``StateSummary(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
+        ``AffineMap(S_ext [N, HV, K, V], M [N, HV, K, K])`` float32, the one not requested ``None``;
         ``N`` is ``B``, the number of sequences with ``cu_seqlens``, or 1 with ``segment``. With
         ``parts``: :class:`~kdacp.affine.SummaryParts`.
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["locate_program", "initial_tile", "store_tile", "load_last_gate", "decay_tile", "load_row_gates",
-           "key_gate_rows", "load_stacked_columns"]
-
 
 @triton.jit
 def locate_program(work, head_start, MOFF, K: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
@@ -33,6 +30,21 @@ def initial_tile(o_k, o_c, first_identity_col, VF: tl.constexpr):
         st = tl.where((o_c - first_identity_col)[:, None] == o_k[None, :], 1.0, 0.0).to(tl.float32)
     else:
         st = tl.where(o_k[:, None] == (o_c - first_identity_col)[None, :], 1.0, 0.0).to(tl.float32)
+    return st
+
+
+@triton.jit
+def walk_tile(walk, args, first_transition_col, BV: tl.constexpr, PIECES: tl.constexpr, M_PIECES: tl.constexpr):
+    """``walk(*args, pieces)``, the chunk walk of this program's column tile, with the bf16 pieces of its
+    columns: ``PIECES`` before ``first_transition_col``, ``M_PIECES`` from there on (one walk compiled
+    where the two agree; a transition tile under a policy that rounds it differently, the other).
+    ``args``: a tuple literal at the call (a tuple bound to a name loses its constexprs)."""
+    if PIECES == M_PIECES:
+        st = walk(*args, PIECES)
+    elif tl.program_id(0) * BV < first_transition_col:
+        st = walk(*args, PIECES)
+    else:
+        st = walk(*args, M_PIECES)
     return st
 
 

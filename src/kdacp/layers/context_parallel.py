@@ -1,8 +1,8 @@
 """How a gated delta-rule token mixer (KDA, GDN) runs: on one device or context-parallel.
 
-The mixer calls the same hooks either way (``to_heads``, ``head_shard``, ``context``, ``recurrence``,
-``to_sequence``, and ``validate_heads`` when attached); :data:`SINGLE_DEVICE` implements them as identities
-and the recurrence op on one device, :class:`ContextParallel` with exchanges (the op with the batch's plan).
+The mixer calls the same hooks either way (:class:`~kdacp.layers.cp_hooks.CPHooks`); :data:`SINGLE_DEVICE`
+implements them as identities and the recurrence op on one device, :class:`ContextParallel` with exchanges
+(the op with the batch's plan).
 Each batch's :class:`~kdacp.layers.CPContext` (plan, boundaries, halo routes) is built once, by the first
 layer call that sees the batch, and kept (:data:`~kdacp.caches.CP_CONTEXTS`); nothing per call is stored, so
 several calls may be in flight at once.
@@ -24,15 +24,14 @@ import torch.distributed as dist
 from ..caches import CP_CONTEXTS, TensorKey
 from ..distributed import new_cp_group
 from ..distributed.layout import LAYOUTS, TokenLayout
-from .comm import heads_to_time, time_to_heads
+from .autograd_collectives import heads_to_time, time_to_heads
 from .cp_context import CPContext, build_cp_context
-
-__all__ = ["ContextParallel", "SINGLE_DEVICE", "MODES", "hybrid_ulysses_size"]
+from .cp_hooks import CPHooks
 
 MODES = ("state", "ulysses", "hybrid")
 
 
-class _SingleDevice:
+class _SingleDevice(CPHooks):
     """The layer's hooks without context parallelism: every exchange is the identity."""
 
     backend = None  # the layer's own backend

@@ -20,9 +20,7 @@ import torch.distributed as dist
 from ..caches import HALO_ROUTES
 from ..distributed import build_cp_plan
 from ..distributed.layout import TokenLayout, make_layout
-from .comm import exchange_rows
-
-__all__ = ["CPContext", "HaloRoute", "build_cp_context", "halo_route"]
+from .autograd_collectives import exchange_rows
 
 
 @dataclass(frozen=True)

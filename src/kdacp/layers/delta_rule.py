@@ -21,8 +21,6 @@ from .context_parallel import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution, causal_conv1d
 
-__all__ = ["DeltaRuleLayer", "MixerParts", "Projected", "beta_from_logits", "initial_dt_bias", "mix_tokens"]
-
 
 def initial_dt_bias(n: int, device=None) -> torch.Tensor:
     """FLA's initial ``dt_bias [n]`` float32: ``softplus^-1(dt)`` with ``dt`` log-uniform in [1e-3, 1e-1]
@@ -92,7 +90,8 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
 
     Args:
         parts: the modules' parts (:class:`MixerParts`).
-        cp: the context-parallel hooks (:class:`ContextParallel` or :data:`SINGLE_DEVICE`).
+        cp: the context-parallel hooks (:class:`~kdacp.layers.cp_hooks.CPHooks`: :class:`ContextParallel` or
+            :data:`SINGLE_DEVICE`).
         x: ``[B, T, hidden]``, this rank's tokens of the global batch under ``cp`` (its layout's ranges, in
             global order).
         cu_seqlens: ``[N+1]`` int64 global offsets of a packed batch (``B == 1``), or None. The same tensor

@@ -8,8 +8,6 @@ from ..gdn import chunk_gated_delta_rule
 from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
-__all__ = ["GatedDeltaNet"]
-
 
 class GatedDeltaNet(DeltaRuleLayer):
     """GDN token mixer: the gated delta rule with one scalar decay per value head and token::

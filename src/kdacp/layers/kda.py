@@ -8,8 +8,6 @@ from ..kda import chunk_kda
 from .context_parallel import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
-__all__ = ["KimiDeltaAttention", "apply_context_parallel"]
-
 
 class KimiDeltaAttention(DeltaRuleLayer):
     """KDA token mixer: projections, short convolutions, KDA recurrence, gated RMSNorm, output.

@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["RMSNormGated", "rms_norm_gated"]
-
 ACTIVATIONS = ("sigmoid", "swish")
 
 

@@ -25,8 +25,6 @@ from ..caches import HALO_BOUNDARIES
 from ..kernels import short_conv
 from ..sequences import sequence_positions
 
-__all__ = ["ShortConvolution", "causal_conv1d", "sequence_positions"]
-
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
            cu_seqlens: torch.Tensor | None, activation: str | None) -> torch.Tensor:

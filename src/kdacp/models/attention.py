@@ -42,13 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..layers.comm import all_gather_along, heads_to_time, time_to_heads
+from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
-
-__all__ = ["ATTENTION_NAME", "BALANCED", "INNER_ATTENTIONS", "check_attention", "cudnn_attend", "document_causal_mask",
-           "gathered_attention", "install_attention", "kv_replication", "replicate_kv_heads", "sdpa_lower_right",
-           "split_lower_right"]
 
 ATTENTION_NAME = "kdacp_ulysses"
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")

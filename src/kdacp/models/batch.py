@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.comm import process_group
+from ..distributed.groups import process_group
 from ..distributed.layout import LAYOUTS, TokenLayout, make_layout
 from ..sequences import sequence_positions
 

@@ -10,9 +10,6 @@ import torch.nn as nn
 from ..layers.context_parallel import ContextParallel
 from .batch import LAYOUT_KWARG
 
-__all__ = ["HONOURED_KWARGS", "SILU_NAMES", "CallCheck", "check_batch_layout", "check_training_call",
-           "global_cu_seqlens", "refuse_cache_and_mask", "token_mixers"]
-
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
 

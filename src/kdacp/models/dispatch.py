@@ -10,8 +10,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layers.context_parallel import ContextParallel
 from . import kimi_linear, qwen3_next
 
-__all__ = ["SUPPORTED_MODELS", "parallelize", "torch_fallbacks"]
-
 # config.model_type -> the model's name in messages
 SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}

@@ -9,15 +9,13 @@ import torch.nn as nn
 
 import torch
 
-from ..distributed.comm import process_group
+from ..distributed.groups import process_group
 from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss
 from .checks import CallCheck, check_batch_layout, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
-
-__all__ = ["install", "mixer_forward"]
 
 
 def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_states: torch.Tensor, cache=None,

@@ -5,8 +5,6 @@ import contextlib
 import importlib
 import inspect
 
-__all__ = ["kernel_fallbacks", "load_model_module"]
-
 
 def load_model_module(module_path: str, what: str):
     """transformers' ``module_path`` (a ``modeling_*`` module), with FLA loaded first by kdacp.

@@ -42,8 +42,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..distributed.comm import process_group
+from ..distributed.groups import process_group
 from ..distributed.layout import make_layout
+from ..layers.cp_hooks import CPHooks
 from .attention import ATTENTION_NAME, cudnn_attend, split_lower_right
 from .batch import ShardedBatch, shard_batch
 
@@ -197,11 +198,11 @@ class _PrefillConv:
         return halos
 
 
-class LayerPrefill:
+class LayerPrefill(CPHooks):
     """A linear-attention layer's context-parallel hooks (``cp``'s, mode ``state``) during prefill, for
     ``mix_tokens``: the convolution continues the cached input and records the layer's last input tokens
     (:class:`_PrefillConv`); :attr:`initial_state` is the cached state and :meth:`record_state` keeps the final
-    one. Every other attribute is ``cp``'s."""
+    one. Every other hook is ``cp``'s."""
 
     def __init__(self, cp, view: PrefillCache, layer_idx: int):
         if getattr(cp, "mode", None) != "state":
@@ -212,10 +213,24 @@ class LayerPrefill:
                              f"{layer_idx}'s context-parallel group (ranks {dist.get_process_group_ranks(cp.group)})")
         self.cp, self.view, self.layer_idx = cp, view, layer_idx
 
-    def __getattr__(self, name):
-        if "cp" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["cp"], name)
+    @property
+    def backend(self) -> str | None:
+        return self.cp.backend
+
+    def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
+        self.cp.validate_heads(num_heads, num_v_heads)
+
+    def to_heads(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.cp.to_heads(xs)
+
+    def head_slice(self, num_heads: int) -> slice:
+        return self.cp.head_slice(num_heads)
+
+    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
+        return self.cp.recurrence(op, q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+
+    def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
+        return self.cp.to_sequence(o, final_state)
 
     def context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None):
         return _PrefillConv(self.cp.context(B, T, cu_seqlens, device), self.view, self.layer_idx)

@@ -6,11 +6,11 @@ from .chunk import ChunkIntermediates, chunk_bounds, chunk_kda, chunk_kda_interm
 from .gdn import chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule, scalar_gate_as_kda
 from .gates import kda_gate, l2norm, prepare_inputs
 from .recurrent import recurrent_kda
-from .summary import (StateSummary, apply_state_gradient_summary, apply_state_summary, chunk_dv_local,
+from .summary import (apply_state_gradient_summary, apply_state_summary, chunk_dv_local,
                       compose_state_summaries, state_gradient_summary, state_summary, transition)
 
 __all__ = [
-    "ChunkIntermediates", "StateSummary", "chunk_gated_delta_rule", "gdn_gate", "recurrent_gated_delta_rule",
+    "ChunkIntermediates", "chunk_gated_delta_rule", "gdn_gate", "recurrent_gated_delta_rule",
     "scalar_gate_as_kda", "apply_state_gradient_summary", "apply_state_summary",
     "chunk_bounds", "chunk_dv_local", "chunk_kda", "chunk_kda_intermediates", "chunk_output", "compose_state_summaries",
     "kda_gate", "l2norm", "prepare_inputs", "recurrent_kda", "state_gradient_summary",

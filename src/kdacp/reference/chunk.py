@@ -24,8 +24,6 @@ from ..validation import check_kda_inputs
 from ..sequences import sequence_bounds
 from .gates import prepare_inputs
 
-__all__ = ["ChunkIntermediates", "chunk_kda", "chunk_kda_intermediates", "chunk_bounds", "chunk_output"]
-
 _LN2 = math.log(2.0)
 # Bound on the [chunks, C, C, HV, K] pairwise-gate tensor built at once (elements).
 _PAIRWISE_BUDGET = 1 << 24

@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "l2norm", "compute_dtype", "prepare_inputs"]
-
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x**2, -1) + eps)`` along the last dim (FLA's convention)."""

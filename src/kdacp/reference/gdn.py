@@ -14,8 +14,6 @@ from .chunk import chunk_kda
 from ..sequences import sequence_bounds
 from .gates import compute_dtype, l2norm
 
-__all__ = ["gdn_gate", "scalar_gate_as_kda", "recurrent_gated_delta_rule", "chunk_gated_delta_rule"]
-
 
 def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Natural-log decay ``-exp(A_log) * softplus(g + dt_bias)`` from raw logits ``g [..., HV]``

@@ -7,8 +7,6 @@ from ..validation import check_kda_inputs
 from ..sequences import sequence_bounds
 from .gates import prepare_inputs
 
-__all__ = ["recurrent_kda"]
-
 
 def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..affine import StateSummary, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
+from ..affine import AffineMap, apply_state_gradient_summary, apply_state_summary, compose_state_summaries
 from .chunk import chunk_bounds
 from ..sequences import sequence_bounds
 from .gates import compute_dtype
-
-__all__ = ["StateSummary", "state_summary", "transition", "state_gradient_summary", "chunk_dv_local",
-           "apply_state_summary", "apply_state_gradient_summary", "compose_state_summaries"]
 
 
 def _segments(x: torch.Tensor, cu_seqlens, chunk_size: int):
@@ -31,7 +28,7 @@ def _segments(x: torch.Tensor, cu_seqlens, chunk_size: int):
         yield b, chunk_bounds(bos, eos, chunk_size)
 
 
-def state_summary(kg, w, u, gc, chunk_size=64, cu_seqlens=None) -> StateSummary:
+def state_summary(kg, w, u, gc, chunk_size=64, cu_seqlens=None) -> AffineMap:
     """``(S_ext [N, HV, K, V], M [N, HV, K, K])`` of each sequence from ``kg, w, gc [B, T, HV, K]``
     and ``u [B, T, HV, V]``."""
     dtype = compute_dtype(kg)
@@ -47,7 +44,7 @@ def state_summary(kg, w, u, gc, chunk_size=64, cu_seqlens=None) -> StateSummary:
             M = decay * M - torch.einsum("chk,chj->hkj", kg[b, s:e], torch.einsum("chk,hkj->chj", w[b, s:e], M))
         states.append(S)
         transitions.append(M)
-    return StateSummary(torch.stack(states), torch.stack(transitions))
+    return AffineMap(torch.stack(states), torch.stack(transitions))
 
 
 def transition(kg, w, gc, chunk_size=64, cu_seqlens=None) -> torch.Tensor:

@@ -1,9 +1,6 @@
-"""The raw ``torch.distributed`` calls of the context-parallel op (``chunk_kda``), in one place.
+"""kdacp's process groups: making them (high-priority NCCL streams, a bounded wait) and reading them.
 
-The layers' differentiable exchanges (halo, all-to-all) are in :mod:`kdacp.layers.comm`; group and
-rank queries (``get_rank``, ``get_world_size``) are made where they are needed.
-
-Ranks are ranks of the plan's group; point-to-point calls translate them to global ranks.
+The messages and collectives over them are in :mod:`.collectives`.
 """
 from __future__ import annotations
 
@@ -11,9 +8,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-__all__ = ["init_device_mesh", "new_group", "group_timeout", "process_group", "post_recv", "send", "wait", "all_gather", "post_all_gather",
-           "all_reduce_sum", "all_gather_signatures"]
 
 
 def new_group(ranks=None, timeout=None):
@@ -103,88 +97,3 @@ def group_timeout(group=None) -> timedelta | None:
         if isinstance(timeout, timedelta):
             return timeout
     return None
-
-
-def _global_rank(group, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _note(error: Exception, what: str) -> None:
-    """Say, in the traceback of a failed wait, what kdacp was waiting for and the likely cause."""
-    if hasattr(error, "add_note"):
-        error.add_note(f"kdacp: {what} did not complete; a peer rank probably failed (see the error raised "
-                       "there) or the group's timeout passed (kdacp.new_cp_group(timeout=...))")
-
-
-class _Work:
-    """A ``dist.Work`` whose ``wait`` failure names the peer (everything else is the work's own)."""
-
-    def __init__(self, work: dist.Work, what: str):
-        self._work, self._what = work, what
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        except RuntimeError as e:
-            _note(e, self._what)
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def post_recv(buffer: torch.Tensor, src: int, group) -> dist.Work:
-    """Post a non-blocking receive into ``buffer`` from group rank ``src``."""
-    return _Work(dist.irecv(buffer, src=_global_rank(group, src), group=group),
-                 f"the receive from group rank {src}")
-
-
-def send(tensor: torch.Tensor, dst: int, group) -> dist.Work:
-    """Start a non-blocking send of ``tensor`` to group rank ``dst``; keep ``tensor`` alive until waited."""
-    return _Work(dist.isend(tensor.contiguous(), dst=_global_rank(group, dst), group=group),
-                 f"the send to group rank {dst}")
-
-
-def wait(works) -> None:
-    for work in works:
-        work.wait()
-
-
-def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``[world_size, *tensor.shape]``: every rank's ``tensor``."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-    except RuntimeError as e:
-        _note(e, "an all-gather over the context-parallel group")
-        raise
-    return torch.stack(parts)
-
-
-def post_all_gather(tensor: torch.Tensor, group):
-    """Start a non-blocking all-gather of ``tensor``; returns ``(work, parts)``: after ``work.wait()``,
-    ``torch.stack(parts)`` is ``[world_size, *tensor.shape]``. Keep ``tensor`` alive until then."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True)
-    return _Work(work, "an all-gather over the context-parallel group"), parts
-
-
-def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum of ``tensor`` over the group (in place, returned)."""
-    try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    except RuntimeError as e:
-        _note(e, "an all-reduce over the context-parallel group")
-        raise
-    return tensor
-
-
-def all_gather_signatures(signature: list[int], group, device: torch.device,
-                          extra: torch.Tensor | None = None) -> list[list[int]]:
-    """Every rank's small int64 ``signature``, gathered in one collective (on ``device``, which
-    must suit the group's backend: CUDA for NCCL). ``extra``: int64 values already on ``device``
-    appended to the row without a host sync (e.g. a non-finite flag computed there)."""
-    local = torch.tensor(signature, dtype=torch.int64, device=device)
-    if extra is not None:
-        local = torch.cat([local, extra.to(device=device, dtype=torch.int64).reshape(-1)])
-    return all_gather(local, group).tolist()

@@ -1,4 +1,4 @@
-"""Launch planning of the summary kernels: how sequences are cut into sub-segments walked in parallel."""
+"""The summary kernels' sub-segments: how sequences are cut into pieces walked in parallel, as device work lists."""
 from __future__ import annotations
 
 import functools
@@ -7,8 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from ..caches import SUMMARY_PLANS
-
-__all__ = ["SummaryPlan", "plan_summary", "pick_chunks_per_program", "sm_count"]
 
 # Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
 # sub-segment shorter than this costs more in transition columns and folding than it gains.

@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 import triton
 
-__all__ = ["launch_fitting_stages"]
-
 # (kernel, launch constants, input dtypes, warps, requested stages) -> stages whose buffers fit;
 # bounded by the kernels and configurations a process uses
 _STAGES_THAT_FIT: dict = {}

@@ -10,11 +10,9 @@ import torch
 
 from .compose import fold_summaries
 from .config import SummaryConfig
-from .planning import pick_chunks_per_program, plan_summary
+from .subsegments import pick_chunks_per_program, plan_summary
 from .precision import SummaryPrecision
-from .stages import launch_fitting_stages
-
-__all__ = ["token_strides", "gate_strides", "launch_summary"]
+from .pipelining import launch_fitting_stages
 
 
 def token_strides(x: torch.Tensor, head_first: bool = False) -> tuple[int, int, int]:
@@ -49,7 +47,7 @@ def launch_summary(kernel, inputs: tuple, scalars: tuple, dims, *, chunk_size: i
         ``(A [N, HV, K, a_cols] or None, T [N, HV, K, K] or None, parts)`` float32; ``parts`` is ``None``,
         or with ``parts`` ``(A_p [NW, HV, K, a_cols], T_p [NW, HV, K, K] or None, plan)``: each
         sub-segment's summary from its own first token (views of one workspace), and the
-        :class:`.planning.SummaryPlan` (their first tokens and the count per sequence).
+        :class:`.subsegments.SummaryPlan` (their first tokens and the count per sequence).
     """
     device = inputs[0].device
     pieces, m_pieces = precision.pieces(inputs[0].dtype, backward=reverse)
