@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.layers import KimiDeltaAttention, apply_context_parallel, causal_conv1d, sequence_positions
+import kdacp
+from kdacp.layers import KimiDeltaAttention, causal_conv1d, sequence_positions
 from kdacp.reference import l2norm, recurrent_kda
 from tests.helpers import rel_err
 
@@ -161,13 +162,15 @@ def test_bad_arguments():
         KimiDeltaAttention(32, 2, gate_lower_bound=-6.0, head_k_dim=16, head_v_dim=16)
 
 
-def test_apply_context_parallel_sets_every_layer():
+def test_parallelize_sets_every_layer_of_a_model_of_kdacp_layers():
     model = torch.nn.Sequential(small_layer(), small_layer())
     marker = type("CP", (), {"validate_heads": lambda self, h, hv: None})()
-    apply_context_parallel(model, marker)
+    assert kdacp.parallelize(model, marker) is model
     assert all(m.cp is marker for m in model)
-    apply_context_parallel(model, None)
+    kdacp.parallelize(model, None)
     assert all(m.cp is None for m in model)
+    with pytest.raises(ValueError, match="kdacp.parallelize supports"):
+        kdacp.parallelize(torch.nn.Linear(2, 2), marker)
 
 
 def _fresh_single_device(monkeypatch, built: list):

@@ -3,9 +3,9 @@ from .context_parallel import ContextParallel
 from .cp_context import CPContext, build_cp_context
 from .delta_rule import DeltaRuleLayer, beta_from_logits
 from .gated_deltanet import GatedDeltaNet
-from .kda import KimiDeltaAttention, apply_context_parallel
+from .kda import KimiDeltaAttention
 from .norm import RMSNormGated
 from .short_conv import ShortConvolution, causal_conv1d, sequence_positions
 
-__all__ = ["CPContext", "DeltaRuleLayer", "GatedDeltaNet", "ContextParallel", "KimiDeltaAttention", "RMSNormGated", "ShortConvolution", "apply_context_parallel", "build_cp_context",
+__all__ = ["CPContext", "DeltaRuleLayer", "GatedDeltaNet", "ContextParallel", "KimiDeltaAttention", "RMSNormGated", "ShortConvolution", "build_cp_context",
            "beta_from_logits", "causal_conv1d", "sequence_positions"]

@@ -78,12 +78,3 @@ class KimiDeltaAttention(DeltaRuleLayer):
         return dict(g=gate.unflatten(-1, (-1, K)), A_log=self.A_log[v_heads],
                     dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K], lower_bound=self.gate_lower_bound,
                     safe_gate=self.gate_lower_bound is not None)
-
-
-def apply_context_parallel(model: nn.Module, cp: ContextParallel | None) -> nn.Module:
-    """Set ``cp`` on every gated delta-rule layer (:class:`KimiDeltaAttention`, :class:`GatedDeltaNet`)
-    inside ``model`` (None turns it off); returns ``model``."""
-    for module in model.modules():
-        if isinstance(module, DeltaRuleLayer):
-            module.cp = cp
-    return model

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layers.context_parallel import ContextParallel
+from ..layers.delta_rule import DeltaRuleLayer
 from . import kimi_linear, qwen3_next
 
 # config.model_type -> the model's name in messages
@@ -16,9 +17,11 @@ _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
 
 
 def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Module:
-    """Apply context parallelism to a Hugging Face model in place, from outside its code: transformers'
+    """Apply context parallelism to a model in place, from outside its code: transformers'
     ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
-    (:func:`kdacp.models.qwen3_next.parallelize`), or their base models. The model's own parameters are
+    (:func:`kdacp.models.qwen3_next.parallelize`), or their base models; or any other module built of kdacp's
+    own layers (:class:`kdacp.KimiDeltaAttention`, :class:`kdacp.GatedDeltaNet`), whose ``cp`` it sets (None
+    turns context parallelism off there; the caller shards the tokens). The model's own parameters are
     used in place (``model.state_dict()`` unchanged). Call it on every rank, before FSDP2's ``fully_shard``,
     DDP or activation checkpointing; feed each rank ``kdacp.shard_batch(...).model_kwargs()``.
 
@@ -39,11 +42,18 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
         ``model``.
 
     Raises:
-        ValueError: a model of another type (``config.model_type``), a ``layout`` other than ``cp``'s, or what the
-            model's adapter refuses.
+        ValueError: a model of another type (``config.model_type``) with none of kdacp's layers, a ``layout``
+            other than ``cp``'s, or what the model's adapter refuses.
         ImportError: transformers missing or without the model (the ``models`` extra).
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    own_layers = [m for m in model.modules() if isinstance(m, DeltaRuleLayer)]
+    if model_type not in SUPPORTED_MODELS and own_layers:
+        if isinstance(cp, DeviceMesh):
+            cp = ContextParallel.from_mesh(cp, layout="contiguous" if layout is None else layout)
+        for layer in own_layers:
+            layer.cp = cp
+        return model
     if model_type not in SUPPORTED_MODELS:
         names = ", ".join(SUPPORTED_MODELS.values())
         raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
