@@ -9,14 +9,11 @@ L2 norm formula. Skipped without megatron-core (see the skip reason for the inst
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's fused functions are torch.compile'd
 pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip install -e '.[megatron]' (Python "
                     ">= 3.12) or, on 3.11, pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
@@ -29,6 +26,15 @@ ROWS = 2                      # unpacked rows
 DOCUMENTS = (40, 8, 56, 24)   # THD: each divides by 2 x 4; on 2 ranks 56 crosses, on 4 ranks 40 and 56 do
 SHAPE = dict(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
              linear_num_value_heads=4, linear_conv_kernel_dim=4)  # cp = 4 > 2 key heads
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_torch_compile():
+    """Megatron's fused functions are torch.compile'd on first call: off for this module's tests in this process
+    (restored after it, so that the rest of a run compiles), and in every rank (:func:`_megatron_cpu`)."""
+    import torch._dynamo
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def _megatron_cpu():
