@@ -65,14 +65,19 @@ def _check_case(rank, world_size, case, ref):
     layer = _layer(H, HV, kind=kind[0] if kind else "kda")
     layer.cp = ContextParallel(mode, ulysses_size=ulysses_size)
     own = slice(rank * T_local, (rank + 1) * T_local)
+    where = f"{kind or 'kda'} {mode} (U={ulysses_size}, B={B}, packed={cu is not None}) rank {rank}"
+    _check_rank(layer, ref, own, cu, rank, world_size, where)
+
+
+def _check_rank(layer, ref, own, cu, rank, world_size, where):
+    """This rank's tokens ``own`` of ``ref``'s input through ``layer``: its outputs, the final state, its input
+    gradient and (summed over the ranks) the replicated initial state's and parameters' gradients."""
     x = ref["x"][:, own].clone().requires_grad_()
     h0 = ref["h0"].clone().requires_grad_()
     y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     # Every rank holds the final state; its gradients add up over ranks, so one rank carries its loss.
     loss_state = (S * ref["w_state"]).sum() if rank == world_size - 1 else 0.0
     ((y * ref["w"][:, own]).sum() + loss_state).backward()
-
-    where = f"{kind or 'kda'} {mode} (U={ulysses_size}, B={B}, packed={cu is not None}) rank {rank}"
     assert rel_err(y, ref["y"][:, own]) < TOL, f"output, {where}"
     assert rel_err(S, ref["S"]) < TOL, f"final state, {where}"
     assert rel_err(x.grad, ref["grads"]["dx"][:, own]) < TOL, f"dx, {where}"
@@ -164,20 +169,8 @@ def _check_layout_cases(rank, world_size, cases, refs):
         cu = None if cu is None else torch.tensor(cu)
         layer = _layer(2, 4, kind=kind)
         layer.cp = ContextParallel("state", layout=layout)
-        own = layout.local_token_index(rank)
-        x = ref["x"][:, own].clone().requires_grad_()
-        h0 = ref["h0"].clone().requires_grad_()
-        y, S = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
-        loss_state = (S * ref["w_state"]).sum() if rank == world_size - 1 else 0.0
-        ((y * ref["w"][:, own]).sum() + loss_state).backward()
-        where = f"{kind} {name} rank {rank} of {world_size}"
-        assert rel_err(y, ref["y"][:, own]) < TOL, f"output, {where}"
-        assert rel_err(S, ref["S"]) < TOL, f"final state, {where}"
-        assert rel_err(x.grad, ref["grads"]["dx"][:, own]) < TOL, f"dx, {where}"
-        shared = {"d initial_state": h0.grad, **{f"d {n}": p.grad for n, p in layer.named_parameters()}}
-        for n, grad in shared.items():
-            dist.all_reduce(grad)
-            assert rel_err(grad, ref["grads"][n]) < TOL, f"{n}, {where}"
+        _check_rank(layer, ref, layout.local_token_index(rank), cu, rank, world_size,
+                    f"{kind} {name} rank {rank} of {world_size}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

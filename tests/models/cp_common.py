@@ -64,12 +64,18 @@ def step(model, world_size, layout="contiguous"):
     assert rel_err(out.loss.detach(), global_token_mean_loss(out.logits.detach(), batch.labels)) < 1e-6
     model.zero_grad()
     out.loss.backward()
+    grads = averaged_gradients(model, world_size)
+    return out.logits.detach()[0], out.loss.detach(), grads, original_index(batch)[batch.layout.local_token_index(batch.rank)]
+
+
+def averaged_gradients(model, world_size: int) -> dict:
+    """Every parameter's gradient (zeros where none) averaged over the ``world_size`` ranks, by name."""
     grads = {}
     for name, p in model.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         dist.all_reduce(grad)
         grads[name] = grad / world_size
-    return out.logits.detach()[0], out.loss.detach(), grads, original_index(batch)[batch.layout.local_token_index(batch.rank)]
+    return grads
 
 
 def errors(model, ref, rank, world_size, layout="contiguous") -> dict:

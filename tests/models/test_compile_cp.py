@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers  # noqa: F401  (in the `test` extra: a missing install fails here, not skips)
 
 from tests.helpers import rel_err
-from tests.models.cp_common import TOL, VOCAB
+from tests.models.cp_common import TOL, VOCAB, averaged_gradients
 from tests.multiprocess import run_ranks
 
 # Global boundaries of the batches (192 tokens, 96 a rank): one document crosses the rank edge in each, at
@@ -31,12 +30,7 @@ def _step(model, call, ids, cu, world_size):
     model.zero_grad()
     out = call(**batch.model_kwargs())
     out.loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad)
-        grads[name] = grad / world_size
-    return {"logits": out.logits.detach(), "loss": out.loss.detach(), **grads}
+    return {"logits": out.logits.detach(), "loss": out.loss.detach(), **averaged_gradients(model, world_size)}
 
 
 def _models(name):
