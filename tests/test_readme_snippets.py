@@ -1,4 +1,5 @@
-"""The README's Python snippets run as written, and its figures link to rows of benchmarks/RESULTS.md.
+"""The Python snippets of the README and of the user guide (docs/GUIDE.md) run as written, and the README's
+figures link to rows of benchmarks/RESULTS.md.
 
 Each snippet is a ```python block preceded by ``<!-- snippet: NAME cpu|gpu -->``; its first comment line says
 how it is launched (``# python FILE`` or ``# torchrun --nproc-per-node N FILE``). The CPU ones run here under
@@ -18,6 +19,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "GUIDE.md"
+DOCS = (README, GUIDE)  # the pages whose snippets run
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
 MARKER = re.compile(r"<!-- snippet: (\w+) (cpu|gpu) -->\n```python\n(.*?)\n```", re.S)
@@ -74,11 +77,15 @@ EXPECTED = {"op_cpu": _check_op, "gdn_cpu": _check_gdn, "layer_cpu": _check_laye
             "prefill_cpu": _check_prefill, "op_gpu": _check_op_gpu}
 
 
+def _docs_text() -> str:
+    return "\n".join(page.read_text() for page in DOCS)
+
+
 def snippets(text: str | None = None) -> dict[str, tuple[str, str]]:
-    """``{name: (kind, code)}`` of every marked snippet of the README (or of ``text``)."""
+    """``{name: (kind, code)}`` of every marked snippet of :data:`DOCS` (or of ``text``)."""
     found = {}
-    for name, kind, code in MARKER.findall(README.read_text() if text is None else text):
-        assert name not in found, f"two README snippets are named {name!r}"
+    for name, kind, code in MARKER.findall(_docs_text() if text is None else text):
+        assert name not in found, f"two snippets are named {name!r}"
         found[name] = (kind, code + "\n")
     return found
 
@@ -114,9 +121,8 @@ def _cases():
 
 
 def test_every_python_block_is_a_marked_snippet_with_a_launcher_and_an_expectation(tmp_path):
-    text = README.read_text()
-    assert text.count("```python") == len(snippets()), "a ```python block of the README has no snippet marker"
-    assert set(snippets()) == set(EXPECTED), "each README snippet needs its expected output in EXPECTED"
+    assert _docs_text().count("```python") == len(snippets()), "a ```python block of the docs has no snippet marker"
+    assert set(snippets()) == set(EXPECTED), "each snippet needs its expected output in EXPECTED"
     for _, code in snippets().values():
         launch_command(code, tmp_path)
 
@@ -148,3 +154,18 @@ def test_every_results_link_of_the_readme_names_a_heading_of_results():
     assert links, "the README's figures link to their rows in benchmarks/RESULTS.md"
     missing = sorted(set(links) - anchors)
     assert not missing, f"README links to RESULTS.md anchors that no heading makes: {missing}"
+
+
+def test_every_anchor_link_between_the_docs_names_a_heading_of_its_page():
+    """Links such as ``docs/GUIDE.md#limits`` from the README and the guide land on a heading of that page."""
+    missing = []
+    for page in DOCS:
+        for target, anchor in re.findall(r"\]\(([\w./-]+\.md)#([\w\-]+)\)", page.read_text()):
+            path = (page.parent / target).resolve()
+            if path == RESULTS.resolve():
+                continue  # checked above, with the figures
+            anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)} if path.exists() else set()
+            if anchor not in anchors:
+                missing.append(f"{page.name} -> {target}#{anchor}")
+    assert not missing, f"links to headings that do not exist: {missing}"
+

@@ -1,8 +1,9 @@
 """The order of one rank's work, forward and backward, against what the schedule claims.
 
-Each rank role runs in this process with a recording exchange (it records the calls and hands back
-zeros) and a recording backend (the torch backend, recording each stage and its span), so the
-order is seen without other ranks. The claims (``kdacp.distributed.orchestration``):
+Each rank role runs in this process (:class:`~kdacp.distributed.RankRole`) with a recording exchange (a
+:class:`~kdacp.distributed.StandInExchange` that records the calls and hands back zeros) and a recording
+backend (the torch backend, recording each stage and its span), so the order is seen without other ranks.
+The claims (``kdacp.distributed.orchestration``):
 
 - a rank posts its receive before any work, and its send before any work the receiver does not
   need (outputs, input gradients, and everything on the span that itself waits);
@@ -15,32 +16,33 @@ import torch
 
 from kdacp.backends.base import KDAInputs, KDAOptions
 from kdacp.backends.torch_backend import TorchBackend
-from kdacp.distributed import orchestration
+from kdacp.distributed import RankRole, StandInExchange
 from kdacp.distributed.plan import CPPlan, rank_layouts
-from kdacp.distributed.strategies import Pending
 from tests.helpers import make_kda_inputs
 
 
-class RecordingExchange:
+class RecordingExchange(StandInExchange):
+    """Logs ``begin``, a ``send`` that passes something on and a ``receive`` that gets something."""
+
     def __init__(self, log: list):
+        super().__init__()
         self.log = log
 
     def begin(self, route):
         self.log.append(("begin", None))
-        return Pending(route)
+        return super().begin(route)
 
     def send(self, pending, messages):
         route = pending.route
         if any(m is not None and route.target(i) is not None for i, m in zip(route.positions, messages)):
             self.log.append(("send", None))
+        super().send(pending, messages)
 
     def receive(self, pending):
         route = pending.route
-        sources = [route.source(i) for i in route.positions]
-        if all(src is None for src in sources):
-            return [None] * len(sources)
-        self.log.append(("receive", None))
-        return [None if src is None else torch.zeros(route.shape, dtype=route.dtype) for src in sources]
+        if any(route.source(i) is not None for i in route.positions):
+            self.log.append(("receive", None))
+        return super().receive(pending)
 
 
 class RecordingBackend:
@@ -72,20 +74,17 @@ LAYOUTS = [((0, 5, 100, 130), (40, 50, 40)), ((0, 30, 45, 60, 64), (32, 32)),
            ((0, 20, 40, 50, 80, 96), (32, 32, 32))]
 
 
-def _run(rank: int, cu, lengths, monkeypatch):
+def _run(rank: int, cu, lengths):
     log: list = []
-    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
     layouts = rank_layouts(cu, 1, lengths)
     plan = CPPlan(rank=rank, world_size=len(lengths), group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
                   local_lengths=lengths, rank_layouts=layouts)
     args = make_kda_inputs(1, lengths[rank], 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank)
-    backend = RecordingBackend(log)
-    fwd = orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+    role = RankRole(plan, RecordingBackend(log), KDAInputs(**args))
+    fwd = role.forward(RecordingExchange(log))
     forward_log = list(log)
     log.clear()
-    do = torch.randn_like(fwd.o)
-    orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition, fwd.head_states, do,
-                              None, False, False)
+    role.backward(fwd, torch.randn_like(fwd.o), exchange=RecordingExchange(log))
     return layouts[rank], forward_log, list(log)
 
 
@@ -94,9 +93,9 @@ def _index(log, event) -> int | None:
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
-def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
+def test_forward_sends_first_and_blocks_last(cu, lengths):
     for rank in range(len(lengths)):
-        layout, log, _ = _run(rank, cu, lengths, monkeypatch)
+        layout, log, _ = _run(rank, cu, lengths)
         head = (layout.head.start, layout.head.end)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
@@ -114,9 +113,9 @@ def test_forward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
-def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
+def test_backward_sends_first_and_blocks_last(cu, lengths):
     for rank in range(len(lengths)):
-        layout, _, log = _run(rank, cu, lengths, monkeypatch)
+        layout, _, log = _run(rank, cu, lengths)
         whole = (0, layout.num_tokens)
         assert log[0] == ("begin", None)
         send, receive = _index(log, "send"), _index(log, "receive")
@@ -131,13 +130,13 @@ def test_backward_sends_first_and_blocks_last(cu, lengths, monkeypatch):
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
-def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypatch):
+def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths):
     """Between the shared ``prepare`` and the send, only the pass that makes the message: forward the
     pass over every segment after the head (the tail and the rank's whole sequences in one launch),
     backward the local work over the whole rank, then the summary (a through rank), the pass over the
     whole rank (no tail: nothing to wait for), or the head's own pass (a tail that waits)."""
     for rank in range(len(lengths)):
-        layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
+        layout, forward, backward = _run(rank, cu, lengths)
         whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
         if layout.num_send:
             made = ("state_summary", head) if layout.through else ("state_pass", rest)
@@ -149,13 +148,13 @@ def test_message_posted_right_after_the_pass_that_makes_it(cu, lengths, monkeypa
 
 
 @pytest.mark.parametrize("cu, lengths", LAYOUTS)
-def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
+def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths):
     """What one device launches once over the rank's tokens, a rank launches once per span: forward over
     the head and over everything after it where a tail sends (not the tail alone and the whole sequences
     before it apart), else over the whole rank; backward over the whole rank (and the head's own pass for
     the message), so that no outputs or gradients are joined from parts."""
     for rank in range(len(lengths)):
-        layout, forward, backward = _run(rank, cu, lengths, monkeypatch)
+        layout, forward, backward = _run(rank, cu, lengths)
         whole, head, rest = ((s.start, s.end) for s in (layout.whole, layout.head, layout.after_head))
         assert {span for _, span in forward if span is not None} <= {whole, head, rest}, forward
         assert {span for _, span in backward if span is not None} <= {whole, head}, backward
@@ -169,12 +168,11 @@ def test_a_packed_rank_runs_each_stage_once_per_span(cu, lengths, monkeypatch):
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])
-def test_zero_initial_states_are_passed_as_none(rank, monkeypatch):
+def test_zero_initial_states_are_passed_as_none(rank):
     """Without ``initial_state`` the spans that start on a rank get no initial state (FLA then neither
     reads nor differentiates one: no zero fill, no ``dh0``); a received state is passed as is; and the
     results equal those with explicit zero initial states."""
     cu, lengths = LAYOUTS[0]
-    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange([]))
     layouts = rank_layouts(cu, 1, lengths)
     plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
                   local_lengths=lengths, rank_layouts=layouts)
@@ -191,9 +189,9 @@ def test_zero_initial_states_are_passed_as_none(rank, monkeypatch):
                 seen.append((_stage, a[1].start, a[2] is None if _stage == "state_pass" else a[3] is None))
                 return _inner(*a, **k)
             setattr(backend, stage, record)
-        fwd = orchestration.cp_forward(backend, plan, args, initial, False, torch.float64)
-        grads = orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition,
-                                          fwd.head_states, do, None, False, initial is not None)
+        role = RankRole(plan, backend, args, initial_state=initial)
+        fwd = role.forward(StandInExchange())
+        grads = role.backward(fwd, do, exchange=StandInExchange())
         got[name] = (fwd.o, grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta)
         head_end = layouts[rank].head_end
         for stage, start, passed_none in seen:
@@ -211,25 +209,24 @@ def test_rank_layouts_take_lists_and_reuse_equal_layouts():
 
 
 @pytest.mark.parametrize("parallel_pieces", [True, False])
-def test_through_rank_runs_its_pass_in_pieces_only_where_the_backend_gains(parallel_pieces, monkeypatch):
+def test_through_rank_runs_its_pass_in_pieces_only_where_the_backend_gains(parallel_pieces):
     """One sequence over three ranks of 200 tokens (four 64-token chunks each): the through rank's pass
     after the message runs over its summary's pieces (the torch backend cuts a segment in two) where the
     backend says its state kernel gains from it, else along the whole rank."""
     log: list = []
-    monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
     lengths = (200, 200, 200)
     plan = CPPlan(rank=1, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
                   local_lengths=lengths, rank_layouts=rank_layouts(None, 1, lengths))
     backend = RecordingBackend(log)
     backend.parallel_pieces = parallel_pieces
     args = make_kda_inputs(1, 200, 1, 1, 16, 16, gate="plain", requires_grad=False, seed=1)
-    orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+    RankRole(plan, backend, KDAInputs(**args)).forward(RecordingExchange(log))
     passes = [span for stage, span in backend.spans if stage == "state_pass"]
     assert len(passes) == 1 and (passes[0].start, passes[0].end) == (0, 200)
     assert passes[0].cu_seqlens == ((0, 128, 200) if parallel_pieces else (0, 200))
 
 
-def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set(monkeypatch):
+def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set():
     """Zigzag over 3 ranks, one sequence of 240 tokens (40-token chunks): rank 0 holds the chain's ends, rank 1
     two through positions, rank 2 one range (the contiguous schedule). A rank of several positions makes its
     messages first (rank 0: the pass over its first range only; rank 1: the summary of both ranges), sends,
@@ -242,18 +239,16 @@ def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set(monkeyp
     assert [lay.positions for lay in layouts] == [(0, 4), (1, 3), (2,)]
     for rank, made in ((0, ("state_pass", (0, 40))), (1, ("state_summary", (0, 80)))):
         log: list = []
-        monkeypatch.setattr(orchestration, "make_exchange", lambda strategy: RecordingExchange(log))
         plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
                       local_lengths=layout.local_lengths, layout=layout)
         args = make_kda_inputs(1, 80, 1, 1, 16, 16, gate="plain", requires_grad=False, seed=rank)
-        backend = RecordingBackend(log)
-        fwd = orchestration.cp_forward(backend, plan, KDAInputs(**args), None, False, torch.float64)
+        role = RankRole(plan, RecordingBackend(log), KDAInputs(**args))
+        fwd = role.forward(RecordingExchange(log))
         whole = (0, 80)
         assert log == [("begin", None), ("prepare", whole), made, ("send", None), ("receive", None),
                        ("state_pass", whole), ("output", whole)], log
         log.clear()
-        orchestration.cp_backward(backend, plan, fwd.saved, fwd.local_initial, fwd.transition, fwd.head_states,
-                                  torch.randn_like(fwd.o), None, False, False)
+        role.backward(fwd, torch.randn_like(fwd.o), exchange=RecordingExchange(log))
         assert log == [("begin", None), ("backward_local", whole), ("state_gradient_summary", whole),
                        ("send", None), ("receive", None), ("backward_states", whole),
                        ("backward_inputs", whole)], log

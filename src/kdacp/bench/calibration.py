@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from kdacp.affine import AffineMap, compose_state_summaries
-from kdacp.backends.call import prepare_call
+from kdacp.distributed import RankRole
 from kdacp.distributed.cost_model import Link, RoleStages, StageTimes
-from kdacp.distributed.plan import rank_layouts
+from kdacp.distributed.plan import one_rank_plan, rank_layouts
 from kdacp.reference.gates import compute_dtype
 
 from .inputs import random_inputs
@@ -42,9 +42,15 @@ def op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: 
                 state_bytes=n * HV * K * V * wire, summary_bytes=n * HV * K * (K + V) * wire)
 
 
+def _one_device(backend: str, args: dict) -> RankRole:
+    """The :class:`~kdacp.distributed.RankRole` of :func:`~kdacp.bench.inputs.random_inputs`' ``args`` on one
+    device with Kimi Linear's options (its ``backend`` and ``inputs`` run the stages timed here)."""
+    return RankRole.prepare(one_rank_plan(None, 1, args["q"].shape[1]), **args, backend=backend, **OPTIONS)
+
+
 def _time_summaries(backend_name: str, args: dict, device: torch.device, iters: int) -> tuple[float, float]:
     """kdacp's summary stages on all the tokens: ``(S_ext, M)`` forward, ``G`` backward (seconds)."""
-    call = prepare_call(backend_name, **args, scale=None, **OPTIONS)
+    call = _one_device(backend_name, args)
     backend, layout = call.backend, rank_layouts(None, 1, (args["q"].shape[1],) * 3)[1]
     chunks = backend.prepare(call.inputs, layout.whole)
     fwd = median_time(lambda: backend.state_summary(chunks, layout.whole, with_transition=True), device, iters)
@@ -60,7 +66,7 @@ def _time_fla(args: dict, device: torch.device, iters: int) -> dict:
     """FLA 0.6.0's summary kernels, its ``chunk_kda`` forward and backward, and one merge step (seconds)."""
     from kdacp.backends.fla_adapter import load_fla
     fla = load_fla()
-    call = prepare_call("fla", **args, scale=None, **OPTIONS)
+    call = _one_device("fla", args)
     backend, T = call.backend, args["q"].shape[1]
     HV, K, V = args["v"].shape[2], args["q"].shape[3], args["v"].shape[3]
     whole = rank_layouts(None, 1, (T,))[0].whole
@@ -95,7 +101,7 @@ def measure_stages(t_local: int, heads: int, head_dim: int, backend: str, dtype:
     ``heads`` q/k and value heads (H = HV), K = V = ``head_dim``, ``t_local`` tokens, Kimi Linear's options."""
     device = torch.device(device)
     args = random_inputs(t_local, heads, heads, head_dim, head_dim, dtype=dtype, device=device)
-    call = prepare_call(backend, **args, scale=None, **OPTIONS)
+    call = _one_device(backend, args)
     state_dtype = compute_dtype(args["q"])
     roles, one = time_roles(call.backend, call.inputs, state_dtype, device, iters)
     ops = op_times(1, heads, head_dim, head_dim, state_dtype, device, iters)

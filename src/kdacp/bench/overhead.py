@@ -1,7 +1,7 @@
 """Per-rank compute overhead of context parallelism, measured on one device.
 
 Each rank role of a 3-rank plan (``first``, ``through``, ``last``: ranks 0, 1, 2) runs its real
-orchestration (:func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward``) against an
+schedule (:class:`~kdacp.distributed.RankRole`) against an
 exchange that moves nothing and hands back ready-made incoming messages (zeros; a through rank still
 forms its outgoing ``M x + S``, as ``p2p`` does). Its forward and backward times are divided by one
 device's forward and backward on the same tokens (a one-rank plan of the rank's own segments, the
@@ -24,7 +24,7 @@ critical path's pieces for every batch (the scaling suite stamps one sequence on
 Families: ``kda`` (Kimi Linear's gate: in kernel, ``safe_gate``, ``lower_bound=-5``, L2 norm in
 kernel; ``H = HV = heads``) and ``gdn`` (gate in kernel, L2 norm in kernel; Qwen3-Next's shape
 ``H = heads / 2``, ``HV = heads``; the backend a training call would take, see
-:func:`~kdacp.backends.call.prepare_call`). Batches (:mod:`kdacp.bench.batches`) of ``3 * t_local``
+:meth:`~kdacp.distributed.RankRole.prepare`). Batches (:mod:`kdacp.bench.batches`) of ``3 * t_local``
 tokens; ``lognormal`` with median ``min(2048, t_local / 4)``.
 
     kdacp bench --suite overhead [--seq-lens 16384] [--family kda] [--batches one_sequence,docs7]
@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
-from kdacp.backends.call import prepare_call
 from kdacp.kernels.precision import resolve_precision
-from kdacp.distributed.orchestration import cp_backward, cp_forward
+from kdacp.distributed import RankRole, StandInExchange
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts, through_ranks
-from kdacp.distributed.strategies import Pending
 from kdacp.gdn import gdn_as_kda_arguments
 from kdacp.reference.gates import compute_dtype
 
@@ -57,33 +56,18 @@ PLOTS = {"overhead": PlotSpec(x="label", y="ratio", bars=True, where=("source", 
                               title="CP rank forward+backward / one device, same tokens", ylabel="ratio")}
 
 
-class ReadyExchange:
-    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing: the incoming value is a
-    ready-made zero state (allocated once per shape), and a rank whose message is affine forms
-    ``M x + S`` from it as ``p2p`` does before sending (timed as stage ``apply`` by ``timer``)."""
+class ReadyExchange(StandInExchange):
+    """A :class:`~kdacp.distributed.StandInExchange`: the incoming value is a ready-made zero state, and a
+    rank whose message is affine forms ``M x + S`` from it as ``p2p`` does (timed as stage ``apply`` by
+    ``timer``)."""
 
     def __init__(self, timer=None):
-        self.timer, self._ready = timer, {}
+        super().__init__()
+        self.timer = timer
 
-    def begin(self, route) -> Pending:
-        return Pending(route)
-
-    def send(self, pending: Pending, messages) -> None:
-        pending.messages = dict(zip(pending.route.positions, messages))
-
-    def receive(self, pending: Pending) -> list:
-        route = pending.route
-        (message,) = pending.messages.values()  # a rank of the contiguous layout: one position
-        if route.predecessor is None:
-            return [None]
-        key = (route.shape, route.dtype, route.device)
-        if key not in self._ready:
-            self._ready[key] = torch.zeros(route.shape, dtype=route.dtype, device=route.device)
-        x = self._ready[key]
-        if route.successor is not None and message is not None and message.transition is not None:
-            apply = lambda: message.apply(x).to(route.dtype)  # noqa: E731
-            self.timer.run("apply", apply) if self.timer else apply()
-        return [x]
+    def pass_on(self, message, x, route):
+        apply = lambda: super(ReadyExchange, self).pass_on(message, x, route)  # noqa: E731
+        return self.timer.run("apply", apply) if self.timer else apply()
 
 
 class StageTimer:
@@ -124,24 +108,26 @@ class _TimedBackend:
 
 def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtype: torch.dtype, device,
               summary_precision=None):
-    """``(PreparedCall, do)`` of one rank's ``T`` tokens for ``family`` (``summary_precision`` as
-    :func:`kdacp.chunk_kda`'s)."""
+    """``(RankRole, do)`` of one rank's ``T`` tokens for ``family`` (``summary_precision`` as
+    :func:`kdacp.chunk_kda`'s), on one device's plan (:func:`rank_step` runs it on another)."""
     x = random_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, gate=family,
                       dtype=dtype, device=device)
+    one = one_rank_plan(None, 1, T)
     if family == "kda":
-        return (prepare_call(backend, **x, scale=None, summary_precision=summary_precision, **KDA_OPTIONS),
+        return (RankRole.prepare(one, **x, backend=backend, summary_precision=summary_precision, **KDA_OPTIONS),
                 torch.randn_like(x["v"]))
     # GDN: one gate logit per value head and token, dt_bias [HV]
     gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)
-        call = prepare_call(backend, **leaves, **gate, scale=None, summary_precision=summary_precision, **GDN_OPTIONS)
+        call = RankRole.prepare(one, **leaves, **gate, backend=backend, summary_precision=summary_precision,
+                                **GDN_OPTIONS)
     return call, torch.randn_like(x["v"])
 
 
 def device_role_call(family: str, device: torch.device, T: int | None = None):
-    """``(T, PreparedCall, do)`` of :func:`role_call` at the benchmark scripts' size for ``device``: on a GPU
+    """``(T, RankRole, do)`` of :func:`role_call` at the benchmark scripts' size for ``device``: on a GPU
     ``T`` tokens (default 16384), 32 heads of 128, bf16, the ``fla`` backend; on the CPU (a check that a
     script runs) ``T`` tokens (default 256), 2 heads of 16, float32, the ``torch`` backend."""
     cuda = device.type == "cuda"
@@ -165,12 +151,12 @@ def role_plans(batch: str, T: int) -> dict:
     return plans
 
 
-def rank_step(backend, plan: CPPlan, call, do, state_dtype, exchange):
-    """``(forward, backward)`` callables of one rank: the forward runs once here, the backward reuses it."""
-    fwd = lambda: cp_forward(backend, plan, call.inputs, None, False, state_dtype, exchange=exchange)  # noqa: E731
-    out = fwd()
-    return fwd, lambda: cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states,
-                                    do, None, False, False, exchange=exchange)
+def rank_step(backend, plan: CPPlan, call: RankRole, do, state_dtype, exchange):
+    """``(forward, backward)`` callables of ``call`` on ``plan``'s rank with ``backend``: the forward runs once
+    here, the backward reuses it."""
+    role = replace(call, plan=plan, backend=backend, state_dtype=state_dtype)
+    out = role.forward(exchange)
+    return lambda: role.forward(exchange), lambda: role.backward(out, do, exchange=exchange)
 
 
 def _breakdown(call, do, state_dtype, plans: dict, device: torch.device, warmup: bool, rounds: int) -> dict:

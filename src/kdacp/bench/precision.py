@@ -21,7 +21,8 @@ import torch
 from kdacp import reference
 from kdacp.affine import apply_state_gradient_summary, apply_state_summary
 from kdacp.backends.base import Span
-from kdacp.backends.call import prepare_call
+from kdacp.distributed import RankRole
+from kdacp.distributed.plan import one_rank_plan
 from kdacp.gdn import chunk_gated_delta_rule, gdn_as_kda_arguments
 from kdacp.kda import chunk_kda
 from kdacp.kernels import SummaryPrecision
@@ -88,19 +89,19 @@ def fla_one_gpu(family: str, x: dict, want: dict) -> dict:
     return _errors(o, final, leaves, want)
 
 
-def _segment_call(family: str, xs: dict, policy: str, backend: str):
-    """``backend``'s :class:`~kdacp.backends.call.PreparedCall` of one segment's leaves ``xs``."""
+def _segment_call(family: str, xs: dict, policy: str, backend: str) -> RankRole:
+    """``backend``'s :class:`~kdacp.distributed.RankRole` of one segment's leaves ``xs`` on one device (its
+    ``backend`` and ``inputs`` run the stages)."""
     options = dict(FAMILIES[family]["options"])
+    one = one_rank_plan(None, 1, xs["q"].shape[1])
     if family == "kda":
-        return prepare_call(backend, **{n: xs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
-                            scale=None, summary_precision=policy, **options)
+        return RankRole.prepare(one, **{n: xs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
+                                backend=backend, summary_precision=policy, **options)
     gate = gdn_as_kda_arguments(xs["q"], xs["v"], xs["g"], True, xs["A_log"], xs["dt_bias"])
-    gate.pop("use_gate_in_kernel")
     options.pop("use_gate_in_kernel")
     with torch.enable_grad():  # the backend a training call takes
-        return prepare_call(backend, q=xs["q"], k=xs["k"], v=xs["v"], beta=xs["beta"], **gate, scale=None,
-                            use_gate_in_kernel=True, lower_bound=None, safe_gate=False, summary_precision=policy,
-                            **options)
+        return RankRole.prepare(one, q=xs["q"], k=xs["k"], v=xs["v"], beta=xs["beta"], **gate, backend=backend,
+                                summary_precision=policy, **options)
 
 
 def virtual_cp(family: str, x: dict, P: int, policy: str, want: dict, backend: str = "fla",

@@ -4,8 +4,7 @@ machine at hand by :mod:`kdacp.distributed.cost_model` (an event-level compositi
 Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per rank:
 
 - each rank role's stages (``first``, ``through``, ``last``; forward and backward): the real
-  orchestration (:func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward``) runs one
-  role of a 3-rank plan against a probe exchange that stamps where the message is posted, where the
+  schedule runs one role of a 3-rank plan (:class:`~kdacp.distributed.RankRole`) against a probe exchange that stamps where the message is posted, where the
   rank blocks and where the incoming value is handed back (on a GPU device time, the whole call queued
   before the device runs it, as the host runs ahead in a training step: see
   :class:`~kdacp.bench.stage_probe.StageProbe`);
@@ -34,7 +33,7 @@ sharing ``cores`` cores (a CPU runs ``P`` processes on fewer cores: compute is t
 which the dedicated-device model would not see). Other jobs on the machine slow calibration and
 measurement by different, changing amounts; the measured rows carry the load average.
 ``sleep_check`` tests the composition where that does not reach: ranks whose stages sleep
-(:class:`SleepBackend`), so they need no core, with real orchestration, exchanges and link
+(:class:`SleepBackend`), so they need no core, with the real schedule, exchanges and link
 (``"sleep-stage measured"`` against ``"sleep-stage model"`` rows, a device per rank), and the step
 composition (:func:`sleep_step_check`): ``SLEEP_STEP_LAYERS`` layers of ranks sleeping
 :data:`CHAIN_STAGES`, forwards, the loss's all-reduce, backwards (``"sleep-stage step measured"``, with
@@ -54,9 +53,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kdacp.distributed import build_cp_plan, new_cp_group
+from kdacp.distributed import RankRole, build_cp_plan, new_cp_group
 from kdacp.distributed.cost_model import DEFAULT_LINK, Link, StageTimes
-from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import STRATEGIES
 from kdacp.kda import chunk_kda
 
@@ -197,7 +195,7 @@ def _prefix_groups(group) -> dict:
 
 def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
     """The composition alone: :class:`SleepBackend` ranks, stages and one device measured by the probe,
-    the link as calibrated; measured ``cp_forward`` + ``cp_backward`` steps (real exchanges, slowest
+    the link as calibrated; measured forward + backward steps (real exchanges, slowest
     rank, median) at ``P = 2 ..`` the group's size against the model with a device per rank."""
     rank = dist.get_rank(group)
     T, dev = 64, torch.device("cpu")
@@ -211,9 +209,8 @@ def _sleep_check(link: Link, group, iters: int, report) -> list[dict]:
             do = torch.zeros(1, T, 1, 16)
 
             def step(plan):
-                out = cp_forward(backend, plan, inputs, None, False, torch.float32)
-                cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None,
-                            False, False)
+                role = RankRole(plan, backend, inputs)
+                role.backward(role.forward(), do)
             ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, subgroups[P], dev, iters)
             if rank == 0:
                 pred = {s: predict(s, P, times, link) for s in STRATEGIES}
@@ -245,11 +242,11 @@ def sleep_step_check(link: Link = DEFAULT_LINK, group=None, iters: int = 7, repo
             do = torch.zeros(1, T, 1, 16)
 
             def step(plan):
-                outs = [cp_forward(backend, plan, inputs, None, False, torch.float32) for _ in range(layers)]
+                role = RankRole(plan, backend, inputs)
+                outs = [role.forward() for _ in range(layers)]
                 dist.all_reduce(torch.zeros(1), group=sub)  # the loss: every rank meets
                 for out in reversed(outs):
-                    cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do,
-                                None, False, False)
+                    role.backward(out, do)
             ms = _median_steps({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, sub, dev, iters)
             if rank == 0:
                 one_ms = layers * sum(times.one_device) * 1e3

@@ -1,10 +1,10 @@
-"""Stage probes of the scaling model: one rank role's real orchestration against an exchange that moves
+"""Stage probes of the scaling model: one rank role's real schedule against an exchange that moves
 nothing and stamps the time where the rank posts its message, blocks, and gets the incoming value back
 (device time on a GPU: see :class:`StageProbe`).
 
-Each role (``first``, ``through``, ``last``) of a 3-rank plan of one sequence runs
-:func:`~kdacp.distributed.orchestration.cp_forward` / ``cp_backward`` in one process; a one-rank plan
-gives one device's forward and backward on the same tokens.
+Each role (``first``, ``through``, ``last``) of a 3-rank plan of one sequence runs as a
+:class:`~kdacp.distributed.RankRole` in one process; a one-rank plan gives one device's forward and
+backward on the same tokens.
 """
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ import statistics
 import torch
 
 from kdacp.backends.base import KDAInputs
+from kdacp.distributed import RankRole, StandInExchange
 from kdacp.distributed.cost_model import RoleStages
-from kdacp.distributed.orchestration import cp_backward, cp_forward
 from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
-from kdacp.distributed.strategies import Pending
 
 from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync
 
 ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-rank plan of one sequence
 
 
-class StageProbe:
-    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing: it stamps where the
-    rank posts its message (``send``), where it blocks (``receive``) and where it gets the incoming
-    value back (``received``: zeros), between :meth:`start` and :meth:`finish`.
+class StageProbe(StandInExchange):
+    """A :class:`~kdacp.distributed.StandInExchange` (it moves nothing) that stamps where the rank posts its
+    message (``send``), where it blocks (``receive``) and where it gets the incoming value back
+    (``received``: zeros; a through rank's ``M x + S`` runs between the last two, outside every stage: the
+    cost model adds the exchange's products itself), between :meth:`start` and :meth:`finish`.
 
     On a GPU the stamps are CUDA events in stream order and the device sleeps ``queue_ahead_s`` at
     :meth:`start`, so the host queues the whole call before the device runs it, as in a training step,
@@ -39,6 +39,7 @@ class StageProbe:
     warm-up calls, whose compiling outlasts any sleep; :func:`queue_ahead` sizes it for the others)."""
 
     def __init__(self, device: torch.device, queue_ahead_s: float = 0.0):
+        super().__init__()
         self.device, self.stamps, self.queue_ahead_s = device, {}, queue_ahead_s
         self.clock = Clock(device)
 
@@ -67,19 +68,15 @@ class StageProbe:
             return self.clock.seconds(self.stamps[a], self.stamps[b])
         return RoleStages(between("start", "send"), between("send", "receive"), between("received", "end"))
 
-    def begin(self, route) -> Pending:
-        return Pending(route)
-
-    def send(self, pending: Pending, messages) -> None:
-        pending.messages = dict(zip(pending.route.positions, messages))
+    def send(self, pending, messages) -> None:
+        super().send(pending, messages)
         self.stamp("send")
 
-    def receive(self, pending: Pending):
+    def receive(self, pending) -> list:
         self.stamp("receive")
-        route = pending.route
-        x = None if route.predecessor is None else torch.zeros(route.shape, dtype=route.dtype, device=route.device)
+        incoming = super().receive(pending)
         self.stamp("received")
-        return [x]
+        return incoming
 
 
 def _plan(rank: int, world: int, T: int) -> CPPlan:
@@ -91,16 +88,16 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
 def probe_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
                device: torch.device, queue_ahead_s: float = 0.0) -> tuple[RoleStages, RoleStages]:
     """``(forward, backward)`` :class:`RoleStages` (seconds) of one call of the role ``plan`` gives this
-    process: its orchestration against a :class:`StageProbe` (``queue_ahead_s`` its sleep on a GPU, from
+    process: its :class:`~kdacp.distributed.RankRole` against a :class:`StageProbe` (``queue_ahead_s`` its sleep on a GPU, from
     :func:`queue_ahead`; 0 for warm-up calls), ``do`` the output gradient."""
+    role = RankRole(plan, backend, inputs, state_dtype=state_dtype)
     probe = StageProbe(device, queue_ahead_s)
     probe.start()
-    out = cp_forward(backend, plan, inputs, None, False, state_dtype, exchange=probe)
+    out = role.forward(probe)
     forward = probe.finish()
     probe = StageProbe(device, queue_ahead_s)
     probe.start()
-    cp_backward(backend, plan, out.saved, out.local_initial, out.transition, out.head_states, do, None, False, False,
-                exchange=probe)
+    role.backward(out, do, exchange=probe)
     return forward, probe.finish()
 
 

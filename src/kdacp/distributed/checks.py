@@ -79,8 +79,11 @@ _SHOW = {"q/k dtype": lambda c: _dtype_names(c, 2), "lower_bound": _bits_float, 
                                                       "A_log", "dt_bias")}}
 
 
-def _check_local(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                 lower_bound, cu_seqlens):
+def check_rank_call(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
+                    lower_bound, cu_seqlens):
+    """This rank's own part of :func:`check_cp_call` (no collective, dtypes aside): shapes, ``T_local`` against
+    the plan's layout, ``initial_state [N, HV, K, V]``, no ``cu_seqlens``; returns the sizes
+    (:class:`~kdacp.validation.KDADims`). Raises ``ValueError`` naming the argument."""
     if cu_seqlens is not None:
         raise ValueError("cu_seqlens must be None with cp: the plan holds the global boundaries "
                          "(build_cp_plan(cu_seqlens, ...))")
@@ -127,8 +130,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
     error, dims, name, precision = None, None, "", ""
     try:
-        dims = _check_local(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                            cu_seqlens)
+        dims = check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                               cu_seqlens)
         name = resolve_backend(backend, q.device)
         precision = resolve_precision(summary_precision, q.dtype, name="summary_precision").value
     except (TypeError, ValueError, ImportError) as e:
