@@ -77,9 +77,11 @@ class StageProbe:
     def receive(self, pending: Pending):
         self.stamp("receive")
         route = pending.route
-        x = None if route.predecessor is None else torch.zeros(route.shape, dtype=route.dtype, device=route.device)
+        sources = [route.source(i) for i in route.positions]  # one per position the rank holds
+        x = None if all(src is None for src in sources) else torch.zeros(route.shape, dtype=route.dtype,
+                                                                          device=route.device)
         self.stamp("received")
-        return [x]
+        return [None if src is None else x for src in sources]
 
 
 def _plan(rank: int, world: int, T: int) -> CPPlan:
