@@ -423,7 +423,8 @@ def _step_rows(family: str, call, do, state_dtype, measured: list, world_sizes, 
     role's measured critical-path stages, composed by :func:`~kdacp.bench.scaling_model.layout_step_path`, and
     (``stages="contiguous by share"``) the zigzag model the hybrid suite runs, its positions doing their shares of
     the contiguous roles' stages (:func:`~kdacp.bench.scaling_model.predict_step`); each strategy's step over
-    ``layers`` one-device steps on ``T`` tokens (one sequence, probed as the roles are)."""
+    ``layers`` one-device steps on ``T`` tokens (one sequence, probed as the roles are: ``one_ms``, forward +
+    backward)."""
     cases = [(layout, P, plans, critical) for batch, layout, P, plans, critical in measured if batch == "one_sequence"]
     if not cases:
         return []
@@ -443,8 +444,9 @@ def _step_rows(family: str, call, do, state_dtype, measured: list, world_sizes, 
             ratios = {s: step(s, sync_every) / (STEP_LAYERS * one_s) for s in STRATEGIES}
             best = min(ratios, key=ratios.get)
             rows.append(dict(source="step model", family=family, batch="one_sequence", layout=layout, P=P, stages=how,
-                             layers=STEP_LAYERS, sync_every=sync_every, **{f"{s}_ratio": x for s, x in ratios.items()},
-                             best_ratio=ratios[best], best_strategy=best))
+                             layers=STEP_LAYERS, sync_every=sync_every, one_ms=one_s * 1e3,
+                             **{f"{s}_ratio": x for s, x in ratios.items()}, best_ratio=ratios[best],
+                             best_strategy=best))
     for layout, P, plans, critical in cases:
         if layout == "contiguous":  # a 3-rank plan's roles stand for every P's
             by_role = [{role: role_stages(critical, role)[k] for role in ROLE_RANKS} for k in range(2)]
