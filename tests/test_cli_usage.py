@@ -68,7 +68,7 @@ USAGE_ERRORS = [
     (("bench", "--suite", "virtual", "--batches", "docs7"), "--batches is for --suite cp or layer or gdn or overhead, not --suite virtual"),
     (("bench", "--suite", "kernels", "--heads", "4"),
      "--heads is for --suite layer or scaling or overhead or virtual or hybrid or balance, not --suite kernels"),
-    (("bench", "--suite", "layer", "--ranks", "2,4"), "--ranks is for --suite virtual, not --suite layer"),
+    (("bench", "--suite", "layer", "--ranks", "2,4"), "--ranks is for --suite virtual or overhead, not --suite layer"),
     (("bench", "--suite", "virtual", "--ranks", "1,4"), "argument --ranks: expected comma-separated rank counts"),
     (("bench", "--suite", "virtual", "--seq-lens", "100"),
      "--suite virtual takes tokens per rank in multiples of the chunk size 64, got --seq-lens 100"),

@@ -16,6 +16,7 @@ from .bench.batches import BATCHES
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
 from .demo import DTYPES, rank_count
 from .layers.context_parallel import hybrid_ulysses_size
+from .distributed.layout import LAYOUTS
 from .distributed.plan import STRATEGY_CHOICES
 from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES
@@ -106,6 +107,14 @@ def _modes(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names or any(n not in MODES for n in names):
         raise argparse.ArgumentTypeError(f"expected comma-separated modes from {', '.join(MODES)}, got {text!r}")
+    return names
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated token layouts of :data:`kdacp.distributed.layout.LAYOUTS`."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in LAYOUTS for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated layouts from {', '.join(LAYOUTS)}, got {text!r}")
     return names
 
 
@@ -281,7 +290,8 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "trace": ("cp",), "world_size": ("cp", "layer", "soak", "scaling", "gdn"),
                   "backend": ("layer", "scaling", "overhead", "hybrid"), "hidden": ("layer",),
                   "heads": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
-                  "head_dim": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"), "ranks": ("virtual",),
+                  "head_dim": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
+                  "ranks": ("virtual", "overhead"), "layouts": ("overhead",),
                   "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",),
                   "calibration": ("hybrid",), "attention_tflops": ("hybrid",), "balance": ("hybrid",),
@@ -331,6 +341,8 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
         cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                       backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"),
                       summary_precision=args.summary_precision)]
+        cases[0].update({name: value for name, value in (("layouts", args.layouts), ("world_sizes", args.ranks))
+                         if value is not None})
     elif args.suite == "gdn":
         cases = [{"t_locals": tuple(seq_lens or (16384, 32768))}]
     elif args.suite == "cp":
@@ -389,6 +401,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(missing)
     if args.backend == "fla":
         _check_fla(device)
+    if args.suite == "overhead" and args.ranks and set(args.layouts or ("contiguous",)) == {"contiguous"}:
+        raise UsageError("--ranks is for the overhead suite's layouts other than contiguous (the contiguous roles are "
+                         "a 3-rank plan's): add --layouts zigzag or document_zigzag")
     if args.suite in ("scaling", "overhead", "virtual", "balance") and args.seq_lens and len(args.seq_lens) > 1:
         what = "the sequence" if args.suite == "balance" else "tokens per rank"
         raise UsageError(f"--suite {args.suite} takes one --seq-lens value ({what}), got {len(args.seq_lens)}")
@@ -576,7 +591,10 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_argument(flag, type=_positive_float, default=None, help=f"scaling suite: {text}")
     for flag, kind, text in (
             ("--ranks", _rank_counts, "virtual suite: comma-separated numbers of virtual ranks (default: 2,4,8,16,64 "
-                                      "on CPU; up to 1024 on CUDA)"),
+                                      "on CPU; up to 1024 on CUDA); overhead: the P of each layout other than "
+                                      "contiguous whose rank roles are timed (default: 2,8,64)"),
+            ("--layouts", _layouts, "overhead suite: comma-separated token layouts from "
+                                    f"{', '.join(LAYOUTS)} whose rank roles are timed (default: contiguous)"),
             ("--predict-ranks", _rank_counts, "scaling suite: comma-separated rank counts to predict (default: "
                                               "2,4,...,1024); hybrid and balance: the rank counts (default: 8,16,64)"),
             ("--step-layers", _positive_int, "scaling suite: token-mixer layers of the step model's training step "

@@ -64,7 +64,7 @@ def test_one_sequence_kda_through_rank_runs_the_summaries(one_thread, tmp_path, 
         assert all(r["calls"] == r["one_calls"] == 1 for r in stages.values()), stages
     out = capsys.readouterr().out
     assert "### per-rank overhead" in out and "### critical-path stages" in out
-    assert "| kda | one_sequence | through | state_summary | 1 |" in out
+    assert "| kda | one_sequence | contiguous | 3 | through | state_summary | 1 |" in out
 
 
 def test_packed_gdn_roles_split_their_spans(one_thread):
@@ -82,7 +82,7 @@ def test_packed_gdn_roles_split_their_spans(one_thread):
     for split in ("state_pass", "output", "backward_states"):
         assert (through[split]["calls"], through[split]["one_calls"]) == (2, 1), through[split]
     assert "state_summary" not in through and through["backward_inputs"]["calls"] == 1
-    assert "| gdn | lognormal | through | state_pass | 2 |" in markdown(rows)
+    assert "| gdn | lognormal | contiguous | 3 | through | state_pass | 2 |" in markdown(rows)
 
 
 def test_usage_errors(tmp_path, capsys):

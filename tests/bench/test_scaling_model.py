@@ -168,3 +168,57 @@ def test_zigzag_chain_and_its_p2p_path_by_hand():
         predict("p2p", 4, TIMES, layout="spiral")
     with pytest.raises(ValueError, match="strategy='fla'"):
         predict_step("fla", 4, TIMES, 2, layout="zigzag")
+
+
+def _random_roles(seed: int) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    return tuple({role: RoleStages(rng.random(), rng.random(), rng.random()) for role in ("first", "through", "last")}
+                 for _ in range(2))
+
+
+def _sum(*parts: tuple[float, RoleStages]) -> RoleStages:
+    return RoleStages(*(sum(f * getattr(s, n) for f, s in parts) for n in ("ready", "between", "after")))
+
+
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_layout_step_path_with_each_rank_doing_its_roles_work_is_the_layout_model(P):
+    """Ranks given their role's stages reproduce :func:`predict_step`: contiguous (a rank a role), and zigzag
+    where each rank does its positions' shares of the contiguous roles (rank 0 half of first and half of last,
+    the others through), for every strategy and with attention barriers."""
+    from kdacp.bench.scaling_model import layout_step_path
+    from kdacp.distributed.layout import contiguous_layout, zigzag_layout
+    from kdacp.distributed.plan import layout_rank_layouts
+
+    forward, backward = _random_roles(P)
+    times = StageTimes(forward=forward, backward=backward, apply_s=0.03, compose_s=0.05, copy_s_per_byte=1e-4,
+                       state_bytes=10, summary_bytes=30)
+    link = Link(latency_s=0.02, bandwidth=50.0, gather_latency_s=0.01, gather_bandwidth=80.0)
+
+    def role(r):
+        return "first" if r == 0 else "last" if r == P - 1 else "through"
+    contiguous = [(forward[role(r)], backward[role(r)]) for r in range(P)]
+    zigzag = [tuple(_sum((0.5, d["first"]), (0.5, d["last"])) if r == 0 else d["through"] for d in (forward, backward))
+              for r in range(P)]
+    for layout, stages, name in ((contiguous_layout(8 * P, P), contiguous, "contiguous"),
+                                 (zigzag_layout(8 * P, P), zigzag, "zigzag")):
+        layouts = layout_rank_layouts(None, 1, layout)
+        for strategy in STRATEGIES:
+            for sync_every in (0, 2):
+                got = layout_step_path(strategy, layouts, stages, times, 5, sync_every, link)
+                want = predict_step(strategy, P, times, 5, sync_every, link, layout=name).step_s
+                assert got == pytest.approx(want, rel=1e-12), (name, strategy, sync_every)
+
+
+def test_layout_step_path_bad_arguments():
+    from kdacp.bench.scaling_model import layout_step_path
+    from kdacp.distributed.layout import zigzag_layout
+    from kdacp.distributed.plan import layout_rank_layouts
+
+    layouts = layout_rank_layouts(None, 1, zigzag_layout(16, 2))
+    stages = [(RoleStages(1.0), RoleStages(1.0))] * 2
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        layout_step_path("fla", layouts, stages, TIMES, 2)
+    with pytest.raises(ValueError, match="rank_stages must hold one"):
+        layout_step_path("p2p", layouts, stages[:1], TIMES, 2)
+    with pytest.raises(ValueError, match="layers must be"):
+        layout_step_path("p2p", layouts, stages, TIMES, 0)

@@ -15,7 +15,10 @@ model), not once per layer.
 ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P-1-r``: a chain of ``2P - 1`` positions (rank
 ``P-1``'s two chunks are one range) through every rank but the last twice (:func:`zigzag_chain`). A
 position does its role's work (first, through, last) scaled by its share of its rank's tokens; a rank of
-two positions runs their work together (:func:`kdacp.distributed.cost_model.programs`' ``holders``)."""
+two positions runs their work together (:func:`kdacp.distributed.cost_model.programs`' ``holders``).
+:func:`layout_step_path` takes any layout's chain with each rank's own measured work instead (the overhead
+suite's roles of a rank holding several ranges, whose work is not its positions' shares of the contiguous
+roles': rank 0 under zigzag runs a state pass over its first range besides its whole pass)."""
 from __future__ import annotations
 
 import math
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, deadlock_error,
                                          join_gather, programs)
 from kdacp.distributed.cost_model import simulate as simulate_dedicated
+from kdacp.distributed.plan import STRATEGIES, RankLayout, chain_routes
 
-__all__ = ["predict", "route_path", "route_step_path"]
+__all__ = ["layout_step_path", "predict", "route_path", "route_step_path"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 MODEL_LAYOUTS = ("contiguous", "zigzag")
@@ -299,6 +303,31 @@ def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleS
     layer = _route_layer(strategy, {"forward": (forward, forward_stages), "backward": (backward, backward_stages)},
                          times)
     return max(simulate_on_cores(_assemble(layer, len(forward[0]), layers, sync_every), link, cores))
+
+
+def layout_step_path(strategy: str, layouts: tuple[RankLayout, ...], rank_stages, times: StageTimes, layers: int,
+                     sync_every: int = 0, link: Link = DEFAULT_LINK, cores: float | None = None) -> float:
+    """The step of :func:`step_programs` (seconds: the slowest rank's finish) over any layout's chain
+    (``layouts``: every rank's :class:`~kdacp.distributed.plan.RankLayout`; its routes as the orchestration
+    runs them, :func:`~kdacp.distributed.plan.chain_routes`), ``strategy`` one of ``p2p``, ``allgather``,
+    ``scan``. ``rank_stages[r]``: ``(forward, backward)`` :class:`RoleStages` of all of rank ``r``'s local work,
+    as the stage probe measures a rank whatever the positions it holds; they sit on its first position in
+    flow order (:func:`~kdacp.distributed.cost_model.programs` runs a rank's positions' work together)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if len(rank_stages) != len(layouts):
+        raise ValueError(f"rank_stages must hold one (forward, backward) pair per rank ({len(layouts)}), "
+                         f"got {len(rank_stages)}")
+    check_stack(layers, sync_every)
+    routes = {}
+    for k, (direction, (emits, affine, holders)) in enumerate(zip(("forward", "backward"), chain_routes(layouts))):
+        first = {}
+        for i, r in enumerate(holders):
+            first.setdefault(r, i)
+        stages = [rank_stages[r][k] if first[r] == i else RoleStages() for i, r in enumerate(holders)]
+        routes[direction] = ((emits, affine, holders), stages)
+    progs = _assemble(_route_layer(strategy, routes, times), len(layouts), layers, sync_every)
+    return max(simulate_on_cores(progs, link, cores))
 
 
 def predict_step(strategy: str, P: int, times: StageTimes, layers: int, sync_every: int = 0,

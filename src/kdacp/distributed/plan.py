@@ -204,6 +204,17 @@ def chain_links(layouts: tuple[RankLayout, ...]) -> tuple[ChainLink, ...]:
     return tuple(links)
 
 
+def chain_routes(layouts: tuple[RankLayout, ...]) -> tuple[tuple, tuple]:
+    """``(forward, backward)``: each ``(emits, affine, holders)`` by position of ``layouts``' chain in the
+    direction states flow (the chain in token order forward, reversed backward), as the cost model's
+    :func:`~kdacp.distributed.cost_model.programs` takes a route: messages each position passes on, whether
+    its message is affine in its input, the rank holding it."""
+    links = chain_links(layouts)
+    holders, through = tuple(link.rank for link in links), tuple(link.through for link in links)
+    return ((tuple(link.num_send for link in links), through, holders),
+            (tuple(link.num_receive for link in reversed(links)), through[::-1], holders[::-1]))
+
+
 def through_ranks(layouts: tuple[RankLayout, ...]) -> tuple[bool, ...]:
     """Per rank of a contiguous layout: strictly inside a chain, so its message is affine in what it
     receives (it sends ``M``, forward, and ``M^T``, backward)."""
@@ -227,11 +238,8 @@ def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape
     shape = AUTO_STATE_SHAPE if state_shape is None else tuple(state_shape)
     if len(shape) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
         raise ValueError(f"state_shape must be (HV, K, V), three positive ints, got {state_shape!r}")
-    links = chain_links(layouts)
-    n = max(max(link.num_send for link in links), 1)
-    holders, through = tuple(link.rank for link in links), tuple(link.through for link in links)
-    forward = (tuple(link.num_send for link in links), through, holders)
-    backward = (tuple(link.num_receive for link in reversed(links)), through[::-1], holders[::-1])
+    n = max(max(link.num_send for link in chain_links(layouts)), 1)
+    forward, backward = chain_routes(layouts)
     chosen, why = cost_model.choose_strategy(forward, backward, cost_model.exchange_stage_times(n, *shape),
                                              cost_model.DEFAULT_LINK if link is None else link)
     return chosen, f"auto: {why}"
