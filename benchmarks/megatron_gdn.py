@@ -6,8 +6,9 @@ state dict, and take the same input ``[s, 1, hidden]`` and output gradient; pack
 (:mod:`kdacp.bench.batches`) pass ``PackedSeqParams(qkv_format="thd")`` to both. Qwen3-Next's GDN shape: hidden
 2048, 16 key heads and 32 value heads of 128, convolution 4, bf16.
 
-Rows, one per batch, length and pass (contenders round-robin; device time on a GPU, each contender's calls queued
-behind a device sleep, :func:`kdacp.bench.timing.time_queued`; wall clock on the CPU):
+Rows, one per batch, length and pass (contenders round-robin, :func:`kdacp.bench.timing.time_round_robin`: CUDA
+events around calls back to back on a GPU, wall clock on the CPU; not queued behind a device sleep, since both
+layers read a packed batch's boundaries to the host on every call, as they do in training):
 
 - ``pass="forward"``: both forwards under ``torch.no_grad()``;
 - ``pass="forward+backward"``: forward and the gradients of the input and every parameter.
@@ -128,7 +129,7 @@ def first_line(error: BaseException) -> str:
 
 def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, warmup: int, rounds: int,
             iters: int) -> list[dict]:
-    from kdacp.bench.timing import peak_gb, time_queued
+    from kdacp.bench.timing import peak_gb, time_round_robin
     g = torch.Generator(device="cpu").manual_seed(T)
     x = torch.randn(T, 1, hidden, generator=g).to(device, dtype).requires_grad_(True)
     dy = torch.randn(T, 1, hidden, generator=g).to(device, dtype)
@@ -138,7 +139,7 @@ def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, war
 
     out_m, out_k = forward(megatron, x, psp), forward(kdacp, x, psp)
     fns = {"megatron": lambda: forward(megatron, x, psp), "kdacp": lambda: forward(kdacp, x, psp)}
-    ms = time_queued(fns, warmup, rounds, iters, device)
+    ms = time_round_robin(fns, warmup, rounds, iters, None, device)
     rows.append(dict(base, **{"pass": "forward"}, megatron_ms=ms["megatron"], kdacp_ms=ms["kdacp"],
                      ratio=ms["kdacp"] / ms["megatron"], out_rel_diff=rel_err(out_k, out_m), param_rel_diff=None,
                      megatron_peak_GB=peak_gb(fns["megatron"], None, device),
@@ -161,7 +162,7 @@ def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, war
     fns = {"kdacp": lambda: gradients(kdacp, x, dy, psp)}
     if not note:
         fns["megatron"] = lambda: gradients(megatron, x, dy, psp)
-    ms = time_queued(fns, warmup, rounds, iters, device)
+    ms = time_round_robin(fns, warmup, rounds, iters, None, device)
     megatron_ms = ms.get("megatron", float("nan"))
     rows.append(dict(base, **{"pass": "forward+backward"}, megatron_ms=megatron_ms, kdacp_ms=ms["kdacp"],
                      ratio=ms["kdacp"] / megatron_ms, out_rel_diff=diff, param_rel_diff=param_diff,
