@@ -3,11 +3,16 @@
 gradient, on unpacked rows and on THD-packed documents cut across ranks, each rank holding Megatron's zigzag
 shard; and a ``GPTModel`` of two such layers at cp = P against cp = 1.
 
+And Megatron's ``dist_checkpointing``: such a ``GPTModel`` saved at one cp degree and loaded at another.
+
 Megatron's GDN calls FLA's CUDA kernels; on CPU its reference runs with plain-PyTorch stand-ins of the same
-contracts: Megatron's own ``torch_chunk_gated_delta_rule`` per document, ``F.conv1d`` per document, and FLA's
-L2 norm formula. Skipped without megatron-core (see the skip reason for the install line).
+contracts (:func:`kdacp.integrations.megatron.fla_stand_ins`). Skipped without megatron-core (see the skip reason
+for the install line).
 """
 from __future__ import annotations
+
+import contextlib
+import multiprocessing
 
 import pytest
 import torch
@@ -52,34 +57,13 @@ def config(P: int, num_layers: int = 1):
         context_parallel_size=P, hidden_dropout=0.0, attention_dropout=0.0, **SHAPE)
 
 
+_RANK_LIFETIME = contextlib.ExitStack()  # what a rank enters for the rest of its life (never closed)
+
+
 def megatron_reference_kernels():
-    """Plain-PyTorch stand-ins for the FLA functions Megatron's GDN calls (its CUDA-only kernels)."""
-    from megatron.core.ssm.gated_delta_net import common, gdn
-
-    def l2norm(x, dim=-1, eps=1e-6):  # FLA's l2norm
-        return x * torch.rsqrt(x.square().sum(dim, keepdim=True) + eps)
-
-    def documents(T, cu_seqlens):
-        cu = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
-        return list(zip(cu, cu[1:]))
-
-    def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                      cu_seqlens=None):
-        W, parts = weight.shape[-1], []
-        for s, e in documents(x.shape[1], cu_seqlens):
-            y = F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=weight.shape[0])
-            parts.append(F.silu(y[..., :e - s]).transpose(1, 2))
-        return torch.cat(parts, 1), None
-
-    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-        assert initial_state is None and not output_final_state and not use_qk_l2norm_in_kernel
-        return torch.cat([common.torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e],
-                                                              beta[:, s:e])[0]
-                          for s, e in documents(q.shape[1], cu_seqlens)], 1), None
-
-    common.HAVE_FLA, common.l2norm = True, l2norm
-    gdn.causal_conv1d, gdn.chunk_gated_delta_rule = causal_conv1d, chunk_gated_delta_rule
+    """Megatron's GDN on plain-PyTorch stand-ins of its FLA calls, for the rest of this rank's life."""
+    from kdacp.integrations import megatron as km
+    _RANK_LIFETIME.enter_context(km.fla_stand_ins())
 
 
 def long_memory_gates(module, generator):
@@ -432,3 +416,81 @@ def test_tensor_parallel_heads_match_megatron_gdn():
     run_ranks(_tp_worker, 4, 2, results, timeout_s=600)
     print(list(results))
     assert len(results) == 1
+
+
+def _sharded_specs(sharded_state_dict) -> dict:
+    """What Megatron's ``dist_checkpointing`` writes and reads for each entry of a sharded state dict: after its
+    factories (the per-section split of ``in_proj`` and ``conv1d``), each ``ShardedTensor``'s key, global shape,
+    offset, fragmentation, replica id, dtype and local shape."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    apply_factories(sharded_state_dict)
+    return {(t.key, t.global_offset): (t.global_shape, t.axis_fragmentations, t.replica_id, t.dtype,
+                                       tuple(t.data.shape))
+            for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)}
+
+
+def _checkpoint_worker(rank, P, directory, load, results):
+    """At cp = P, a kdacp-GDN ``GPTModel`` either trains a step and saves itself with Megatron's
+    ``dist_checkpointing`` (``load=False``), or loads what was saved (``load=True``, its own parameters first
+    scrambled); then it trains ``STEPS`` more. Rank 0 reports the parameters after save or load and the losses."""
+    _megatron_cpu()
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from kdacp.integrations import megatron as km
+    parallel_state.initialize_model_parallel(context_parallel_size=P)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    model = _gpt(config(P, num_layers=2), pg)
+    g = torch.Generator().manual_seed(4)
+    cu = (0, *torch.tensor(DOCUMENTS).cumsum(0).tolist())
+    index = zigzag_index(P, rank, cu)
+    first, after = ([torch.randint(0, VOCAB, (1, S), generator=g) for _ in range(2)] for _ in range(2))
+    psp = _packed_params(list(cu))
+    if load:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        with km.cpu_stand_ins():
+            loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
+        model.load_state_dict(loaded)
+    else:
+        tokens, labels = first
+        _train(model, tokens[:, index], labels[:, index], psp, labels.numel(), pg.cp)
+        with km.cpu_stand_ins():
+            dist_checkpointing.save(model.sharded_state_dict(), directory)
+        # save leaves a multiprocessing Manager (its write-results queue) running, which a rank ending without
+        # interpreter shutdown would leave behind
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join()
+        # The kdacp GDN's checkpoint entries are Megatron's GDN's, entry by entry (here at a cp Megatron runs).
+        tp = pg.tp
+        specs = [_sharded_specs(build_gdn(cls, config(P), tp, pg.cp).sharded_state_dict(
+                     prefix="mixer.", metadata={"dp_cp_group": pg.dp_cp}))
+                 for cls in (GatedDeltaNet, km.KdacpGatedDeltaNet)]
+        assert specs[0] == specs[1] and len(specs[0]) >= 9, (specs[0].keys(), specs[1].keys())
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens, labels = after
+    losses, _ = _train(model, tokens[:, index], labels[:, index], psp, labels.numel(), pg.cp)
+    if rank == 0:
+        results.append((state, losses))
+
+
+@pytest.mark.parametrize("saved, loaded", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
+def test_dist_checkpoint_reshards_across_cp(tmp_path, saved, loaded):
+    """A kdacp-GDN ``GPTModel`` saved with Megatron's ``dist_checkpointing`` at cp = ``saved`` (after a step) and
+    loaded at cp = ``loaded``: the same parameters, bit for bit, and the same losses over the next steps."""
+    pytest.importorskip("psutil", reason="Megatron-Core 0.19.2's dist_checkpointing.save imports psutil (not among "
+                        "its declared dependencies): pip install psutil")
+    results = torch.multiprocessing.get_context("spawn").Manager().list()
+    run_ranks(_checkpoint_worker, saved, str(tmp_path), False, results, timeout_s=600)
+    run_ranks(_checkpoint_worker, loaded, str(tmp_path), True, results, timeout_s=600)
+    (state, losses), (state_loaded, losses_loaded) = results
+    assert state.keys() == state_loaded.keys()
+    different = [n for n in state if not torch.equal(state[n], state_loaded[n])]
+    assert not different, f"parameters differ after loading at cp={loaded}: {different}"
+    err = rel_err(losses_loaded, losses)
+    print(losses.tolist(), losses_loaded.tolist(), err)
+    assert err < TOL, f"losses after loading at cp={loaded} off by {err:.2e}"

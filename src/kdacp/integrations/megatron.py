@@ -42,6 +42,7 @@ from megatron.core.models.gpt import experimental_attention_variant_module_specs
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.ssm.gated_delta_net import common as mcore_gdn_common
+from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
@@ -54,7 +55,7 @@ from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
-__all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins",
+__all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",
            "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs",
            "zigzag_to_contiguous"]
 
@@ -333,16 +334,62 @@ def get_hybrid_block_spec(config: TransformerConfig, backend: BackendSpecProvide
 
 @contextlib.contextmanager
 def cpu_stand_ins():
-    """What Megatron-Core 0.19.2 needs to build and run a model on CPU (tests, the example with gloo), for the
-    duration of the block: ``torch.cuda.current_device()`` (where Megatron creates GDN parameters and some
-    buffers) answers the CPU, and the model-parallel RNG tracker, if not yet made, is Megatron's inference
-    tracker (its ``fork`` leaves the CUDA RNG alone). Build with ``use_cpu_initialization=True``; set
+    """What Megatron-Core 0.19.2 needs to build, run and checkpoint a model on CPU (tests, the example with gloo),
+    for the duration of the block: ``torch.cuda.current_device()`` (where Megatron creates GDN parameters, some
+    buffers, and ``dist_checkpointing``'s failure flag) answers the CPU; ``torch.cuda.synchronize()`` (which
+    ``dist_checkpointing.save`` calls after copying tensors to the host, whatever their device) returns at once,
+    as CPU copies are done when they return; and the model-parallel RNG tracker, if not yet made, is Megatron's
+    inference tracker (its ``fork`` leaves the CUDA RNG alone). Build with ``use_cpu_initialization=True``; set
     ``TORCHDYNAMO_DISABLE=1`` before importing Megatron (its fused functions are compiled on first call)."""
     if not mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED:
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True)
-    current_device = torch.cuda.current_device
+    current_device, synchronize = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
     try:
         yield
     finally:
-        torch.cuda.current_device = current_device
+        torch.cuda.current_device, torch.cuda.synchronize = current_device, synchronize
+
+
+@contextlib.contextmanager
+def fla_stand_ins():
+    """Megatron's own ``GatedDeltaNet`` runnable without FLA's CUDA kernels, for the duration of the block (its
+    reference in tests and CPU checks): plain-PyTorch functions of the contracts of the three FLA functions it
+    calls, FLA's ``l2norm`` formula, ``F.conv1d`` per document for ``causal_conv1d`` (SiLU after), and Megatron's
+    own ``torch_chunk_gated_delta_rule`` per document for ``chunk_gated_delta_rule`` (no initial or final state,
+    no L2 norm in kernel, as Megatron calls it)."""
+
+    def l2norm(x, dim=-1, eps=1e-6):
+        return x * torch.rsqrt(x.square().sum(dim, keepdim=True) + eps)
+
+    def documents(T, cu_seqlens):
+        cu = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+        return list(zip(cu, cu[1:]))
+
+    def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None):
+        W, parts = weight.shape[-1], []
+        for s, e in documents(x.shape[1], cu_seqlens):
+            y = torch.nn.functional.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], bias, padding=W - 1,
+                                           groups=weight.shape[0])
+            parts.append(torch.nn.functional.silu(y[..., :e - s]).transpose(1, 2))
+        return torch.cat(parts, 1), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        if initial_state is not None or output_final_state or use_qk_l2norm_in_kernel:
+            raise NotImplementedError("the stand-in runs Megatron's call only: no initial or final state, no L2 "
+                                      "norm in kernel")
+        rule = mcore_gdn_common.torch_chunk_gated_delta_rule
+        return torch.cat([rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e])[0]
+                          for s, e in documents(q.shape[1], cu_seqlens)], 1), None
+
+    saved = (mcore_gdn_common.l2norm, mcore_gdn.causal_conv1d, mcore_gdn.chunk_gated_delta_rule)
+    mcore_gdn_common.l2norm, mcore_gdn.causal_conv1d, mcore_gdn.chunk_gated_delta_rule = \
+        l2norm, causal_conv1d, chunk_gated_delta_rule
+    try:
+        with _fla_check_skipped():
+            yield
+    finally:
+        mcore_gdn_common.l2norm, mcore_gdn.causal_conv1d, mcore_gdn.chunk_gated_delta_rule = saved
