@@ -85,8 +85,7 @@ def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tup
     # The op takes no None in its list (a None there hides every input's requires_grad from autograd).
     present = [x is not None for x in inputs]
     tensors = [x for x in inputs if x is not None]
-    differentiable = [x.requires_grad for x in tensors]
-    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present, differentiable))
+    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present))
 
 
 def _with_nones(tensors, present) -> list:
@@ -102,16 +101,15 @@ def _own(outputs, inputs) -> list[torch.Tensor]:
 
 
 @torch.library.custom_op("kdacp::opaque_region", mutates_args=())
-def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool],
-                   differentiable: list[bool]) -> list[torch.Tensor]:
+def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool]) -> list[torch.Tensor]:
     """The region's outputs on its ``inputs`` (the non-None ones; ``present``: where they go among its
-    arguments); ``differentiable``: which inputs the backward differentiates."""
+    arguments)."""
     with torch.no_grad():  # the backward op re-runs the region with autograd: nothing to record here
         return _own(_REGIONS[region](*_with_nones(inputs, present)), inputs)
 
 
 @_opaque_region.register_fake
-def _(region, inputs, present, differentiable):
+def _(region, inputs, present):
     return list(_REGIONS[region].fake(*_with_nones(inputs, present)))
 
 
@@ -146,14 +144,17 @@ def _(region, inputs, present, differentiable, grads):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.region, tensors, ctx.present, ctx.differentiable = inputs
+    ctx.region, tensors, ctx.present = inputs
     ctx.save_for_backward(*tensors)
 
 
 def _backward(ctx, grads):
+    # which inputs need a gradient, as autograd saw them when the op ran (dynamo's own view of ``requires_grad``
+    # misses a tensor that an in-place copy made differentiable)
+    differentiable = list(ctx.needs_input_grad[1])
     found = iter(torch.ops.kdacp.opaque_region_backward(ctx.region, list(ctx.saved_tensors), ctx.present,
-                                                        ctx.differentiable, list(grads)))
-    return None, [next(found) if d else None for d in ctx.differentiable], None, None
+                                                        differentiable, list(grads)))
+    return None, [next(found) if d else None for d in differentiable], None
 
 
 _opaque_region.register_autograd(_backward, setup_context=_setup_context)
