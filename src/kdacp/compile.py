@@ -44,8 +44,9 @@ class OpaqueRegion(Protocol):
         input), that number set by the settings."""
 
     def fake(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Tensors of the shapes, dtypes and devices :meth:`__call__` returns for ``inputs`` (which may be
-        fake tensors: read their shapes only)."""
+        """Contiguous tensors of the shapes, dtypes and devices :meth:`__call__` returns for ``inputs`` (which may
+        be fake tensors: read their shapes only). The op returns the region's outputs contiguous: a compiled graph
+        takes their strides from here."""
 
 
 _REGIONS: list[OpaqueRegion] = []  # the region of each id: made once per distinct settings, for the process
@@ -96,9 +97,11 @@ def _with_nones(tensors, present) -> list:
 
 
 def _own(outputs, inputs) -> list[torch.Tensor]:
-    """``outputs`` as a custom op may return them: a copy of any that shares memory with an input."""
+    """``outputs`` as a custom op may return them: contiguous (the strides its fake implementation gives), and
+    a copy of any that shares memory with an input."""
     taken = {x.untyped_storage().data_ptr() for x in inputs if x is not None}
-    return [y.clone() if y.untyped_storage().data_ptr() in taken else y for y in outputs]
+    return [y.clone(memory_format=torch.contiguous_format) if y.untyped_storage().data_ptr() in taken
+            else y.contiguous() for y in outputs]
 
 
 @torch.library.custom_op("kdacp::opaque_region", mutates_args=())
@@ -128,7 +131,8 @@ def _autograd_inside_op():
 @torch.library.custom_op("kdacp::opaque_region_backward", mutates_args=())
 def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: list[bool], differentiable: list[bool],
                             grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The gradients of the ``differentiable`` inputs, in order, for the outputs' gradients ``grads``."""
+    """The gradients of the ``differentiable`` inputs, in order (contiguous), for the outputs' gradients
+    ``grads``."""
     with _autograd_inside_op():
         leaves = [x.detach().requires_grad_() if d else x for x, d in zip(inputs, differentiable)]
         outputs = _REGIONS[region](*_with_nones(leaves, present))
@@ -136,12 +140,12 @@ def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: li
         wrt = [x for x, d in zip(leaves, differentiable) if d]
         found = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs \
             else [None] * len(wrt)
-    return [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, found)]
+    return [x.new_zeros(x.shape) if g is None else g.contiguous() for x, g in zip(wrt, found)]
 
 
 @_opaque_region_backward.register_fake
 def _(region, inputs, present, differentiable, grads):
-    return [torch.empty_like(x) for x, d in zip(inputs, differentiable) if d]
+    return [x.new_empty(x.shape) for x, d in zip(inputs, differentiable) if d]
 
 
 def _setup_context(ctx, inputs, output):

@@ -175,7 +175,7 @@ class _HaloConvolution:
                               fused=resolve_backend(self.context.backend, x.device) == "fla"),)
 
     def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
-        return (torch.empty_like(x),)
+        return (x.new_empty(x.shape),)
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class _GatedDeltaRecurrence:
         return (o,)
 
     def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
-        return (torch.empty_like(v),)
+        return (v.new_empty(v.shape),)
 
 
 class KdacpGatedDeltaKernel(nn.Module):
