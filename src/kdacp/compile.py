@@ -54,8 +54,8 @@ _IDS: dict[OpaqueRegion, int] = {}
 
 
 def region_count() -> int:
-    """How many distinct regions the process has given an id (each is kept for the process's lifetime:
-    one per layer kind and context, not per batch)."""
+    """How many distinct regions the process has given an id (each is kept for the process's lifetime,
+    with what its settings hold: one per mixer kind and context and one per attention module, not per batch)."""
     return len(_REGIONS)
 
 
