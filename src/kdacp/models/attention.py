@@ -268,9 +268,8 @@ class _AttendOverGroup:
 
     def __call__(self, query, key, value, cu_seqlens) -> tuple[torch.Tensor]:
         """``query [B, H, T, Dq]``, ``key, value [B, H_kv, T, D*]``, the global ``cu_seqlens [N+1]`` or None ->
-        ``(out [B, T, H, Dv],)`` contiguous (as :meth:`fake` says)."""
-        out = self.attention.attend(self.module, query, key, value, cu_seqlens, dict(self.options))
-        return (out.contiguous(),)
+        ``(out [B, T, H, Dv],)``."""
+        return (self.attention.attend(self.module, query, key, value, cu_seqlens, dict(self.options)),)
 
     def fake(self, query, key, value, cu_seqlens) -> tuple[torch.Tensor]:
         B, H, T, _ = query.shape
