@@ -180,7 +180,12 @@ def _errors(model, cp_mesh, ref) -> dict:
 
 
 def _zeros_of(fn):
-    return lambda *args, **kwargs: (lambda out: None if out is None else torch.zeros_like(out))(fn(*args, **kwargs))
+    """``fn`` with its result (a tensor or None, or a list of them) replaced by zeros of the same shapes."""
+    def zeros(out):
+        if out is None:
+            return None
+        return [zeros(x) for x in out] if isinstance(out, list) else torch.zeros_like(out)
+    return lambda *args, **kwargs: zeros(fn(*args, **kwargs))
 
 
 def _parallel_model(ref, world_size: int):
