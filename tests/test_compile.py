@@ -27,7 +27,7 @@ class _SegmentScan:
         return (out, torch.stack([p[-1] for p in parts])) if self.total else (out,)
 
     def fake(self, x, cu, w, bias):
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)
         return (out, x.new_empty(cu.shape[0] - 1, x.shape[1])) if self.total else (out,)
 
 
@@ -74,13 +74,17 @@ def test_region_compiled_directly_does_not_trace():
 
 @pytest.mark.slow
 def test_opaque_region_under_inductor():
+    """Inductor checks every custom op's output strides against its fake implementation's: the region's input a
+    transposed view (its gradient computed in another layout), the op's outputs and gradients still match."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    x_t, w = torch.randn(3, 12, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_loss, backend=counter, fullgraph=True)
     for cu in ([0, 5, 12], [0, 9, 12]):
         cu = torch.tensor(cu)
-        for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
+        want = _gradients(lambda *a: _loss(x_t.t(), *a[1:]), x_t, cu, w, None, True, True)
+        got = _gradients(lambda *a: compiled(x_t.t(), *a[1:]), x_t, cu, w, None, True, True)
+        for e, c in zip(want, got):
             assert rel_err(c, e) < 1e-5
     assert counter.frame_count == 1
 
@@ -98,3 +102,27 @@ def test_document_count_marked_dynamic_compiles_once():
         for e, c in zip(_gradients(_loss, x, cu, w, None, True, True), _gradients(compiled, x, cu, w, None, True, True)):
             assert rel_err(c, e) < 1e-6
     assert counter.frame_count == 1
+
+
+def _loss_through_copy(x, cu, w):
+    """The region's first input made differentiable by in-place copies into slices of a new tensor (how Hugging
+    Face's MLA builds its keys): dynamo's record of ``requires_grad`` for that tensor stays False."""
+    y = x.new_empty(x.shape)
+    y[:, :1].copy_(x[:, :1].sin())
+    y[:, 1:].copy_(x[:, 1:].cos())
+    out, = run_opaque(_SegmentScan, (False,), y, cu, w, None)
+    return (out ** 2).sum()
+
+
+def test_input_made_differentiable_in_place_gets_its_gradient():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(12, 3, generator=g, requires_grad=True), torch.randn(3, generator=g, requires_grad=True)
+    cu = torch.tensor([0, 5, 12])
+    grads = []
+    for fn in (_loss_through_copy, torch.compile(_loss_through_copy, backend="aot_eager", fullgraph=True)):
+        x.grad = w.grad = None
+        fn(x, cu, w).backward()
+        assert x.grad is not None, "no gradient reached the input made differentiable in place"
+        grads.append((x.grad.clone(), w.grad.clone()))
+    for e, c in zip(*grads):
+        assert rel_err(c, e) < 1e-6

@@ -18,7 +18,8 @@ Outside ``torch.compile`` :func:`run_opaque` calls the region directly (its own 
 
 Use: ``torch.compile(kdacp.parallelize(model, cp), fullgraph=True)`` traces a Hugging Face model's whole forward,
 its loss included, in one graph (:func:`kdacp.layers.delta_rule.mix_tokens` runs its convolutions and recurrence
-as one region; the softmax attention's exchanges trace as they are). A batch with other boundaries replays the
+as one region, the softmax attention of :mod:`kdacp.models.attention` its exchanges and inner attention as
+another: both look the batch's one context up and read it on the host). A batch with other boundaries replays the
 graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynamic,
 ``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or the first batch with another count compiles once more
 (after which torch treats that size as dynamic).
@@ -43,8 +44,9 @@ class OpaqueRegion(Protocol):
         input), that number set by the settings."""
 
     def fake(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Tensors of the shapes, dtypes and devices :meth:`__call__` returns for ``inputs`` (which may be
-        fake tensors: read their shapes only)."""
+        """Contiguous tensors of the shapes, dtypes and devices :meth:`__call__` returns for ``inputs`` (which may
+        be fake tensors: read their shapes only). The op returns the region's outputs contiguous: a compiled graph
+        takes their strides from here."""
 
 
 _REGIONS: list[OpaqueRegion] = []  # the region of each id: made once per distinct settings, for the process
@@ -52,8 +54,8 @@ _IDS: dict[OpaqueRegion, int] = {}
 
 
 def region_count() -> int:
-    """How many distinct regions the process has given an id (each is kept for the process's lifetime:
-    one per layer kind and context, not per batch)."""
+    """How many distinct regions the process has given an id (each is kept for the process's lifetime,
+    with what its settings hold: one per mixer kind and context and one per attention module, not per batch)."""
     return len(_REGIONS)
 
 
@@ -85,8 +87,7 @@ def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tup
     # The op takes no None in its list (a None there hides every input's requires_grad from autograd).
     present = [x is not None for x in inputs]
     tensors = [x for x in inputs if x is not None]
-    differentiable = [x.requires_grad for x in tensors]
-    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present, differentiable))
+    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present))
 
 
 def _with_nones(tensors, present) -> list:
@@ -96,22 +97,23 @@ def _with_nones(tensors, present) -> list:
 
 
 def _own(outputs, inputs) -> list[torch.Tensor]:
-    """``outputs`` as a custom op may return them: a copy of any that shares memory with an input."""
+    """``outputs`` as a custom op may return them: contiguous (the strides its fake implementation gives), and
+    a copy of any that shares memory with an input."""
     taken = {x.untyped_storage().data_ptr() for x in inputs if x is not None}
-    return [y.clone() if y.untyped_storage().data_ptr() in taken else y for y in outputs]
+    return [y.clone(memory_format=torch.contiguous_format) if y.untyped_storage().data_ptr() in taken
+            else y.contiguous() for y in outputs]
 
 
 @torch.library.custom_op("kdacp::opaque_region", mutates_args=())
-def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool],
-                   differentiable: list[bool]) -> list[torch.Tensor]:
+def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool]) -> list[torch.Tensor]:
     """The region's outputs on its ``inputs`` (the non-None ones; ``present``: where they go among its
-    arguments); ``differentiable``: which inputs the backward differentiates."""
+    arguments)."""
     with torch.no_grad():  # the backward op re-runs the region with autograd: nothing to record here
         return _own(_REGIONS[region](*_with_nones(inputs, present)), inputs)
 
 
 @_opaque_region.register_fake
-def _(region, inputs, present, differentiable):
+def _(region, inputs, present):
     return list(_REGIONS[region].fake(*_with_nones(inputs, present)))
 
 
@@ -129,7 +131,8 @@ def _autograd_inside_op():
 @torch.library.custom_op("kdacp::opaque_region_backward", mutates_args=())
 def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: list[bool], differentiable: list[bool],
                             grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The gradients of the ``differentiable`` inputs, in order, for the outputs' gradients ``grads``."""
+    """The gradients of the ``differentiable`` inputs, in order (contiguous), for the outputs' gradients
+    ``grads``."""
     with _autograd_inside_op():
         leaves = [x.detach().requires_grad_() if d else x for x, d in zip(inputs, differentiable)]
         outputs = _REGIONS[region](*_with_nones(leaves, present))
@@ -137,23 +140,26 @@ def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: li
         wrt = [x for x, d in zip(leaves, differentiable) if d]
         found = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs \
             else [None] * len(wrt)
-    return [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, found)]
+    return [x.new_zeros(x.shape) if g is None else g.contiguous() for x, g in zip(wrt, found)]
 
 
 @_opaque_region_backward.register_fake
 def _(region, inputs, present, differentiable, grads):
-    return [torch.empty_like(x) for x, d in zip(inputs, differentiable) if d]
+    return [x.new_empty(x.shape) for x, d in zip(inputs, differentiable) if d]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.region, tensors, ctx.present, ctx.differentiable = inputs
+    ctx.region, tensors, ctx.present = inputs
     ctx.save_for_backward(*tensors)
 
 
 def _backward(ctx, grads):
+    # which inputs need a gradient, as autograd saw them when the op ran (dynamo's own view of ``requires_grad``
+    # misses a tensor that an in-place copy made differentiable)
+    differentiable = list(ctx.needs_input_grad[1])
     found = iter(torch.ops.kdacp.opaque_region_backward(ctx.region, list(ctx.saved_tensors), ctx.present,
-                                                        ctx.differentiable, list(grads)))
-    return None, [next(found) if d else None for d in ctx.differentiable], None, None
+                                                        differentiable, list(grads)))
+    return None, [next(found) if d else None for d in differentiable], None
 
 
 _opaque_region.register_autograd(_backward, setup_context=_setup_context)

@@ -114,17 +114,15 @@ def test_refusals_name_the_setting():
     dims = SimpleNamespace(tp=1, pp=1, ep=1, cp_enabled=True)
     training = SimpleNamespace(disable_cuda_graphs=True)
     parallelism = SimpleNamespace(spmd_backend="partial_dtensor")
-    no_compile = SimpleNamespace(enable=False, components=[])
-    kt._check_supported(dims, training, parallelism, no_compile)
+    kt._check_supported(dims, training, parallelism)
     cases = [(dict(dims=SimpleNamespace(tp=2, pp=1, ep=1, cp_enabled=True)), "tensor_parallel_degree=2"),
              (dict(dims=SimpleNamespace(tp=1, pp=1, ep=4, cp_enabled=True)), "expert_parallel_degree=4"),
              (dict(training=SimpleNamespace(disable_cuda_graphs=False)), "disable_cuda_graphs"),
-             (dict(parallelism=SimpleNamespace(spmd_backend="spmd_types")), "spmd_backend='spmd_types'"),
-             (dict(compile_config=SimpleNamespace(enable=True, components=["model"])), "compile.components")]
+             (dict(parallelism=SimpleNamespace(spmd_backend="spmd_types")), "spmd_backend='spmd_types'")]
     for change, message in cases:
-        args = {**dict(dims=dims, training=training, parallelism=parallelism, compile_config=no_compile), **change}
+        args = {**dict(dims=dims, training=training, parallelism=parallelism), **change}
         with pytest.raises(NotImplementedError, match=message):
-            kt._check_supported(args["dims"], args["training"], args["parallelism"], args["compile_config"])
+            kt._check_supported(args["dims"], args["training"], args["parallelism"])
 
 
 class _TwoRankMesh:
@@ -182,22 +180,34 @@ def _errors(model, cp_mesh, ref) -> dict:
 
 
 def _zeros_of(fn):
-    return lambda *args, **kwargs: (lambda out: None if out is None else torch.zeros_like(out))(fn(*args, **kwargs))
+    """``fn`` with its result (a tensor or None, or a list of them) replaced by zeros of the same shapes."""
+    def zeros(out):
+        if out is None:
+            return None
+        return [zeros(x) for x in out] if isinstance(out, list) else torch.zeros_like(out)
+    return lambda *args, **kwargs: zeros(fn(*args, **kwargs))
 
 
-def _cp_worker(rank, world_size, ref, check_removal, results):
+def _parallel_model(ref, world_size: int):
+    """The reference's model on this rank under context parallelism over a ``cp`` mesh of ``world_size``, as
+    ``parallelize_qwen3_5_kdacp`` sets it up before torchtitan's own parallelize: ``(model, cp_mesh)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
 
     import kdacp.integrations.torchtitan as kt
-    from kdacp.distributed.strategies import P2PExchange
-    from kdacp.layers import cp_context
     model = build_model()
     model.load_state_dict(ref["state"])
     cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     kt.apply_kdacp_to_gated_deltanet(model, cp_mesh)
     kt.apply_dense_attention(model)
     apply_cp_to_forward([layer.attn.inner_attention for layer in model.layers.values() if layer.full_attn], cp_mesh)
+    return model, cp_mesh
+
+
+def _cp_worker(rank, world_size, ref, check_removal, results):
+    from kdacp.distributed.strategies import P2PExchange
+    from kdacp.layers import cp_context
+    model, cp_mesh = _parallel_model(ref, world_size)
     errs = _errors(model, cp_mesh, ref)
     name, worst = max(errs.items(), key=lambda kv: kv[1])
     assert worst < TOL, f"{world_size} ranks: {name} off by {worst:.2e} (rank {rank})"
@@ -226,3 +236,34 @@ def test_debug_model_cp_matches_one_process(reference, world_size):
     run_ranks(_cp_worker, world_size, reference, world_size == 2, results, timeout_s=300)
     print(list(results))
     assert results[0][0] == "kdacp CP" and len(results) == (3 if world_size == 2 else 1)
+
+
+def _compiled_cp_worker(rank, world_size, ref, backend, results):
+    """torchtitan's per-block compile (``apply_compile``: each block under ``torch.compile(fullgraph=True)``) of
+    the parallel model: the step within ``TOL`` of the one-process eager model, every block compiled."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+    model, cp_mesh = _parallel_model(ref, world_size)
+    apply_compile(model, compile_config=CompileConfig(enable=True, components=["model"], backend=backend),
+                  parallel_dims=SimpleNamespace(tp_enabled=False))
+    import kdacp.integrations.torchtitan as kt
+    kt.shard_batch(model, *batch(), cp_mesh)  # torchtitan compiles its mask builder: counted before, not with the blocks
+    counters.clear()
+    name, worst = max(_errors(model, cp_mesh, ref).items(), key=lambda kv: kv[1])
+    assert worst < TOL, f"compiled, {world_size} ranks: {name} off by {worst:.2e} (rank {rank})"
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == len(LAYERS), f"{graphs} graphs for {len(LAYERS)} blocks (a graph break or a block not compiled)"
+    if rank == 0:
+        results.append((f"kdacp CP compiled ({backend})", name, worst))
+
+
+@pytest.mark.slow  # 3 minutes on 2 shared cores (aot_eager), more under inductor
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_debug_model_cp_compiled_per_block_matches_one_process(reference, backend):
+    results = torch.multiprocessing.get_context("spawn").Manager().list()
+    run_ranks(_compiled_cp_worker, 2, reference, backend, results, timeout_s=600)
+    print(list(results))
+    assert len(results) == 1

@@ -1,9 +1,11 @@
 """``torch.compile`` of a ``kdacp.parallelize``d Hugging Face model (Kimi Linear, Qwen3-Next; the tiny models of
 tests/models/test_kimi_linear_cp.py and test_qwen3_next_cp.py) on 2 gloo ranks: the whole forward in one graph
-(``fullgraph=True``: no graph break in any block, the token mixers' opaque region and the exchanges are custom
-ops), the logits, the loss and every parameter's all-reduced gradient within ``TOL`` of the same model in eager
-mode, and batches with other document boundaries replaying that graph (with ``cu_seqlens`` marked dynamic in
-size, other document counts too): one compilation for all of them. Default: the ``aot_eager`` backend; inductor (C++ on the CPU: minutes here) in the slow test.
+(``fullgraph=True``: no graph break in any block; the token mixers' convolutions and recurrence run as one opaque
+custom op, the softmax attention's exchanges and inner attention as another), the logits, the loss and every
+parameter's all-reduced gradient within ``TOL`` of the same model in eager mode, and batches with other document
+boundaries replaying that graph (with ``cu_seqlens`` marked dynamic in size, other document counts too): one
+compilation for all of them. Default: the ``aot_eager`` backend; inductor (C++ on the CPU: minutes here) in the
+slow test.
 """
 from __future__ import annotations
 
@@ -72,9 +74,6 @@ def _run(cases, backend):
     print(dict(results))
 
 
-# Known failure: the softmax attention's per-batch context (kdacp.layers.CPContext, looked up through an LRU memo
-# that dynamo cannot trace) is read outside the mixer's opaque region since token layouts reached the attention.
-@pytest.mark.xfail(strict=True, reason="the attention's per-batch context lookup does not trace under torch.compile")
 @pytest.mark.parametrize("name", ["kimi_linear", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_compiled_models_match_eager_without_recompiling(name):
     _run([(name, "state", {})], "aot_eager")

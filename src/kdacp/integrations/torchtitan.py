@@ -32,10 +32,13 @@ Loss contract: torchtitan's loss is the rank's summed token loss over the global
 tokens, and FSDP2 sums gradients over ``dp_shard x cp`` (divide factor 1), so the sums are the
 gradients of the global mean; nothing here changes that.
 
-Refused with an error before any rank blocks: CUDA graphs, tensor, pipeline and expert parallelism, torch.compile
-of the model (torchtitan compiles each block with ``fullgraph=True``; kdacp's op has collectives
-inside), the ``spmd_types`` / ``full_dtensor`` backends under context parallelism, vision inputs,
-``local_batch_size > 1`` and attention other than FlexAttention under context parallelism.
+torch.compile (``compile.components`` with ``"model"``: torchtitan compiles each block with ``fullgraph=True``): the
+GDN modules' short convolutions and recurrence, which read the batch's offsets on the host and exchange between
+ranks, each run as one opaque custom op (:mod:`kdacp.compile`); the rest of the block traces.
+
+Refused with an error before any rank blocks: CUDA graphs, tensor, pipeline and expert parallelism, the
+``spmd_types`` / ``full_dtensor`` backends under context parallelism, vision inputs, ``local_batch_size > 1``
+and attention other than FlexAttention under context parallelism.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
 from ..backends import resolve_backend
+from ..compile import run_opaque
 from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
@@ -113,9 +117,6 @@ class GatedDeltaContext:
 
     def _offsets(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
         """The canonical device tensor of the global offsets ``cu_seqlens_cpu`` holds."""
-        if cu_seqlens is None or cu_seqlens_cpu is None:
-            raise ValueError("kdacp's Gated DeltaNet needs the batch's document offsets (cu_seqlens and "
-                             "cu_seqlens_cpu, [N+1]): build the batch's attention masks with attn_backend='flex'")
         key = tuple(cu_seqlens_cpu.tolist())
         hit = self._global_offsets.pop(key, None)
         if hit is None:
@@ -129,11 +130,9 @@ class GatedDeltaContext:
                     cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
         """``silu(depthwise causal conv)`` of this rank's tokens ``x [1, T, D]`` with ``weight [D, 1, W]``,
         each document's taps reaching back onto the previous rank where the document began there."""
-        context = self.cp.context(1, x.shape[1], self._offsets(cu_seqlens, cu_seqlens_cpu))
-        halo = context.left_halos([x], weight.shape[-1] - 1)[0]
-        return causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
-                             cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
-                             fused=resolve_backend(self.backend, x.device) == "fla")
+        _check_offsets(cu_seqlens, cu_seqlens_cpu)
+        # under torch.compile one opaque op: it reads the offsets on the host (kdacp.compile)
+        return run_opaque(_HaloConvolution, (self,), x, weight, cu_seqlens, cu_seqlens_cpu)[0]
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -148,13 +147,54 @@ class GatedDeltaContext:
         Returns:
             ``o [1, T, HV, V]`` in v's dtype.
         """
-        # The one call of kdacp's GDN op (through the layers' context-parallel hook, which owns the plan).
+        _check_offsets(cu_seqlens, cu_seqlens_cpu)
         # kdacp takes g in q's dtype: torchtitan's float32 gate is rounded to it under bf16 mixed precision
         # (FLA's kernels would read it in float32).
-        o, _ = self.cp.recurrence(chunk_gated_delta_rule, q, k, v, g.to(q.dtype), beta,
-                                  cu_seqlens=self._offsets(cu_seqlens, cu_seqlens_cpu), backend=self.backend,
-                                  use_qk_l2norm_in_kernel=True)
-        return o
+        return run_opaque(_GatedDeltaRecurrence, (self,), q, k, v, g.to(q.dtype), beta, cu_seqlens, cu_seqlens_cpu)[0]
+
+
+def _check_offsets(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> None:
+    if cu_seqlens is None or cu_seqlens_cpu is None:
+        raise ValueError("kdacp's Gated DeltaNet needs the batch's document offsets (cu_seqlens and "
+                         "cu_seqlens_cpu, [N+1]): build the batch's attention masks with attn_backend='flex'")
+
+
+@dataclass(frozen=True)
+class _HaloConvolution:
+    """:meth:`GatedDeltaContext.causal_conv` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets on
+    the host and exchanges the halo)."""
+
+    context: GatedDeltaContext
+
+    def __call__(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
+        """``x [1, T, D]``, ``weight [D, 1, W]``, the global offsets -> ``(silu(conv(x)) [1, T, D],)``."""
+        context = self.context.cp.context(1, x.shape[1], self.context._offsets(cu_seqlens, cu_seqlens_cpu))
+        halo = context.left_halos([x], weight.shape[-1] - 1)[0]
+        return (causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
+                              cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
+                              fused=resolve_backend(self.context.backend, x.device) == "fla"),)
+
+    def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
+        return (x.new_empty(x.shape),)
+
+
+@dataclass(frozen=True)
+class _GatedDeltaRecurrence:
+    """:meth:`GatedDeltaContext.gated_delta_rule` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets
+    on the host and exchanges states)."""
+
+    context: GatedDeltaContext
+
+    def __call__(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
+        """:meth:`GatedDeltaContext.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
+        # The one call of kdacp's GDN op (through the layers' context-parallel hook, which owns the plan).
+        o, _ = self.context.cp.recurrence(chunk_gated_delta_rule, q, k, v, g, beta,
+                                          cu_seqlens=self.context._offsets(cu_seqlens, cu_seqlens_cpu),
+                                          backend=self.context.backend, use_qk_l2norm_in_kernel=True)
+        return (o,)
+
+    def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
+        return (v.new_empty(v.shape),)
 
 
 class KdacpGatedDeltaKernel(nn.Module):
@@ -246,7 +286,7 @@ class _ContextParallelApplied:
         return getattr(self._parallel_dims, name)
 
 
-def _check_supported(parallel_dims, training, parallelism, compile_config) -> None:
+def _check_supported(parallel_dims, training, parallelism) -> None:
     """Raise before any rank blocks on what kdacp's spec does not run."""
     if not training.disable_cuda_graphs:
         raise NotImplementedError("training.disable_cuda_graphs=False: kdacp's Gated DeltaNet reads each batch's "
@@ -257,10 +297,6 @@ def _check_supported(parallel_dims, training, parallelism, compile_config) -> No
         if degree > 1:
             raise NotImplementedError(f"parallelism.{name}={degree}: kdacp's Qwen3.5 spec ({SPEC_NAME}) runs data "
                                       f"(FSDP2, replicate) and context parallelism only; set it to 1")
-    if compile_config.enable and "model" in compile_config.components:
-        raise NotImplementedError("compile.components contains 'model': torchtitan compiles each block with "
-                                  "fullgraph=True and kdacp's Gated DeltaNet op (collectives inside) does not trace; "
-                                  "compile the loss only (compile.components=['loss'])")
     if parallel_dims.cp_enabled and parallelism.spmd_backend != "partial_dtensor":
         raise NotImplementedError(f"parallelism.spmd_backend={parallelism.spmd_backend!r} with context parallelism: "
                                   "kdacp's spec runs torchtitan's FlexAttention CP, which is written for "
@@ -280,7 +316,7 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
         NotImplementedError: see :func:`_check_supported`.
         ValueError: attention other than FlexAttention under context parallelism.
     """
-    _check_supported(parallel_dims, training, parallelism, compile_config)
+    _check_supported(parallel_dims, training, parallelism)
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
     apply_kdacp_to_gated_deltanet(model, cp_mesh)
     if device_type == "cpu":

@@ -36,19 +36,26 @@ log-sum-exp without a gradient).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..compile import run_opaque
 from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
+from .batch import LAYOUT_KWARG
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 
 ATTENTION_NAME = "kdacp_ulysses"
 INNER_ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 BALANCED = 1.05  # the gather's attention work max/mean over ranks up to which it counts as balanced
+# The keywords of the batch that the attention function takes from the boundaries (or refuses, or, the layout,
+# leaves to the token mixers' check) rather than passing them on to the inner function.
+_BATCH_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
+                           "use_cache", LAYOUT_KWARG})
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor | None, T: int, device: torch.device,
@@ -160,17 +167,23 @@ class _ContextParallelAttention:
         """``query [B, H, T, Dq]``, ``key [B, H_kv, T, Dk]``, ``value [B, H_kv, T, Dv]`` of this rank's tokens
         -> ``([B, T, H, Dv], None)``."""
         refuse_cache_and_mask(bool(kwargs.get("use_cache")), attention_mask)
+        cu = global_cu_seqlens(kwargs)
+        options = tuple((name, a) for name, a in kwargs.items() if name not in _BATCH_KWARGS)
+        # under torch.compile one opaque op: the batch's context is looked up and read on the host (kdacp.compile)
+        out, = run_opaque(_AttendOverGroup, (self, module, options), query, key, value, cu)
+        return out, None
+
+    def attend(self, module, query, key, value, cu, kwargs: dict) -> torch.Tensor:
+        """The exchanges and the inner attention of :meth:`__call__` for the global boundaries ``cu`` (or None)
+        and the inner function's other keywords ``kwargs``: ``[B, T, H, Dv]``."""
         P = dist.get_world_size(self.group)
         (B, H, T, Dq), H_kv = query.shape, key.shape[1]
-        cu = global_cu_seqlens(kwargs)
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "use_cache"):
-            kwargs.pop(name, None)
         context = self.cp.attention_context(B, T, cu, query.device)
         work, lengths = context.attention_work, context.layout.local_lengths
         r = kv_replication(H, H_kv, (Dq, key.shape[-1], value.shape[-1]), P, self.inner_name.startswith("flash"),
                            max(work) * P / max(sum(work), 1), len(set(lengths)) == 1)
         if r is None:
-            return self._gathered(module, query, key, value, cu, context, kwargs), None
+            return self._gathered(module, query, key, value, cu, context, kwargs)
         key, value = (replicate_kv_heads(x, r) for x in (key, value))
         # One all-to-all for q|k|v (k and v may have fewer heads: grouped-query attention).
         q, k, v = (x.transpose(1, 2) for x in time_to_heads([x.transpose(1, 2) for x in (query, key, value)],
@@ -198,7 +211,7 @@ class _ContextParallelAttention:
         if in_order is not None:
             out = out.index_select(1, in_order)
         out, _ = heads_to_time(out, self.group)                                # [B, T, H, Dv]
-        return out, None
+        return out
 
     def _gathered(self, module, query, key, value, cu, context, kwargs):
         """This rank's queries against the keys and values of the whole sequence, gathered in one collective
@@ -240,6 +253,27 @@ class _ContextParallelAttention:
         if self.inner_name == "eager":  # an additive mask
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
         return mask
+
+
+@dataclass(frozen=True)
+class _AttendOverGroup:
+    """The registered attention function's exchanges and inner attention for one module (an
+    :class:`kdacp.compile.OpaqueRegion`: it looks the batch's context up and reads its boundaries on the host).
+    Settings: the module's :class:`_ContextParallelAttention`, the module, and the inner function's keywords
+    ``(name, value)`` other than the batch's."""
+
+    attention: _ContextParallelAttention
+    module: torch.nn.Module
+    options: tuple
+
+    def __call__(self, query, key, value, cu_seqlens) -> tuple[torch.Tensor]:
+        """``query [B, H, T, Dq]``, ``key, value [B, H_kv, T, D*]``, the global ``cu_seqlens [N+1]`` or None ->
+        ``(out [B, T, H, Dv],)``."""
+        return (self.attention.attend(self.module, query, key, value, cu_seqlens, dict(self.options)),)
+
+    def fake(self, query, key, value, cu_seqlens) -> tuple[torch.Tensor]:
+        B, H, T, _ = query.shape
+        return (query.new_empty(B, T, H, value.shape[-1]),)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
