@@ -70,7 +70,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
-from ..backends import resolve_backend
+from ..backends import FLA_BACKENDS, resolve_backend
 from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
@@ -133,7 +133,7 @@ class GatedDeltaContext:
         halo = context.left_halos([x], weight.shape[-1] - 1)[0]
         return causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
                              cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
-                             fused=resolve_backend(self.backend, x.device) == "fla")
+                             fused=resolve_backend(self.backend, x.device) in FLA_BACKENDS)
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
