@@ -47,12 +47,23 @@ _STAGES = {
 }
 
 
-@functools.cache
-def _load() -> tuple[SimpleNamespace | None, str | None]:
+def _installed_version() -> str | None:
+    """The installed ``attn-gym``'s version, or None."""
     from importlib import metadata
     try:
-        version = metadata.version("attn-gym")
+        return metadata.version("attn-gym")
     except metadata.PackageNotFoundError:
+        return None
+
+
+def _import_module(name: str):
+    return importlib.import_module(name)
+
+
+@functools.cache
+def _load() -> tuple[SimpleNamespace | None, str | None]:
+    version = _installed_version()
+    if version is None:
         return None, f"attn-gym is not installed; {INSTALL_HINT}"
     if version != REQUIRED_ATTN_GYM_VERSION:
         return None, (f"kdacp needs attn-gym=={REQUIRED_ATTN_GYM_VERSION} (it rebuilds its stage handles), "
@@ -62,7 +73,7 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
         if module in missing:
             continue
         try:
-            found[name] = getattr(importlib.import_module(module), attr)
+            found[name] = getattr(_import_module(module), attr)
         except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
             missing[module] = f"{module} ({type(e).__name__}: {e})"
     if missing:

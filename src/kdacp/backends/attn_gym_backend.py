@@ -79,6 +79,20 @@ def _to_vk(state: torch.Tensor | None) -> torch.Tensor | None:
     return None if state is None else state.transpose(-1, -2)
 
 
+def affine_map_of(maps: torch.Tensor, with_transition: bool = True) -> AffineMap:
+    """kdacp's ``AffineMap(S_ext [n, HV, K, V], M [n, HV, K, K] or None)`` of attention-gym's forward maps
+    ``[n, HV, V + K, K] = [B; A]`` (``H_out = H_in A + B`` on V-major states): ``S_ext = B^T``, ``M = A^T``."""
+    V = maps.shape[-2] - maps.shape[-1]
+    return AffineMap(_to_kv(maps[..., :V, :]), _to_kv(maps[..., V:, :]) if with_transition else None)
+
+
+def gradient_map_of(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G [n, HV, K, V], M [n, HV, K, K])`` of attention-gym's reverse maps ``[n, HV, V + K, K] = [C; R]``
+    (``dH_in = dH_out R + C`` on V-major gradients): ``G = C^T`` and ``R = M`` (so ``dS_in = M^T dS_out + G``)."""
+    V = maps.shape[-2] - maps.shape[-1]
+    return _to_kv(maps[..., :V, :]), maps[..., V:, :]
+
+
 # The fields of the saved records that are not token-first: attention-gym's boundaries, the gate's parameters.
 _BOUNDARY_FIELDS = ("cu_seqlens", "chunk_offsets")
 _PARAMETER_FIELDS = ("A_log", "dt_bias")
@@ -252,8 +266,7 @@ class AttnGymBackend(FlaBackend):
         if parts:
             raise ValueError("the attn_gym backend summarises whole segments only (parallel_pieces is False)")
         maps = chunks.prepared.state_summaries(_bounds(span, chunks.span.start, chunks.prepared.saved.q.device))
-        V = chunks.prepared.saved.v.shape[-1]
-        return AffineMap(_to_kv(maps[:, :, :V]), _to_kv(maps[:, :, V:]) if with_transition else None)
+        return affine_map_of(maps, with_transition)
 
     def state_pass(self, chunks: AttnGymChunks, span: Span, initial_state: torch.Tensor | None,
                    output_final_state: bool) -> AttnGymStates:
@@ -281,12 +294,19 @@ class AttnGymBackend(FlaBackend):
         handle = self._prepare_backward_core(saved.tape(getattr(self.ag, self.tape_name)), do, h0)
         return AttnGymBackward(saved, span, do, h0, handle)
 
+    def _handle(self, local: AttnGymBackward):
+        """``local``'s backward handle, rebuilt where its ``run`` released its tensors."""
+        if local.ran:
+            local.handle = self._prepare_backward_core(local.saved.tape(getattr(self.ag, self.tape_name)), local.do,
+                                                       local.initial_state)
+            local.ran = False
+        return local.handle
+
     def _reverse_maps(self, local: AttnGymBackward, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
         """``(G [n, HV, K, V], M [n, HV, K, K])`` of ``span``'s segments (a prefix of ``local.span``), from
-        attention-gym's reverse summaries ``[C; R]`` (``G = C^T``, ``R = M``)."""
-        maps = local.handle.state_grad_summaries(_bounds(span, local.span.start, local.do.device))
-        V = local.saved.v.shape[-1]
-        return _to_kv(maps[:, :, :V]), maps[:, :, V:]
+        attention-gym's reverse summaries (:func:`gradient_map_of`)."""
+        maps = self._handle(local).state_grad_summaries(_bounds(span, local.span.start, local.do.device))
+        return gradient_map_of(maps)
 
     def state_gradient_summary(self, local: AttnGymBackward) -> torch.Tensor:
         return self._reverse_maps(local, local.span)[0]
@@ -298,11 +318,9 @@ class AttnGymBackend(FlaBackend):
             G, M = self._reverse_maps(local, span)
             dinitial = G if dht is None else G + M.transpose(-1, -2) @ dht.float()
             return BackwardStates(span, dinitial)
-        if local.ran:  # its handle released its tensors: rebuild it
-            local.handle = self._prepare_backward_core(local.saved.tape(getattr(self.ag, self.tape_name)), local.do,
-                                                       local.initial_state)
+        handle = self._handle(local)
         local.ran = True
-        *grads, dh0 = local.handle.run(_to_vk(None if dht is None else dht.float()))
+        *grads, dh0 = handle.run(_to_vk(None if dht is None else dht.float()))
         if dh0 is None:  # attention-gym gives none where the forward had no initial states: they were zero
             n, (HV, V), K = local.span.num_segments, local.saved.v.shape[2:], local.saved.q.shape[-1]
             dh0 = local.do.new_zeros(n, HV, K, V, dtype=torch.float32)
