@@ -14,7 +14,7 @@ import torch
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads, LocalStates, Span
 from .torch_backend import TorchBackend
 
-__all__ = ["BACKENDS", "FLA_BACKENDS", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads", "LocalStates", "Span",
+__all__ = ["BACKENDS", "FLA_BACKENDS", "backend_usable", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads", "LocalStates", "Span",
            "TorchBackend", "make_backend", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fla", "attn_gym")
@@ -54,6 +54,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"backend='attn_gym' runs on GPUs of capability {SUPPORTED_CAPABILITY} (Hopper), got "
                              f"{torch.cuda.get_device_capability(device)} on {device}; use backend='fla'")
     return backend
+
+
+def backend_usable(backend: str, device: torch.device) -> bool:
+    """Whether :func:`resolve_backend` accepts ``backend`` on ``device`` (for benchmarks' optional columns)."""
+    try:
+        resolve_backend(backend, device)
+    except (ImportError, ValueError):
+        return False
+    return True
 
 
 def make_backend(name: str, options: KDAOptions, scalar_gate: bool = False) -> LocalBackend:
