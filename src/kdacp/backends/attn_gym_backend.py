@@ -206,6 +206,9 @@ class AttnGymBackend(FlaBackend):
         super().__init__(options)
         if options.chunk_size != CHUNK_SIZE:
             raise ValueError(f"the attn_gym backend runs chunks of {CHUNK_SIZE} tokens, got chunk_size={options.chunk_size}")
+        if options.summary_precision is not None:
+            raise ValueError(f"summary_precision={options.summary_precision!r} chooses the fla backend's summary "
+                             "kernels; the attn_gym backend's summaries are attention-gym's own (pass None)")
         self.ag = load_attn_gym()
 
     # the family's pieces (GDN overrides them)

@@ -129,8 +129,10 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
     x = random_inputs(T, heads if family == "kda" else max(heads // 2, 1), heads, head_dim, head_dim, gate=family,
                       dtype=dtype, device=device)
     if family == "kda":
-        return (prepare_call(backend, **x, scale=None, summary_precision=summary_precision, **KDA_OPTIONS),
-                torch.randn_like(x["v"]))
+        leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
+        with torch.enable_grad():  # the backend a training call takes
+            call = prepare_call(backend, **leaves, scale=None, summary_precision=summary_precision, **KDA_OPTIONS)
+        return call, torch.randn_like(x["v"])
     # GDN: one gate logit per value head and token, dt_bias [HV]
     gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
