@@ -1,17 +1,23 @@
 """The ``attn_gym`` backend on the CPU: its selection (``auto`` falls back, an explicit request names what is
-missing), its limits (refused by name, or ``auto`` runs on FLA), and the conversion of attention-gym's V-major
-maps into kdacp's summaries against the float64 reference. Its kernels run in
-``tests/backends/test_attn_gym_backend_gpu.py``."""
+missing), its limits (refused by name, or ``auto`` runs on FLA), the conversion of attention-gym's V-major
+maps into kdacp's summaries against the float64 reference, and every stage and the ops over a plain-PyTorch
+stand-in of attention-gym's staged cores (:mod:`tests.backends.stand_in_attn_gym`) against the ``torch``
+backend in float64. Its kernels run in ``tests/backends/test_attn_gym_backend_gpu.py``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kdacp import reference
-from kdacp.backends import attn_gym_adapter, call, fla_adapter, resolve_backend
+from kdacp import chunk_gated_delta_rule, chunk_kda, reference
+from kdacp.backends import attn_gym_adapter, attn_gym_backend, call, fla_adapter, fla_backend, resolve_backend
 from kdacp.backends.attn_gym_adapter import MAX_GATE_MAGNITUDE, attn_gym_refusal
-from kdacp.backends.attn_gym_backend import affine_map_of, gradient_map_of
-from tests.helpers import make_kda_inputs, rel_err
+from kdacp.backends.attn_gym_backend import AttnGymBackend, AttnGymGDNBackend, affine_map_of, gradient_map_of
+from kdacp.backends.base import KDAInputs, KDAOptions, Span
+from kdacp.backends.torch_backend import TorchBackend
+from kdacp.reference.gdn import scalar_gate_as_kda
+from tests.backends import stand_in_attn_gym
+from tests.backends.test_fla_backend import _stage_results
+from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it
 
@@ -159,7 +165,6 @@ def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name
 
 
 def test_chunk_kda_refuses_attn_gym_on_the_cpu_before_running():
-    from kdacp import chunk_kda
     x = make_kda_inputs(1, 64, 2, 2, 8, 8, gate="safe", dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match="backend='attn_gym' needs CUDA tensors"):
         chunk_kda(**x, backend="attn_gym")
@@ -222,3 +227,124 @@ def test_reverse_maps_convert_to_kdacps_gradient_summary():
     assert rel_err(M_got.transpose(-1, -2) @ dS_out + G_got, want) < 1e-12
     # the mechanism is seen: M in place of M^T is another gradient
     assert rel_err(M_got @ dS_out + G_got, want) > 1e-3
+
+
+def sub_span_pass(backend, x: KDAInputs, span: Span, rest: Span, h0):
+    """The forward pass over ``rest`` (the segments after the first) alone, from a handle prepared on ``span``."""
+    chunks = backend.prepare(x, span)
+    states = backend.state_pass(chunks, rest, h0[1:], True)
+    return dict(o_rest=backend.output(chunks, rest, h0[1:], states), final_rest=states.final_state)
+
+
+def compare(got: dict, ref: dict, tol: float):
+    for name, b in ref.items():
+        a = got[name]
+        assert (a is None) == (b is None), name
+        assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The backend on :mod:`tests.backends.stand_in_attn_gym`, and the ops resolving ``"attn_gym"`` to it."""
+    monkeypatch.setattr(attn_gym_backend, "load_attn_gym", stand_in_attn_gym.attn_gym)
+    monkeypatch.setattr(fla_backend, "load_fla", stand_in_attn_gym.fla)
+    import kdacp.kda
+    monkeypatch.setattr(kdacp.kda, "call_backend", lambda backend, device, **call: backend)
+
+
+K8 = 8
+
+
+def _stage_inputs(seed: int, T: int):
+    gen = torch.Generator().manual_seed(seed)
+    h0 = torch.randn(2, 2, K8, K8, dtype=torch.float64, generator=gen)
+    do = torch.randn(1, T, 2, K8, dtype=torch.float64, generator=gen)
+    dht = torch.randn(2, 2, K8, K8, dtype=torch.float64, generator=gen)
+    return h0, do, dht
+
+
+def test_kda_stages_over_the_stand_in_match_torch_stages(stand_in):
+    T = 150
+    x = make_kda_inputs(1, T, 2, 2, K8, K8, gate="safe", seed=5, requires_grad=False, gate_shift=-4.0)
+    options = KDAOptions(scale=K8 ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                         safe_gate=True)
+    inputs = KDAInputs(*(x.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")))
+    span, head, rest = Span(0, T, (0, 50, T)), Span(0, 50, (0, 50)), Span(50, T, (0, T - 50))
+    h0, do, dht = _stage_inputs(6, T)
+    results = []
+    for backend in (TorchBackend(options), AttnGymBackend(options)):
+        r = _stage_results(backend, inputs, span, h0, do, dht, head)
+        r.update(sub_span_pass(backend, inputs, span, rest, h0))
+        results.append(r)
+    ref, got = results
+    assert rel_err(ref["M"], torch.zeros_like(ref["M"])) > 0  # what crosses the cut weighs on the result
+    compare(got, ref, 1e-10)
+
+
+@pytest.mark.parametrize("gate_in_kernel", [True, False])
+def test_gdn_stages_over_the_stand_in_match_torch_stages(stand_in, gate_in_kernel):
+    T, H, HV = 150, 1, 2
+    gen = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, T, H, K8, dtype=torch.float64, generator=gen), torch.randn(1, T, H, K8, dtype=torch.float64,
+                                                                                       generator=gen)
+    v = torch.randn(1, T, HV, K8, dtype=torch.float64, generator=gen)
+    beta = torch.sigmoid(torch.randn(1, T, HV, dtype=torch.float64, generator=gen))
+    g = torch.randn(1, T, HV, dtype=torch.float64, generator=gen) - 4.0
+    A_log, dt_bias = (torch.randn(HV, dtype=torch.float64, generator=gen) for _ in range(2))
+    if not gate_in_kernel:
+        g, A_log, dt_bias = torch.nn.functional.logsigmoid(g + 8.0), None, None
+    options = KDAOptions(scale=K8 ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel)
+    g_kda, dt_kda = scalar_gate_as_kda(g, K8, dt_bias)
+    span, head, rest = Span(0, T, (0, 50, T)), Span(0, 50, (0, 50)), Span(50, T, (0, T - 50))
+    h0, do, dht = _stage_inputs(8, T)
+    ref = _stage_results(TorchBackend(options), KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda), span, h0, do, dht,
+                         head)
+    ref.update(sub_span_pass(TorchBackend(options), KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda), span, rest, h0))
+    for suffix in ("", "_kept"):  # the reference's gate gradients are per channel: GDN's sum them over K
+        ref["dg" + suffix] = ref["dg" + suffix].sum(-1)
+        if ref["ddt_bias" + suffix] is not None:
+            ref["ddt_bias" + suffix] = ref["ddt_bias" + suffix].view(HV, K8).sum(-1)
+    ours = AttnGymGDNBackend(options)
+    got = _stage_results(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, h0, do, dht, head)
+    got.update(sub_span_pass(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, rest, h0))
+    compare(got, ref, 1e-10)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_ops_over_the_stand_in_match_the_torch_backend(stand_in, family):
+    """The whole op (autograd, saved record, initial and final states, packed documents) on ``attn_gym``."""
+    cu = torch.tensor([0, 40, 41, 170, 200])
+    x = make_kda_inputs(1, 200, 2, 4 if family == "gdn" else 2, K8, K8, gate="safe" if family == "kda" else "default",
+                        initial_state=True, cu_seqlens=cu, seed=9, gate_shift=-4.0)
+    if family == "gdn":  # one gate per value head, dt_bias [HV]
+        x["g"] = x["g"][..., 0].detach().requires_grad_()
+        x["dt_bias"] = x["dt_bias"].detach()[:4].requires_grad_()
+    op = chunk_kda if family == "kda" else chunk_gated_delta_rule
+    gen = torch.Generator().manual_seed(10)
+    do = torch.randn(1, 200, x["v"].shape[2], K8, dtype=torch.float64, generator=gen)
+    dht = torch.randn(4, x["v"].shape[2], K8, K8, dtype=torch.float64, generator=gen)
+    leaves = differentiable_inputs(x)
+    results = []
+    for backend in ("torch", "attn_gym"):
+        o, final = op(**x, output_final_state=True, backend=backend)
+        grads = torch.autograd.grad((o * do).sum() + (final * dht).sum(), list(leaves.values()))
+        results.append(dict(o=o, final=final, **dict(zip(leaves, grads))))
+    compare(results[1], results[0], 1e-10)
+
+
+def test_a_second_gradient_pass_rebuilds_the_released_handle(stand_in):
+    """attention-gym's backward ``run`` releases its handle: a second pass over the same record (a rank of
+    several positions runs two) rebuilds it, and gives what the first gave."""
+    T = 100
+    x = make_kda_inputs(1, T, 2, 2, K8, K8, gate="safe", seed=11, requires_grad=False)
+    options = KDAOptions(scale=K8 ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
+    backend = AttnGymBackend(options)
+    span = Span(0, T, (0, 30, T))
+    chunks = backend.prepare(KDAInputs(*(x.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))), span)
+    h0, do, dht = _stage_inputs(12, T)
+    local = backend.backward_local(backend.to_saved(chunks), span, do, h0)
+    first = backend.backward_states(local, dht)
+    second = backend.backward_states(local, dht)
+    assert local.handle is not first.saved and rel_err(second.dinitial_state, first.dinitial_state) < 1e-14
+    with pytest.raises(AssertionError, match="run twice"):  # the stand-in's handle is released as attention-gym's
+        local.handle.run(None)

@@ -19,6 +19,7 @@ from kdacp.backends.base import KDAInputs, KDAOptions, Span
 from kdacp.backends.torch_backend import TorchBackend
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.reference.gdn import scalar_gate_as_kda
+from tests.backends.test_attn_gym_backend import compare, sub_span_pass
 from tests.backends.test_fla_backend import _stage_results
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
@@ -51,20 +52,6 @@ def _stage_case(T, HV, seed):
     return h0, do, dht
 
 
-def _sub_span_pass(backend, x: KDAInputs, span: Span, rest: Span, h0):
-    """The forward pass over ``rest`` (the segments after the first) alone, from a handle prepared on ``span``."""
-    chunks = backend.prepare(x, span)
-    states = backend.state_pass(chunks, rest, h0[1:], True)
-    return dict(o_rest=backend.output(chunks, rest, h0[1:], states), final_rest=states.final_state)
-
-
-def _compare(got: dict, ref: dict, tol: float):
-    for name, b in ref.items():
-        a = got[name]
-        assert (a is None) == (b is None), name
-        assert a is None or rel_err(a, b) < tol, (name, rel_err(a, b))
-
-
 def test_kda_stages_match_torch_stages():
     from kdacp.backends.attn_gym_backend import AttnGymBackend
     T, H = 300, 32
@@ -77,11 +64,11 @@ def test_kda_stages_match_torch_stages():
     h0, do, dht = _stage_case(T, H, 2)
     x64 = KDAInputs(*(None if t is None else t.double() for t in vars(x).values()))
     ref = _stage_results(TorchBackend(options), x64, span, h0.double(), do.double(), dht.double(), head)
-    ref.update(_sub_span_pass(TorchBackend(options), x64, span, rest, h0.double()))
+    ref.update(sub_span_pass(TorchBackend(options), x64, span, rest, h0.double()))
     ours = AttnGymBackend(options)
     got = _stage_results(ours, x, span, h0, do, dht, head)
-    got.update(_sub_span_pass(ours, x, span, rest, h0))
-    _compare(got, ref, 2e-2)  # bf16 inputs and intermediates against the float64 reference
+    got.update(sub_span_pass(ours, x, span, rest, h0))
+    compare(got, ref, 2e-2)  # bf16 inputs and intermediates against the float64 reference
 
 
 @pytest.mark.parametrize("gate_in_kernel", [True, False])
@@ -105,15 +92,15 @@ def test_gdn_stages_match_torch_stages_on_the_broadcast_gate(gate_in_kernel):
     span, head, rest = Span(0, T, (0, 100, T)), Span(0, 100, (0, 100)), Span(100, T, (0, T - 100))
     h0, do, dht = _stage_case(T, HV, 4)
     ref = _stage_results(TorchBackend(options), x64, span, h0.double(), do.double(), dht.double(), head)
-    ref.update(_sub_span_pass(TorchBackend(options), x64, span, rest, h0.double()))
+    ref.update(sub_span_pass(TorchBackend(options), x64, span, rest, h0.double()))
     for suffix in ("", "_kept"):  # the reference's gate gradients are per channel: GDN's sum them over K
         ref["dg" + suffix] = ref["dg" + suffix].sum(-1)
         if ref["ddt_bias" + suffix] is not None:
             ref["ddt_bias" + suffix] = ref["ddt_bias" + suffix].view(HV, K).sum(-1)
     ours = AttnGymGDNBackend(options)
     got = _stage_results(ours, x, span, h0, do, dht, head)
-    got.update(_sub_span_pass(ours, x, span, rest, h0))
-    _compare(got, ref, 2e-2)
+    got.update(sub_span_pass(ours, x, span, rest, h0))
+    compare(got, ref, 2e-2)
 
 
 def _real_size_case(family: str, batch: str, T: int = 16384):

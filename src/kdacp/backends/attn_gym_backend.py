@@ -319,11 +319,11 @@ class AttnGymBackend(FlaBackend):
         if segments is not None and segments != local.span.num_segments:
             span = local.span.prefix(segments)
             G, M = self._reverse_maps(local, span)
-            dinitial = G if dht is None else G + M.transpose(-1, -2) @ dht.float()
+            dinitial = G if dht is None else G + M.transpose(-1, -2) @ dht.to(M.dtype)
             return BackwardStates(span, dinitial)
         handle = self._handle(local)
         local.ran = True
-        *grads, dh0 = handle.run(_to_vk(None if dht is None else dht.float()))
+        *grads, dh0 = handle.run(_to_vk(dht))  # attention-gym reads it as float32
         if dh0 is None:  # attention-gym gives none where the forward had no initial states: they were zero
             n, (HV, V), K = local.span.num_segments, local.saved.v.shape[2:], local.saved.q.shape[-1]
             dh0 = local.do.new_zeros(n, HV, K, V, dtype=torch.float32)
