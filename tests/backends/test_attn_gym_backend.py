@@ -230,10 +230,13 @@ def test_reverse_maps_convert_to_kdacps_gradient_summary():
 
 
 def sub_span_pass(backend, x: KDAInputs, span: Span, rest: Span, h0):
-    """The forward pass over ``rest`` (the segments after the first) alone, from a handle prepared on ``span``."""
+    """The forward pass and the summary of ``rest`` (the segments after the first) alone, from a handle prepared
+    on ``span``."""
     chunks = backend.prepare(x, span)
     states = backend.state_pass(chunks, rest, h0[1:], True)
-    return dict(o_rest=backend.output(chunks, rest, h0[1:], states), final_rest=states.final_state)
+    summary = backend.state_summary(chunks, rest, True)
+    return dict(o_rest=backend.output(chunks, rest, h0[1:], states), final_rest=states.final_state,
+                S_ext_rest=summary.offset, M_rest=summary.transition)
 
 
 def compare(got: dict, ref: dict, tol: float):
