@@ -272,8 +272,11 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
     main(["bench", "--suite", "cp", "--family", "gdn", "--seq-lens", "1024", "--world-size", "2", "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="gdn"))
-    assert main(["bench", "--suite", "layer", "--family", "gdn", "--out", str(tmp_path)]) == 2
-    assert "--family is for --suite kernels or cp or overhead, not --suite layer" in capsys.readouterr().err
+    main(["bench", "--suite", "layer", "--family", "gdn", "--seq-lens", "1024", "--world-size", "1", "--out",
+          str(tmp_path)])
+    assert calls[-1][0] == "layer" and calls[-1][1]["family"] == "gdn"
+    assert main(["bench", "--suite", "gdn", "--family", "gdn", "--out", str(tmp_path)]) == 2
+    assert "--family is for --suite kernels or cp or overhead or layer, not --suite gdn" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "cp", "--batches", "nope"])
     assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err

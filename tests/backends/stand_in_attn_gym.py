@@ -4,7 +4,8 @@ over a prefix from the reverse maps, a backward handle rebuilt after its ``run``
 runs on the CPU against the float64 reference.
 
 Where attention-gym rounds to float32 (states, maps, the gate) it keeps the inputs' dtype, so that float64 runs
-compare tightly. It keeps attention-gym's documented contract (``kda/stages.py``, ``gdn/stages.py``, ``context_parallel.py``):
+compare tightly. It keeps attention-gym's documented contract (``kda/stages.py``, ``gdn/stages.py``,
+``context_parallel.py``):
 handles with ``saved`` (its NamedTuple fields), token-first ``factors`` and ``metadata``; int32 ``cu_seqlens``;
 states ``[N, HV, V, K]``; maps ``[R, HV, V + K, K]`` packed ``[B; A]`` (``H_out = H_in A + B``) and reverse
 ``[C; R]`` (``dH_in = dH_out R + C``), for rows that are whole segments only; a backward handle whose ``run``

@@ -81,7 +81,8 @@ def test_gdn_stages_match_torch_stages_on_the_broadcast_gate(gate_in_kernel):
     beta = torch.sigmoid(torch.randn(1, T, HV, device="cuda", generator=gen)).bfloat16()
     if gate_in_kernel:
         g = torch.randn(1, T, HV, device="cuda", generator=gen).bfloat16()
-        A_log, dt_bias = 0.5 * torch.randn(HV, device="cuda", generator=gen), torch.randn(HV, device="cuda", generator=gen)
+        A_log = 0.5 * torch.randn(HV, device="cuda", generator=gen)
+        dt_bias = torch.randn(HV, device="cuda", generator=gen)
     else:
         g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen) + 3).bfloat16()
         A_log = dt_bias = None

@@ -14,8 +14,8 @@ import torch
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads, LocalStates, Span
 from .torch_backend import TorchBackend
 
-__all__ = ["BACKENDS", "FLA_BACKENDS", "backend_usable", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads", "LocalStates", "Span",
-           "TorchBackend", "make_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "FLA_BACKENDS", "backend_usable", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads",
+           "LocalStates", "Span", "TorchBackend", "make_backend", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fla", "attn_gym")
 # the concrete backends that run FLA's kernels (attn_gym beside attention-gym's): the layers then also run
@@ -79,4 +79,5 @@ def make_backend(name: str, options: KDAOptions, scalar_gate: bool = False) -> L
     if name == "attn_gym":
         from .attn_gym_backend import AttnGymBackend, AttnGymGDNBackend
         return AttnGymGDNBackend(options) if scalar_gate else AttnGymBackend(options)
-    raise ValueError(f"backend must be 'torch', 'fla' or 'attn_gym' ('fla' or 'attn_gym' with scalar_gate), got {name!r}")
+    raise ValueError(f"backend must be 'torch', 'fla' or 'attn_gym' ('fla' or 'attn_gym' with scalar_gate), "
+                     f"got {name!r}")

@@ -138,6 +138,6 @@ def attn_gym_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scala
     if not use_gate_in_kernel or lower_bound is None or not -MAX_GATE_MAGNITUDE <= lower_bound <= 0:
         return (f"attention-gym's KDA core needs every gate in [-{MAX_GATE_MAGNITUDE:.4f}, 0] and does not check: "
                 "kdacp runs it only on a gate bounded by construction, use_gate_in_kernel=True with lower_bound in "
-                f"[-{MAX_GATE_MAGNITUDE:.4f}, 0] (Kimi Linear's safe gate), got use_gate_in_kernel={use_gate_in_kernel},"
-                f" lower_bound={lower_bound}")
+                f"[-{MAX_GATE_MAGNITUDE:.4f}, 0] (Kimi Linear's safe gate), got "
+                f"use_gate_in_kernel={use_gate_in_kernel}, lower_bound={lower_bound}")
     return None

@@ -205,7 +205,8 @@ class AttnGymBackend(FlaBackend):
     def __init__(self, options: KDAOptions):
         super().__init__(options)
         if options.chunk_size != CHUNK_SIZE:
-            raise ValueError(f"the attn_gym backend runs chunks of {CHUNK_SIZE} tokens, got chunk_size={options.chunk_size}")
+            raise ValueError(f"the attn_gym backend runs chunks of {CHUNK_SIZE} tokens, got "
+                             f"chunk_size={options.chunk_size}")
         if options.summary_precision is not None:
             raise ValueError(f"summary_precision={options.summary_precision!r} chooses the fla backend's summary "
                              "kernels; the attn_gym backend's summaries are attention-gym's own (pass None)")
@@ -214,8 +215,12 @@ class AttnGymBackend(FlaBackend):
     # the family's pieces (GDN overrides them)
 
     def _gate(self, x: KDAInputs) -> torch.Tensor:
-        """The natural-log gate per token ``[1, T, HV, K]`` float32: the in-kernel gate's forward (the
-        backend runs only with it, see :func:`~kdacp.backends.attn_gym_adapter.attn_gym_refusal`)."""
+        """The natural-log gate per token (KDA ``[1, T, HV, K]``, GDN ``[1, T, HV]``): ``g``, or with the gate in
+        kernel its forward (float32). KDA calls take the bounded gate in kernel only
+        (:func:`~kdacp.backends.attn_gym_adapter.attn_gym_refusal`)."""
+        return self._gate_forward(x) if self.options.use_gate_in_kernel else x.g
+
+    def _gate_forward(self, x: KDAInputs) -> torch.Tensor:
         return self.fla.kda_gate_fwd(x.g, x.A_log, x.dt_bias, lower_bound=self.options.lower_bound)
 
     def _prepare_core(self, q, k, v, gate, beta, cu_seqlens):
@@ -347,11 +352,8 @@ class AttnGymGDNBackend(AttnGymBackend):
     tape_name = "ChunkGDNSaved"
     _gate_backward = FlaGDNBackend._gate_backward
 
-    def _gate(self, x: KDAInputs) -> torch.Tensor:
-        """The natural-log gate per token and head ``[1, T, HV]``: GDN's in-kernel gate's forward, or ``g``."""
-        if self.options.use_gate_in_kernel:
-            return self.fla.gdn_gate_fwd(x.g, x.A_log, x.dt_bias)
-        return x.g
+    def _gate_forward(self, x: KDAInputs) -> torch.Tensor:
+        return self.fla.gdn_gate_fwd(x.g, x.A_log, x.dt_bias)
 
     def _prepare_core(self, q, k, v, gate, beta, cu_seqlens):
         return self.ag.chunk_gdn_prepare(q, k, v, gate, beta, cu_seqlens=cu_seqlens, scale=self.options.scale)
