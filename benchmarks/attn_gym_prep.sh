@@ -6,7 +6,8 @@
 #                                                          # .whl/attn_gym), each over 55 MB cut into parts
 #                                                          # NAME.part-aa, NAME.part-ab ... (under 60 MB each), with
 #                                                          # SHA256SUMS of the whole wheels
-#   bash benchmarks/attn_gym_prep.sh install DIR TARGET    # on the GPU machine: join the parts, check the sums, install
+#   bash benchmarks/attn_gym_prep.sh install DIR TARGET    # on the GPU machine: join the parts, check the sums (where
+#                                                          # SHA256SUMS is there), install
 #                                                          # the wheels into TARGET (pip --target, no index, no deps)
 #                                                          # and print the PYTHONPATH line to use
 #
@@ -44,13 +45,14 @@ install)
         whl=${first%.part-aa}
         cat "$whl".part-* > "$whl"
     done
-    (cd "$dir" && sha256sum --check --quiet SHA256SUMS)
+    if [ -e "$dir/SHA256SUMS" ]; then (cd "$dir" && sha256sum --check --quiet SHA256SUMS); fi
     "$python" -m pip install --quiet --no-deps --no-index --target "$target" "$dir"/*.whl
     export PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
     "$python" - <<'EOF'
 import importlib.util
 missing = [m for m in ("cuda.bindings", "google.protobuf", "typing_extensions") if importlib.util.find_spec(m) is None]
-print("missing requirements of the CuTe DSL: " + ", ".join(missing) if missing else "the CuTe DSL's requirements are here")
+print(("missing requirements of the CuTe DSL: " + ", ".join(missing)) if missing
+      else "the CuTe DSL's requirements are here")
 EOF
     echo "export PYTHONPATH=$target:$target/nvidia_cutlass_dsl/dsl_packages:\${PYTHONPATH:-}"
     ;;
