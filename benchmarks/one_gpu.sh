@@ -11,13 +11,15 @@
 #   bash benchmarks/one_gpu.sh gdn      OUT   # the Gated DeltaNet op against FLA's at 16K and 32K tokens
 #   bash benchmarks/one_gpu.sh megatron OUT   # KdacpGatedDeltaNet against Megatron-Core's GatedDeltaNet at 16K
 #                                             # and 64K tokens (needs megatron-core 0.19.2 installed)
+#   bash benchmarks/one_gpu.sh attn_gym OUT   # backend="attn_gym" (benchmarks/attn_gym_prep.sh install first): its
+#                                             # GPU tests, the KDA layer at 16K and 64K, the GDN layer and op
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
 #
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, overhead, gdn, megatron or demo}
+part=${1:?part: kernels, layer, model, overhead, gdn, megatron, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -51,6 +53,14 @@ megatron)
         --out "$out/megatron_gdn"
     grep '^|' "$out/megatron_gdn.log"
     ;;
+attn_gym)
+    step attn_gym_tests 500 python3 -m pytest -q -m gpu -s tests/backends/test_attn_gym_backend_gpu.py
+    step attn_gym_layer 500 "${bench[@]}" --suite layer --world-size 1 --seq-lens 16384,65536 \
+        --batches one_sequence,lognormal --out "$out/attn_gym_layer"
+    step attn_gym_gdn_layer 300 "${bench[@]}" --suite layer --family gdn --world-size 1 --seq-lens 16384,32768 \
+        --batches one_sequence,lognormal --out "$out/attn_gym_gdn_layer"
+    step attn_gym_gdn 300 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/attn_gym_gdn"
+    ;;
 demo)
     step demo 120 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kdacp.cli demo --world-size 1 --device cuda
     tail -2 "$out/demo.log"
@@ -58,7 +68,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, overhead, gdn, megatron or demo, got $part" >&2
+    echo "part must be kernels, layer, model, overhead, gdn, megatron, attn_gym or demo, got $part" >&2
     exit 2
     ;;
 esac

@@ -39,6 +39,7 @@ USAGE_ERRORS = [
     (("demo", "--seq-lens", "100,-4"), "argument --seq-lens: expected comma-separated positive integers"),
     (("demo", "--world-size", "3", "--seq-lens", "100,102"), "which 3 ranks cannot split equally"),
     (("demo", "--device", "cpu", "--backend", "fla"), "--backend fla needs --device cuda"),
+    (("demo", "--device", "cpu", "--backend", "attn_gym"), "--backend attn_gym needs --device cuda"),
     (("demo", "--mode", "hybrid", "--world-size", "3", "--seq-lens", "300"), "3 has none (4 or 6 do)"),
     (("demo", "--mode", "hybrid", "--world-size", "4", "--ulysses-size", "3"),
      "--ulysses-size 3 must divide --world-size 4 and lie strictly between 1 and 4"),
@@ -54,6 +55,7 @@ USAGE_ERRORS = [
     (("demo", "--steps", "0"), "argument --steps: expected a positive integer"),
     (("demo", "--mode", "ring"), "argument --mode: invalid choice: 'ring'"),
     (("bench", "--suite", "layer", "--device", "cpu", "--backend", "fla"), "--backend fla needs --device cuda"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--backend", "attn_gym"), "--backend attn_gym needs --device cuda"),
     (("bench", "--suite", "layer", "--world-size", "0"), "argument --world-size: expected a positive integer"),
     (("bench", "--suite", "layer", "--seq-lens", "abc"), "argument --seq-lens: expected comma-separated"),
     (("demo", "--mode", "hybrid", "--world-size", "2"), "2 has none (4 or 6 do)"),
@@ -272,8 +274,11 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
     main(["bench", "--suite", "cp", "--family", "gdn", "--seq-lens", "1024", "--world-size", "2", "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="gdn"))
-    assert main(["bench", "--suite", "layer", "--family", "gdn", "--out", str(tmp_path)]) == 2
-    assert "--family is for --suite kernels or cp or overhead, not --suite layer" in capsys.readouterr().err
+    main(["bench", "--suite", "layer", "--family", "gdn", "--seq-lens", "1024", "--world-size", "1", "--out",
+          str(tmp_path)])
+    assert calls[-1][0] == "layer" and calls[-1][1]["family"] == "gdn"
+    assert main(["bench", "--suite", "gdn", "--family", "gdn", "--out", str(tmp_path)]) == 2
+    assert "--family is for --suite kernels or cp or overhead or layer, not --suite gdn" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--suite", "cp", "--batches", "nope"])
     assert e.value.code == 2 and "--batches: expected comma-separated names" in capsys.readouterr().err
@@ -366,3 +371,18 @@ def test_the_script_entry_point_is_the_command(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         kdacp_command.main()
     assert e.value.code == 2 and "the following arguments are required: --suite" in capsys.readouterr().err
+
+
+def test_bench_attn_gym_without_attn_gym_is_a_usage_error(no_workers, capsys, monkeypatch):
+    """On a machine with a GPU but without attention-gym (faked GPU; FLA taken as there): the message names it."""
+    from kdacp.backends import attn_gym_adapter, fla_adapter
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(fla_adapter, "require_fla", lambda: None)
+    monkeypatch.setattr(attn_gym_adapter, "_installed_version", lambda: None)
+    attn_gym_adapter._load.cache_clear()
+    try:
+        message = _usage_error(capsys, "bench", "--suite", "layer", "--device", "cuda", "--backend", "attn_gym")
+    finally:
+        attn_gym_adapter._load.cache_clear()
+    assert "--backend attn_gym: attn-gym is not installed; pip install 'attn-gym[linear]==0.0.17'" in message

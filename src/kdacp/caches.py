@@ -9,6 +9,8 @@ device sync on later calls; none holds a tensor a caller passed.
 | sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
 | pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
 | FLA's packed-sequence arguments | ``backends.fla_backend`` | boundaries of a batch | :data:`FLA_VARLEN_BATCHES` (LRU) |
+| attention-gym's int32 boundaries and summary rows | ``backends.attn_gym_backend`` | boundaries of a batch, rows of its spans | :data:`ATTN_GYM_BOUNDARIES` (LRU) |
+| attention-gym's modules | ``backends.attn_gym_adapter`` | one | one |
 | FLA's modules, and whether its GDN backward runs here | ``backends.fla_adapter`` | one | one |
 | scan schedules | ``distributed.strategies`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
 | rank layouts of a batch | ``distributed.plan`` | ``(boundaries, batch size, rank lengths)`` | :data:`RANK_LAYOUTS` (LRU) |
@@ -28,6 +30,7 @@ import torch
 
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
+ATTN_GYM_BOUNDARIES = 32  # attention-gym's boundaries and summary rows kept (a few per batch: spans, forward and backward)
 SCAN_SCHEDULES = 512      # routes whose scan schedule is kept
 CP_CONTEXTS = 8           # per-batch contexts a layer context keeps (a few batches in flight, a few row shapes)
 HALO_ROUTES = 64          # (batch, width) pairs whose convolution halo route is kept

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .backends import BACKENDS, resolve_backend
+from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
@@ -292,7 +292,7 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "heads": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
                   "head_dim": ("layer", "scaling", "overhead", "virtual", "hybrid", "balance"),
                   "ranks": ("virtual", "overhead"), "layouts": ("overhead",),
-                  "family": ("kernels", "cp", "overhead"), "modes": ("layer",), "steps": ("soak",),
+                  "family": ("kernels", "cp", "overhead", "layer"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",),
                   "calibration": ("hybrid",), "attention_tflops": ("hybrid",), "balance": ("hybrid",),
                   "predict_ranks": ("scaling", "hybrid", "balance")}
@@ -352,7 +352,7 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     else:
         layer = {} if device == "cuda" else dict(_CPU_LAYER)
         given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
-                     modes=args.modes)
+                     modes=args.modes, family=args.family)
         layer.update({name: value for name, value in given.items() if value is not None})
         cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
     if args.batches:
@@ -373,15 +373,16 @@ def _layer_modes_error(args: argparse.Namespace, world: int, device: str) -> str
     return None
 
 
-def _check_fla(device: str) -> None:
-    """:class:`UsageError` unless ``--backend fla`` can run on ``device`` here (CUDA, FLA installed)."""
+def _check_backend(backend: str, device: str) -> None:
+    """:class:`UsageError` unless ``--backend`` (``fla`` or ``attn_gym``) can run on ``device`` here (CUDA, its
+    packages installed, attn_gym: a Hopper GPU)."""
     if device != "cuda":
-        raise UsageError(f"--backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device {device}; "
+        raise UsageError(f"--backend {backend} needs --device cuda (its kernels are CUDA-only), got --device {device}; "
                          "use --backend torch")
     try:
-        resolve_backend("fla", torch.device(device))
-    except ImportError as e:
-        raise UsageError(f"--backend fla: {e}") from None
+        resolve_backend(backend, torch.device(device))
+    except (ImportError, ValueError) as e:
+        raise UsageError(f"--backend {backend}: {e}") from None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -399,8 +400,8 @@ def _bench(args: argparse.Namespace) -> int:
     missing = _missing_gpu(args.suite, device)
     if missing:
         raise UsageError(missing)
-    if args.backend == "fla":
-        _check_fla(device)
+    if args.backend in FLA_BACKENDS:
+        _check_backend(args.backend, device)
     if args.suite == "overhead" and args.ranks and set(args.layouts or ("contiguous",)) == {"contiguous"}:
         raise UsageError("--ranks is for the overhead suite's layouts other than contiguous (the contiguous roles are "
                          "a 3-rank plan's): add --layouts zigzag or document_zigzag")
@@ -472,8 +473,10 @@ _MODE_MEANINGS = {"state": "time shards, state passed between ranks", "ulysses":
 _STRATEGY_MEANINGS = {"p2p": "hop by hop along the ranks", "allgather": "every rank gathers every summary",
                       "scan": "recursive doubling, log2 P rounds",
                       "auto": "the cost model's pick for the plan, printed at the end"}
-_BACKEND_MEANINGS = {"auto": "fla on CUDA when installed, else torch (the first line says which)",
-                     "torch": "PyTorch's, on any device", "fla": "FLA's Triton kernels, CUDA only"}
+_BACKEND_MEANINGS = {"auto": "attn_gym on a Hopper GPU where installed, else fla on CUDA when installed, else torch "
+                             "(the first line says which)",
+                     "torch": "PyTorch's, on any device", "fla": "FLA's Triton kernels, CUDA only",
+                     "attn_gym": "attention-gym's KDA/GDN cores for training beside FLA's kernels, Hopper only"}
 _FAMILY_MEANINGS = {"kda": "Kimi Linear's per-channel gate and shapes", "gdn": "the scalar gate at Qwen3-Next shapes",
                     "conv": "kernels suite only: the short convolution against FLA's"}
 
@@ -558,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="DIR",
                        help="cp: also write a Chrome trace per rank and contender into DIR and add a per-rank "
                             "compute/wait/idle breakdown of one step to the rows")
-    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None, "kernels, cp and overhead suites",
-                default_text="kda; overhead: both")
+    _add_choice(bench, "--family", ("kda", "gdn", "conv"), _FAMILY_MEANINGS, None,
+                "kernels, cp, overhead and layer suites", default_text="kda; overhead: both")
     bench.add_argument("--summary-precision", default=None, choices=[p.value for p in SummaryPrecision],
                        help="overhead suite: the summary kernels' precision policy (default: the dtype's; the "
                             "kernels suite times every policy)")
@@ -577,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help="soak suite: training steps, a row at the first, every twentieth of them and the last "
                             "(default: 2000)")
-    _add_choice(bench, "--backend", ("torch", "fla"), _BACKEND_MEANINGS, None, "layer and scaling suites: KDA backend",
+    _add_choice(bench, "--backend", ("torch", "fla", "attn_gym"), _BACKEND_MEANINGS, None,
+                "layer and scaling suites: KDA backend",
                 default_text="fla on CUDA, torch on CPU")
     bench.add_argument("--hidden", type=_positive_int, default=None,
                        help=f"layer suite: hidden size (default 2048; {_CPU_LAYER['hidden']} on CPU)")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backends import resolve_backend
+from .backends import FLA_BACKENDS, resolve_backend
 from .distributed import build_cp_plan, new_cp_group
 from .layers import ContextParallel
 from .layers.context_parallel import MODES, hybrid_ulysses_size
@@ -140,14 +140,14 @@ class DemoConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.backend == "fla" and self.device != "cuda":
-            raise ValueError(f"--backend fla needs --device cuda (FLA's kernels are CUDA-only), got --device "
+        if self.backend in FLA_BACKENDS and self.device != "cuda":
+            raise ValueError(f"--backend {self.backend} needs --device cuda (its kernels are CUDA-only), got --device "
                              f"{self.device}; use --backend torch or auto")
-        if self.backend == "fla":
+        if self.backend in FLA_BACKENDS:
             try:
                 resolve_backend(self.backend, torch.device(self.device))
-            except ImportError as e:
-                raise ValueError(f"--backend fla: {e}") from None
+            except (ImportError, ValueError) as e:
+                raise ValueError(f"--backend {self.backend}: {e}") from None
 
     def describe(self) -> str:
         """One line naming what runs: ranks, mode, strategy (where state is passed), model, dtype."""

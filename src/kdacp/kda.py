@@ -9,13 +9,13 @@ its own gate); :class:`ChunkKDAFunction` only saves and restores.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .backends import resolve_backend
 from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
-from .backends.call import PreparedCall, input_dtypes, input_gradients, prepare_call, wants_gradient
+from .backends.call import PreparedCall, call_backend, input_dtypes, input_gradients, prepare_call, wants_gradient
 from .distributed.checks import check_cp_call
 from .distributed.orchestration import cp_backward, cp_forward
 from .distributed.plan import CPPlan, one_rank_plan
@@ -77,6 +77,11 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    safe_gate=safe_gate, summary_precision=summary_precision)
+    # the backend, by the call's shapes, dtypes and options (auto: attention-gym's cores within their limits)
+    resolve_backend = functools.partial(call_backend, q=q, k=k, v=v, scalar_gate=scalar_gate is not None,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                                        summary_precision=summary_precision)
     if cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
@@ -135,7 +140,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             (under ``cp`` the plan holds the global boundaries).
         cu_seqlens_cpu: the same boundaries on the host, as in FLA: with it, ``cu_seqlens`` is not
             read back from the device (no sync); it must hold the same values.
-        backend: ``"auto"`` (FLA on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
+        backend: ``"auto"`` (on CUDA: attention-gym's cores for training on a Hopper GPU where installed and
+            within their limits, else FLA when installed; else torch), ``"torch"``, ``"fla"`` or ``"attn_gym"``
+            (:mod:`kdacp.backends`).
         check_finite: raise ``ValueError`` naming the argument (q, k, v, g, beta, initial_state, and
             with ``use_gate_in_kernel`` A_log, dt_bias) that holds a NaN or Inf, before any kernel
             runs. Costs one reduction per input and one host sync per call, so it is off by default.
@@ -160,7 +167,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         TypeError, ValueError: invalid inputs (with ``check_finite``, NaN or Inf) or an unknown backend;
             under ``cp`` on every rank, also when the ranks disagree on the plan, shapes, dtypes or
             options (the rank whose input is wrong raises its own error, naming the argument).
-        ImportError: ``"fla"`` unusable.
+        ImportError: ``"fla"`` or ``"attn_gym"`` unusable (the message names the missing package).
     """
     prepared, plan = check_and_prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -62,7 +62,7 @@ def _global_inputs(case: dict, seed: int) -> dict:
                            gate_shift=case.get("gate_shift", 0.0))
 
 
-def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int) -> None:
+def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int, backend: str = "torch") -> None:
     args = _global_inputs(case, seed)
     cu = args.pop("cu_seqlens", None)
     if "scale" in case:
@@ -89,11 +89,11 @@ def _check_case(rank: int, world_size: int, case: dict, strategy: str, seed: int
              for n, x in args.items()}
     plan = build_cp_plan(cu, local_lengths=None if not case["uneven"] else lengths,
                          batch_size=None if cu is not None else case["B"], strategy=strategy)
-    o, final_state = chunk_kda(**local, output_final_state=final, backend="torch", cp=plan)
+    o, final_state = chunk_kda(**local, output_final_state=final, backend=backend, cp=plan)
     loss = (o * do[:, lo:hi]).sum() + (final and (final_state * dfinal[rank].to(final_state)).sum())
     grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names])))
 
-    where = f"[{case['name']}, {strategy}, rank {rank}/{world_size}]"
+    where = f"[{case['name']}, {strategy}, {backend}, rank {rank}/{world_size}]"
     assert rel_err(o, ref_o[:, lo:hi]) < tol, f"{where} o: {rel_err(o, ref_o[:, lo:hi]):.2e}"
     if final:
         assert rel_err(final_state, ref_final) < tol, f"{where} final_state: {rel_err(final_state, ref_final):.2e}"

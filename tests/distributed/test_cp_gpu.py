@@ -1,11 +1,13 @@
-"""``chunk_kda`` with the ``fla`` backend over NCCL, bf16, against single-GPU FLA ``chunk_kda``.
+"""``chunk_kda`` with the ``fla`` and ``attn_gym`` backends over NCCL, bf16, against single-GPU FLA ``chunk_kda``.
 
 Launch on a machine with >= 2 GPUs::
 
     torchrun --nproc_per_node=2 -m pytest -m gpu tests/distributed/test_cp_gpu.py
 
 Both runs are measured against a float64 reference of the whole global batch: the CP run's
-relative RMS error (output, final states, every gradient) may be at most 10% above the single-GPU run's.
+relative RMS error (output, final states, every gradient) may be at most 10% above the single-GPU run's
+(``attn_gym``, whose kernels round otherwise than FLA's: at most three times; Kimi Linear's safe gate, the
+only KDA gate that backend takes; skipped where it is not usable).
 """
 from __future__ import annotations
 
@@ -61,16 +63,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["fla", "attn_gym"])
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
+def test_cp_bf16_matches_single_gpu_accuracy(group, case, backend):
+    from kdacp.backends import backend_usable
     from kdacp.backends.fla_adapter import load_fla
     fla = load_fla()
+    if not backend_usable(backend, torch.device("cuda")):
+        pytest.skip(f"backend={backend!r} is not usable here")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cu = None if case["cu"] is None else torch.tensor(case["cu"], device="cuda")
     T = case.get("T") or case["cu"][-1]
     H, HV, K, V = 32, 32, 128, 128
-    args = make_kda_inputs(case["B"], T, H, HV, K, V, gate="default", dtype=torch.bfloat16, initial_state=case["init"],
-                           cu_seqlens=cu, device="cuda", seed=7)
+    args = make_kda_inputs(case["B"], T, H, HV, K, V, gate="default" if backend == "fla" else "safe",
+                           dtype=torch.bfloat16, initial_state=case["init"], cu_seqlens=cu, device="cuda", seed=7)
     args.pop("cu_seqlens", None)
     # float32, as FLA's and Kimi Linear's layers keep them: with bf16 parameters each rank's gradient
     # share is rounded to bf16 before the sum, which alone costs about 1.22x the single-GPU error
@@ -103,7 +109,7 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
                  x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x) for n, x in args.items()}
     plan = build_cp_plan(cu, local_lengths=case.get("lengths"), batch_size=None if cu is not None else case["B"])
     local_leaves = {n: local[n] for n in leaves}
-    o, final = chunk_kda(**local, output_final_state=True, backend="fla", cp=plan)
+    o, final = chunk_kda(**local, output_final_state=True, backend=backend, cp=plan)
     grads = _grads((o.double() * do[:, lo:hi].double()).sum() + (final.double() * dfinal[rank].double()).sum(),
                    local_leaves)
     cp = dict(o=o.detach(), final=final.detach(), **grads)
@@ -115,7 +121,9 @@ def test_cp_fla_bf16_matches_single_gpu_accuracy(group, case):
 
     errors = {key: (rel_err(one[key], ref[key]), rel_err(cp[key], ref[key])) for key in ref}
     if rank == 0:
-        print(f"\n[{case['name']}] relative RMS error vs float64, single GPU / CP: "
+        print(f"\n[{case['name']}, {backend}] relative RMS error vs float64, single GPU FLA / CP: "
               + "; ".join(f"{key} {a:.3e} / {b:.3e}" for key, (a, b) in errors.items()))
+    factor = 1.1 if backend == "fla" else 3.0
     for key, (e_one, e_cp) in errors.items():
-        assert e_cp <= 1.1 * e_one + 1e-6, f"[{case['name']}] {key}: CP {e_cp:.3e} vs single GPU {e_one:.3e}"
+        assert e_cp <= factor * e_one + 1e-6, \
+            f"[{case['name']}, {backend}] {key}: CP {e_cp:.3e} vs single GPU {e_one:.3e}"

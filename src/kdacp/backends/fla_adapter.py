@@ -20,6 +20,7 @@ _STAGES = {
     "l2norm_fwd": ("fla.modules.norm.l2norm", "l2norm_fwd"),
     "l2norm_bwd": ("fla.modules.norm.l2norm", "l2norm_bwd"),
     "kda_gate_chunk_cumsum": ("fla.ops.kda.gate", "kda_gate_chunk_cumsum"),
+    "kda_gate_fwd": ("fla.ops.kda.gate", "kda_gate_fwd"),
     "chunk_local_cumsum": ("fla.ops.utils", "chunk_local_cumsum"),
     "prepare_chunk_indices": ("fla.ops.utils", "prepare_chunk_indices"),
     "RCP_LN2": ("fla.ops.utils.constant", "RCP_LN2"),
@@ -34,6 +35,7 @@ _STAGES = {
     "kda_gate_bwd": ("fla.ops.kda.gate", "kda_gate_bwd"),
     # GDN (scalar gate)
     "gdn_gate_chunk_cumsum": ("fla.ops.gated_delta_rule.gate", "gdn_gate_chunk_cumsum"),
+    "gdn_gate_fwd": ("fla.ops.gated_delta_rule.gate", "gdn_gate_fwd"),
     "chunk_gated_delta_rule_fwd_intra": ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra"),
     "gdn_recompute_w_u_fwd": ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd"),
     "chunk_fwd_o": ("fla.ops.common.chunk_o", "chunk_fwd_o"),

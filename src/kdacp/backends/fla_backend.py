@@ -183,8 +183,14 @@ class FlaBackend:
     def _input_gradients(self, x, dq, dk, dv, dg, dbeta, varlen: dict) -> LocalGrads:
         """The inputs' gradients from the chunk-local ones: ``dg`` summed back over each chunk (the forward's
         cumulative gate), through the in-kernel gate and the in-kernel q/k L2 norm where the options use them."""
+        dg = self.fla.chunk_local_cumsum(dg, chunk_size=self.options.chunk_size, reverse=True, **varlen)
+        return self._token_input_gradients(x, dq, dk, dv, dg, dbeta)
+
+    def _token_input_gradients(self, x, dq, dk, dv, dg, dbeta) -> LocalGrads:
+        """The inputs' gradients from those of the per-token gate (natural log) and of ``q, k`` after the
+        optional L2 norm: through the in-kernel gate and the in-kernel L2 norm where the options use them.
+        ``x`` holds the raw gate ``g``, ``A_log``, ``dt_bias``, the normalised ``q, k`` and ``q_rstd, k_rstd``."""
         o, fla = self.options, self.fla
-        dg = fla.chunk_local_cumsum(dg, chunk_size=o.chunk_size, reverse=True, **varlen)
         dA_log = ddt_bias = None
         if o.use_gate_in_kernel:
             dg, dA_log, ddt_bias = self._gate_backward(x, dg)

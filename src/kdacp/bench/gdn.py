@@ -21,7 +21,9 @@ FLA's op nor kdacp's GDN kernels can train there, so every contender is timed fo
 rows say ``pass: forward``; each such row is followed by a training row (``pass: forward+backward, KDA
 kernels``): ``kdacp`` (which trains there on FLA's KDA kernels with the gate broadcast over ``K``) against
 ``fla_kda``, FLA's own ``chunk_kda`` on the same broadcast gate (the one path FLA trains GDN on there), the
-ratio and ``max_rel_diff_vs_fla`` over ``fla_kda``.
+ratio and ``max_rel_diff_vs_fla`` over ``fla_kda``; where attention-gym is usable (Hopper, ``kdacp[attn-gym]``),
+the training row also times ``kdacp_attn_gym``, ``kdacp.chunk_gated_delta_rule(backend="attn_gym")``
+(attention-gym's GDN core), with its ``attn_gym_max_rel_diff_vs_fla``.
 
     kdacp bench --suite gdn --world-size 1 [--seq-lens 16384,32768] [--batches one_sequence,docs7]
 
@@ -34,6 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from kdacp.backends import backend_usable
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
 from kdacp.distributed import build_cp_plan, new_cp_group
 from kdacp.gdn import chunk_gated_delta_rule
@@ -78,6 +81,8 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
     if dist.get_world_size(group) != 1:
         raise ValueError("the gdn suite compares on one GPU; run it with --world-size 1")
     backward = fla_gated_gdn_backward_supported()
+    attn_gym = backend_usable("attn_gym", torch.device("cuda"))
+    training = ("fla_kda", "kdacp") + (("kdacp_attn_gym",) if attn_gym else ())
     rows = []
     for T in t_locals:
         for batch in batches:
@@ -110,15 +115,20 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
             rows_here = [row]
             if not backward and "kdacp" in contenders:
                 train = step_functions({"fla_kda": lambda **a: _fla_kda_broadcast(fla, varlen, **a),
-                                        "kdacp": runs["kdacp"]}, ("fla_kda", "kdacp"), x, do, True)
+                                        "kdacp": runs["kdacp"],
+                                        "kdacp_attn_gym": lambda **a: chunk_gated_delta_rule(
+                                            **a, **OPTIONS, **varlen, backend="attn_gym")}, training, x, do, True)
                 log(f"gdn T={T} {batch}: training, against FLA's chunk_kda on the broadcast gate")
                 trow = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T} train",
                             **{"pass": "forward+backward, KDA kernels"})
-                trow.update(timed_columns(train, ("fla_kda", "kdacp"), "fla_kda", warmup, rounds, iters, group,
+                trow.update(timed_columns(train, training, "fla_kda", warmup, rounds, iters, group,
                                           torch.device("cuda"),
                                           lambda tb: log(f"gdn T={T} {batch} training failed:\n{tb}")))
                 if not math.isnan(trow["kdacp_ms"]):  # timed: both steps run
                     trow["max_rel_diff_vs_fla"] = max_rel_diff(train["kdacp"](), train["fla_kda"](), group)
+                if attn_gym and not math.isnan(trow["kdacp_attn_gym_ms"]):
+                    trow["attn_gym_max_rel_diff_vs_fla"] = max_rel_diff(train["kdacp_attn_gym"](), train["fla_kda"](),
+                                                                        group)
                 rows_here.append(trow)
             del x, do
             for r in rows_here:

@@ -7,6 +7,8 @@ iterations, CUDA events where there is CUDA, the slowest rank's time):
 - ``kdacp_one_rank`` / ``fla_one_rank``: kdacp's and FLA's (``fla.layers.KimiDeltaAttention``, same
   weights, CUDA only) layer on this rank's own tokens alone, with its own ``cu_seqlens``: the one-rank
   (one-GPU) baseline holding the same tokens;
+- ``kdacp_attn_gym_one_rank``: kdacp's layer (same weights) with ``backend="attn_gym"`` (attention-gym's KDA
+  core for training), where it is usable (a Hopper GPU, ``kdacp[attn-gym]`` installed);
 - ``kdacp_<mode>``: kdacp's layer with ``ContextParallel(mode)`` over the group, on the global batch,
   for each of ``modes`` (``state``, ``ulysses``, ``hybrid``: Ulysses groups of the world size's smallest
   divisor, state passing across them).
@@ -14,7 +16,12 @@ iterations, CUDA events where there is CUDA, the slowest rank's time):
 ``ratio``: the row's time over ``fla_one_rank``'s (over ``kdacp_one_rank``'s where FLA's layer is not
 installed or on CPU). Kimi Linear's settings: safe gate with ``lower_bound=-5``, ``conv_size=4``.
 
-    kdacp bench --suite layer [--modes state,ulysses]
+``family="gdn"``: kdacp's ``GatedDeltaNet`` instead, with Qwen3-Next's head ratio (``heads // 2`` q/k heads,
+``heads`` value heads) and no FLA layer (FLA 0.6.0 refuses its GDN backward on Hopper under Triton 3.6):
+``kdacp_one_rank`` is kdacp's GDN path with ``backend`` (``fla``: FLA's KDA kernels on the broadcast gate
+there), the base of the ratios.
+
+    kdacp bench --suite layer [--modes state,ulysses] [--family gdn]
     (or under torchrun: torchrun --nproc-per-node 2 -m kdacp.cli bench --suite layer)
 
 ``run(...)`` returns the rows; call it on every rank of an initialised process group.
@@ -24,10 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kdacp.backends import backend_usable
 from kdacp.layers.context_parallel import hybrid_ulysses_size
 from kdacp.distributed import new_cp_group
 from kdacp.distributed.plan import local_cu_seqlens
-from kdacp.layers import ContextParallel, KimiDeltaAttention
+from kdacp.layers import ContextParallel, GatedDeltaNet, KimiDeltaAttention
 
 from .batches import BATCHES, cu_seqlens_of, document_lengths
 from .harness import PlotSpec
@@ -56,6 +64,15 @@ def fla_layer_like(layer: KimiDeltaAttention):
     return fla
 
 
+# the layer of each family from (hidden, heads, head_dim, backend, device, dtype)
+LAYERS = {
+    "kda": lambda hidden, heads, d, backend, device, dtype: KimiDeltaAttention(
+        hidden, heads, head_k_dim=d, head_v_dim=d, backend=backend, device=device, dtype=dtype),
+    "gdn": lambda hidden, heads, d, backend, device, dtype: GatedDeltaNet(
+        hidden, max(heads // 2, 1), heads, head_k_dim=d, head_v_dim=d, backend=backend, device=device, dtype=dtype),
+}
+
+
 def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
     """Forward and backward of one layer call (kdacp's or FLA's); gradients of ``x`` and every parameter."""
     y = layer(x, cu_seqlens=cu_seqlens)[0]
@@ -64,7 +81,7 @@ def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tenso
 
 def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128, modes=("state",),
         batches=BATCHES, warmup: int = 2, rounds: int = 3, iters: int = 5, group=None, device="cuda",
-        dtype=torch.bfloat16, backend: str = "fla", seed: int = 0, report=None) -> list[dict]:
+        dtype=torch.bfloat16, backend: str = "fla", seed: int = 0, report=None, family: str = "kda") -> list[dict]:
     """Rows ``batch, docs, run, label, ranks, tokens_per_rank, ms, ratio, peak_GB`` per batch and contender.
 
     ``batches``: names from :data:`kdacp.bench.batches.BATCHES`; ``modes``: the context-parallel modes
@@ -76,10 +93,15 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if "hybrid" in modes and hybrid_ulysses_size(world_size) is None:
         raise ValueError(f"hybrid needs a world size with a divisor between 1 and itself; {world_size} has none")
+    if family not in LAYERS:
+        raise ValueError(f"family must be one of {tuple(LAYERS)}, got {family!r}")
     torch.manual_seed(seed)  # replicated parameters
-    ours = KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend=backend,
-                              device=device, dtype=dtype)
-    fla = fla_layer_like(ours) if device.type == "cuda" else None
+    ours = LAYERS[family](hidden, heads, head_dim, backend, device, dtype)
+    fla = fla_layer_like(ours) if device.type == "cuda" and family == "kda" else None
+    attn_gym = None
+    if backend != "attn_gym" and backend_usable("attn_gym", device):
+        attn_gym = LAYERS[family](hidden, heads, head_dim, "attn_gym", device, dtype)
+        attn_gym.load_state_dict(ours.state_dict())
     cps = {mode: ContextParallel(mode, group, ulysses_size=hybrid_ulysses_size(world_size) if mode == "hybrid"
                                     else None) for mode in (modes if world_size > 1 else ())}
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -112,13 +134,15 @@ def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int
         fns = {"kdacp_one_rank": one_rank(ours)}
         if fla is not None:
             fns["fla_one_rank"] = one_rank(fla)
+        if attn_gym is not None:
+            fns["kdacp_attn_gym_one_rank"] = one_rank(attn_gym)
         fns.update({f"kdacp_{mode}": context_parallel(cp) for mode, cp in cps.items()})
         ms = time_round_robin(fns, warmup, rounds, iters, group, device)
         base = ms.get("fla_one_rank", ms["kdacp_one_rank"])
         for name, fn in fns.items():
             ranks = world_size if name in {f"kdacp_{m}" for m in cps} else 1
-            row = dict(batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})", ranks=ranks,
-                       tokens_per_rank=t_local, ms=ms[name], ratio=ms[name] / base,
+            row = dict(family=family, batch=batch, docs=len(lengths), run=name, label=f"{name} ({batch})",
+                       ranks=ranks, tokens_per_rank=t_local, ms=ms[name], ratio=ms[name] / base,
                        peak_GB=peak_gb(fn, group, device))
             rows.append(row)
             if report is not None:

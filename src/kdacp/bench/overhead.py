@@ -160,8 +160,11 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
                       dtype=dtype, device=device)
     one = one_rank_plan(None, 1, T)
     if family == "kda":
-        return (RankRole.prepare(one, **x, backend=backend, summary_precision=summary_precision, **KDA_OPTIONS),
-                torch.randn_like(x["v"]))
+        leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
+        with torch.enable_grad():  # the backend a training call takes
+            call = RankRole.prepare(one, **leaves, backend=backend, summary_precision=summary_precision,
+                                    **KDA_OPTIONS)
+        return call, torch.randn_like(x["v"])
     # GDN: one gate logit per value head and token, dt_bias [HV]
     gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")

@@ -73,7 +73,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
-from ..backends import resolve_backend
+from ..backends import FLA_BACKENDS, resolve_backend
 from ..compile import run_opaque
 from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
@@ -172,7 +172,7 @@ class _HaloConvolution:
         halo = context.left_halos([x], weight.shape[-1] - 1)[0]
         return (causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
                               cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
-                              fused=resolve_backend(self.context.backend, x.device) == "fla"),)
+                              fused=resolve_backend(self.context.backend, x.device) in FLA_BACKENDS),)
 
     def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         return (x.new_empty(x.shape),)

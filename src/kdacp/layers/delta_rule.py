@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 import torch.nn as nn
 
-from ..backends import resolve_backend
+from ..backends import FLA_BACKENDS, resolve_backend
 from ..compile import run_opaque
 from ..reference.gates import compute_dtype
 from .context_parallel import SINGLE_DEVICE, ContextParallel
@@ -96,8 +96,8 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
             global order).
         cu_seqlens: ``[N+1]`` int64 global offsets of a packed batch (``B == 1``), or None. The same tensor
             for every layer of a step (its host copy and plan are built once).
-        backend: the recurrence's backend when ``cp.backend`` is None (``"auto"``, ``"torch"``, ``"fla"``);
-            ``"fla"`` also runs the convolution and the norm as FLA's fused kernels.
+        backend: the recurrence's backend when ``cp.backend`` is None (``"auto"``, ``"torch"``, ``"fla"``,
+            ``"attn_gym"``); ``"fla"`` and ``"attn_gym"`` also run the convolution and the norm as FLA's fused kernels.
         initial_state: ``[N, HV, K, V]`` per (global) sequence, the same on every rank.
         output_final_state: also return the final states.
 
@@ -105,7 +105,7 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
         ``(y [B, T, hidden], final_state [N, HV, K, V] float32 or wider, on every rank, or None)``.
     """
     K, V = parts.head_k_dim, parts.head_v_dim
-    fused = resolve_backend(cp.backend or backend, x.device) == "fla"
+    fused = resolve_backend(cp.backend or backend, x.device) in FLA_BACKENDS
     p = parts.project(x)
     # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole sequences of its
     # head shard and needs no halo inside the Ulysses group.
@@ -186,8 +186,8 @@ class DeltaRuleLayer(nn.Module):
         hidden_size, num_heads (``H``), num_v_heads (``HV``, a multiple of ``H``), head_k_dim (``K``),
         head_v_dim (``V``), conv_size, conv_bias, norm_eps: as FLA's layers.
         norm_activation: the output gate's activation (``"sigmoid"`` or ``"swish"``).
-        backend: ``"auto"``, ``"torch"`` or ``"fla"``; ``"fla"`` (``auto`` on CUDA with FLA installed)
-            also runs the short convolution and the norm as FLA's fused kernels.
+        backend: ``"auto"``, ``"torch"``, ``"fla"`` or ``"attn_gym"``; ``"fla"`` and ``"attn_gym"`` (``auto`` on
+            CUDA with FLA installed) also run the short convolution and the norm as FLA's fused kernels.
         cp: a :class:`ContextParallel`, or None for one device; may be set later.
     """
 
