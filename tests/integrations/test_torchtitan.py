@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra: pip install -e '.[torchtitan]'")
 pytest.importorskip("fla", reason="torchtitan's Qwen3.5 imports FLA: pip install -e '.[torchtitan]'")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import rel_err, zeroed_outputs  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 
 TOL = 2e-5
@@ -181,10 +181,6 @@ def _errors(model, cp_mesh, ref) -> dict:
     return {"loss": rel_err(loss, ref["loss"]), **{n: rel_err(g, ref["grads"][n]) for n, g in grads.items()}}
 
 
-def _zeros_of(fn):
-    return lambda *args, **kwargs: (lambda out: None if out is None else torch.zeros_like(out))(fn(*args, **kwargs))
-
-
 def _cp_worker(rank, world_size, ref, check_removal, results):
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.context_parallel import apply_cp_to_forward
@@ -208,7 +204,7 @@ def _cp_worker(rank, world_size, ref, check_removal, results):
     # Each exchange removed in turn (messages still flow, their content zeroed): the step leaves the tolerance.
     for what, owner, attr in (("state exchange", P2PExchange, "receive"), ("halo", cp_context, "exchange_rows")):
         real = getattr(owner, attr)
-        setattr(owner, attr, _zeros_of(real))
+        setattr(owner, attr, zeroed_outputs(real))
         try:
             errs = _errors(model, cp_mesh, ref)
         finally:
