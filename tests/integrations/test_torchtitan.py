@@ -250,20 +250,22 @@ def _errors(model, cp_mesh, ref, gdn_layout=None) -> dict:
 
 
 def _torchtitan_cut(cp_mesh, balancer, block_size: int) -> torch.Tensor:
-    """The global tokens torchtitan's own ``cp_shard`` gives this rank under ``balancer`` (PTRR from the
-    batch's document mask in blocks of ``block_size``)."""
+    """The global tokens torchtitan gives this rank under ``balancer``: its ``cp_shard`` for head-tail and none;
+    for PTRR (whose ``cp_shard`` also cuts the mask, which torch refuses below ``P x 128`` tokens) the balancer
+    ``cp_shard`` builds, from the batch's document mask in blocks of ``block_size``, through torch's shard call."""
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _PTRRLoadBalancer
+    from torch.nn.attention.flex_attention import and_masks
     from torchtitan.distributed.context_parallel import cp_shard
     from torchtitan.models.common.attention import (create_attention_mask, get_causal_mask_mod,
                                                      get_efficient_causal_mask_mod_for_packed_document)
-    from torch.nn.attention.flex_attention import and_masks
     positions = batch()[0]["positions"]
     T = positions.shape[1]
-    mask = None
-    if balancer == "ptrr":
-        mod = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
-        mask = create_attention_mask(mod, 1, None, T, T, device="cpu", BLOCK_SIZE=block_size)
-    (tokens,), _ = cp_shard(cp_mesh, (torch.arange(T)[None],), mask, balancer)
-    return tokens[0]
+    tokens = torch.arange(T)[None]
+    if balancer != "ptrr":
+        return cp_shard(cp_mesh, (tokens,), None, balancer)[0][0][0]
+    mod = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    mask = create_attention_mask(mod, 1, None, T, T, device="cpu", BLOCK_SIZE=block_size)
+    return _context_parallel_shard(cp_mesh, [tokens], [1], _PTRRLoadBalancer(mask, cp_mesh.size(0)))[0][0]
 
 
 def _cp_worker(rank, world_size, balancer, ref, check_removal, results):

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer, _PTRRLoadBalancer
-from torch.nn.attention.flex_attention import BlockMask, and_masks, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -68,8 +68,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models import qwen3_5
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.common.attention import (FlexAttention, create_attention_mask,
-                                                 create_varlen_metadata_for_document, get_causal_mask_mod,
-                                                 get_efficient_causal_mask_mod_for_packed_document)
+                                                 create_varlen_metadata_for_document)
 from torchtitan.models.qwen3_5.model import GatedDeltaNet
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type
@@ -98,14 +97,18 @@ TEXT_ONLY_TOKENS = {"image_id": -1, "video_id": -1}
 VISION_INPUTS = ("pixel_values", "pixel_values_videos", "grid_thw", "grid_thw_videos", "mrope_positions")
 
 
-def _document_mask_mod(positions: torch.Tensor, order: torch.Tensor | None = None, offset: int = 0):
-    """torchtitan's FlexAttention mask of a packed row (causal within each document of ``positions [1, T]``, 0 at
-    each document start), for queries ``offset + q_idx`` and keys ``kv_idx`` of the row laid out in ``order [T]``
-    (the global token at each place; None: global order)."""
-    document = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
-    if order is None:
-        return document if offset == 0 else lambda b, h, q_idx, kv_idx: document(b, h, q_idx + offset, kv_idx)
-    return lambda b, h, q_idx, kv_idx: document(b, h, order[q_idx + offset], order[kv_idx])
+def _document_mask_mod(positions: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor):
+    """The FlexAttention ``mask_mod`` of torchtitan's packed-document attention (causal within each document of
+    ``positions [1, T]``, 0 at each document start) for query place ``q_idx`` holding global token
+    ``queries[q_idx]`` and key place ``kv_idx`` holding ``keys[kv_idx]`` (int32 tensors on ``positions``' device)."""
+    first = queries - positions[0, queries.long()].to(torch.int32)  # each query's document start
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        key = keys[kv_idx]
+        # a where, not an &: Inductor's vectorised CPU code for the & of two gathered comparisons does not compile
+        return torch.where(key <= queries[q_idx], key >= first[q_idx], False)
+
+    return mask_mod
 
 
 def _layout_of_order(order: torch.Tensor, world_size: int) -> TokenLayout:
@@ -176,7 +179,8 @@ def _balanced_layout(rule: BalancedLayout, cu_seqlens: tuple[int, ...], P: int, 
     if rule.balancer == "headtail":
         return _layout_of_order(_HeadTailLoadBalancer(T, P, device)._generate_indices()[0], P)
     positions = sequence_positions(torch.tensor(cu_seqlens, device=device), 0, T)[None]
-    mask = create_attention_mask(_document_mask_mod(positions), 1, None, T, T, device=device,
+    tokens = torch.arange(T, dtype=torch.int32, device=device)
+    mask = create_attention_mask(_document_mask_mod(positions, tokens, tokens), 1, None, T, T, device=device,
                                  BLOCK_SIZE=rule.block_size, separate_full_blocks=not is_in_batch_invariant_mode())
     return _layout_of_order(_PTRRLoadBalancer(mask, P)._generate_indices()[0], P)
 
@@ -424,15 +428,15 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
 def local_document_mask(model: nn.Module, positions: torch.Tensor, layout: TokenLayout, rank: int) -> BlockMask:
     """The FlexAttention mask of rank ``rank``'s queries (its tokens under ``layout``, in their local order) against
     every rank's keys as torchtitan's FlexAttention CP all-gathers them (rank 0's tokens, then rank 1's, ...):
-    causal within each document of the global ``positions [1, T]`` (0 at each document start), built with
-    torchtitan's mask functions and the model's block size. Built directly rather than cut from the global
-    mask: torch cuts a ``BlockMask`` over ranks only when ``T`` is a multiple of ``P x 128``."""
-    order = None
-    if not layout.is_contiguous:
-        order = torch.cat([layout.local_token_index(r) for r in range(layout.world_size)]).to(positions.device)
+    causal within each document of the global ``positions [1, T]`` (0 at each document start), in the model's
+    block size. Built directly rather than cut from the global mask: torch cuts a ``BlockMask`` over ranks only
+    when ``T`` is a multiple of ``P x 128``."""
+    keys = torch.cat([layout.local_token_index(r) for r in range(layout.world_size)])
+    keys = keys.to(device=positions.device, dtype=torch.int32)
     offset = sum(layout.local_lengths[:rank])
-    return create_attention_mask(_document_mask_mod(positions, order, offset), 1, None, layout.local_lengths[rank],
-                                 layout.num_tokens, device=positions.device,
+    queries = keys[offset:offset + layout.local_lengths[rank]]
+    return create_attention_mask(_document_mask_mod(positions, queries, keys), 1, None, queries.numel(), keys.numel(),
+                                 device=positions.device,
                                  BLOCK_SIZE=model.config.first_attention.inner_attention.block_size,
                                  separate_full_blocks=not is_in_batch_invariant_mode())
 
