@@ -159,6 +159,22 @@ def test_shard_batch_refuses_rows_vision_and_uneven_lengths():
         kt.BalancedLayout("roundrobin")
 
 
+def test_trainer_settings_pick_the_layout():
+    """torchtitan's balancer setting becomes the GDN layers' layout, PTRR in the attention's blocks; a PTRR mask key
+    other than the attention layers' is refused by name."""
+    from types import SimpleNamespace
+
+    import kdacp.integrations.torchtitan as kt
+    model = build_model()
+    block = model.config.first_attention.inner_attention.block_size
+    for balancer in kt.LOAD_BALANCERS:
+        parallelism = SimpleNamespace(context_parallel_load_balancer=balancer, context_parallel_ptrr_mask_key=None)
+        assert kt._balanced_layout(model, parallelism) == kt.BalancedLayout(balancer, block)
+    parallelism = SimpleNamespace(context_parallel_load_balancer="ptrr", context_parallel_ptrr_mask_key="deltanet")
+    with pytest.raises(ValueError, match="context_parallel_ptrr_mask_key='deltanet'"):
+        kt._balanced_layout(model, parallelism)
+
+
 def test_balanced_layouts_are_torchs_balancers():
     """The layouts kdacp follows are the rearrangements of torch's balancers that torchtitan 0.3.0 picks by
     name: head-tail is kdacp's zigzag; PTRR reproduces the example of torch's ``_PTRRLoadBalancer`` docstring

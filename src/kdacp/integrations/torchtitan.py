@@ -160,12 +160,12 @@ class BalancedLayout:
             ValueError: ``T`` not a multiple of ``P`` (no balancer), ``2P`` (``"headtail"``) or
                 ``P x block_size`` (``"ptrr"``).
         """
-        return _balanced_layout(self, tuple(int(c) for c in cu_seqlens), world_size,
+        return _batch_layout(self, tuple(int(c) for c in cu_seqlens), world_size,
                                 torch.device("cpu" if device is None else device))
 
 
 @lru_cache(maxsize=CACHED_BATCHES)
-def _balanced_layout(rule: BalancedLayout, cu_seqlens: tuple[int, ...], P: int, device: torch.device) -> TokenLayout:
+def _batch_layout(rule: BalancedLayout, cu_seqlens: tuple[int, ...], P: int, device: torch.device) -> TokenLayout:
     T = cu_seqlens[-1]
     if P == 1:
         return contiguous_layout(T, 1)
@@ -371,7 +371,7 @@ def _check_supported(parallel_dims, training, parallelism, compile_config) -> No
                                   "'partial_dtensor'; set parallelism.spmd_backend='partial_dtensor'")
 
 
-def balanced_layout(model: nn.Module, parallelism) -> BalancedLayout:
+def _balanced_layout(model: nn.Module, parallelism) -> BalancedLayout:
     """The :class:`BalancedLayout` of torchtitan's ``parallelism.context_parallel_load_balancer`` for ``model``
     (a torchtitan Qwen3.5): ``"ptrr"`` deals out the blocks of the attention layers' mask (their FlexAttention
     block size; torchtitan's 128 for a model without attention layers).
@@ -404,7 +404,7 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
     """
     _check_supported(parallel_dims, training, parallelism, compile_config)
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
-    apply_kdacp_to_gated_deltanet(model, cp_mesh, layout=balanced_layout(model, parallelism))
+    apply_kdacp_to_gated_deltanet(model, cp_mesh, layout=_balanced_layout(model, parallelism))
     if device_type == "cpu":
         apply_dense_attention(model)
     if cp_mesh is not None:
