@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     else:  # Megatron torch.compiles its gate function on first call (its default, kept on the GPU)
         from torch._dynamo import config as dynamo_config
         dynamo_config.disable = True

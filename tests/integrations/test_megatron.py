@@ -22,7 +22,7 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip install -e '.[megatron]' (Python "
                     ">= 3.12) or, on 3.11, pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import rel_err, zeroed_outputs  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 
 TOL = 1e-5
@@ -165,8 +165,8 @@ def _layer_worker(rank, P, check_removal, results):
             continue
         # Each mechanism removed in turn: the state exchange through the zigzag chain and the halo from whichever
         # rank holds the tokens before a chunk (messages still flow, their content zeroed). Each leaves the tolerance.
-        removals = (("state exchange", P2PExchange, "receive", _zeros_of),
-                    ("halo", cp_context, "exchange_rows", _zeros_of))
+        removals = (("state exchange", P2PExchange, "receive", zeroed_outputs),
+                    ("halo", cp_context, "exchange_rows", zeroed_outputs))
         for what, owner, attr, broken in removals:
             real = getattr(owner, attr)
             setattr(owner, attr, broken(real))
@@ -178,17 +178,6 @@ def _layer_worker(rank, P, check_removal, results):
             assert worst > 100 * TOL, f"{case}: removing the {what} went unnoticed at cp={P}"
             if rank == 0:
                 results.append((case, f"without {what}", name, worst))
-
-
-def _zeros(out):
-    """``out`` with every tensor zeroed (a tensor, a list of tensors or Nones, or None)."""
-    if isinstance(out, list):
-        return [_zeros(x) for x in out]
-    return None if out is None else torch.zeros_like(out)
-
-
-def _zeros_of(fn):
-    return lambda *args, **kwargs: _zeros(fn(*args, **kwargs))
 
 
 @pytest.mark.parametrize("P", [1, 2, pytest.param(4, marks=pytest.mark.slow)])

@@ -88,6 +88,20 @@ def test_labels_and_positions_match_the_unsharded_batch(layout, P):
     assert crossing and all(shifted[t] == ids[0, t + 1] for t in crossing)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "ranges"])
+def test_labels_already_shifted_are_dealt_out_as_given(layout):
+    """``labels_shifted``: each token keeps the target given for it (torchtitan's loaders shift labels), none
+    shifted again nor ignored at document ends; tokens and positions as without it."""
+    P, T = 3, CU_SEQLENS[-1]
+    ids, labels = _tokens(T), _tokens(T, seed=1)
+    layout = _random_ranges(T, P, seed=5) if layout == "ranges" else layout
+    shards = [shard_tokens(ids, labels, cu_seqlens=torch.tensor(CU_SEQLENS), rank=r, world_size=P, layout=layout,
+                           labels_shifted=True) for r in range(P)]
+    got = _reassembled(shards)
+    assert torch.equal(got["labels"], labels[0]) and torch.equal(got["ids"], ids[0])
+    assert torch.equal(got["positions"], _expected(ids, labels, CU_SEQLENS)[1])
+
+
 def test_rows_without_documents_share_one_layout():
     """``B > 1`` rows without boundaries: the layout applies to each row the same way; positions are ``arange``."""
     P, T = 3, 36

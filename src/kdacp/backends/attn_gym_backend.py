@@ -356,6 +356,10 @@ class AttnGymGDNBackend(AttnGymBackend):
         return self.fla.gdn_gate_fwd(x.g, x.A_log, x.dt_bias)
 
     def _prepare_core(self, q, k, v, gate, beta, cu_seqlens):
+        # always its packed kernels: attention-gym 0.0.17's dense GDN path (no cu_seqlens) returns NaN outputs
+        # and final states on an H200 (4096 tokens, 16 q/k and 32 value heads), its packed path of one segment not
+        if cu_seqlens is None:
+            cu_seqlens = _int32_on((0, q.shape[1]), q.device)
         return self.ag.chunk_gdn_prepare(q, k, v, gate, beta, cu_seqlens=cu_seqlens, scale=self.options.scale)
 
     def _prepare_backward_core(self, tape, do, initial_state):

@@ -122,7 +122,8 @@ def through_rank_rows(family: str, batch: str, T: int, heads: int, head_dim: int
     # the through rank's tokens [T, 2T): its local sequences, the documents cut at its edges
     local = sorted({0, T, *(c - T for c in cu if T < c < 2 * T)})
     cu_local = torch.tensor(local, dtype=torch.int32, device=device)
-    packed = cu_local if len(local) > 2 else None
+    # GDN always on attention-gym's packed kernels: its dense GDN path returns NaN on an H200 (as the backend's)
+    packed = cu_local if len(local) > 2 or family == "gdn" else None
     N, HV, V, K = len(local) - 1, heads, head_dim, head_dim
     receives, sends = T not in cu, 2 * T not in cu
     gen = torch.Generator(device=device).manual_seed(1)
@@ -174,7 +175,7 @@ def through_rank_rows(family: str, batch: str, T: int, heads: int, head_dim: int
         summary = prepare(*args, cu_seqlens=packed).state_summaries(fwd_bounds)[0]  # [HV, V + K, K]
         start = int(fwd_bounds[0, 0])
         state = torch.randn(1, HV, V, K, generator=gen, device=device) * 0.1
-        applied = state[0] @ summary[V:] + summary[:V]
+        applied = state[0] @ summary[:, V:] + summary[:, :V]
         last = {n: t[:, start:] for n, t in x.items()}
         _, final = _fla_reference(family, last, state, None)
     return [dict(source="attn_gym_rank", family=family, batch=batch, T_local=T, role="through",

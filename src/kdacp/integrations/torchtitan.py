@@ -8,20 +8,23 @@ Qwen3.5 and parallelizes it with :func:`parallelize_qwen3_5_kdacp`:
 
 1. every ``GatedDeltaNet`` of the model gets kdacp's recurrence and short convolution
    (:func:`apply_kdacp_to_gated_deltanet`): its ``kernel`` module becomes a
-   :class:`KdacpGatedDeltaKernel` (state exchange between time shards by kdacp's GDN op, with one
-   plan per batch built from the global ``cu_seqlens``) and its ``_causal_conv`` runs
-   :func:`kdacp.layers.short_conv.causal_conv1d` with a left halo from the previous rank;
+   :class:`KdacpGatedDeltaKernel` (state exchange between the ranks' ranges by kdacp's GDN op, with one
+   plan per batch built from the global ``cu_seqlens`` and the layout) and its ``_causal_conv`` runs
+   :func:`kdacp.layers.short_conv.causal_conv1d` with a left halo from whichever rank holds the tokens before
+   each range;
    parameters and state-dict keys do not change;
 2. the attention layers (one in four) run under torchtitan's own context parallelism for
    FlexAttention (``apply_cp_to_forward``: keys and values all-gathered over ``cp``; each rank's
-   document mask is built for its queries, :func:`local_document_mask`). kdacp's Ulysses attention
+   document mask is built for its queries under the layout, :func:`local_document_mask`). kdacp's Ulysses attention
    would need ``n_kv_heads % cp == 0``, and every dense Qwen3.5 has 2 key/value heads;
 3. then torchtitan's ``parallelize_qwen3_5`` for everything it does (activation checkpointing,
    FSDP2 over ``dp_shard x cp``), with context parallelism marked as done.
 
-:class:`KdacpTrainer` cuts each batch over the ``cp`` mesh axis into contiguous equal shards
-(:func:`shard_batch`, no load balancing: the recurrence needs rank ``r`` to hold tokens
-``[r T / P, (r + 1) T / P)``) and keeps the global document boundaries for the GDN layers.
+:class:`KdacpTrainer` cuts each batch over the ``cp`` mesh axis (:func:`shard_batch`) as torchtitan's
+context-parallel load balancer (``parallelism.context_parallel_load_balancer``: ``"headtail"``, its default,
+``"ptrr"`` or None) rearranges it, and keeps the global document boundaries for the GDN layers. The GDN
+layers follow that token order natively (:class:`BalancedLayout`: a rank's ranges are links of kdacp's state
+chain and halo routes), so attention and recurrence share one layout with no relayout between them.
 
 Configs: :func:`qwen35_kdacp_debugmodel`, :func:`qwen35_kdacp_0_8b` and the baseline
 :func:`qwen35_titan_0_8b` (torchtitan's own spec), on text (:func:`text_config`). On CPU,
@@ -43,15 +46,17 @@ and attention other than FlexAttention under context parallelism.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.attention.flex_attention import BlockMask, and_masks, create_mask
+from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer, _PTRRLoadBalancer
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -66,8 +71,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models import qwen3_5
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.common.attention import (FlexAttention, create_attention_mask,
-                                                 create_varlen_metadata_for_document, get_causal_mask_mod,
-                                                 get_efficient_causal_mask_mod_for_packed_document)
+                                                 create_varlen_metadata_for_document)
 from torchtitan.models.qwen3_5.model import GatedDeltaNet
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type
@@ -75,61 +79,158 @@ from torchtitan.trainer import Trainer
 
 from ..backends import FLA_BACKENDS, resolve_backend
 from ..compile import run_opaque
+from ..distributed.layout import TokenLayout, contiguous_layout, ranges_layout
 from ..gdn import chunk_gated_delta_rule
-from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
+from ..layers.cp_context import CPContext, build_cp_context
 from ..layers.short_conv import causal_conv1d
+from ..models.batch import shard_tokens
+from ..sequences import sequence_positions
 
-__all__ = ["DenseFlexAttention", "GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet", "KdacpTrainer",
+__all__ = ["BalancedLayout", "DenseFlexAttention", "GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet", "KdacpTrainer",
            "TEXT_ONLY_TOKENS", "VISION_INPUTS", "apply_dense_attention", "apply_kdacp_to_gated_deltanet",
            "local_document_mask", "model_registry", "parallelize_qwen3_5_kdacp", "qwen35_kdacp_0_8b",
            "qwen35_kdacp_debugmodel", "qwen35_titan_0_8b", "shard_batch", "text_config"]
 
 SPEC_NAME = "qwen3_5_kdacp"
-CACHED_BATCHES = 8  # global cu_seqlens kept per model (a few batches are in flight with AC recompute)
+CACHED_BATCHES = 8  # batches whose layout and context are kept (a few are in flight with AC recompute)
+# torchtitan's parallelism.context_parallel_load_balancer values (torchtitan 0.3.0's cp_shard).
+LOAD_BALANCERS = (None, "headtail", "ptrr")
 # Token ids no token has: Qwen3.5 reads them only to place vision embeddings.
 TEXT_ONLY_TOKENS = {"image_id": -1, "video_id": -1}
 # Batch keys of torchtitan's multimodal loader: their tokens must be scattered before any cut.
 VISION_INPUTS = ("pixel_values", "pixel_values_videos", "grid_thw", "grid_thw_videos", "mrope_positions")
 
 
+def _document_mask_mod(positions: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor):
+    """The FlexAttention ``mask_mod`` of torchtitan's packed-document attention (causal within each document of
+    ``positions [1, T]``, 0 at each document start) for query place ``q_idx`` holding global token
+    ``queries[q_idx]`` and key place ``kv_idx`` holding ``keys[kv_idx]`` (int32 tensors on ``positions``' device)."""
+    first = queries - positions[0, queries.long()].to(torch.int32)  # each query's document start
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        key = keys[kv_idx]
+        # a where, not an &: Inductor's vectorised CPU code for the & of two gathered comparisons does not compile
+        return torch.where(key <= queries[q_idx], key >= first[q_idx], False)
+
+    return mask_mod
+
+
+def _layout_of_order(order: torch.Tensor, world_size: int) -> TokenLayout:
+    """The layout of a load balancer's rearranged order ``order [T]`` (the global token at each place, as torch's
+    balancers' ``_generate_indices`` give it): rank ``r`` holds the ``r``-th of ``world_size`` equal parts, which
+    must ascend (kdacp's layouts keep a rank's tokens in global order)."""
+    ranges = []
+    for r, part in enumerate(order.to(torch.int64).cpu().tensor_split(world_size)):
+        step = part.diff()
+        if bool((step <= 0).any()):
+            raise ValueError(f"the load balancer's tokens for rank {r} are not in ascending global order; kdacp's "
+                             "layouts need them so (torchtitan 0.3.0's balancers give them so)")
+        edges = [0, *(torch.nonzero(step != 1).flatten() + 1).tolist(), part.numel()]
+        ranges.append([(int(part[a]), int(part[b - 1]) + 1) for a, b in zip(edges[:-1], edges[1:])])
+    return ranges_layout(ranges, order.numel())
+
+
+@dataclass(frozen=True)
+class BalancedLayout:
+    """Which tokens of a batch each ``cp`` rank holds under torchtitan's context-parallel load balancer
+    (``parallelism.context_parallel_load_balancer``), as a kdacp layout the GDN layers follow:
+
+    - ``None``: equal contiguous shards, rank ``r`` holding tokens ``[r T/P, (r+1) T/P)``;
+    - ``"headtail"``: torch's ``_HeadTailLoadBalancer``: ``2P`` equal chunks, rank ``r`` holding chunks ``r``
+      and ``2P-1-r`` (kdacp's zigzag);
+    - ``"ptrr"``: torch's ``_PTRRLoadBalancer`` over the document-causal ``BlockMask`` of ``block_size`` tokens
+      (the attention layers' mask): whole blocks dealt out by their attention work.
+
+    Rank ``r``'s tokens are the ``r``-th of ``P`` equal parts of the balancer's rearranged order (torch's
+    contract), each rank's in ascending global order. Calling it with the batch's global document offsets
+    gives its :class:`~kdacp.distributed.layout.TokenLayout` (the last :data:`CACHED_BATCHES` kept).
+    """
+
+    balancer: str | None = "headtail"
+    block_size: int = 128
+
+    def __post_init__(self):
+        if self.balancer not in LOAD_BALANCERS:
+            raise ValueError(f"parallelism.context_parallel_load_balancer must be one of {LOAD_BALANCERS}, "
+                             f"got {self.balancer!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+
+    def __call__(self, cu_seqlens, world_size: int, device=None) -> TokenLayout:
+        """The layout of the packed row of global document offsets ``cu_seqlens`` (``[N+1]`` ints, ``0 ... T``)
+        over ``world_size`` ranks; ``device``: where the ``"ptrr"`` balancer builds its mask (default the CPU).
+
+        Raises:
+            ValueError: ``T`` not a multiple of ``P`` (no balancer), ``2P`` (``"headtail"``) or
+                ``P x block_size`` (``"ptrr"``).
+        """
+        return _batch_layout(self, tuple(int(c) for c in cu_seqlens), world_size,
+                                torch.device("cpu" if device is None else device))
+
+
+@lru_cache(maxsize=CACHED_BATCHES)
+def _batch_layout(rule: BalancedLayout, cu_seqlens: tuple[int, ...], P: int, device: torch.device) -> TokenLayout:
+    T = cu_seqlens[-1]
+    if P == 1:
+        return contiguous_layout(T, 1)
+    unit, what = {None: (P, "P"), "headtail": (2 * P, "2P"),
+                  "ptrr": (P * rule.block_size, f"P x the attention's block size {rule.block_size}")}[rule.balancer]
+    if T % unit:
+        raise ValueError(f"the batch's {T} tokens must split evenly over cp={P} ranks under the "
+                         f"{rule.balancer!r} load balancer: a multiple of {what} ({unit})")
+    if rule.balancer is None:
+        return contiguous_layout(T, P)
+    if rule.balancer == "headtail":
+        return _layout_of_order(_HeadTailLoadBalancer(T, P, device)._generate_indices()[0], P)
+    positions = sequence_positions(torch.tensor(cu_seqlens, device=device), 0, T)[None]
+    tokens = torch.arange(T, dtype=torch.int32, device=device)
+    mask = create_attention_mask(_document_mask_mod(positions, tokens, tokens), 1, None, T, T, device=device,
+                                 BLOCK_SIZE=rule.block_size, separate_full_blocks=not is_in_batch_invariant_mode())
+    return _layout_of_order(_PTRRLoadBalancer(mask, P)._generate_indices()[0], P)
+
+
 class GatedDeltaContext:
     """How the swapped GDN modules of one model run: on one device, or over the ``cp`` process group
-    by kdacp's state exchange (recurrence) and halo (short convolution).
+    by kdacp's state exchange (recurrence) and halo (short convolution), in the token order of ``layout``.
 
     torchtitan hands each GDN module the *global* document offsets of the batch (``cu_seqlens`` on
-    the device, ``cu_seqlens_cpu`` on the host, int32, ``[N+1]``) and this rank's tokens. Their host
-    values key one canonical device tensor per batch, so that kdacp builds the batch's plan, local
-    offsets and halo masks once per batch, not per layer (torchtitan clones ``cu_seqlens`` per call).
+    the device, ``cu_seqlens_cpu`` on the host, int32, ``[N+1]``) and this rank's tokens. The host values
+    key the batch's :class:`~kdacp.layers.CPContext` (its layout, plan, local offsets and halo routes), built
+    by the first layer call of the batch and read by every later one (torchtitan clones ``cu_seqlens`` per call).
 
     Args:
         group: the context-parallel process group, or None for one device.
+        layout: the layout rule the batches were cut by (:class:`BalancedLayout`; :func:`shard_batch` reads it
+            from here, so the GDN layers and the attention follow one token order).
         strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
         backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA, PyTorch on CPU).
     """
 
-    def __init__(self, group=None, *, strategy: str = "p2p", backend: str = "auto"):
-        self.cp = SINGLE_DEVICE if group is None else ContextParallel("state", group, strategy=strategy)
-        self.backend = backend
-        self._global_offsets: OrderedDict = OrderedDict()
+    def __init__(self, group=None, *, layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
+                 backend: str = "auto"):
+        self.group, self.layout, self.strategy, self.backend = group, layout, strategy, backend
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self._contexts = lru_cache(maxsize=CACHED_BATCHES)(self._build_context)
 
     def __repr__(self) -> str:
-        return f"GatedDeltaContext(cp={self.cp!r}, backend={self.backend!r})"
+        return (f"GatedDeltaContext(cp={self.world_size}, layout={self.layout!r}, strategy={self.strategy!r}, "
+                f"backend={self.backend!r})")
 
-    def _offsets(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
-        """The canonical device tensor of the global offsets ``cu_seqlens_cpu`` holds."""
-        key = tuple(cu_seqlens_cpu.tolist())
-        hit = self._global_offsets.pop(key, None)
-        if hit is None:
-            hit = cu_seqlens.to(torch.int64)
-            if len(self._global_offsets) >= CACHED_BATCHES:
-                self._global_offsets.popitem(last=False)
-        self._global_offsets[key] = hit
-        return hit
+    def batch_context(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+                      local_length: int) -> CPContext:
+        """The :class:`~kdacp.layers.CPContext` of the batch of global offsets ``cu_seqlens_cpu`` of which this
+        rank holds ``local_length`` tokens (its device tensors on ``cu_seqlens``' device)."""
+        _check_offsets(cu_seqlens, cu_seqlens_cpu)
+        return self._contexts(tuple(cu_seqlens_cpu.tolist()), local_length, cu_seqlens.device)
+
+    def _build_context(self, cu: tuple[int, ...], local_length: int, device: torch.device) -> CPContext:
+        return build_cp_context(cu, local_length=local_length, layout=self.layout(cu, self.world_size, device),
+                                group=self.group, strategy=self.strategy, device=device)
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None,
                     cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
         """``silu(depthwise causal conv)`` of this rank's tokens ``x [1, T, D]`` with ``weight [D, 1, W]``,
-        each document's taps reaching back onto the previous rank where the document began there."""
+        each range's first taps reaching back to whichever rank holds the tokens before it in its document."""
         _check_offsets(cu_seqlens, cu_seqlens_cpu)
         # under torch.compile one opaque op: it reads the offsets on the host (kdacp.compile)
         return run_opaque(_HaloConvolution, (self,), x, weight, cu_seqlens, cu_seqlens_cpu)[0]
@@ -168,7 +269,7 @@ class _HaloConvolution:
 
     def __call__(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """``x [1, T, D]``, ``weight [D, 1, W]``, the global offsets -> ``(silu(conv(x)) [1, T, D],)``."""
-        context = self.context.cp.context(1, x.shape[1], self.context._offsets(cu_seqlens, cu_seqlens_cpu))
+        context = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
         halo = context.left_halos([x], weight.shape[-1] - 1)[0]
         return (causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
                               cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
@@ -187,10 +288,12 @@ class _GatedDeltaRecurrence:
 
     def __call__(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """:meth:`GatedDeltaContext.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
-        # The one call of kdacp's GDN op (through the layers' context-parallel hook, which owns the plan).
-        o, _ = self.context.cp.recurrence(chunk_gated_delta_rule, q, k, v, g, beta,
-                                          cu_seqlens=self.context._offsets(cu_seqlens, cu_seqlens_cpu),
-                                          backend=self.context.backend, use_qk_l2norm_in_kernel=True)
+        context = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        # One device: the local sequences; under context parallelism the batch's plan holds them.
+        where = (dict(cu_seqlens=context.local_cu_seqlens, cu_seqlens_cpu=context.local_cu_seqlens_cpu)
+                 if context.plan is None else dict(cp=context.plan))
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, backend=self.context.backend, use_qk_l2norm_in_kernel=True,
+                                      **where)
         return (o,)
 
     def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
@@ -222,14 +325,16 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         return self.kernel.context.causal_conv(x_BLD, conv.weight, cu_seqlens, cu_seqlens_cpu)
 
 
-def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, *, strategy: str = "p2p",
+def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, *,
+                                  layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
                                   backend: str = "auto") -> GatedDeltaContext:
     """Swap every torchtitan ``GatedDeltaNet`` of ``model`` to kdacp's recurrence and convolution.
 
     Args:
         model: a built torchtitan Qwen3.5 (before FSDP, compile and activation checkpointing).
         cp_mesh: the 1-D ``cp`` mesh axis, or None for one device.
-        strategy, backend: see :class:`GatedDeltaContext`.
+        layout, strategy, backend: see :class:`GatedDeltaContext` (``layout``: torchtitan's default
+            head-tail load balancer unless given).
 
     Returns:
         The context the swapped modules share.
@@ -242,7 +347,7 @@ def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, 
         raise ValueError(f"model has no torchtitan GatedDeltaNet to swap (got {type(model).__name__})")
     if any(isinstance(m, KdacpGatedDeltaNet) for m in nets):
         raise ValueError("model's GatedDeltaNet modules already run kdacp's (apply once)")
-    context = GatedDeltaContext(None if cp_mesh is None else cp_mesh.get_group(), strategy=strategy,
+    context = GatedDeltaContext(None if cp_mesh is None else cp_mesh.get_group(), layout=layout, strategy=strategy,
                                 backend=backend)
     for net in nets:
         net.kernel = KdacpGatedDeltaKernel(context)
@@ -303,6 +408,24 @@ def _check_supported(parallel_dims, training, parallelism) -> None:
                                   "'partial_dtensor'; set parallelism.spmd_backend='partial_dtensor'")
 
 
+def _balanced_layout(model: nn.Module, parallelism) -> BalancedLayout:
+    """The :class:`BalancedLayout` of torchtitan's ``parallelism.context_parallel_load_balancer`` for ``model``
+    (a torchtitan Qwen3.5): ``"ptrr"`` deals out the blocks of the attention layers' mask (their FlexAttention
+    block size; torchtitan's 128 for a model without attention layers).
+
+    Raises:
+        ValueError: an unknown balancer, or ``"ptrr"`` with ``parallelism.context_parallel_ptrr_mask_key`` naming
+            another mask than the attention layers' (``"quadratic_attention"``).
+    """
+    balancer, key = parallelism.context_parallel_load_balancer, parallelism.context_parallel_ptrr_mask_key
+    if balancer == "ptrr" and key not in (None, "quadratic_attention"):
+        raise ValueError(f"parallelism.context_parallel_ptrr_mask_key={key!r}: kdacp's spec balances by the attention "
+                         "layers' mask; set it to 'quadratic_attention' or leave it unset")
+    attention = model.config.first_attention
+    inner = None if attention is None else attention.inner_attention
+    return BalancedLayout(balancer, inner.block_size if isinstance(inner, FlexAttention.Config) else 128)
+
+
 def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                               dump_folder: str):
     """torchtitan's ``parallelize_qwen3_5`` with context parallelism over the ``cp`` mesh axis.
@@ -318,7 +441,7 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
     """
     _check_supported(parallel_dims, training, parallelism)
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
-    apply_kdacp_to_gated_deltanet(model, cp_mesh)
+    apply_kdacp_to_gated_deltanet(model, cp_mesh, layout=_balanced_layout(model, parallelism))
     if device_type == "cpu":
         apply_dense_attention(model)
     if cp_mesh is not None:
@@ -339,32 +462,44 @@ def parallelize_qwen3_5_kdacp(model: nn.Module, *, parallel_dims, training, para
     return model
 
 
-def local_document_mask(model: nn.Module, positions: torch.Tensor, rank: int, world_size: int) -> BlockMask:
-    """The FlexAttention mask of rank ``rank``'s queries (a contiguous ``1/world_size`` of the row) against
-    all keys: causal within each document of the global ``positions [1, T]`` (0 at each document start),
-    built with torchtitan's mask functions and block size. Built directly rather than cut from the
-    global mask: torch cuts a ``BlockMask`` over ranks only when ``T`` is a multiple of ``P x 128``."""
-    T = positions.shape[1]
-    offset, length = rank * T // world_size, T // world_size
-    document = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
-
-    def local(b, h, q_idx, kv_idx):
-        return document(b, h, q_idx + offset, kv_idx)
-
-    return create_attention_mask(local, 1, None, length, T, device=positions.device,
+def local_document_mask(model: nn.Module, positions: torch.Tensor, layout: TokenLayout, rank: int) -> BlockMask:
+    """The FlexAttention mask of rank ``rank``'s queries (its tokens under ``layout``, in their local order) against
+    every rank's keys as torchtitan's FlexAttention CP all-gathers them (rank 0's tokens, then rank 1's, ...):
+    causal within each document of the global ``positions [1, T]`` (0 at each document start), in the model's
+    block size. Built directly rather than cut from the global mask: torch cuts a ``BlockMask`` over ranks only
+    when ``T`` is a multiple of ``P x 128``."""
+    keys = torch.cat([layout.local_token_index(r) for r in range(layout.world_size)])
+    keys = keys.to(device=positions.device, dtype=torch.int32)
+    offset = sum(layout.local_lengths[:rank])
+    queries = keys[offset:offset + layout.local_lengths[rank]]
+    return create_attention_mask(_document_mask_mod(positions, queries, keys), 1, None, queries.numel(), keys.numel(),
+                                 device=positions.device,
                                  BLOCK_SIZE=model.config.first_attention.inner_attention.block_size,
                                  separate_full_blocks=not is_in_batch_invariant_mode())
 
 
+def _gated_delta_context(model: nn.Module) -> GatedDeltaContext:
+    for module in model.modules():
+        if isinstance(module, KdacpGatedDeltaKernel):
+            return module.context
+    raise ValueError("context parallelism with kdacp needs the model's GatedDeltaNet modules swapped first "
+                     "(apply_kdacp_to_gated_deltanet, or the qwen3_5_kdacp spec)")
+
+
 def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mesh: DeviceMesh):
-    """This rank's contiguous shard of one packed batch, and the model's keyword arguments for it.
+    """This rank's shard of one packed batch under torchtitan's load balancer, and the model's keyword arguments.
+
+    The tokens are dealt out by the layout the model's GDN layers follow (:class:`BalancedLayout`, set by
+    :func:`apply_kdacp_to_gated_deltanet`), so the attention layers and the GDN layers see one token order,
+    with no relayout between them; the cut itself is :func:`kdacp.models.batch.shard_tokens`'s.
 
     Args:
-        model: the torchtitan Qwen3.5 (its config gives the attention kind and block size).
+        model: the torchtitan Qwen3.5 with kdacp's GDN modules (its config gives the attention kind and
+            block size).
         input_dict: ``{"input": [1, T] token ids, "positions": [1, T] (0 at each document start)}``;
             without ``positions`` the row is one document.
-        labels: ``[1, T]``.
-        cp_mesh: the 1-D ``cp`` mesh axis; ``T`` must split evenly over it.
+        labels: ``[1, T]``, each token's own target (torchtitan's loader shifts them): dealt out as they are.
+        cp_mesh: the 1-D ``cp`` mesh axis; ``T`` must suit the balancer (see :class:`BalancedLayout`).
 
     Returns:
         ``(inputs [1, T/P], labels [1, T/P], kwargs)``: ``kwargs`` holds this rank's ``positions`` and
@@ -372,7 +507,8 @@ def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mes
         offsets (host copy included) for the GDN layers.
 
     Raises:
-        ValueError: batch rows other than 1, vision inputs, ``T % P != 0``, attention other than FlexAttention.
+        ValueError: batch rows other than 1, vision inputs, a ``T`` the balancer does not split evenly, attention
+            other than FlexAttention, a model without kdacp's GDN modules.
     """
     inputs = input_dict["input"]
     P, rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -382,21 +518,23 @@ def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mes
     vision = [key for key in VISION_INPUTS if input_dict.get(key) is not None]
     if vision:
         raise ValueError(f"context parallelism with kdacp runs text batches only; got vision inputs {vision}")
-    if inputs.shape[1] % P:
-        raise ValueError(f"the batch's {inputs.shape[1]} tokens must split evenly over cp={P} ranks")
-    positions = input_dict.get("positions")
-    if positions is None:
-        positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
     attention = model.config.first_attention
     if attention is not None and not isinstance(attention.inner_attention, FlexAttention.Config):
         raise ValueError(f"context parallelism with kdacp needs attn_backend='flex', "
                          f"got {type(attention.inner_attention).__name__}")
+    positions = input_dict.get("positions")
+    if positions is None:
+        positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
+    deltanet = create_varlen_metadata_for_document(positions, include_host_offsets=True)
+    layout = _gated_delta_context(model).layout(deltanet.cu_seq_q_host, P, inputs.device)
+    batch = shard_tokens(inputs, labels, positions, torch.tensor(deltanet.cu_seq_q_host), rank=rank, world_size=P,
+                         layout=layout, labels_shifted=True)
     kwargs = {key: value for key, value in input_dict.items() if key != "input"}
-    kwargs["positions"] = positions.tensor_split(P, dim=1)[rank]
+    kwargs["positions"] = batch.position_ids
     kwargs["attention_masks"] = {
-        "quadratic_attention": None if attention is None else local_document_mask(model, positions, rank, P),
-        "deltanet": create_varlen_metadata_for_document(positions, include_host_offsets=True)}
-    return inputs.tensor_split(P, dim=1)[rank], labels.tensor_split(P, dim=1)[rank], kwargs
+        "quadratic_attention": None if attention is None else local_document_mask(model, positions, layout, rank),
+        "deltanet": deltanet}
+    return batch.input_ids, batch.labels, kwargs
 
 
 class KdacpTrainer(Trainer):
@@ -446,7 +584,7 @@ def text_config(spec: ModelSpec, *, seq_len: int, steps: int, local_batch_size: 
         metrics=MetricsProcessor.Config(log_freq=1),
         training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps,
                                 disable_cuda_graphs=True),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", context_parallel_load_balancer=None),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(interval=steps, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
     )

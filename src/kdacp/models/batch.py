@@ -45,7 +45,8 @@ class ShardedBatch:
         labels: ``[B, L]`` the *next* global token of each of them within its document, already shifted over
             the global batch (a token at the end of one of the rank's ranges carries the first token of the
             next range, whichever rank holds it), ``-100`` at the last token of every document and on padding;
-            do not shift again.
+            do not shift again. (Labels given already shifted, :func:`shard_tokens`' ``labels_shifted``: their
+            values at this rank's tokens.)
         position_ids: ``[B, L]`` global positions inside each document (restarting at 0 at each document
             start), at this rank's tokens.
         cu_seqlens: ``[N+1]`` int64 global document boundaries, padding included (None: ``B`` unpacked
@@ -105,10 +106,11 @@ def _padding_plan(layout: str, P: int, T: int, cu_seqlens: torch.Tensor | None) 
 
 def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                  cu_seqlens: torch.Tensor | None = None, *, rank: int, world_size: int, layout="contiguous",
-                 pad_id: int | None = None) -> ShardedBatch:
+                 pad_id: int | None = None, labels_shifted: bool = False) -> ShardedBatch:
     """Rank ``rank``'s share of a global batch under ``layout``, with next-token labels shifted over the global
     stream: :func:`shard_batch` without a process group (the same on every rank; ``rank`` and ``world_size``
-    given). Arguments as :func:`shard_batch`'s."""
+    given). Arguments as :func:`shard_batch`'s, and ``labels_shifted``: ``labels`` already hold each token's
+    own target (torchtitan's loaders shift them); they are dealt out as given, not shifted again."""
     for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -157,10 +159,12 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
 
     # Shift over the global stream before dealing the tokens out, so a token at the end of one of a rank's
     # ranges still learns the first token of the next range, wherever that lies.
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    if cu_seqlens is not None:
-        shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
+    shifted = labels
+    if not labels_shifted:
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        if cu_seqlens is not None:
+            shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
     own = layout.local_token_index(rank).to(input_ids.device)
     return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(), position_ids[:, own].contiguous(),
                         cu_seqlens, layout, rank, padding)
