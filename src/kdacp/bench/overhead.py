@@ -175,17 +175,6 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
     return call, torch.randn_like(x["v"])
 
 
-def device_role_call(family: str, device: torch.device, T: int | None = None):
-    """``(T, RankRole, do)`` of :func:`role_call` at the benchmark scripts' size for ``device``: on a GPU
-    ``T`` tokens (default 16384), 32 heads of 128, bf16, the ``fla`` backend; on the CPU (a check that a
-    script runs) ``T`` tokens (default 256), 2 heads of 16, float32, the ``torch`` backend."""
-    cuda = device.type == "cuda"
-    T = T or (16384 if cuda else 256)
-    call, do = role_call(family, "fla" if cuda else "torch", T, *((32, 128) if cuda else (2, 16)),
-                         torch.bfloat16 if cuda else torch.float32, device)
-    return T, call, do
-
-
 def role_plans(batch: str, T: int) -> dict:
     """``{role: (plan of its rank in a 3-rank plan, one-rank plan of the same tokens)}``."""
     lengths = document_lengths(batch, 3 * T, median=min(2048, max(T // 4, 1)))
