@@ -10,7 +10,7 @@ ROOT = Path(kdacp.__file__).parent
 # Lowest first; a part may import only the parts before it (the package's own __init__ is the facade
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
 # distributed, ops -> layers -> bench, demo -> cli.
-ORDER = ("caches", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
+ORDER = ("caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
          "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "cli")
 
 

@@ -30,36 +30,41 @@ TIMEOUT_S = 600
 SLOW = {"hf_fsdp_cpu", "prefill_cpu"}
 
 
+# A printed figure such as 3.3e-07 (and no more: ranks print to one pipe, so one rank's line may run into
+# another's without a newline between them).
+NUMBER = r"([-+]?\d+(?:\.\d*)?(?:e[-+]?\d+)?)"
+
+
 def _small(text: str) -> float:
     return float(text)
 
 
 def _check_op(out: str) -> None:
-    rows = re.findall(r"rank (\d): tokens \d+-\d+, output error (\S+), final state error (\S+)", out)
+    rows = re.findall(r"rank (\d): tokens \d+-\d+, output error " + NUMBER + ", final state error " + NUMBER, out)
     assert sorted(r[0] for r in rows) == ["0", "1"], out
     assert all(_small(o) < 1e-5 and _small(s) < 1e-5 for _, o, s in rows), out
 
 
 def _check_gdn(out: str) -> None:
-    found = re.findall(r"output \(1, 256, 4, 32\), final state \(2, 4, 32, 32\), error against the oracle (\S+)", out)
+    found = re.findall(r"output \(1, 256, 4, 32\), final state \(2, 4, 32, 32\), error against the oracle " + NUMBER, out)
     assert len(found) == 1 and _small(found[0]) < 1e-5, out
 
 
 def _check_layer(out: str) -> None:
-    rows = re.findall(r"rank (\d): output error (\S+)", out)
+    rows = re.findall(r"rank (\d): output error " + NUMBER, out)
     assert sorted(r[0] for r in rows) == ["0", "1"], out
     assert all(_small(e) < 1e-5 for _, e in rows), out
 
 
 def _check_model(out: str) -> None:
-    found = re.findall(r"loss (\S+), unmodified model (\S+)", out)
+    found = re.findall(r"loss " + NUMBER + ", unmodified model " + NUMBER, out)
     assert len(found) == 1, out
     loss, expected = map(float, found[0])
     assert abs(loss - expected) <= 1e-5 * abs(expected), out
 
 
 def _check_prefill(out: str) -> None:
-    rows = re.findall(r"rank (\d): cache of 40 tokens \(layer 1 is attention\), last-token logits error (\S+), "
+    rows = re.findall(r"rank (\d): cache of 40 tokens \(layer 1 is attention\), last-token logits error " + NUMBER + ", "
                       r"new tokens (\[[\d, ]*\])", out)
     assert sorted(r[0] for r in rows) == ["0", "1"], out
     assert all(_small(e) < 1e-5 for _, e, _ in rows), out

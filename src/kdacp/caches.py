@@ -6,6 +6,7 @@ device sync on later calls; none holds a tensor a caller passed.
 
 | memo | kept in | entries | bound |
 |---|---|---|---|
+| row indices of a rank's segments on the device | ``host_copies`` | ``(rows, device)`` | :data:`ROW_INDICES` (LRU) |
 | sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
 | pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
 | FLA's packed-sequence arguments | ``backends.fla_backend`` | boundaries of a batch | :data:`FLA_VARLEN_BATCHES` (LRU) |
@@ -28,6 +29,7 @@ import weakref
 
 import torch
 
+ROW_INDICES = 256         # index lists (a rank's segments by role: a few per batch) kept on the device
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
 ATTN_GYM_BOUNDARIES = 32  # attention-gym's boundaries and summary rows kept (a few per batch: spans, forward and backward)

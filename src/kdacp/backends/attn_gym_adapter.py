@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .pinned_stages import PinnedStages, import_stages
+
 __all__ = ["REQUIRED_ATTN_GYM_VERSION", "SUPPORTED_CAPABILITY", "MAX_GATE_MAGNITUDE", "attn_gym_available",
            "require_attn_gym", "load_attn_gym", "attn_gym_device_supported", "attn_gym_refusal"]
 
@@ -34,17 +36,13 @@ MAX_GATE_MAGNITUDE = 128.0 / (15 * math.log2(math.e)) - 1e-3
 HEAD_DIM = 128  # the staged cores' only K = V
 INT32_EXTENT = 2 ** 31  # GDN's kernels index with int32 offsets (attention-gym refuses wider tensors)
 
-# name in the namespace -> (module, attribute)
-_STAGES = {
-    "chunk_kda_prepare": ("attn_gym.linear.kda.stages", "chunk_kda_prepare"),
-    "chunk_kda_prepare_backward": ("attn_gym.linear.kda.stages", "chunk_kda_prepare_backward"),
-    "chunk_gdn_prepare": ("attn_gym.linear.gdn.stages", "chunk_gdn_prepare"),
-    "chunk_gdn_prepare_backward": ("attn_gym.linear.gdn.stages", "chunk_gdn_prepare_backward"),
-    "ChunkKDASaved": ("attn_gym.linear.kda.stages", "ChunkKDASaved"),
-    "ChunkGDNSaved": ("attn_gym.linear.gdn.stages", "ChunkGDNSaved"),
-    "prepare_ragged_chunk_metadata": ("attn_gym.linear._delta_rule.chunk_schedule", "prepare_ragged_chunk_metadata"),
-    "MAX_GATE_LOWER_BOUND_MAGNITUDE": ("attn_gym.linear.kda.constants", "MAX_GATE_LOWER_BOUND_MAGNITUDE"),
-}
+# name in the namespace -> (module, attribute); here each stage keeps its module's name for it
+_STAGES = {name: (module, name) for module, names in {
+    "attn_gym.linear.kda.stages": ("chunk_kda_prepare", "chunk_kda_prepare_backward", "ChunkKDASaved"),
+    "attn_gym.linear.gdn.stages": ("chunk_gdn_prepare", "chunk_gdn_prepare_backward", "ChunkGDNSaved"),
+    "attn_gym.linear._delta_rule.chunk_schedule": ("prepare_ragged_chunk_metadata",),
+    "attn_gym.linear.kda.constants": ("MAX_GATE_LOWER_BOUND_MAGNITUDE",),
+}.items() for name in names}
 
 
 def _installed_version() -> str | None:
@@ -68,36 +66,19 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
     if version != REQUIRED_ATTN_GYM_VERSION:
         return None, (f"kdacp needs attn-gym=={REQUIRED_ATTN_GYM_VERSION} (it rebuilds its stage handles), "
                       f"found {version}")
-    found, missing = {}, {}
-    for name, (module, attr) in _STAGES.items():
-        if module in missing:
-            continue
-        try:
-            found[name] = getattr(_import_module(module), attr)
-        except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-            missing[module] = f"{module} ({type(e).__name__}: {e})"
+    found, missing = import_stages(_STAGES, _import_module)
     if missing:
-        return None, (f"attn-gym {version}'s GPU kernels are not importable: " + "; ".join(missing.values())
+        return None, (f"attn-gym {version}'s GPU kernels are not importable: " + "; ".join(missing)
                       + f". They need its [linear] extra (nvidia-cutlass-dsl, apache-tvm-ffi) and a CUDA machine; "
                       f"{INSTALL_HINT}; with pip install --target, put <target>/nvidia_cutlass_dsl/dsl_packages "
                       "on PYTHONPATH")
     return SimpleNamespace(**found), None
 
 
-def attn_gym_available() -> bool:
-    return _load()[0] is not None
-
-
-def require_attn_gym() -> None:
-    """Raise ImportError saying what is missing unless attention-gym's staged cores can be used."""
-    if _load()[0] is None:
-        raise ImportError(_load()[1])
-
-
-def load_attn_gym() -> SimpleNamespace:
-    """attention-gym's stage functions by name (see ``_STAGES``); raises ImportError when unusable."""
-    require_attn_gym()
-    return _load()[0]
+_ATTN_GYM = PinnedStages(_load)
+attn_gym_available = _ATTN_GYM.available
+require_attn_gym = _ATTN_GYM.require  # raises ImportError naming what is missing
+load_attn_gym = _ATTN_GYM.load  # attention-gym's stage functions by name (see ``_STAGES``)
 
 
 def attn_gym_device_supported(device: torch.device) -> bool:

@@ -38,6 +38,7 @@ import torch
 
 from ..affine import AffineMap
 from ..caches import ATTN_GYM_BOUNDARIES
+from ..host_copies import to_device
 from .attn_gym_adapter import load_attn_gym
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend
@@ -51,7 +52,7 @@ def _int32_on(values: tuple, device: torch.device) -> torch.Tensor:
     """``values`` (a tuple, or a tuple of pairs) as a contiguous int32 tensor on ``device``, copied from pinned
     memory without a device sync; shared by every call on the same batch (callers must not modify it)."""
     host = torch.tensor(values, dtype=torch.int32)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return to_device(host, device)
 
 
 def _boundaries(span: Span, device: torch.device) -> torch.Tensor | None:

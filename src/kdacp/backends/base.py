@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from ..host_copies import to_device
+
 
 @dataclass(frozen=True)
 class KDAOptions:
@@ -89,7 +91,7 @@ class Span:
     def cu_seqlens_tensor(self, device) -> torch.Tensor | None:
         """:meth:`cu_seqlens_host` on ``device``."""
         host = self.cu_seqlens_host()
-        return None if host is None else host.to(device, non_blocking=True)
+        return None if host is None else to_device(host, device)
 
 
 @dataclass

@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 from types import SimpleNamespace
 
+from .pinned_stages import PinnedStages, import_stages
+
 __all__ = ["REQUIRED_FLA_VERSION", "fla_available", "require_fla", "load_fla", "load_fla_layer",
            "autotuned_kernel_names"]
 
@@ -73,12 +75,7 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
     if version != REQUIRED_FLA_VERSION:
         return None, (f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), "
                       f"found {version}")
-    found, missing = {}, []
-    for name, (module, attr) in _STAGES.items():
-        try:
-            found[name] = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            missing.append(f"{module}.{attr} ({type(e).__name__}: {e})")
+    found, missing = import_stages(_STAGES)
     if missing:
         return None, "fla-core " + version + " lacks: " + "; ".join(missing)
     _seed_plain_autotuners()
@@ -130,20 +127,10 @@ def _seed_plain_autotuners() -> None:
             seed_autotuner(autotuner, folder)
 
 
-def fla_available() -> bool:
-    return _load()[0] is not None
-
-
-def require_fla() -> None:
-    """Raise ImportError saying what is missing unless the FLA stages can be used."""
-    if _load()[0] is None:
-        raise ImportError(_load()[1])
-
-
-def load_fla() -> SimpleNamespace:
-    """FLA's stage functions by name (see ``_STAGES``); raises ImportError when unusable."""
-    require_fla()
-    return _load()[0]
+_FLA = PinnedStages(_load)
+fla_available = _FLA.available
+require_fla = _FLA.require  # raises ImportError naming what is missing
+load_fla = _FLA.load  # FLA's stage functions by name (see ``_STAGES``)
 
 
 @functools.lru_cache(maxsize=None)

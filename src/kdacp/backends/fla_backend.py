@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..caches import FLA_VARLEN_BATCHES
+from ..host_copies import to_device
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
 from ..kernels import state_gradient_summary, state_summary
@@ -122,9 +123,7 @@ def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> d
     indices = [(n, i) for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])) for i in range(-(-(eos - bos) // chunk_size))]
     host = {name: torch.tensor(value, dtype=torch.int64) for name, value in (("cu_seqlens", cu),
                                                                              ("chunk_indices", indices))}
-    # pinned only for a device copy (the interpreter's CPU tensors have no pinned memory)
-    return {name: t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-            for name, t in host.items()}
+    return {name: to_device(t, device) for name, t in host.items()}
 
 
 class FlaBackend:

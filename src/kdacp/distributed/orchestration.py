@@ -72,6 +72,7 @@ import torch
 from ..affine import AffineMap, apply_state_summary, entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
+from ..host_copies import put_rows, take_rows
 from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
 from .strategies import Route, StateExchange, make_exchange
@@ -187,7 +188,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         o = backend.output(chunks, layout.whole, local_initial, states)
         # each segment's final state is its last piece's
         last = [sum(pieces.counts[:i + 1]) - 1 for i in range(len(pieces.counts))]
-        local_final = None if states.final_state is None else states.final_state[last]
+        local_final = None if states.final_state is None else take_rows(states.final_state, last)
         kept = states
     elif rest_states is None:  # no pass made a message: one pass over the whole rank
         states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
@@ -319,8 +320,8 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
             if known:
                 rows = [j - first for j in known]
                 offsets = offsets.clone()
-                offsets[rows] = apply_state_summary(offsets[rows], transition[rows],
-                                                    given[[segments[j].sequence for j in known]])
+                put_rows(offsets, rows, apply_state_summary(take_rows(offsets, rows), take_rows(transition, rows),
+                                                            take_rows(given, [segments[j].sequence for j in known])))
     elif last:  # every message is a final state: the pass from the known initial states
         starts = _state_rows([None if given is None or s.receives else given[s.sequence]
                               for s in segments[first:last]])
@@ -331,7 +332,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         if not rows:
             messages.append(None)
         else:
-            messages.append(AffineMap(offsets[rows], transition[rows] if route.affine[p] else None))
+            messages.append(AffineMap(take_rows(offsets, rows), take_rows(transition, rows) if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
     seen = {p: 0 for p in route.positions}
@@ -350,7 +351,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
     if output_final_state:  # each sequence ends in one segment, somewhere in the chain
         final_state = states.final_state.new_zeros(plan.num_sequences, HV, K, V)
         ends = [j for j, s in enumerate(segments) if not s.sends]
-        final_state[[segments[j].sequence for j in ends]] = states.final_state[ends]
+        put_rows(final_state, [segments[j].sequence for j in ends], take_rows(states.final_state, ends))
         final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
@@ -385,9 +386,10 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
         for k, i in enumerate(route.positions):
             rows = [j for j in receiving if segments[j].position == L - 1 - i]
             if rows and route.affine[i]:
-                messages[k] = AffineMap(dinitial[rows], transition[[j - first for j in rows]].transpose(-1, -2))
+                messages[k] = AffineMap(take_rows(dinitial, rows),
+                                        take_rows(transition, [j - first for j in rows]).transpose(-1, -2))
             elif rows:
-                messages[k] = AffineMap(dinitial[rows])
+                messages[k] = AffineMap(take_rows(dinitial, rows))
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
     seen = {p: 0 for p in incoming}
@@ -403,5 +405,5 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
     if has_initial_state:  # each sequence starts in one segment
         starting = [j for j, s in enumerate(segments) if not s.receives]
         dinitial_state = states.dinitial_state.new_zeros(plan.num_sequences, *states.dinitial_state.shape[1:])
-        dinitial_state[[segments[j].sequence for j in starting]] = states.dinitial_state[starting]
+        put_rows(dinitial_state, [segments[j].sequence for j in starting], take_rows(states.dinitial_state, starting))
     return CPGrads(**vars(grads), dinitial_state=dinitial_state)

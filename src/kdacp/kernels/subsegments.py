@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..caches import SUMMARY_PLANS
+from ..host_copies import to_device
 
 # Measured on one H200 (T=16K, 32 heads, K=V=128): two programs per SM beat four or more, and a
 # sub-segment shorter than this costs more in transition columns and folding than it gains.
@@ -80,7 +81,7 @@ def _plan_cached(bounds, chunk_size, chunks_per_program, reverse, transition_eve
             needs = transition_everywhere or (j < len(starts) - 1 if reverse else j > 0)
             work.append((b, s, min(s + span, eos), int(needs)))
     max_sub = max(c for _, c in seqs)
-    return SummaryPlan(work=torch.tensor(work, dtype=torch.int64, device=device),
-                       seqs=torch.tensor(seqs, dtype=torch.int64, device=device),
+    return SummaryPlan(work=to_device(torch.tensor(work, dtype=torch.int64), device),
+                       seqs=to_device(torch.tensor(seqs, dtype=torch.int64), device),
                        num_work=len(work), max_subsegments=max_sub, starts=tuple(row[1] for row in work),
                        counts=tuple(c for _, c in seqs))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import HALO_ROUTES
+from ..host_copies import to_device
 from ..distributed import build_cp_plan
 from ..distributed.layout import TokenLayout, make_layout
 from .autograd_collectives import exchange_rows
@@ -74,14 +75,9 @@ def halo_route(layout: TokenLayout, cu_seqlens: tuple[int, ...] | None, rank: in
     for slot, g in _halo_needs(layout, cu_seqlens, rank, width):
         by_source[owner(g)[0]].append(slot)
     recv_slots = [slot for slots in by_source for slot in slots]
-    as_index = lambda xs: torch.tensor(xs, dtype=torch.int64).to(device)
+    as_index = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), device)
     return HaloRoute(width, len(layout.ranges[rank]), as_index(send_index), tuple(send_counts), as_index(recv_slots),
                      tuple(len(s) for s in by_source))
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # from pinned memory: a copy from pageable memory would make the host wait for the queue
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,7 +146,7 @@ class CPContext:
         """``[num_tokens]`` int64 on the device: the global position of every rank's local tokens laid end to end
         in rank order (what an all-to-all of equal time shards gathers)."""
         order = torch.cat([self.layout.local_token_index(r) for r in range(self.layout.world_size)])
-        return _to_device(order, self.token_index.device)
+        return to_device(order, self.token_index.device)
 
     @cached_property
     def gather_index(self) -> torch.Tensor:
@@ -160,7 +156,7 @@ class CPContext:
         where = torch.empty(self.layout.num_tokens, dtype=torch.int64)
         for r in range(self.layout.world_size):
             where[self.layout.local_token_index(r)] = r * L + torch.arange(self.layout.local_lengths[r])
-        return _to_device(where, self.token_index.device)
+        return to_device(where, self.token_index.device)
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
         """The ``width`` tokens before each of this rank's ranges, of each ``x [B, T_local, C_i]``:
@@ -251,5 +247,5 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
     if cu is not None:
         document = torch.searchsorted(torch.tensor(cu, dtype=torch.int64), token_index, right=True) - 1
     return CPContext(layout, rank, group if P > 1 else None, batch_size, cu, plan, local_cpu,
-                     None if local_cpu is None else _to_device(local_cpu, device), _to_device(token_index, device),
-                     None if document is None else _to_device(document, device))
+                     None if local_cpu is None else to_device(local_cpu, device), to_device(token_index, device),
+                     None if document is None else to_device(document, device))

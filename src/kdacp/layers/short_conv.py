@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..caches import HALO_BOUNDARIES
+from ..host_copies import to_device
 from ..kernels import short_conv
 from ..sequences import sequence_positions
 
@@ -102,7 +103,7 @@ def _boundaries_in_line(cu: tuple[int, ...], starts: tuple[int, ...], halo_len: 
     moved = [c + halo_len * (bisect.bisect_right(starts, c) - (c in starts)) for c in cu]
     T = moved[-1]
     host = torch.tensor([b * T + c for b in range(rows) for c in moved[:-1]] + [rows * T], dtype=torch.int64)
-    return host, (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    return host, to_device(host, device)
 
 
 def _with_halos_in_line(x, weight, bias, halo, cu_cpu, fused, activation, starts):

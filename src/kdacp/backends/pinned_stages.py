@@ -1,0 +1,70 @@
+"""An optional, version-pinned dependency's stage functions, looked up by name and loaded once.
+
+kdacp calls internal functions of FLA and attention-gym, which change between releases: each adapter
+pins one version, names its stages as ``{name: (module, attribute)}``, and reports every missing piece
+in one message instead of failing deep inside a kernel call.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
+
+__all__ = ["PinnedStages", "import_stages"]
+
+Loaded = tuple[SimpleNamespace | None, str | None]
+
+
+def import_stages(stages: dict[str, tuple[str, str]],
+                  import_module: Callable[[str], ModuleType] = importlib.import_module
+                  ) -> tuple[dict[str, object], list[str]]:
+    """Import each ``(module, attribute)`` of ``stages``; each module is tried once.
+
+    Returns:
+        ``(found, missing)``: the objects by stage name, and one line per module that failed to import
+        (``"module (Error: message)"``) or attribute it lacks (``"module.attribute (AttributeError: ...)"``).
+        Any exception counts as "not usable": a GPU-only module may fail with other errors than ImportError.
+    """
+    found, modules, missing = {}, {}, []
+    for name, (module, attr) in stages.items():
+        if module not in modules:
+            try:
+                modules[module] = import_module(module)
+            except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+                modules[module] = None
+                missing.append(f"{module} ({type(e).__name__}: {e})")
+        if modules[module] is None:
+            continue
+        try:
+            found[name] = getattr(modules[module], attr)
+        except AttributeError as e:
+            missing.append(f"{module}.{attr} (AttributeError: {e})")
+    return found, missing
+
+
+class PinnedStages:
+    """The public face of an adapter's ``load`` function.
+
+    Args:
+        load: returns ``(namespace, None)`` when the dependency is usable, else ``(None, reason)``; the
+            adapter memoises it (``functools.cache``), so this object asks it each time and tests may
+            clear it.
+    """
+
+    def __init__(self, load: Callable[[], Loaded]):
+        self._load = load
+
+    def available(self) -> bool:
+        """Whether the stages can be used here."""
+        return self._load()[0] is not None
+
+    def require(self) -> None:
+        """Raise ImportError saying what is missing unless the stages can be used."""
+        namespace, reason = self._load()
+        if namespace is None:
+            raise ImportError(reason)
+
+    def load(self) -> SimpleNamespace:
+        """The stage functions by name; raises ImportError when unusable."""
+        self.require()
+        return self._load()[0]

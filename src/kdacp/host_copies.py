@@ -1,0 +1,60 @@
+"""Host-side facts (boundaries, row indices) on the device without a device sync, and row gathers and
+scatters by host indices that need none.
+
+A copy from pageable host memory to a GPU makes the host wait for everything queued before it
+(PyTorch synchronises the stream), and so does indexing a CUDA tensor with a Python list (the list
+becomes such a copy). The host then stops queueing work ahead of the GPU, which idles between
+kernels. Here a host tensor is copied from pinned memory, asynchronously; row indices are slices
+where they are consecutive, else index tensors made once per index list and device.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from .caches import ROW_INDICES
+
+__all__ = ["to_device", "take_rows", "put_rows"]
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``; on a GPU copied from pinned memory without a device sync (the
+    caller must not change ``host`` afterwards). On the CPU, ``host`` itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=ROW_INDICES)
+def _index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
+
+
+def _as_slice(rows: tuple[int, ...]) -> slice | None:
+    """``rows`` as a slice when they are consecutive and ascending, else None."""
+    if rows and all(b == a + 1 for a, b in zip(rows, rows[1:])):
+        return slice(rows[0], rows[-1] + 1)
+    return None
+
+
+def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``t[rows]`` along dim 0 (``rows``: host integers, non-negative): a view for consecutive ascending rows,
+    else a gather by an index tensor made once per ``(rows, device)``; no device sync either way."""
+    rows = tuple(int(r) for r in rows)
+    as_slice = _as_slice(rows)
+    if as_slice is not None:
+        return t[as_slice]
+    return t.index_select(0, _index(rows, t.device))
+
+
+def put_rows(t: torch.Tensor, rows: Sequence[int], values: torch.Tensor) -> None:
+    """``t[rows] = values`` along dim 0, in place, as :func:`take_rows` (``rows`` distinct)."""
+    rows = tuple(int(r) for r in rows)
+    as_slice = _as_slice(rows)
+    if as_slice is not None:
+        t[as_slice] = values
+    elif rows:
+        t.index_copy_(0, _index(rows, t.device), values.to(t.dtype))

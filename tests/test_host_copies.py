@@ -1,0 +1,97 @@
+"""Row gathers and scatters by host indices with no device sync (:mod:`kdacp.host_copies`), and a rank of
+several ranges indexing its states only through them: indexing a CUDA tensor with a Python list copies the
+list from pageable memory, which makes the host wait for the device's whole queue."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from kdacp.bench.overhead import layout_role_plans
+from kdacp.distributed import RankRole, StandInExchange
+from kdacp.host_copies import put_rows, take_rows
+from tests.helpers import make_kda_inputs
+
+ROWS = [(2, 3, 4), (0,), (4, 1, 3), (5, 0), (), (1, 2, 5)]
+DISTRIBUTED = os.path.join("kdacp", "distributed") + os.sep
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_take_and_put_rows_are_list_indexing(rows):
+    t = torch.randn(6, 3, 2, generator=torch.Generator().manual_seed(len(rows)), dtype=torch.float64)
+    taken = take_rows(t, rows)
+    torch.testing.assert_close(taken, t[list(rows)], rtol=0, atol=0)
+    if rows:  # a view exactly where rows are a slice
+        consecutive = list(rows) == list(range(rows[0], rows[0] + len(rows)))
+        assert (taken.data_ptr() == t[rows[0]].data_ptr()) == consecutive
+    values = torch.randn(len(rows), 3, 2, dtype=torch.float64)
+    expected = t.clone()
+    expected[list(rows)] = values
+    put_rows(t, rows, values)
+    torch.testing.assert_close(t, expected, rtol=0, atol=0)
+
+
+class ListIndexing(TorchFunctionMode):
+    """Records each tensor indexing by a Python list or tuple of ints made by code under ``kdacp/distributed``."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _is_host_list(args[1]):
+            caller = _first_kdacp_frame()
+            if caller is not None and DISTRIBUTED in caller:
+                self.found.append(caller)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_host_list(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, list) for p in parts)
+
+
+def _first_kdacp_frame() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if os.sep + "kdacp" + os.sep in name and "host_copies" not in name:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def test_the_detector_sees_list_indexing():
+    t = torch.zeros(4)
+    with ListIndexing() as mode:
+        exec(compile("t[[0, 2]]", os.path.join("src", "kdacp", "distributed", "probe.py"), "exec"), {"t": t})
+    assert len(mode.found) == 1
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo group of this process alone: the final states' sum over ranks runs, adding nothing."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("role", ["ends", "middle", "turn"])
+def test_a_rank_of_several_ranges_indexes_no_state_by_a_host_list(role, one_process_group):
+    """Every role of a 3-rank per-document zigzag over 7 documents (several ranges a rank, affine and constant
+    messages), with initial and final states: forward and backward index states by slices or device indices."""
+    plan, _ = layout_role_plans("document_zigzag", "docs7", 96, 3)[role]
+    x = make_kda_inputs(1, 96, 2, 2, 16, 16, gate="plain", requires_grad=False, seed=5)
+    h0 = torch.randn(plan.num_sequences, 2, 16, 16, dtype=torch.float64)
+    names = ("q", "k", "v", "g", "beta")
+    with ListIndexing() as mode:
+        call = RankRole.prepare(plan, **{n: x[n] for n in names}, backend="torch", initial_state=h0,
+                                output_final_state=True)
+        out = call.forward(StandInExchange())
+        call.backward(out, torch.randn_like(out.o), torch.randn_like(out.final_state), exchange=StandInExchange())
+    assert len(plan.rank_layouts[plan.rank].positions) > 1
+    assert mode.found == []
