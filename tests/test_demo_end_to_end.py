@@ -81,6 +81,7 @@ def test_demo_on_one_rank_reports_its_whole_time_and_choices():
     assert abs(top - whole) < 1.0, (top, whole)  # the parts add up to the whole (each rounded to 0.1 s)
 
 
+@pytest.mark.slow  # tests/test_workers.py covers a dying rank and a killed launcher in the default run
 def test_demo_reports_a_killed_worker_and_leaves_no_process():
     proc = _demo("--world-size", "2", "--steps", "50", "--mode", "ulysses", "--seq-lens", "100,156")
     deadline = time.monotonic() + 90

@@ -18,7 +18,7 @@ from kdacp.kda import chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 
-TIMEOUT_S = 2.5
+TIMEOUT_S = 1.5
 SLACK_S = 6.0  # compute and process start-up on a loaded 2-core machine
 
 

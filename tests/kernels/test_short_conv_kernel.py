@@ -73,9 +73,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SMALL_PAIRS, SMALL_AHEAD, SMALL_STAGES],
-                         ids=["groups1", "groups2", "ahead", "stages3"])
-@pytest.mark.parametrize("B,T,D,W,cu,halo", CASES)
+# Every case with the plain tiling; the other tilings (row pairs, a step loaded ahead, pipeline stages) on the
+# packed case with short documents and a halo, the rest of their cross with the cases marked slow.
+LAUNCH_CASES = [pytest.param(*case, tiles, id=f"{i}-{name}",
+                             marks=() if tiles is SMALL or i == 2 else pytest.mark.slow)
+                for name, tiles in (("groups1", SMALL), ("groups2", SMALL_PAIRS), ("ahead", SMALL_AHEAD),
+                                    ("stages3", SMALL_STAGES))
+                for i, case in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("B,T,D,W,cu,halo,tiles", LAUNCH_CASES)
 def test_launchers_match_reference(B, T, D, W, cu, halo, tiles):
     inputs, dy = make(B, T, D, W, halo=halo)
     cu_t = None if cu is None else torch.tensor(cu, device=DEVICE)

@@ -489,7 +489,12 @@ def gated_from_raw(low, cu=None, chunk_size=64):
     return wide
 
 
-@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu,variant", GDN_VARIANT_CASES)
+# the gating of raw keys on the cases of one variant each, both packed (the rest slow: its loads are the gate's)
+RAW_KEY_CASES = [pytest.param(*case, marks=() if case[-1] == ("scalar" if case[-2] is None else "zero_stride")
+                              else pytest.mark.slow) for case in GDN_VARIANT_CASES]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu,variant", RAW_KEY_CASES)
 def test_raw_keys_are_gated_in_the_kernel(B, T, H, HV, K, V, dtype, L, cu, variant):
     """``raw_keys=True``: ungated ``q, k`` at their ``H`` heads (grouped value heads read key head
     ``i // (HV / H)``) give the summaries of the gated ones."""
