@@ -95,3 +95,27 @@ def test_a_rank_of_several_ranges_indexes_no_state_by_a_host_list(role, one_proc
         call.backward(out, torch.randn_like(out.o), torch.randn_like(out.final_state), exchange=StandInExchange())
     assert len(plan.rank_layouts[plan.rank].positions) > 1
     assert mode.found == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, batch", [("zigzag", "one_sequence"), ("document_zigzag", "docs7")])
+def test_a_rank_of_several_ranges_queues_its_step_without_a_host_sync(layout, batch):
+    """The same on FLA's kernels, seen by CUDA itself: after a warm-up step (memos filled), rank 0's forward and
+    backward under a zigzag layout run with ``torch.cuda.set_sync_debug_mode("error")``."""
+    from kdacp.backends.fla_adapter import fla_available
+    from kdacp.bench.overhead import rank_step, role_call
+    if not torch.cuda.is_available() or not fla_available():
+        pytest.skip("needs a CUDA device and fla-core")
+    device = torch.device("cuda")
+    plan, _ = layout_role_plans(layout, batch, 4096, 3)["ends"]
+    call, do = role_call("kda", "fla", 4096, 4, 128, torch.bfloat16, device)
+    forward, backward = rank_step(call.backend, plan, call, do, None, StandInExchange())  # one forward inside
+    backward()  # the warm-up fills the memos (boundaries, index tensors, summary plans)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward()
+        backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # not in the default run: .ci/run runs it in its own environment
 pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2 (see tests/integrations/test_megatron.py)")
 
 ROOT = Path(__file__).parents[2]

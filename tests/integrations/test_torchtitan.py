@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.integration  # not in the default run: .ci/run runs it in its own environment
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra: pip install -e '.[torchtitan]'")
 pytest.importorskip("fla", reason="torchtitan's Qwen3.5 imports FLA: pip install -e '.[torchtitan]'")
 
