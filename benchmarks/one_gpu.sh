@@ -6,8 +6,11 @@
 #                                             # FLA's kernels, then the kernel GPU tests
 #   bash benchmarks/one_gpu.sh layer    OUT   # KimiDeltaAttention against FLA's layer at 16K and 64K tokens
 #   bash benchmarks/one_gpu.sh model    OUT   # the 346M Kimi Linear step with and without FSDP2, and prefill
+#   bash benchmarks/one_gpu.sh compile  OUT   # the 346M Kimi Linear step compiled against eager at 16K and 64K
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
+#   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
+#                                             # per-rank overhead of the zigzag roles beside contiguous's
 #   bash benchmarks/one_gpu.sh gdn      OUT   # the Gated DeltaNet op against FLA's at 16K and 32K tokens
 #   bash benchmarks/one_gpu.sh megatron OUT   # KdacpGatedDeltaNet against Megatron-Core's GatedDeltaNet at 16K
 #                                             # and 64K tokens (needs megatron-core 0.19.2 installed)
@@ -19,7 +22,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, overhead, gdn, megatron, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, overhead, zigzag, gdn, megatron, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -36,14 +39,23 @@ layer)
         --out "$out/layer"
     ;;
 model)
-    step fsdp 200 python3 benchmarks/fsdp_step.py
+    step fsdp 200 python3 benchmarks/model_step.py
     step prefill 380 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/prefill.py \
         "$out/prefill" --world-size 1 --seq-lens 131072 524288 1048576 --repeats 2 --pieces-of 262144
+    ;;
+compile)
+    step compile_step 580 python3 benchmarks/model_step.py --tokens 16384,65536 --variants parallelize,+compile \
+        --documents lognormal
     ;;
 overhead)
     step overhead 320 "${bench[@]}" --suite overhead --seq-lens 16384 --out "$out/overhead"
     step packed 60 python3 benchmarks/packed_prediction.py "$out/overhead/overhead.json"
     step scaling 240 "${bench[@]}" --suite scaling --world-size 1 --seq-lens 16384 --out "$out/scaling"
+    ;;
+zigzag)
+    step sync_test 300 python3 -m pytest -q -m gpu tests/test_host_copies.py
+    step zigzag_overhead 580 "${bench[@]}" --suite overhead --seq-lens 16384 --layouts contiguous,zigzag,document_zigzag \
+        --ranks 2,8 --batches one_sequence,lognormal --out "$out/zigzag_overhead"
     ;;
 gdn)
     step gdn 250 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/gdn"
@@ -68,7 +80,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, overhead, gdn, megatron, attn_gym or demo, got $part" >&2
+    echo "part must be kernels, layer, model, compile, overhead, zigzag, gdn, megatron, attn_gym or demo, got $part" >&2
     exit 2
     ;;
 esac
