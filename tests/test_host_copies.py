@@ -36,16 +36,17 @@ def test_take_and_put_rows_are_list_indexing(rows):
 
 
 class ListIndexing(TorchFunctionMode):
-    """Records each tensor indexing by a Python list or tuple of ints made by code under ``kdacp/distributed``."""
+    """Records (as ``file:line``) each tensor indexing by a Python list made by kdacp code whose path contains
+    ``where`` (default: ``kdacp/distributed/``)."""
 
-    def __init__(self):
+    def __init__(self, where: str = DISTRIBUTED):
         super().__init__()
-        self.found = []
+        self.where, self.found = where, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _is_host_list(args[1]):
             caller = _first_kdacp_frame()
-            if caller is not None and DISTRIBUTED in caller:
+            if caller is not None and self.where in caller:
                 self.found.append(caller)
         return func(*args, **(kwargs or {}))
 
