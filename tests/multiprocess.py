@@ -1,9 +1,12 @@
 """Run a test function on several real ranks (separate processes): gloo on CPU or NCCL, a free local
-port, and a hard deadline, so a failing rank fails the test fast instead of hanging it."""
+port, and a hard deadline, so a failing rank fails the test fast instead of hanging it; and run a launcher
+command (torchrun, a script) whose whole process group is killed if it outlives its deadline."""
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -57,3 +60,18 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"{world_size} ranks still running after {timeout_s:.0f} s")
+
+
+def run_command(cmd: list[str], timeout_s: float, **popen) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (output captured as text) in a session of its own; past ``timeout_s`` kill its whole process
+    group (a launcher's workers too, which killing the launcher alone would leave running) and raise
+    ``TimeoutError`` with the output so far."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"{cmd} still running after {timeout_s:.0f} s:\n{out[-2000:]}{err[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from tests.multiprocess import run_command
+
 
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
@@ -135,7 +137,7 @@ def test_demo_explains_a_busy_port():
 def test_demo_under_torchrun_uses_its_ranks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kdacp.cli", "demo",
            "--seq-lens", "100,156", "--steps", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    out = run_command(cmd, 180)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [ln for ln in out.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
     assert len(rows) == 2 and "PASS" in out.stdout

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.multiprocess import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -112,8 +113,7 @@ def run_snippet(name: str, tmp_path: Path) -> str:
     kind, code = snippets()[name]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    done = subprocess.run(launch_command(code, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = run_command(launch_command(code, tmp_path), TIMEOUT_S, cwd=tmp_path, env=env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"snippet {name} exited with {done.returncode}:\n{out[-4000:]}"
     return done.stdout
