@@ -13,7 +13,7 @@
 #                                             # per-rank overhead of the zigzag roles beside contiguous's
 #   bash benchmarks/one_gpu.sh gdn      OUT   # the Gated DeltaNet op against FLA's at 16K and 32K tokens
 #   bash benchmarks/one_gpu.sh megatron OUT   # KdacpGatedDeltaNet against Megatron-Core's GatedDeltaNet at 16K
-#                                             # and 64K tokens (needs megatron-core 0.19.2 installed)
+#                                             # and 32K tokens (needs megatron-core 0.19.2 installed)
 #   bash benchmarks/one_gpu.sh attn_gym OUT   # backend="attn_gym" (benchmarks/attn_gym_prep.sh install first): its
 #                                             # GPU tests, the KDA layer at 16K and 64K, the GDN layer and op
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
@@ -48,7 +48,8 @@ compile)
         --documents lognormal
     ;;
 overhead)
-    step overhead 320 "${bench[@]}" --suite overhead --seq-lens 16384 --out "$out/overhead"
+    step overhead 500 "${bench[@]}" --suite overhead --seq-lens 16384 --batches one_sequence,docs7,lognormal \
+        --out "$out/overhead"
     step packed 60 python3 benchmarks/packed_prediction.py "$out/overhead/overhead.json"
     step scaling 240 "${bench[@]}" --suite scaling --world-size 1 --seq-lens 16384 --out "$out/scaling"
     ;;
@@ -61,7 +62,7 @@ gdn)
     step gdn 250 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/gdn"
     ;;
 megatron)
-    step megatron_gdn 500 python3 benchmarks/megatron_gdn.py --seq-lens 16384,65536 --batches one_sequence,lognormal \
+    step megatron_gdn 500 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 --batches one_sequence,lognormal \
         --out "$out/megatron_gdn"
     grep '^|' "$out/megatron_gdn.log"
     ;;
