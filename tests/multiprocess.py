@@ -63,10 +63,10 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
 
 
 def run_command(cmd: list[str], timeout_s: float, **popen) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (output captured as text) in a session of its own; past ``timeout_s`` kill its whole process
+    """Run ``cmd`` (output captured as text) in a process group of its own; past ``timeout_s`` kill that whole
     group (a launcher's workers too, which killing the launcher alone would leave running) and raise
     ``TimeoutError`` with the output so far."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=os.setpgrp,
                             **popen)
     try:
         out, err = proc.communicate(timeout=timeout_s)
