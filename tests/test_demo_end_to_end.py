@@ -108,6 +108,9 @@ def test_demo_reports_a_killed_worker_and_leaves_no_process():
     assert not alive, f"workers left running: {alive}"
 
 
+# slow: tests/test_cli_usage.py checks this refusal and its exit status in-process; the busy-port test below
+# checks a usage error's exit status through the real entry point
+@pytest.mark.slow
 def test_demo_rejects_a_split_that_does_not_divide():
     proc = _demo("--world-size", "3", "--seq-lens", "100,102")
     _, err = proc.communicate(timeout=60)
@@ -115,6 +118,7 @@ def test_demo_rejects_a_split_that_does_not_divide():
     assert "cannot split equally" in err
 
 
+@pytest.mark.slow  # as above
 @pytest.mark.parametrize("args,msg", [(("--device", "cuda"), "no CUDA GPU is visible")])
 def test_demo_explains_missing_gpu(args, msg):
     if torch.cuda.is_available():

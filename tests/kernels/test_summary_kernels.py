@@ -436,7 +436,10 @@ GDN_VARIANT_CASES = [(*case, variant) for i, case in enumerate(GDN_CASES)
                      for variant in ("scalar", "zero_stride") if i == 4 or (variant == "scalar") == (i % 2 == 0)]
 
 
-@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu,variant", GDN_VARIANT_CASES)
+# the 200-token case (one chunk a program over four chunks) slow: the packed case with one chunk a program
+# folds sub-segments too
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype,L,cu,variant", [
+    pytest.param(*case, marks=pytest.mark.slow if case[1] == 200 else ()) for case in GDN_VARIANT_CASES])
 def test_scalar_gate_summaries_match_reference(B, T, H, HV, K, V, dtype, L, cu, variant):
     low, x = make_gdn(B, T, H, HV, K, V, dtype, cu)
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int64)
