@@ -198,8 +198,9 @@ class _ContextParallelAttention:
             mask = None
             kwargs["position_ids"] = (torch.arange(TP, device=q.device) if cu is None
                                       else sequence_positions(cu, 0, TP).to(q.device)).expand(B, TP)
-            if cu is not None:
-                longest = int((cu[1:] - cu[:-1]).max())
+            if cu is not None:  # the longest document from the context's host boundaries: no device read
+                bounds = context.cu_seqlens
+                longest = max(b - a for a, b in zip(bounds, bounds[1:]))
                 cu = cu.to(device=q.device, dtype=torch.int32)
                 kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         elif cu is None and self.inner_name == "sdpa":
