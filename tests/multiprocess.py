@@ -66,8 +66,10 @@ def run_command(cmd: list[str], timeout_s: float, **popen) -> subprocess.Complet
     """Run ``cmd`` (output captured as text) in a process group of its own; past ``timeout_s`` kill that whole
     group (a launcher's workers too, which killing the launcher alone would leave running) and raise
     ``TimeoutError`` with the output so far."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=os.setpgrp,
-                            **popen)
+    # process_group=0: setpgid in the child before exec, no Python code there (preexec_fn is unsafe in a process
+    # with threads, as torch's); it exists from Python 3.11
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **group, **popen)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
