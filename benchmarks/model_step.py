@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="after the timing, profile one step of each: device time by kernel, top rows")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible (--device cpu checks the script)")

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,3 +118,34 @@ def fake_cuda_clock(monkeypatch) -> dict:
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: clock.update(queued=clock["queued"] + cycles / 2e9))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.update(device_done=clock["queued"]))
     return clock
+
+
+class ListIndexing(TorchFunctionMode):
+    """Records (as ``file:line``) each tensor indexing by a Python list made by kdacp code whose path contains
+    ``where`` (default: ``kdacp/distributed/``)."""
+
+    def __init__(self, where: str = os.path.join("kdacp", "distributed") + os.sep):
+        super().__init__()
+        self.where, self.found = where, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _is_host_list(args[1]):
+            caller = _first_kdacp_frame()
+            if caller is not None and self.where in caller:
+                self.found.append(caller)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_host_list(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, list) for p in parts)
+
+
+def _first_kdacp_frame() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if os.sep + "kdacp" + os.sep in name and "host_copies" not in name:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None

@@ -4,20 +4,17 @@ list from pageable memory, which makes the host wait for the device's whole queu
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from kdacp.bench.overhead import layout_role_plans
 from kdacp.distributed import RankRole, StandInExchange
 from kdacp.host_copies import put_rows, take_rows
-from tests.helpers import make_kda_inputs
+from tests.helpers import ListIndexing, make_kda_inputs
 
 ROWS = [(2, 3, 4), (0,), (4, 1, 3), (5, 0), (), (1, 2, 5)]
-DISTRIBUTED = os.path.join("kdacp", "distributed") + os.sep
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -33,37 +30,6 @@ def test_take_and_put_rows_are_list_indexing(rows):
     expected[list(rows)] = values
     put_rows(t, rows, values)
     torch.testing.assert_close(t, expected, rtol=0, atol=0)
-
-
-class ListIndexing(TorchFunctionMode):
-    """Records (as ``file:line``) each tensor indexing by a Python list made by kdacp code whose path contains
-    ``where`` (default: ``kdacp/distributed/``)."""
-
-    def __init__(self, where: str = DISTRIBUTED):
-        super().__init__()
-        self.where, self.found = where, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _is_host_list(args[1]):
-            caller = _first_kdacp_frame()
-            if caller is not None and self.where in caller:
-                self.found.append(caller)
-        return func(*args, **(kwargs or {}))
-
-
-def _is_host_list(index) -> bool:
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(p, list) for p in parts)
-
-
-def _first_kdacp_frame() -> str | None:
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if os.sep + "kdacp" + os.sep in name and "host_copies" not in name:
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
 
 
 def test_the_detector_sees_list_indexing():

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2: pip ins
                     ">= 3.12) or, on 3.11, pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
 from tests.helpers import rel_err, zeroed_outputs  # noqa: E402
-from tests.multiprocess import run_ranks  # noqa: E402
+from tests.multiprocess import run_command, run_ranks  # noqa: E402
 
 TOL = 1e-5
 S = 128                       # global tokens of a row
@@ -492,13 +496,7 @@ def test_the_example_trains_under_torchrun(nproc, extra):
     """``examples/megatron_gdn_cp.py`` under ``torchrun`` on CPU (gloo): cp = 2, and cp = 4 (past the example
     model's 2 key heads) on THD-packed documents; every step's loss printed and finite, and the task learnt
     (the loss more than halved over 4 steps)."""
-    import os
-    import re
-    import sys
-    from pathlib import Path
-
     from kdacp.workers import free_port
-    from tests.multiprocess import run_command
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}

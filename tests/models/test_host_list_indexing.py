@@ -9,7 +9,7 @@ import os
 import torch
 
 from tests.multiprocess import run_ranks
-from tests.test_host_copies import ListIndexing
+from tests.helpers import ListIndexing
 
 
 def _worker(rank, world_size, found):

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..caches import HALO_ROUTES
-from ..host_copies import to_device
 from ..distributed import build_cp_plan
 from ..distributed.layout import TokenLayout, make_layout
+from ..host_copies import to_device
 from .autograd_collectives import exchange_rows
 
 
