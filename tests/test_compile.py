@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from kdacp.compile import run_opaque
+from kdacp.compile import hold_for_regions, run_opaque
 from tests.helpers import rel_err
 
 
@@ -126,3 +126,51 @@ def test_input_made_differentiable_in_place_gets_its_gradient():
         grads.append((x.grad.clone(), w.grad.clone()))
     for e, c in zip(*grads):
         assert rel_err(c, e) < 1e-6
+
+
+@dataclass(frozen=True)
+class _ScaledBy:
+    """``x * owner.scale``: a region whose setting is an object (as the token mixers' hooks are)."""
+
+    owner: object
+
+    def __call__(self, x):
+        return (x * self.owner.scale,)
+
+    def fake(self, x):
+        return (x.new_empty(x.shape),)
+
+
+class _Owner:
+    def __init__(self, scale: float, held: bool):
+        self.scale = scale
+        if held:
+            hold_for_regions(self)
+
+
+def _strict_constant_call(tx, fn, name, args, kwargs):
+    """torch 2.11's conversion of a constant function's arguments (2.13 also passes objects, guarded by
+    identity): constants and tensors only."""
+    from torch._dynamo.source import ConstantSource
+    def convert(x):
+        return x.get_real_value() if x.is_tensor() else x.as_python_constant()
+    result = fn(*map(convert, args), **{k: convert(v) for k, v in kwargs.items()})
+    return tx.output.register_attr_or_module(result, name, source=ConstantSource(name))
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_object_settings_compile_where_dynamo_passes_constants_only(monkeypatch, held):
+    """A region's object settings reach compiled code as held keys, so the graph compiles where dynamo hands a
+    constant function nothing but constants (torch 2.11, emulated). Fails, as on an H200 with torch 2.11, when
+    the object is passed itself (here: not held, so the lookup refuses it)."""
+    import torch._dynamo.variables.functions as dynamo_functions
+    monkeypatch.setattr(dynamo_functions, "invoke_and_store_as_constant", _strict_constant_call)
+    torch._dynamo.reset()
+    owner = _Owner(3.0, held)
+    x = torch.randn(4)
+    compiled = torch.compile(lambda t: run_opaque(_ScaledBy, (owner,), t)[0] + 1, backend="aot_eager", fullgraph=True)
+    if held:
+        assert torch.equal(compiled(x), x * 3.0 + 1)
+    else:
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="hold_for_regions"):
+            compiled(x)

@@ -27,12 +27,14 @@ graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynami
 from __future__ import annotations
 
 import contextlib
+import types
+import weakref
 from typing import Protocol
 
 import torch
 from torch._C import DispatchKey
 
-__all__ = ["OpaqueRegion", "region_count", "run_opaque"]
+__all__ = ["OpaqueRegion", "hold_for_regions", "region_count", "run_opaque"]
 
 
 class OpaqueRegion(Protocol):
@@ -59,11 +61,47 @@ def region_count() -> int:
     return len(_REGIONS)
 
 
+# The objects among regions' settings, by id(): compiled code names such an object by its id (torch 2.11's dynamo
+# hands a constant function no object; 2.13's does) and the region is built from the object found here.
+_HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_HELD_MARK = "kdacp held object"  # (mark, id) stands for a held object in a region's settings
+# settings that compiled code passes as they are (tuples of them too)
+_PLAIN = (type(None), bool, int, float, str, type, types.FunctionType, torch.dtype)
+
+
+def hold_for_regions(obj) -> None:
+    """Let ``obj`` (weakly referable) be among the settings of a region that runs under ``torch.compile``: call
+    once where ``obj`` is made (kdacp's context-parallel hooks and attention settings do). It is held weakly,
+    for as long as it lives elsewhere."""
+    _HELD[id(obj)] = obj
+
+
+def _setting_key(setting):
+    """``setting`` as compiled code passes it to :func:`_region_id`: plain values as they are, a held object as
+    ``(mark, id)``."""
+    if isinstance(setting, tuple):
+        return tuple(_setting_key(s) for s in setting)
+    if isinstance(setting, _PLAIN):
+        return setting
+    return (_HELD_MARK, id(setting))
+
+
+def _setting(key):
+    """The setting of :func:`_setting_key`'s ``key``."""
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == _HELD_MARK:
+        obj = _HELD.get(key[1])
+        if obj is None:
+            raise RuntimeError("a region's setting under torch.compile is an object that kdacp.compile."
+                               "hold_for_regions was not given where it was made")
+        return obj
+    return tuple(_setting(k) for k in key) if isinstance(key, tuple) else key
+
+
 @torch.compiler.assume_constant_result
-def _region_id(kind: type, *settings) -> int:
-    """The id of ``kind(*settings)``, given on its first request. A constant for ``torch.compile``: the
-    graph holds the number, not the lookup."""
-    region = kind(*settings)
+def _region_id(kind: type, *keys) -> int:
+    """The id of ``kind(*settings)`` (``keys``: the settings as :func:`_setting_key` gives them), given on its
+    first request. A constant for ``torch.compile``: the graph holds the number, not the lookup."""
+    region = kind(*(_setting(k) for k in keys))
     if region not in _IDS:
         _IDS[region] = len(_REGIONS)
         _REGIONS.append(region)
@@ -75,8 +113,9 @@ def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tup
     opaque custom op (see the module docstring).
 
     Args:
-        kind: an :class:`OpaqueRegion` class; ``settings``: its constructor's arguments (hashable; objects
-            such as a context-parallel context are compared by identity).
+        kind: an :class:`OpaqueRegion` class; ``settings``: its constructor's arguments (hashable: plain values,
+            tuples of them, and objects compared by identity, which under ``torch.compile`` must have been given
+            to :func:`hold_for_regions`).
         inputs: the region's tensors (or None); gradients flow to those that require them.
 
     Returns:
@@ -87,7 +126,7 @@ def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tup
     # The op takes no None in its list (a None there hides every input's requires_grad from autograd).
     present = [x is not None for x in inputs]
     tensors = [x for x in inputs if x is not None]
-    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *settings), tensors, present))
+    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *_setting_key(settings)), tensors, present))
 
 
 def _with_nones(tensors, present) -> list:

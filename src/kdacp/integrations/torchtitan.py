@@ -78,7 +78,7 @@ from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
 from ..backends import FLA_BACKENDS, resolve_backend
-from ..compile import run_opaque
+from ..compile import hold_for_regions, run_opaque
 from ..distributed.layout import TokenLayout, contiguous_layout, ranges_layout
 from ..gdn import chunk_gated_delta_rule
 from ..layers.cp_context import CPContext, build_cp_context
@@ -211,6 +211,7 @@ class GatedDeltaContext:
         self.group, self.layout, self.strategy, self.backend = group, layout, strategy, backend
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self._contexts = lru_cache(maxsize=CACHED_BATCHES)(self._build_context)
+        hold_for_regions(self)  # a setting of its opaque regions under torch.compile
 
     def __repr__(self) -> str:
         return (f"GatedDeltaContext(cp={self.world_size}, layout={self.layout!r}, strategy={self.strategy!r}, "

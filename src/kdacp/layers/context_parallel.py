@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import CP_CONTEXTS, TensorKey
+from ..compile import hold_for_regions
 from ..distributed import new_cp_group
 from ..distributed.layout import LAYOUTS, TokenLayout
 from .autograd_collectives import heads_to_time, time_to_heads
@@ -39,6 +40,7 @@ class _SingleDevice(CPHooks):
 
     def __init__(self):
         self._contexts = lru_cache(maxsize=CP_CONTEXTS)(self._build_context)
+        hold_for_regions(self)  # a setting of the token mixers' opaque regions under torch.compile
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         pass

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..compile import run_opaque
+from ..compile import hold_for_regions, run_opaque
 from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .batch import LAYOUT_KWARG
@@ -162,6 +162,7 @@ class _ContextParallelAttention:
 
     def __init__(self, cp, inner_name: str, inner):
         self.cp, self.group, self.inner_name, self.inner = cp, cp.group, inner_name, inner
+        hold_for_regions(self)  # a setting of the attention's opaque region under torch.compile
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         """``query [B, H, T, Dq]``, ``key [B, H_kv, T, Dk]``, ``value [B, H_kv, T, Dv]`` of this rank's tokens
@@ -310,4 +311,5 @@ def install_attention(modules: list, cp, inner_name: str, eager) -> None:
     inner = eager if inner_name == "eager" else AttentionInterface()[inner_name]
     for m in modules:
         m._kdacp_ulysses = _ContextParallelAttention(cp, inner_name, inner)
+        hold_for_regions(m)  # the module is a setting of its attention's opaque region
     AttentionInterface.register(ATTENTION_NAME, _attention)
