@@ -7,6 +7,8 @@
 #   bash benchmarks/one_gpu.sh layer    OUT   # KimiDeltaAttention against FLA's layer at 16K and 64K tokens
 #   bash benchmarks/one_gpu.sh model    OUT   # the 346M Kimi Linear step with and without FSDP2, and prefill
 #   bash benchmarks/one_gpu.sh compile  OUT   # the 346M Kimi Linear step compiled against eager at 16K and 64K
+#   bash benchmarks/one_gpu.sh graph    OUT   # CUDA-graph replay of the layer's CP step and of prefill pieces at
+#                                             # 2K tokens, host and wall time against eager
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
@@ -22,7 +24,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, overhead, zigzag, gdn, megatron, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, gdn, megatron, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -43,9 +45,17 @@ model)
     step prefill 380 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/prefill.py \
         "$out/prefill" --world-size 1 --seq-lens 131072 524288 1048576 --repeats 2 --pieces-of 262144
     ;;
-compile)
-    step compile_step 580 python3 benchmarks/model_step.py --tokens 16384,65536 --variants parallelize,+compile \
+compile)  # one variant a process at 64K: both models and their activations do not fit together
+    step compile_16k 200 python3 benchmarks/model_step.py --tokens 16384 --variants parallelize,+compile \
         --documents lognormal
+    for variant in +compile parallelize; do
+        step "compile_64k_${variant#+}" 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+            python3 benchmarks/model_step.py --tokens 65536 --variants "$variant" --documents lognormal --steps 5
+    done
+    ;;
+graph)
+    step cuda_graph 200 python3 benchmarks/cuda_graph.py --tokens 2048 --iters 30
+    grep '^|' "$out/cuda_graph.log"
     ;;
 overhead)
     step overhead 500 "${bench[@]}" --suite overhead --seq-lens 16384 --batches one_sequence,docs7,lognormal \
@@ -81,7 +91,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, compile, overhead, zigzag, gdn, megatron, attn_gym or demo, got $part" >&2
+    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, gdn, megatron, attn_gym or demo, got $part" >&2
     exit 2
     ;;
 esac

@@ -6,7 +6,8 @@
 #                                      # per-rank traces; the layer's state and ulysses modes; the scaling
 #                                      # model's P = 2 prediction beside the measured step
 #   bash benchmarks/two_gpu.sh 2 OUT   # the demo's first step on an empty Triton cache, the 50-step training
-#                                      # curves on 1 and 2 GPUs
+#                                      # curves on 1 and 2 GPUs, the layer's CP step captured in a CUDA graph
+#                                      # (NCCL's exchanges inside it) against eager
 #
 # Each step has its own time limit, prints one status line and leaves its log and results under OUT.
 set -u
@@ -29,6 +30,8 @@ elif [ "$part" = 2 ]; then
     step train 380 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         python3 benchmarks/train_curve.py "$out/train" --world-sizes 1 2 --steps 50
     tail -5 "$out/train.log"
+    step cuda_graph 120 torchrun --nproc-per-node 2 benchmarks/cuda_graph.py --captures step --tokens 2048
+    grep '^|' "$out/cuda_graph.log"
 else
     echo "part must be 1 or 2, got $part" >&2
     exit 2

@@ -1,0 +1,234 @@
+"""CUDA-graph replay of kdacp's KDA layer against eager, where the host's time per step is what limits it.
+
+Two captures, each of one fixed batch shape (the document boundaries are part of what is captured):
+
+- ``step``: the layer's context-parallel training step, ``KimiDeltaAttention`` (Kimi Linear's gate:
+  ``safe_gate``, ``lower_bound=-5``) under ``ContextParallel("state")`` over every rank of the launch, forward
+  and backward (gradients of the input and of every parameter), ``--tokens`` tokens a rank, one sequence or
+  packed log-normal documents. New inputs are copied into the captured input before each replay.
+- ``prefill``: chunked prefill's pieces through the layer, the hooks ``kdacp.models.prefill`` runs a layer on
+  (:class:`kdacp.models.prefill.LayerPrefill`), over static buffers: each piece of ``--tokens`` tokens starts
+  from the previous piece's recurrent state and convolution input and leaves its own there, so one captured
+  piece, replayed piece after piece, runs a whole prompt. One rank only (a model's pieces under CP also
+  gather the attention layers' keys, which grow from piece to piece).
+
+Per capture: the host's milliseconds per step (from the call until it returns, the device's queue not
+awaited), the wall milliseconds per step of ``--iters`` steps back to back, eager and replayed, and the
+largest difference between the replay's outputs and eager's on the same inputs (relative to eager's largest
+magnitude; 0 where every kernel is deterministic). The prefill replay is also compared with one eager pass
+over the whole prompt (bf16 rounding differs with the piece boundaries).
+
+    python benchmarks/cuda_graph.py [--tokens 2048] [--iters 50]                 # one GPU
+    torchrun --nproc-per-node 2 benchmarks/cuda_graph.py --captures step           # NCCL, captured collectives
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from kdacp.bench.batches import cu_seqlens_of, document_lengths
+from kdacp.distributed import new_cp_group
+from kdacp.layers import ContextParallel, KimiDeltaAttention
+from kdacp.layers.delta_rule import mix_tokens
+from kdacp.models.prefill import LayerPrefill
+from kdacp.workers import free_port
+
+CAPTURES = ("step", "prefill")
+BATCHES = ("one_sequence", "lognormal")
+
+
+def capture(fn, warmup: int = 3):
+    """``(graph, static outputs)`` of ``fn()`` captured after ``warmup`` eager calls on a side stream (FLA's
+    autotuning and kdacp's per-batch context are built there, before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def host_and_wall_ms(fn, iters: int) -> tuple[float, float]:
+    """``(host ms per call, wall ms per call)`` of ``iters`` calls back to back after an idle device."""
+    torch.cuda.synchronize()
+    host, start = 0.0, time.perf_counter()
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        host += time.perf_counter() - t
+    torch.cuda.synchronize()
+    return host / iters * 1e3, (time.perf_counter() - start) / iters * 1e3
+
+
+def largest_difference(got, want) -> float:
+    """max |got - want| over max |want|, over paired tensors."""
+    return max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
+               for g, w in zip(got, want))
+
+
+def make_layer(args, device) -> KimiDeltaAttention:
+    torch.manual_seed(0)  # the same weights on every rank
+    return KimiDeltaAttention(args.hidden, args.heads, head_k_dim=args.head_dim, head_v_dim=args.head_dim,
+                              backend="fla", device=device, dtype=torch.bfloat16)
+
+
+def step_rows(args, group, device) -> list[dict]:
+    """The ``step`` capture, per batch (module docstring)."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    layer = make_layer(args, device)
+    layer.cp = ContextParallel("state", group)
+    gen = torch.Generator(device=device).manual_seed(1 + rank)
+    rows = []
+    for batch in args.batches:
+        lengths = document_lengths(batch, args.tokens * P, seed=0)
+        cu = torch.tensor(cu_seqlens_of(lengths), device=device) if len(lengths) > 1 else None
+        x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn_like(x)
+        x.requires_grad_()
+        params = [x, *layer.parameters()]
+
+        def step():
+            y = layer(x, cu_seqlens=cu)[0]
+            return (y.detach(), *torch.autograd.grad(y, params, dy))
+
+        graph, static = capture(step)
+        new_x, new_dy = torch.randn_like(x), torch.randn_like(dy)
+        with torch.no_grad():
+            x.copy_(new_x), dy.copy_(new_dy)
+        graph.replay()
+        replayed = [t.clone() for t in static]
+        eager = step()
+        eager_host, eager_wall = host_and_wall_ms(step, args.iters)
+        graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters)
+        rows.append(dict(capture="step", batch=batch, docs=len(lengths), P=P, tokens_per_rank=args.tokens,
+                         eager_host_ms=eager_host, eager_wall_ms=eager_wall, graph_host_ms=graph_host,
+                         graph_wall_ms=graph_wall, vs_eager=largest_difference(replayed, eager)))
+        del graph, static
+    return rows
+
+
+class StaticPieceCache:
+    """The cache view :class:`LayerPrefill` reads and writes (:class:`kdacp.models.prefill.PrefillCache`'s
+    ``conv_state``, ``recurrent_state``, ``record_conv_input``, ``record_state``) over fixed buffers, for one
+    rank holding a whole piece: ``conv [1, C, W]`` the last ``W`` convolution inputs, ``state [1, HV, K, V]``
+    float32."""
+
+    def __init__(self, group, channels: int, width: int, state_shape, device):
+        self.group = group
+        self.conv = torch.zeros(1, channels, width, device=device, dtype=torch.bfloat16)
+        self.state = torch.zeros(1, *state_shape, device=device, dtype=torch.float32)
+
+    def conv_state(self, layer_idx: int) -> torch.Tensor:
+        return self.conv
+
+    def recurrent_state(self, layer_idx: int) -> torch.Tensor:
+        return self.state
+
+    def record_conv_input(self, layer_idx: int, xs, halos, width: int) -> None:
+        # the piece is longer than the convolution: its last width + 1 inputs are its own tokens
+        self.conv.copy_(torch.cat([x[:, x.shape[1] - width - 1:] for x in xs], dim=-1).transpose(1, 2))
+
+    def record_state(self, layer_idx: int, final_state: torch.Tensor) -> None:
+        self.state.copy_(final_state)
+
+
+def prefill_rows(args, group, device) -> list[dict]:
+    """The ``prefill`` capture (module docstring): ``--pieces`` pieces of ``--tokens`` tokens."""
+    layer = make_layer(args, device)
+    layer.cp = ContextParallel("state", group)
+    C = 2 * args.heads * args.head_dim + layer.num_v_heads * args.head_dim
+    cache = StaticPieceCache(group, C, args.conv_size, (layer.num_v_heads, args.head_dim, args.head_dim), device)
+    hooks = LayerPrefill(layer.cp, cache, 0)
+    gen = torch.Generator(device=device).manual_seed(2)
+    prompt = torch.randn(1, args.tokens * args.pieces, args.hidden, device=device, dtype=torch.bfloat16,
+                         generator=gen)
+    piece = torch.empty(1, args.tokens, args.hidden, device=device, dtype=torch.bfloat16)
+
+    @torch.no_grad()
+    def one_piece():
+        y, final_state = mix_tokens(layer, hooks, piece, cu_seqlens=None, backend="fla",
+                                    initial_state=hooks.initial_state(None), output_final_state=True)
+        hooks.record_state(final_state)
+        return (y,)
+
+    def run_prompt(run):
+        cache.conv.zero_(), cache.state.zero_()
+        ys = []
+        for i in range(args.pieces):
+            piece.copy_(prompt[:, i * args.tokens:(i + 1) * args.tokens])
+            ys.append(run()[0].clone())
+        return torch.cat(ys, dim=1), cache.state.clone()
+
+    piece.copy_(prompt[:, :args.tokens])
+    graph, static = capture(one_piece)
+    replayed = run_prompt(lambda: (graph.replay(), static)[1])
+    eager = run_prompt(one_piece)
+    with torch.no_grad():
+        whole = layer(prompt, output_final_state=True)
+    eager_host, eager_wall = host_and_wall_ms(one_piece, args.iters)
+    graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters)
+    return [dict(capture="prefill", batch=f"{args.pieces} pieces", docs=1, P=1, tokens_per_rank=args.tokens,
+                 eager_host_ms=eager_host, eager_wall_ms=eager_wall, graph_host_ms=graph_host,
+                 graph_wall_ms=graph_wall, vs_eager=largest_difference(replayed, eager),
+                 vs_one_pass=largest_difference(replayed, whole))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens a rank (step) or a piece (prefill)")
+    parser.add_argument("--pieces", type=int, default=8, help="prefill: pieces of the prompt")
+    parser.add_argument("--iters", type=int, default=50, help="steps timed back to back")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--conv-size", type=int, default=4)
+    parser.add_argument("--captures", default=",".join(CAPTURES), help=f"comma-separated, from {CAPTURES}")
+    parser.add_argument("--batches", default=",".join(BATCHES), help=f"step: comma-separated, from {BATCHES}")
+    args = parser.parse_args()
+    args.captures, args.batches = args.captures.split(","), args.batches.split(",")
+    for name, given, allowed in (("--captures", args.captures, CAPTURES), ("--batches", args.batches, BATCHES)):
+        if not set(given) <= set(allowed):
+            parser.error(f"{name} must be from {allowed}, got {given}")
+    if args.tokens <= args.conv_size or args.pieces < 1 or args.iters < 1:
+        parser.error(f"--tokens must exceed --conv-size ({args.conv_size}), --pieces and --iters be >= 1")
+    if not torch.cuda.is_available():
+        parser.error("CUDA graphs need a CUDA GPU; none is visible")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        group = new_cp_group()
+        P = dist.get_world_size(group)
+        rows = step_rows(args, group, device) if "step" in args.captures else []
+        if "prefill" in args.captures:
+            if P > 1:
+                parser.error("the prefill capture runs on one rank")
+            rows += prefill_rows(args, group, device)
+        if dist.get_rank() == 0:
+            print(f"{torch.cuda.get_device_name()}, KDA layer, hidden {args.hidden}, {args.heads} heads of "
+                  f"{args.head_dim}, bf16, P = {P}")
+            print("| capture | batch | tokens a rank | eager host ms | graph host ms | eager wall ms | graph wall ms "
+                  "| replay vs eager | replay vs one pass |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for r in rows:
+                one_pass = f"{r['vs_one_pass']:.1e}" if "vs_one_pass" in r else ""
+                print(f"| {r['capture']} | {r['batch']} ({r['docs']} docs) | {r['tokens_per_rank']} | "
+                      f"{r['eager_host_ms']:.3f} | {r['graph_host_ms']:.3f} | {r['eager_wall_ms']:.3f} | "
+                      f"{r['graph_wall_ms']:.3f} | {r['vs_eager']:.1e} | {one_pass} |")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""``benchmarks/cuda_graph.py``: its refusals by name, before any GPU work (the captures themselves need a GPU:
+``bash benchmarks/one_gpu.sh graph OUT``)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_graph.py"), *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args, named", [(("--captures", "step,replay"), "--captures"),
+                                         (("--batches", "docs9"), "--batches"),
+                                         (("--tokens", "3"), "--tokens")])
+def test_cuda_graph_refuses_bad_arguments_by_name(args, named):
+    run = _run(*args)
+    assert run.returncode == 2 and named in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_cuda_graph_refuses_without_a_gpu():
+    run = _run()
+    assert run.returncode == 2 and "CUDA graphs need a CUDA GPU" in run.stderr, run.stderr
