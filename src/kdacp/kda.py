@@ -55,8 +55,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         local_initial, transition, h, v_new, *saved = ctx.saved_tensors
         call: _Call = ctx.call
         head_states = None if h is None else LocalStates(None, h, v_new)
-        # Like FLA, the state pass is recomputed rather than kept (memory), except where the whole rank is
-        # one head whose predecessor waits for its gradient.
+        # Like FLA, the state pass is recomputed rather than kept (memory), except where a predecessor waits for
+        # a gradient that follows the rank's local pass: the whole rank is one head, or it holds several positions.
         grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition, head_states,
                             do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
         return (None, *input_gradients(grads, ctx.input_dtypes), grads.dinitial_state)

@@ -252,3 +252,36 @@ def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set():
         assert log == [("begin", None), ("backward_local", whole), ("state_gradient_summary", whole),
                        ("send", None), ("receive", None), ("backward_states", whole),
                        ("backward_inputs", whole)], log
+
+
+def test_a_rank_of_several_positions_keeps_its_state_pass_for_the_backward():
+    """A rank of several positions sends its backward's messages after its local pass, so that pass starts from
+    the states its forward kept (a through rank's rule) rather than running the state pass again: the forward's
+    whole-rank state pass is what ``backward_local`` receives. Fails when the forward keeps nothing."""
+    from kdacp.distributed.layout import zigzag_layout
+
+    class Capturing(RecordingBackend):
+        def __init__(self, log):
+            super().__init__(log)
+            self.passes, self.given = [], []
+
+        def state_pass(self, chunks, span, initial_state, output_final_state):
+            states = self.inner.state_pass(chunks, span, initial_state, output_final_state)
+            self.passes.append(((span.start, span.end), states))
+            return states
+
+        def backward_local(self, saved, span, do, initial_state, states=None):
+            self.given.append(states)
+            return self.inner.backward_local(saved, span, do, initial_state, states)
+
+    layout = zigzag_layout(240, 3)
+    for rank in (0, 1):
+        backend = Capturing([])
+        plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
+                      local_lengths=layout.local_lengths, layout=layout)
+        role = RankRole(plan, backend, KDAInputs(**make_kda_inputs(1, 80, 1, 1, 16, 16, gate="plain",
+                                                                    requires_grad=False, seed=rank)))
+        fwd = role.forward(StandInExchange())
+        role.backward(fwd, torch.randn_like(fwd.o), exchange=StandInExchange())
+        whole_pass = [states for span, states in backend.passes if span == (0, 80)]
+        assert len(whole_pass) == 1 and backend.given == whole_pass, (rank, backend.passes, backend.given)

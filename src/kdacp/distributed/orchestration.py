@@ -47,9 +47,10 @@ rank of several runs one launch set over all of its tokens (:func:`_forward_posi
 forward:   begin; prepare(whole); the pass over its sending span (first to last sending segment): the summary
            (S_ext, M) where a message is affine, else the state pass from the known initial states -> messages;
            send; receive (block); state_pass(whole) and output(whole), each segment from its incoming state
-backward:  begin; backward_local(whole); G (the gradient summary, or the gradient pass where a known final-state
-           gradient enters a receiving segment) -> messages; send; receive (block); backward_states(whole);
-           backward_inputs(whole)
+           (the pass's states kept for the backward, as a through rank's)
+backward:  begin; backward_local(whole, from the kept states); G (the gradient summary, or the gradient pass where
+           a known final-state gradient enters a receiving segment) -> messages; send; receive (block);
+           backward_states(whole); backward_inputs(whole)
 
 Its whole pass waits for the last of its incoming states (for zigzag, the one of its later range), rather
 than splitting its launches per range.
@@ -85,8 +86,9 @@ class CPForward:
     segments started from, the received ones first, then those ``initial_state`` gave (without it zeros,
     or no rows at all where no segment receives: zero initial states are then passed to the backends as
     none, as FLA's op does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
-    ``head_states``: the head's state pass (``h``, ``v_new``) where the head is the whole rank, kept so that
-    the backward, which sends gradients back, does not recompute it on the critical path; else ``None``."""
+    ``head_states``: the state pass (``h``, ``v_new``) of the whole rank where its backward sends gradients
+    back after its local pass (the head is the whole rank, or the rank holds several positions), kept so that
+    the backward does not recompute it on the critical path; else ``None``."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
@@ -247,8 +249,8 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     _, route = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, do.device)
     exchange = exchange or make_exchange(plan.strategy)
     if len(layout.positions) > 1:
-        return _backward_positions(backend, plan, layout, route, exchange, saved, local_initial, transition, do,
-                                   dht_all, has_initial_state)
+        return _backward_positions(backend, plan, layout, route, exchange, saved, local_initial, transition,
+                                   head_states, do, dht_all, has_initial_state)
     position = len(route.order) - 1 - layout.positions[0]  # the backward route runs the chain reversed
     pending = exchange.begin(route)
 
@@ -357,22 +359,23 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=inputs.q.device)
     # the backward's affine messages read M of the segments of the sending span (kept only where one is affine)
     transition = transition if any(route.affine[p] for p in route.positions) else None
-    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, None)
+    # its states kept: the backward's messages follow its local pass, which would otherwise run this pass again
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, states)
 
 
 def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
                         exchange: StateExchange, saved, local_initial: torch.Tensor,
-                        transition: torch.Tensor | None, do: torch.Tensor, dht_all: torch.Tensor | None,
-                        has_initial_state: bool) -> CPGrads:
+                        transition: torch.Tensor | None, kept: LocalStates | None, do: torch.Tensor,
+                        dht_all: torch.Tensor | None, has_initial_state: bool) -> CPGrads:
     """The backward of a rank holding several positions, mirroring :func:`_forward_positions`: the local
-    backward over the whole rank; where a segment receives, its message is the gradient reaching its initial
+    backward over the whole rank (from the forward's ``kept`` states of the whole rank, if any); where a segment receives, its message is the gradient reaching its initial
     state with the known final-state gradients (zero where a segment sends: ``G``, sent with ``M^T`` by a
     through position), from the gradient summary where no known gradient enters, else from a gradient state
     pass; after the exchange, the gradient state pass and the input gradients over the whole rank."""
     segments = layout.segments
     L = len(route.order)
     pending = exchange.begin(route)
-    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None, None)
+    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None, kept)
     known = [None if dht_all is None or s.sends else dht_all[s.sequence] for s in segments]
     receiving = [j for j, s in enumerate(segments) if s.receives]
     first, _ = _sending_span(layout)
