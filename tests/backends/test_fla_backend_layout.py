@@ -66,9 +66,10 @@ def test_strided_inputs_and_state_gradients_reach_fla_contiguous():
     assert not strided, f"strided tensors reached FLA: {sorted(strided)}"
 
 
-def test_a_prefix_of_a_backward_is_its_first_segments():
-    """``backward_states(..., segments=n)`` runs on ``local`` cut to its first ``n`` segments: token rows of the
-    prefix, ``h`` of its chunks, ``n`` initial states, FLA's packed-sequence arguments of the prefix."""
+def test_segments_of_a_backward_are_views_of_their_rows():
+    """``backward_states(..., segments=n)`` and ``state_gradient_summary(..., segments=(a, b))`` run on ``local``
+    cut to some of its segments: token rows of those segments, ``h`` of their chunks, their initial states, FLA's
+    packed-sequence arguments of the cut."""
     from kdacp.backends.fla_backend import FlaBackward, FlaSaved
     backend = FlaBackend.__new__(FlaBackend)
     backend.options = KDAOptions(scale=1.0, chunk_size=4)
@@ -78,16 +79,22 @@ def test_a_prefix_of_a_backward_is_its_first_segments():
     span = Span(10, 30, cu)
     local = FlaBackward(saved, span, backend._varlen(span, torch.device("cpu")), tok(), torch.randn(3, HV, K, K),
                         *(tok() for _ in range(3)), tok(), torch.randn(1, 6, HV, K, K), *(tok() for _ in range(3)))
-    part = backend._prefix(local, 2)
-    assert part.span == Span(10, 19, (0, 6, 9))
-    assert part.varlen["cu_seqlens"].tolist() == [0, 6, 9]
-    assert part.varlen["chunk_indices"].tolist() == [[0, 0], [0, 1], [1, 0]]
-    assert torch.equal(part.h, local.h[:, :3]) and torch.equal(part.initial_state, local.initial_state[:2])
-    for name in ("do", "gc", "w", "qg", "kg", "v_new", "dAqk", "dv_local"):
-        assert torch.equal(getattr(part, name), getattr(local, name)[:, :9]), name
-    for name in ("q", "k", "v", "beta", "gc", "Aqk", "Akk"):
-        assert torch.equal(getattr(part.saved, name), getattr(saved, name)[:, :9]), name
-    assert part.saved.A_log is saved.A_log and part.saved.g is None
-    assert backend._prefix(local, 3) is local
-    one = backend._prefix(local, 1)  # one segment: FLA's unpacked path
+    # (first, last, span, its FLA boundaries and chunk indices, h's chunks, token rows)
+    for first, last, want, bounds, indices, chunks, tokens in (
+            (0, 2, Span(10, 19, (0, 6, 9)), [0, 6, 9], [[0, 0], [0, 1], [1, 0]], slice(0, 3), slice(0, 9)),
+            (1, 3, Span(16, 30, (0, 3, 14)), [0, 3, 14], [[0, 0], [1, 0], [1, 1], [1, 2]], slice(2, 6),
+             slice(6, 20))):
+        part = backend._segments(local, first, last)
+        assert part.span == want
+        assert part.varlen["cu_seqlens"].tolist() == bounds
+        assert part.varlen["chunk_indices"].tolist() == indices
+        assert torch.equal(part.h, local.h[:, chunks])
+        assert torch.equal(part.initial_state, local.initial_state[first:last])
+        for name in ("do", "gc", "w", "qg", "kg", "v_new", "dAqk", "dv_local"):
+            assert torch.equal(getattr(part, name), getattr(local, name)[:, tokens]), name
+        for name in ("q", "k", "v", "beta", "gc", "Aqk", "Akk"):
+            assert torch.equal(getattr(part.saved, name), getattr(saved, name)[:, tokens]), name
+        assert part.saved.A_log is saved.A_log and part.saved.g is None
+    assert backend._segments(local, 0, 3) is local
+    one = backend._segments(local, 0, 1)  # one segment: FLA's unpacked path
     assert one.varlen == dict(cu_seqlens=None, chunk_indices=None) and one.h.shape[1] == 2

@@ -97,3 +97,18 @@ def test_resolve_backend_names():
         resolve_backend("cuda", cpu)
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_backend("fla", cpu)
+
+
+@pytest.mark.parametrize("first, last", [(1, 3), (0, 2), (2, 3)])
+def test_gradient_summary_of_some_segments_equals_their_rows(first, last):
+    """``state_gradient_summary(local, segments=(first, last))``: the rows of those segments of the summary over
+    every segment, from a local made over the whole span (a tail, a prefix, one segment in the middle's place)."""
+    backend, chunks = _setup("safe")
+    span = Span(0, T, (0, 40, CUT, T))
+    gen = torch.Generator().manual_seed(9)
+    h0 = torch.randn(3, HV, K, V, dtype=torch.float64, generator=gen)
+    do = torch.randn(1, T, HV, V, dtype=torch.float64, generator=gen)
+    local = backend.backward_local(chunks, span, do, h0)
+    G = backend.state_gradient_summary(local)
+    assert G.shape[0] == 3
+    assert rel_err(backend.state_gradient_summary(local, segments=(first, last)), G[first:last]) < 1e-12

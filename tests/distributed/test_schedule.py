@@ -59,8 +59,9 @@ class RecordingBackend:
             spans = [a for a in args if hasattr(a, "cu_seqlens") and hasattr(a, "start")]
             local_span = getattr(args[0], "span", None) if args else None
             span = spans[0] if spans else local_span
-            if span is not None and kwargs.get("segments") is not None:  # a pass over a prefix of the span
-                span = span.prefix(kwargs["segments"])
+            chosen = kwargs.get("segments")
+            if span is not None and chosen is not None:  # a pass over some of the span's segments
+                span = span.segments(*chosen) if isinstance(chosen, tuple) else span.prefix(chosen)
             if span is not None:  # the stages that do work on a span (not to_saved)
                 self.log.append((stage, (span.start, span.end)))
                 self.spans.append((stage, span))
@@ -231,13 +232,14 @@ def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set():
     two through positions, rank 2 one range (the contiguous schedule). A rank of several positions makes its
     messages first (rank 0: the pass over its first range only; rank 1: the summary of both ranges), sends,
     blocks, then runs one state pass and one output over all of its tokens; backward the local work, the
-    gradient summary, the send, the block, one gradient pass and the input gradients."""
+    gradient summary (rank 0: over its last range, the only one that receives; rank 1: both), the send, the block,
+    one gradient pass and the input gradients."""
     from kdacp.distributed.layout import zigzag_layout
     from kdacp.distributed.plan import layout_rank_layouts
     layout = zigzag_layout(240, 3)
     layouts = layout_rank_layouts(None, 1, layout)
     assert [lay.positions for lay in layouts] == [(0, 4), (1, 3), (2,)]
-    for rank, made in ((0, ("state_pass", (0, 40))), (1, ("state_summary", (0, 80)))):
+    for rank, made, summed in ((0, ("state_pass", (0, 40)), (40, 80)), (1, ("state_summary", (0, 80)), (0, 80))):
         log: list = []
         plan = CPPlan(rank=rank, world_size=3, group=None, strategy="p2p", batch_size=1, cu_seqlens=None,
                       local_lengths=layout.local_lengths, layout=layout)
@@ -249,7 +251,7 @@ def test_a_rank_of_several_positions_sends_first_and_runs_one_launch_set():
                        ("state_pass", whole), ("output", whole)], log
         log.clear()
         role.backward(fwd, torch.randn_like(fwd.o), exchange=RecordingExchange(log))
-        assert log == [("begin", None), ("backward_local", whole), ("state_gradient_summary", whole),
+        assert log == [("begin", None), ("backward_local", whole), ("state_gradient_summary", summed),
                        ("send", None), ("receive", None), ("backward_states", whole),
                        ("backward_inputs", whole)], log
 

@@ -317,8 +317,10 @@ class AttnGymBackend(FlaBackend):
         maps = self._handle(local).state_grad_summaries(_bounds(span, local.span.start, local.do.device))
         return gradient_map_of(maps)
 
-    def state_gradient_summary(self, local: AttnGymBackward) -> torch.Tensor:
-        return self._reverse_maps(local, local.span)[0]
+    def state_gradient_summary(self, local: AttnGymBackward, segments: tuple[int, int] | None = None) -> torch.Tensor:
+        # attention-gym's reverse summaries run over a prefix of the span: the rows of segments are taken after
+        G = self._reverse_maps(local, local.span if segments is None else local.span.prefix(segments[1]))[0]
+        return G if segments is None else G[segments[0]:]
 
     def backward_states(self, local: AttnGymBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> BackwardStates:

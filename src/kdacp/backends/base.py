@@ -65,8 +65,12 @@ class Span:
 
     def prefix(self, segments: int) -> "Span":
         """The span of this span's first ``segments`` segments."""
-        cu = self.cu_seqlens[:segments + 1]
-        return Span(self.start, self.start + cu[-1], cu)
+        return self.segments(0, segments)
+
+    def segments(self, first: int, last: int) -> "Span":
+        """The span of this span's segments ``first`` to ``last - 1``."""
+        cu = self.cu_seqlens[first:last + 1]
+        return Span(self.start + cu[0], self.start + cu[-1], tuple(c - cu[0] for c in cu))
 
     def cut(self, starts: tuple[int, ...]) -> "Span":
         """This span with its segments cut into pieces beginning at ``starts`` (token offsets from its
@@ -171,9 +175,10 @@ class LocalBackend(Protocol):
         """Backward work of ``span`` that needs no final-state gradient; ``states`` from the
         forward state pass of exactly this span, if kept."""
 
-    def state_gradient_summary(self, local) -> torch.Tensor:
+    def state_gradient_summary(self, local, segments: tuple[int, int] | None = None) -> torch.Tensor:
         """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final
-        state's gradient is zero."""
+        state's gradient is zero; ``segments = (first, last)``: of those segments of ``local``'s span only
+        (``n = last - first``), else of all."""
 
     def backward_states(self, local, dht: torch.Tensor | None, segments: int | None = None) -> BackwardStates:
         """The gradient state pass of ``local`` (from :meth:`backward_local`) given the final-state

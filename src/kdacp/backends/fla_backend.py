@@ -257,33 +257,36 @@ class FlaBackend:
                                                chunk_size=o.chunk_size, **varlen)
         return FlaBackward(x, span, varlen, do, initial_state, gc, w, qg, kg, h, v_new, dAqk, dv_local)
 
-    def state_gradient_summary(self, local: FlaBackward) -> torch.Tensor:
+    def state_gradient_summary(self, local: FlaBackward, segments: tuple[int, int] | None = None) -> torch.Tensor:
+        local = self._segments(local, *(segments or (0, local.span.num_segments)))
         return state_gradient_summary(local.qg, local.kg, local.w, local.gc, local.do, local.dv_local,
                                       self.options.scale, chunk_size=self.options.chunk_size,
                                       cu_seqlens=local.span.cu_seqlens_host(),
                                       precision=self.options.summary_precision)
 
-    def _prefix(self, local, segments: int | None):
-        """``local`` (a :class:`FlaBackward` or the GDN one) cut to its first ``segments`` segments, as views:
-        token-first tensors to the prefix's tokens, ``h`` to its chunks, ``initial_state`` to its rows."""
-        if segments is None or segments == local.span.num_segments:
+    def _segments(self, local, first: int, last: int):
+        """``local`` (a :class:`FlaBackward` or the GDN one) cut to its segments ``first`` to ``last - 1``, as
+        views: token-first tensors to their tokens, ``h`` to their chunks, ``initial_state`` to their rows."""
+        if (first, last) == (0, local.span.num_segments):
             return local
-        span = local.span.prefix(segments)
-        rows = Span(0, span.end - span.start, span.cu_seqlens)  # the prefix within local's own tensors
+        span = local.span.segments(first, last)
+        # the segments within local's own tensors
+        rows = Span(span.start - local.span.start, span.end - local.span.start, span.cu_seqlens)
         C = self.options.chunk_size
-        n_chunks = sum(-(-(b - a) // C) for a, b in zip(span.cu_seqlens, span.cu_seqlens[1:]))
+        chunks = [-(-(b - a) // C) for a, b in zip(local.span.cu_seqlens, local.span.cu_seqlens[1:])]
+        h_rows = slice(sum(chunks[:first]), sum(chunks[:last]))
         cut = {}
         for f in fields(local):
             t = getattr(local, f.name)
             if f.name in ("span", "varlen") or t is None:
                 continue
-            cut[f.name] = (t.narrow(rows) if f.name == "saved" else t[:segments] if f.name == "initial_state"
-                           else t[:, :n_chunks] if f.name == "h" else rows.take(t))
+            cut[f.name] = (t.narrow(rows) if f.name == "saved" else t[first:last] if f.name == "initial_state"
+                           else t[:, h_rows] if f.name == "h" else rows.take(t))
         return replace(local, span=span, varlen=self._varlen(span, local.do.device), **cut)
 
     def backward_states(self, local: FlaBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> FlaBackwardStates:
-        local = self._prefix(local, segments)
+        local = self._segments(local, 0, local.span.num_segments if segments is None else segments)
         return self._state_gradients(local.qg, local.kg, local.w, local.gc, local, dht, local.dv_local)
 
     def backward_inputs(self, states: FlaBackwardStates) -> LocalGrads:

@@ -125,7 +125,8 @@ class FlaGDNBackend(FlaBackend):
         dv = fla.chunk_bwd_dv_local(q=x.q, k=x.k, do=do, g=x.gc, scale=o.scale, chunk_size=o.chunk_size, **varlen)
         return GDNBackward(x, span, varlen, do, initial_state, w, h, v_new, dv)
 
-    def state_gradient_summary(self, local: GDNBackward) -> torch.Tensor:
+    def state_gradient_summary(self, local: GDNBackward, segments: tuple[int, int] | None = None) -> torch.Tensor:
+        local = self._segments(local, *(segments or (0, local.span.num_segments)))
         x = local.saved
         return state_gradient_summary(x.q, x.k, local.w, x.gc, local.do, local.dv,
                                       self.options.scale, chunk_size=self.options.chunk_size,
@@ -134,7 +135,7 @@ class FlaGDNBackend(FlaBackend):
 
     def backward_states(self, local: GDNBackward, dht: torch.Tensor | None,
                         segments: int | None = None) -> FlaBackwardStates:
-        local = self._prefix(local, segments)
+        local = self._segments(local, 0, local.span.num_segments if segments is None else segments)
         x = local.saved
         return self._state_gradients(x.q, x.k, local.w, x.gc, local, dht, local.dv)
 

@@ -104,7 +104,17 @@ class TorchBackend:
                        states: LocalStates | None = None) -> TorchBackward:
         return TorchBackward(saved, span, do, initial_state)
 
-    def state_gradient_summary(self, local: TorchBackward) -> torch.Tensor:
+    @staticmethod
+    def _segments(local: TorchBackward, first: int, last: int) -> TorchBackward:
+        """``local`` cut to its span's segments ``first`` to ``last - 1``."""
+        span = local.span.segments(first, last)
+        offset = span.start - local.span.start
+        return TorchBackward(local.saved, span, local.do[:, offset:offset + span.end - span.start],
+                             None if local.initial_state is None else local.initial_state[first:last])
+
+    def state_gradient_summary(self, local: TorchBackward, segments: tuple[int, int] | None = None) -> torch.Tensor:
+        if segments is not None:
+            local = self._segments(local, *segments)
         inter = self._intermediates(local.saved, local.span)
         cu, C, scale = local.span.cu_seqlens_tensor(local.do.device), self.options.chunk_size, self.options.scale
         dv_local = reference.chunk_dv_local(inter.Aqk, local.do, scale, C, cu)
@@ -114,9 +124,7 @@ class TorchBackend:
                         segments: int | None = None) -> TorchBackwardStates:
         """Differentiates the reference chunked form once; the input gradients wait in the result."""
         if segments is not None:
-            span = local.span.prefix(segments)
-            local = TorchBackward(local.saved, span, local.do[:, :span.end - span.start],
-                                  None if local.initial_state is None else local.initial_state[:segments])
+            local = self._segments(local, 0, segments)
         x = self._span_inputs(local.saved, local.span)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_() for t in

@@ -72,7 +72,8 @@ class SleepBackend:
         self._sleep("backward_local", span)
         return span
 
-    def state_gradient_summary(self, local) -> torch.Tensor:
+    def state_gradient_summary(self, local, segments=None) -> torch.Tensor:
+        local = local if segments is None else local.segments(*segments)
         self._sleep("state_gradient_summary", local)
         return self._zeros(local.num_segments, self.HV, self.K, self.V)
 

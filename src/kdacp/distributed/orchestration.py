@@ -48,9 +48,9 @@ forward:   begin; prepare(whole); the pass over its sending span (first to last 
            (S_ext, M) where a message is affine, else the state pass from the known initial states -> messages;
            send; receive (block); state_pass(whole) and output(whole), each segment from its incoming state
            (the pass's states kept for the backward, as a through rank's)
-backward:  begin; backward_local(whole, from the kept states); G (the gradient summary, or the gradient pass where
-           a known final-state gradient enters a receiving segment) -> messages; send; receive (block);
-           backward_states(whole); backward_inputs(whole)
+backward:  begin; backward_local(whole, from the kept states); G (the gradient summary over the segments from the
+           first receiving one to the last, or the gradient pass where a known final-state gradient enters a
+           receiving segment) -> messages; send; receive (block); backward_states(whole); backward_inputs(whole)
 
 Its whole pass waits for the last of its incoming states (for zigzag, the one of its later range), rather
 than splitting its launches per range.
@@ -382,17 +382,19 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
     messages = [None] * len(route.positions)
     if receiving:
         if all(segments[j].sends or known[j] is None for j in receiving):
-            # every message is G (a through position's, or a final-state gradient of zero): the gradient summary
-            dinitial = backend.state_gradient_summary(local)
+            # every message is G (a through position's, or a final-state gradient of zero): the gradient summary,
+            # over the segments from the first receiving one to the last (zigzag's first rank: its last range)
+            low = receiving[0]
+            dinitial = backend.state_gradient_summary(local, segments=(low, receiving[-1] + 1))
         else:  # the pass with the known final-state gradients (zero where a segment sends, giving G there)
-            dinitial = backend.backward_states(local, _state_rows(known)).dinitial_state
+            low, dinitial = 0, backend.backward_states(local, _state_rows(known)).dinitial_state
         for k, i in enumerate(route.positions):
             rows = [j for j in receiving if segments[j].position == L - 1 - i]
             if rows and route.affine[i]:
-                messages[k] = AffineMap(take_rows(dinitial, rows),
+                messages[k] = AffineMap(take_rows(dinitial, [j - low for j in rows]),
                                         take_rows(transition, [j - first for j in rows]).transpose(-1, -2))
             elif rows:
-                messages[k] = AffineMap(take_rows(dinitial, rows))
+                messages[k] = AffineMap(take_rows(dinitial, [j - low for j in rows]))
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
     seen = {p: 0 for p in incoming}
