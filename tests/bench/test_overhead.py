@@ -35,6 +35,7 @@ def _stages(rows: list[dict], role: str) -> dict:
 def _check_ratios(rows: list[dict]) -> None:
     overhead = _by(rows, "overhead")
     assert [r["role"] for r in overhead] == ["first", "through", "last"]
+    assert all(r["backend"] == "torch" for r in overhead)  # the CPU check's backend, named in every row
     for r in overhead:
         for name in ("rank_fwd_ms", "rank_bwd_ms", "one_fwd_ms", "one_bwd_ms", "fwd_ratio", "bwd_ratio", "ratio"):
             assert math.isfinite(r[name]) and r[name] > 0, (name, r)

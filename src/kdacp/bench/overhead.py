@@ -17,7 +17,8 @@ Roles, by token layout (:mod:`kdacp.distributed.layout`):
   ``middle`` (rank 1, standing for ranks 1 .. P-2: two chunks inside the chain), ``turn`` (rank P-1: chunks
   P-1 and P, one range, the contiguous through rank's work); see :func:`layout_role_ranks`.
 
-Rows ``source="overhead"``: ``family, batch, layout, P, role``, the rank's layout (``receives``, ``sends``:
+Rows ``source="overhead"``: ``family, batch, layout, P, role``, the local ``backend`` (its name) and the summaries'
+``policy``, the rank's layout (``receives``, ``sends``:
 segments; ``affine``: the rank needs ``M``; ``rank``, ``positions``: its ranges in the state chain),
 ``<rank|one>_<fwd|bwd>_ms``, ``fwd_ratio``, ``bwd_ratio`` and ``ratio`` (forward + backward over one
 device's), ``base_<fwd|bwd>_ms`` and ``base_ratio``: over one device's on as many tokens of the batch uncut
@@ -347,11 +348,11 @@ def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, w
 
 
 def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict,
-             policy: str) -> list[dict]:
+             policy: str, backend: str) -> list[dict]:
     rows = []
     for role, (plan, _) in plans.items():
         layout = plan.rank_layouts[plan.rank]
-        r = dict(source="overhead", family=family, batch=batch, T_local=T, policy=policy, role=role,
+        r = dict(source="overhead", family=family, batch=batch, T_local=T, backend=backend, policy=policy, role=role,
                  label=f"{family} {batch} {role}",
                  receives=layout.num_receive, sends=layout.num_send,
                  affine=through_ranks(plan.rank_layouts)[plan.rank])
@@ -505,8 +506,8 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
                 stages = _breakdown(call, do, state_dtype, plans, dev, warmup > 0, rounds)
                 critical = _critical_stages(call, do, state_dtype, plans, dev, warmup > 0, rounds)
                 measured.append((batch, layout, P, plans, critical))
-                for row in _with_layout(_rows_of(family, batch, t_local, plans, ms, stages, critical, policy), layout,
-                                        P, plans, (ms[f"{base_key}:fwd"], ms[f"{base_key}:bwd"])):
+                rows_of = _rows_of(family, batch, t_local, plans, ms, stages, critical, policy, call.backend.name)
+                for row in _with_layout(rows_of, layout, P, plans, (ms[f"{base_key}:fwd"], ms[f"{base_key}:bwd"])):
                     rows.append(row)
                     if report is not None:
                         report(row)
@@ -528,7 +529,7 @@ def markdown(rows: list[dict]) -> str:
     def table(source, columns=None, drop=()):
         return markdown_table([{k: v for k, v in r.items() if k != "source" and k not in drop
                                 and (columns is None or k in columns)} for r in rows if r["source"] == source])
-    summary = ("family", "batch", "layout", "P", "policy", "role", "rank", "positions", "fwd_ratio", "bwd_ratio",
+    summary = ("family", "batch", "layout", "P", "backend", "policy", "role", "rank", "positions", "fwd_ratio", "bwd_ratio",
                "ratio", "base_ratio")
     step = ("family", "layout", "P", "stages", "sync_every", "best_ratio", "best_strategy")
     extra = [{k: v for k, v in r.items() if k != "source"} for r in rows
