@@ -295,7 +295,8 @@ _SUITE_OPTIONS = {"seq_lens": ("kernels", "cp", "gdn", "layer", "scaling", "over
                   "family": ("kernels", "cp", "overhead", "layer"), "modes": ("layer",), "steps": ("soak",),
                   "step_layers": ("scaling",), "sync_every": ("scaling",), "summary_precision": ("overhead",),
                   "calibration": ("hybrid",), "attention_tflops": ("hybrid",), "balance": ("hybrid",),
-                  "predict_ranks": ("scaling", "hybrid", "balance")}
+                  "predict_ranks": ("scaling", "hybrid", "balance"), "rounds": ("overhead", "layer"),
+                  "iters": ("overhead", "layer")}
 
 
 def _unread_option(args: argparse.Namespace) -> str | None:
@@ -340,7 +341,7 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     elif args.suite == "overhead":
         cases = [dict(t_local=seq_lens[0] if seq_lens else None, heads=args.heads, head_dim=args.head_dim,
                       backend=args.backend, families=(args.family,) if args.family else ("kda", "gdn"),
-                      summary_precision=args.summary_precision)]
+                      summary_precision=args.summary_precision, rounds=args.rounds, iters=args.iters)]
         cases[0].update({name: value for name, value in (("layouts", args.layouts), ("world_sizes", args.ranks))
                          if value is not None})
     elif args.suite == "gdn":
@@ -352,7 +353,7 @@ def _bench_cases(args: argparse.Namespace, device: str) -> list[dict]:
     else:
         layer = {} if device == "cuda" else dict(_CPU_LAYER)
         given = dict(backend=args.backend, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
-                     modes=args.modes, family=args.family)
+                     modes=args.modes, family=args.family, rounds=args.rounds, iters=args.iters)
         layer.update({name: value for name, value in given.items() if value is not None})
         cases = [{"t_local": T, **layer} for T in (seq_lens or [16384 if device == "cuda" else _CPU_T_LOCAL])]
     if args.batches:
@@ -577,6 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layer suite: comma-separated context-parallel modes to time, from "
                             f"{', '.join(MODES)} (hybrid: Ulysses groups of the world size's smallest divisor) "
                             "(default: state)")
+    bench.add_argument("--rounds", type=_positive_int, default=None,
+                       help="overhead and layer suites: timing rounds, each contender's calls in turn (default: 10 "
+                            "overhead, 3 layer on CUDA)")
+    bench.add_argument("--iters", type=_positive_int, default=None,
+                       help="overhead and layer suites: calls back to back in a round (default 5)")
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help="soak suite: training steps, a row at the first, every twentieth of them and the last "
                             "(default: 2000)")

@@ -120,3 +120,19 @@ def test_breakdown_gpu_branch_queues_each_round_and_refuses_a_host_sync(monkeypa
             got = _breakdown(call, do, torch.float32, plans, torch.device("cuda"), warmup=True, rounds=2)
             assert {"state_summary", "state_gradient_summary", "apply"} <= set(got["through"])
             assert "state_summary" not in got[("one", "through")]
+
+
+def test_rounds_and_iters_reach_the_suite(monkeypatch, tmp_path, capsys):
+    """``--rounds`` / ``--iters`` become the overhead suite's ``rounds`` / ``iters``; another suite refuses them."""
+    import kdacp.bench.overhead as overhead
+    seen = {}
+
+    def fake_run(**kwargs):
+        seen.update(kwargs)
+        return []
+    monkeypatch.setattr(overhead, "run", fake_run)
+    assert main(["bench", "--suite", "overhead", *TINY, "--family", "kda", "--rounds", "4", "--iters", "3",
+                 "--out", str(tmp_path)]) == 0
+    assert (seen["rounds"], seen["iters"]) == (4, 3), seen
+    assert main(["bench", "--suite", "kernels", "--rounds", "4", "--out", str(tmp_path)]) == 2
+    assert "--rounds is for --suite overhead or layer" in capsys.readouterr().err
