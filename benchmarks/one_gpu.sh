@@ -13,6 +13,9 @@
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
 #                                             # per-rank overhead of the zigzag roles beside contiguous's
+#   bash benchmarks/one_gpu.sh zigzag_tuning OUT  # the KDA zigzag roles again with FLA autotuning afresh (its
+#                                             # configurations' key holds no sequence count: RESULTS, Per-rank
+#                                             # overhead, cause 1) beside the shipped configurations
 #   bash benchmarks/one_gpu.sh gdn      OUT   # the Gated DeltaNet op against FLA's at 16K and 32K tokens
 #   bash benchmarks/one_gpu.sh megatron OUT   # KdacpGatedDeltaNet against Megatron-Core's GatedDeltaNet at 16K
 #                                             # and 32K tokens (needs megatron-core 0.19.2 installed)
@@ -24,7 +27,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, gdn, megatron, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -71,6 +74,13 @@ zigzag)
             --iters 3 --out "$out/zigzag_overhead_$family"
     done
     ;;
+zigzag_tuning)
+    for mode in shipped fresh; do  # fresh: FLA tunes each kernel key on the first shape it sees, here the roles'
+        how=(); [ "$mode" = fresh ] && how=(env FLA_CACHE_MODE=disabled TRITON_CACHE_DIR="$(mktemp -d)")
+        step "zigzag_$mode" 280 ${how[@]+"${how[@]}"} "${bench[@]}" --suite overhead --family kda --seq-lens 16384 \
+            --layouts contiguous,zigzag --ranks 8 --batches one_sequence --rounds 4 --iters 3 --out "$out/zigzag_$mode"
+    done
+    ;;
 gdn)
     step gdn 250 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/gdn"
     ;;
@@ -94,7 +104,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, gdn, megatron, attn_gym or demo, got $part" >&2
+    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, attn_gym or demo, got $part" >&2
     exit 2
     ;;
 esac
