@@ -529,8 +529,8 @@ def markdown(rows: list[dict]) -> str:
     def table(source, columns=None, drop=()):
         return markdown_table([{k: v for k, v in r.items() if k != "source" and k not in drop
                                 and (columns is None or k in columns)} for r in rows if r["source"] == source])
-    summary = ("family", "batch", "layout", "P", "backend", "policy", "role", "rank", "positions", "fwd_ratio", "bwd_ratio",
-               "ratio", "base_ratio")
+    summary = ("family", "batch", "layout", "P", "backend", "policy", "role", "rank", "positions", "fwd_ratio",
+               "bwd_ratio", "ratio", "base_ratio")
     step = ("family", "layout", "P", "stages", "sync_every", "best_ratio", "best_strategy")
     extra = [{k: v for k, v in r.items() if k != "source"} for r in rows
              if r["source"] == "breakdown" and (r["calls"] != r["one_calls"] or r["one_calls"] == 0)]

@@ -368,10 +368,11 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
                         transition: torch.Tensor | None, kept: LocalStates | None, do: torch.Tensor,
                         dht_all: torch.Tensor | None, has_initial_state: bool) -> CPGrads:
     """The backward of a rank holding several positions, mirroring :func:`_forward_positions`: the local
-    backward over the whole rank (from the forward's ``kept`` states of the whole rank, if any); where a segment receives, its message is the gradient reaching its initial
-    state with the known final-state gradients (zero where a segment sends: ``G``, sent with ``M^T`` by a
-    through position), from the gradient summary where no known gradient enters, else from a gradient state
-    pass; after the exchange, the gradient state pass and the input gradients over the whole rank."""
+    backward over the whole rank (from the forward's ``kept`` states of the whole rank, if any); where a segment
+    receives, its message is the gradient reaching its initial state with the known final-state gradients (zero
+    where a segment sends: ``G``, sent with ``M^T`` by a through position), from the gradient summary where no
+    known gradient enters, else from a gradient state pass; after the exchange, the gradient state pass and the
+    input gradients over the whole rank."""
     segments = layout.segments
     L = len(route.order)
     pending = exchange.begin(route)
