@@ -14,8 +14,8 @@ Two captures, each of one fixed batch shape (the document boundaries are part of
 
 Per capture: the host's milliseconds per step (from the call until it returns, the device's queue not
 awaited), the wall milliseconds per step of ``--iters`` steps back to back, eager and replayed, and the
-largest difference between the replay's outputs and eager's on the same inputs (relative to eager's largest
-magnitude; 0 where every kernel is deterministic). The prefill replay is also compared with one eager pass
+largest relative difference (2-norm) between the replay's outputs and eager's on the same inputs (0 where every
+kernel is deterministic). The prefill replay is also compared with one eager pass
 over the whole prompt (bf16 rounding differs with the piece boundaries).
 
     python benchmarks/cuda_graph.py [--tokens 2048] [--iters 50]                 # one GPU
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
+from kdacp.bench.errors import rel_err
+from kdacp.bench.timing import host_and_wall_times
 from kdacp.distributed import new_cp_group
 from kdacp.layers import ContextParallel, KimiDeltaAttention
 from kdacp.layers.delta_rule import mix_tokens
@@ -56,22 +57,15 @@ def capture(fn, warmup: int = 3):
     return graph, outputs
 
 
-def host_and_wall_ms(fn, iters: int) -> tuple[float, float]:
-    """``(host ms per call, wall ms per call)`` of ``iters`` calls back to back after an idle device."""
-    torch.cuda.synchronize()
-    host, start = 0.0, time.perf_counter()
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        host += time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / iters * 1e3, (time.perf_counter() - start) / iters * 1e3
+def host_and_wall_ms(fn, iters: int, device: torch.device) -> tuple[float, float]:
+    """:func:`~kdacp.bench.timing.host_and_wall_times` in milliseconds."""
+    host, wall = host_and_wall_times(fn, iters, device)
+    return host * 1e3, wall * 1e3
 
 
 def largest_difference(got, want) -> float:
-    """max |got - want| over max |want|, over paired tensors."""
-    return max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
-               for g, w in zip(got, want))
+    """The largest relative difference (:func:`~kdacp.bench.errors.rel_err`) over paired tensors."""
+    return max(rel_err(g, w) for g, w in zip(got, want))
 
 
 def make_layer(args, device) -> KimiDeltaAttention:
@@ -106,8 +100,8 @@ def step_rows(args, group, device) -> list[dict]:
         graph.replay()
         replayed = [t.clone() for t in static]
         eager = step()
-        eager_host, eager_wall = host_and_wall_ms(step, args.iters)
-        graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters)
+        eager_host, eager_wall = host_and_wall_ms(step, args.iters, device)
+        graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters, device)
         rows.append(dict(capture="step", batch=batch, docs=len(lengths), P=P, tokens_per_rank=args.tokens,
                          eager_host_ms=eager_host, eager_wall_ms=eager_wall, graph_host_ms=graph_host,
                          graph_wall_ms=graph_wall, vs_eager=largest_difference(replayed, eager)))
@@ -173,8 +167,8 @@ def prefill_rows(args, group, device) -> list[dict]:
     eager = run_prompt(one_piece)
     with torch.no_grad():
         whole = layer(prompt, output_final_state=True)
-    eager_host, eager_wall = host_and_wall_ms(one_piece, args.iters)
-    graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters)
+    eager_host, eager_wall = host_and_wall_ms(one_piece, args.iters, device)
+    graph_host, graph_wall = host_and_wall_ms(graph.replay, args.iters, device)
     return [dict(capture="prefill", batch=f"{args.pieces} pieces", docs=1, P=1, tokens_per_rank=args.tokens,
                  eager_host_ms=eager_host, eager_wall_ms=eager_wall, graph_host_ms=graph_host,
                  graph_wall_ms=graph_wall, vs_eager=largest_difference(replayed, eager),

@@ -52,12 +52,6 @@ CPU_SHAPE = dict(hidden_size=64, linear_key_head_dim=16, linear_value_head_dim=1
                  linear_num_value_heads=4, linear_conv_kernel_dim=4)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in float64."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def init_one_rank(device: torch.device) -> None:
     """A one-rank process group and Megatron's model-parallel state (cp = tp = 1) with its RNG tracker."""
     from megatron.core import parallel_state
@@ -129,6 +123,7 @@ def first_line(error: BaseException) -> str:
 
 def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, warmup: int, rounds: int,
             iters: int) -> list[dict]:
+    from kdacp.bench.errors import rel_err
     from kdacp.bench.timing import peak_gb, time_round_robin
     g = torch.Generator(device="cpu").manual_seed(T)
     x = torch.randn(T, 1, hidden, generator=g).to(device, dtype).requires_grad_(True)

@@ -37,15 +37,11 @@ from kdacp.distributed import new_cp_group
 from kdacp.layers import ContextParallel
 from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
 from kdacp.models.prefill import cache_tensors
+from kdacp.bench.errors import rel_err
 from kdacp.bench.timing import Clock, sync
 from kdacp.workers import RankContext, launch
 
 GIB = 2.0 ** 30
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()  # float32: a 1M-token cache tensor in float64 would take gigabytes more
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _measure(device: torch.device, fn):
@@ -139,10 +135,11 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
             if row["run"] == against or row["run"] not in results or against not in results:
                 continue
             (mine, my_logits), (theirs, their_logits) = results[row["run"]], results[against]
-            diffs = {k: _rel(mine[k], theirs[k]) for k in theirs}
+            # float32: a 1M-token cache tensor in float64 would take gigabytes more
+            diffs = {k: rel_err(mine[k], theirs[k], torch.float32) for k in theirs}
             worst = max(diffs, key=diffs.get)
-            row.update(against=against, logits_rel_diff=_rel(my_logits, their_logits), worst_cache_tensor=worst,
-                       worst_cache_rel_diff=diffs[worst])
+            row.update(against=against, logits_rel_diff=rel_err(my_logits, their_logits, torch.float32),
+                       worst_cache_tensor=worst, worst_cache_rel_diff=diffs[worst])
         del results, prompt
     return rows
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from kdacp.bench.timing import queue_ahead_for, queued_device_time, time_queued, timed_columns
+from kdacp.bench.timing import host_and_wall_times, queue_ahead_for, queued_device_time, time_queued, timed_columns
 from tests.helpers import fake_cuda_clock
 
 
@@ -86,3 +86,19 @@ def test_queued_device_time_is_device_time_and_refuses_a_device_that_caught_up(m
             queued_device_time(call, iters=5, warmup=1)
     else:
         assert queued_device_time(call, iters=5, warmup=1)[0] == pytest.approx(0.004)
+
+
+def test_host_and_wall_times_per_call():
+    """A call that keeps the host 2 ms: about 2 ms of host time per call, and the wall time no less."""
+    host, wall = host_and_wall_times(lambda: time.sleep(2e-3), 5, torch.device("cpu"))
+    assert 2e-3 <= host < 0.05 and wall >= host
+
+
+def test_rel_err_is_the_relative_two_norm_in_the_dtype_asked():
+    from kdacp.bench.errors import rel_err
+    b = torch.tensor([3.0, 4.0])
+    assert rel_err(b + torch.tensor([0.0, 0.5]), b) == pytest.approx(0.1)
+    assert rel_err(torch.ones(2), torch.zeros(2)) == pytest.approx(2 ** 0.5 * 1e30)  # a zero reference: 1e-30
+    one_ulp = torch.tensor([1.0 + 2 ** -40], dtype=torch.float64)
+    assert rel_err(one_ulp, torch.ones(1, dtype=torch.float64)) > 0
+    assert rel_err(one_ulp, torch.ones(1, dtype=torch.float64), torch.float32) == 0  # rounded in float32

@@ -39,6 +39,7 @@ from kdacp.reference.gates import kda_gate, l2norm
 from kdacp.reference.gdn import gdn_gate
 
 from .batches import cu_seqlens_of, document_lengths
+from .errors import rel_err
 from .inputs import random_inputs
 from .overhead import ReadyExchange, rank_step, role_call, role_plans
 from .timing import median_times, time_queued
@@ -106,10 +107,6 @@ def _times(fns: dict, warmup: int, rounds: int, iters: int, device: torch.device
         return time_queued(fns, warmup, rounds, iters, device), "queued"
     except RuntimeError:
         return {n: s * 1e3 for n, s in median_times(fns, device, rounds * iters).items()}, "median"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def through_rank_rows(family: str, batch: str, T: int, heads: int, head_dim: int, device: torch.device,
@@ -182,8 +179,8 @@ def through_rank_rows(family: str, batch: str, T: int, heads: int, head_dim: int
                  receives=receives, sends=sends, one_ms=ms["one"], rank_ms=ms["rank"],
                  ratio=ms["rank"] / ms["one"], fwd_summary_ms=ms["fwd_summary"], bwd_summary_ms=ms["bwd_summary"],
                  kdacp_one_ms=ms["kdacp_one"], kdacp_rank_ms=ms["kdacp_rank"],
-                 kdacp_ratio=ms["kdacp_rank"] / ms["kdacp_one"], timing=timing, o_err=_rel(o, o_fla),
-                 summary_err=_rel(applied, final[0]))]
+                 kdacp_ratio=ms["kdacp_rank"] / ms["kdacp_one"], timing=timing, o_err=rel_err(o, o_fla),
+                 summary_err=rel_err(applied, final[0]))]
 
 
 def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", "lognormal"), heads: int = 32,

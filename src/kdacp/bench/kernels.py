@@ -43,6 +43,7 @@ from kdacp.kernels import short_conv
 from kdacp.kernels.precision import resolve_precision
 from kdacp.layers.short_conv import causal_conv1d as conv_reference
 
+from .errors import rel_err
 from .harness import PlotSpec
 from .timing import time_round_robin
 
@@ -85,11 +86,6 @@ def reference_summaries(x):
     S, M = ref.state_summary(d["kg"], d["w"], d["u"], d["gc"])
     G = ref.state_gradient_summary(d["qg"], d["kg"], d["w"], d["gc"], d["do"], d["dv"], x["scale"])
     return {"S": S, "M": M, "G": G}
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def median_ms(fn) -> float:

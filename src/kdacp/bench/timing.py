@@ -2,7 +2,8 @@
 events on a GPU, the wall clock on the CPU): contenders round-robin in one run, the slowest rank's figure (or one
 process's, without a group); the mean of calls queued back to back (:func:`time_round_robin`, behind a device
 sleep with the queued-ahead check: :func:`sleep_then_mark`, :func:`check_queued_ahead`) or the median of single
-calls each started on an idle device (:func:`median_times`)."""
+calls each started on an idle device (:func:`median_times`); and where the host limits a call, the host's time
+per call beside the wall time of calls back to back (:func:`host_and_wall_times`)."""
 from __future__ import annotations
 
 import statistics
@@ -184,6 +185,21 @@ def queued_device_time(fn, iters: int = 100, warmup: int = 3) -> tuple[float, fl
     host = (time.perf_counter() - t0) / iters
     check_queued_ahead(start, ahead_ms, f"queued_device_time, {iters} calls")
     return clock.seconds(start, clock.stamp()) / iters, host
+
+
+def host_and_wall_times(fn, iters: int, device: torch.device) -> tuple[float, float]:
+    """``(host seconds, wall seconds)`` per call of ``iters`` calls of ``fn`` back to back, started on an idle
+    ``device``: the host's time from each call until it returns (its queue not awaited), and the wall time until
+    the device has run them all. Where the host limits a call the two agree; where the device does, the wall
+    time is the device's."""
+    sync(device)
+    host, start = 0.0, time.perf_counter()
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        host += time.perf_counter() - t
+    sync(device)
+    return host / iters, (time.perf_counter() - start) / iters
 
 
 def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,

@@ -334,7 +334,8 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         if not rows:
             messages.append(None)
         else:
-            messages.append(AffineMap(take_rows(offsets, rows), take_rows(transition, rows) if route.affine[p] else None))
+            messages.append(AffineMap(take_rows(offsets, rows),
+                                      take_rows(transition, rows) if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
     seen = {p: 0 for p in route.positions}
