@@ -157,3 +157,16 @@ def test_shipped_configs_apply_when_fla_was_imported_first(no_reread):
     mode, folder = out.stdout.split()
     assert folder == "NVIDIA_H200"
     assert mode == ("disabled" if no_reread else "strict")  # without the re-read FLA ignores the shipped files
+
+
+def test_shipped_state_pass_runs_sequence_lists_at_bv_64():
+    """FLA keys its state pass's configuration on heads and dtypes, not on the sequence count, so an entry
+    tuned on one sequence serves a rank's ranges too. On the H200 a 32-head pass over several sequences
+    with incoming states is faster at BV = 64 (half the blocks, as many as one 16K sequence at BV = 32):
+    measured in benchmarks/RESULTS.md (Per-rank overhead). A re-export that tunes this key on one sequence
+    would bring BV = 32 back."""
+    data = json.loads((SHIPPED_CONFIGS / "NVIDIA_H200" / "chunk_gated_delta_rule_fwd_kernel_h_blockdim64.json").read_text())
+    bf16, f32, i64 = "torch.bfloat16", "torch.float32", "torch.int64"
+    # H, HV, K, V, BT, STATE_V_FIRST; then k, v, w, v_new, gk, h, h0, cu_seqlens, chunk_offsets
+    key = [32, 32, 128, 128, 64, False, bf16, bf16, bf16, bf16, f32, bf16, f32, i64, i64]
+    assert data["autotune_entries"][fla_key_hash(key)]["config"]["kwargs"] == {"BV": 64}
