@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -131,8 +132,15 @@ def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, war
     psp, docs = packed_params(batch, T, device)
     base = dict(batch=batch, docs=docs, tokens=T, dtype=str(dtype).removeprefix("torch."))
     rows = []
+    start = time.perf_counter()
 
-    out_m, out_k = forward(megatron, x, psp), forward(kdacp, x, psp)
+    def progress(what: str) -> None:  # first calls compile and autotune: a timed-out run's log says which held it
+        print(f"{batch} {T}: {what} after {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    out_m = forward(megatron, x, psp)
+    progress("Megatron's first forward")
+    out_k = forward(kdacp, x, psp)
+    progress("kdacp's first forward")
     fns = {"megatron": lambda: forward(megatron, x, psp), "kdacp": lambda: forward(kdacp, x, psp)}
     ms = time_round_robin(fns, warmup, rounds, iters, None, device)
     rows.append(dict(base, **{"pass": "forward"}, megatron_ms=ms["megatron"], kdacp_ms=ms["kdacp"],
@@ -142,9 +150,12 @@ def measure(megatron, kdacp, batch: str, T: int, hidden: int, dtype, device, war
     del out_m, out_k
 
     note, diff, param_diff = "", float("nan"), float("nan")
+    progress("the forwards timed")
     ours = gradients(kdacp, x, dy, psp)
+    progress("kdacp's first backward")
     try:
         theirs = gradients(megatron, x, dy, psp)
+        progress("Megatron's first backward")
     except Exception as error:  # noqa: BLE001 - FLA's refusal of its GDN backward, reported in the row
         note = f"backward failed: {first_line(error)}"
         print(f"Megatron's GDN backward ({batch}, {T} tokens) failed:\n{traceback.format_exc()}", file=sys.stderr)
