@@ -174,3 +174,22 @@ def _auto_ranks(rank: int, world_size: int) -> None:
 
 def test_auto_matches_the_chosen_strategy_on_gloo():
     run_ranks(_auto_ranks, 3)
+
+
+@pytest.mark.parametrize("P, docs", ((3, 4), (8, 10)))
+def test_p2p_model_advances_side_by_side_chains_together(P, docs):
+    """The model's ``p2p`` handles a rank's positions as the exchange does: under ``document_zigzag`` with free
+    compute and a link of unit latency, the exchange takes one document's chain (``2P - 2`` hops), not one
+    chain after another (122 hops at P = 8 over 10 documents in flow order)."""
+    from kdacp.distributed.layout import document_zigzag_layout
+    from kdacp.distributed.plan import chain_links, layout_rank_layouts
+    cu = [0]
+    for d in range(docs):
+        cu.append(cu[-1] + 2 * P * (d % 3 + 1))
+    links = chain_links(layout_rank_layouts(tuple(cu), 1, document_zigzag_layout(cu, P)))
+    holders = tuple(link.rank for link in links)
+    emits, affine = tuple(link.num_send for link in links), tuple(link.through for link in links)
+    times = StageTimes(forward={}, backward={}, apply_s=0.0)
+    link = Link(latency_s=1.0, bandwidth=1e30, gather_latency_s=1.0, gather_bandwidth=1e30)
+    finish = simulate(programs("p2p", emits, affine, [RoleStages()] * len(holders), times, holders=holders), link)
+    assert max(finish) == 2 * P - 2

@@ -65,7 +65,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from .strategies import scan_schedule
+from .strategies import handling_order, scan_schedule
 
 __all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "exchange_stage_times"]
 
@@ -240,8 +240,9 @@ def programs(strategy: str, emits, affine, stages: list[RoleStages], times: Stag
     ``emits``/``affine`` by position (as :class:`~.strategies.Route`'s, in its order), ``stages[i]``
     position ``i``'s local work; ``holders[i]``: the rank holding position ``i`` (default: position ``i``
     is rank ``i``'s only one); ``gather_key`` names the all-gather (``allgather``). A rank of several
-    positions runs their local work together (its stages added up), handles them in flow order, hands
-    messages between its own positions over for free, and sends to each peer in the order the peer reads."""
+    positions runs their local work together (its stages added up), handles them in flow order (under
+    ``p2p`` in :func:`~.strategies.handling_order`, as the exchange does), hands messages between its own
+    positions over for free, and sends to each peer in the order the peer reads."""
     L = len(emits)
     holders = tuple(range(L)) if holders is None else tuple(holders)
     ranks = max(holders) + 1
@@ -264,7 +265,10 @@ def programs(strategy: str, emits, affine, stages: list[RoleStages], times: Stag
         ready, between, after = (sum(getattr(stages[i], f) for i in mine) for f in ("ready", "between", "after"))
         prog: list[tuple] = [("compute", ready)]
         if strategy == "p2p":
-            sends = [i for i in mine if emits[i] > 0 and i + 1 < L and holders[i + 1] != r]
+            mine = handling_order(mine, emits, affine)
+            entered = handling_order([i + 1 for i in mine if emits[i] > 0 and i + 1 < L and holders[i + 1] != r],
+                                     emits, affine)
+            sends = [j - 1 for j in entered]
             outbox = _Outbox([(i, holders[i + 1], state) for i in sends])
             for i in sends:
                 if not affine[i]:

@@ -54,6 +54,11 @@ class Route:
         return tuple(i for i, r in enumerate(self.order) if r == self.rank)
 
     @cached_property
+    def handling(self) -> tuple[int, ...]:
+        """This rank's positions in the order ``p2p`` handles them: :func:`handling_order`."""
+        return handling_order(self.positions, self.emits, self.affine)
+
+    @cached_property
     def slots(self) -> tuple[int, ...]:
         """Per position, its index among its rank's positions."""
         seen: dict = {}
@@ -85,6 +90,28 @@ class Route:
     def successor(self) -> int | None:
         """:meth:`target` of this rank's only position."""
         return self.target(self._only())
+
+
+def chain_depths(emits, affine) -> tuple[int, ...]:
+    """Per position of a route (``emits``, ``affine`` as :class:`Route`'s), how many messages its incoming value
+    waits on one after another: 0 where nothing comes in, 1 where it comes from a constant message (known
+    before anything is waited for), one more than its source's where the source's message is affine."""
+    out: list[int] = []
+    for i in range(len(emits)):
+        out.append(0 if i == 0 or not emits[i - 1] else out[-1] + 1 if affine[i - 1] else 1)
+    return tuple(out)
+
+
+def handling_order(positions, emits, affine) -> tuple[int, ...]:
+    """``positions`` of a route (a rank's own, or those its messages enter) in the order ``p2p`` handles
+    them: by :func:`chain_depths`, then in flow order. A position's input is either known
+    before anything is waited for or made by a shallower position, handled earlier on its rank, so no rank
+    waits on a position handled after its own; receives are posted, and sends to each peer released, in
+    this order of the receiving positions, which is the order the receiver reads them. Where chains run
+    side by side (a packed batch cut per document: a rank holds a piece of every document), they advance
+    together, one hop a step, rather than each crossing every rank before the next may start."""
+    depths = chain_depths(emits, affine)
+    return tuple(sorted(positions, key=lambda i: (depths[i], i)))
 
 
 class _OrderedSends:
@@ -164,20 +191,20 @@ class P2PExchange:
 
     A position whose message does not depend on its input sends before anything is waited for, so only
     positions strictly inside a chain are serial, each adding one ``K x K`` by ``K x V`` product and one
-    message. A rank handles its positions in flow order and every dependency points to an earlier
-    position, so no layout can deadlock.
+    message. A rank handles its positions in :attr:`Route.handling` order, in which every dependency points
+    to a position handled earlier on its rank, so no layout can deadlock.
     """
 
     def begin(self, route: Route) -> Pending:
         pending = Pending(route)
-        keys = []
-        for i in route.positions:
-            src, dst = route.source(i), route.target(i)
+        for i in route.handling:
+            src = route.source(i)
             if src is not None and src != route.rank:
                 buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
                 pending.receives[i] = (buffer, collectives.post_recv(buffer, src, route.group))
-            if dst is not None and dst != route.rank:
-                keys.append((i + 1, dst))  # a value is keyed by the position it enters
+        # a value is keyed by the position it enters, sent in the order its receiver reads it
+        entered = [i + 1 for i in route.positions if route.target(i) not in (None, route.rank)]
+        keys = [(j, route.order[j]) for j in handling_order(entered, route.emits, route.affine)]
         pending.outbox = _OrderedSends(keys, route.group)
         return pending
 
@@ -191,14 +218,13 @@ class P2PExchange:
 
     def receive(self, pending: Pending) -> list:
         route = pending.route
-        out = []
-        for i in route.positions:
-            x_in = None if route.source(i) is None else pending.take(i)
+        incoming = {}
+        for i in route.handling:
+            incoming[i] = x_in = None if route.source(i) is None else pending.take(i)
             message, dst = pending.messages[i], route.target(i)
             if dst is not None and not message.constant:
                 pending.post(i + 1, i, dst, message.apply(x_in).to(route.dtype))
-            out.append(x_in)
-        return out
+        return [incoming[i] for i in route.positions]
 
 
 class AllGatherExchange:
