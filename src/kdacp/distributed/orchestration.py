@@ -330,7 +330,7 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         offsets = backend.state_pass(chunks, span, starts, True).final_state
     messages = []
     for p in route.positions:
-        rows = [j - first for j in range(first, last) if segments[j].position == p and segments[j].sends]
+        rows = [j - first for j in layout.sending_by_position.get(p, ())]
         if not rows:
             messages.append(None)
         else:
@@ -391,7 +391,7 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
         else:  # the pass with the known final-state gradients (zero where a segment sends, giving G there)
             low, dinitial = 0, backend.backward_states(local, _state_rows(known)).dinitial_state
         for k, i in enumerate(route.positions):
-            rows = [j for j in receiving if segments[j].position == L - 1 - i]
+            rows = layout.receiving_by_position.get(L - 1 - i, ())
             if rows and route.affine[i]:
                 messages[k] = AffineMap(take_rows(dinitial, [j - low for j in rows]),
                                         take_rows(transition, [j - first for j in rows]).transpose(-1, -2))

@@ -79,6 +79,24 @@ class RankLayout:
         return self.segments[-1].end
 
     @cached_property
+    def sending_by_position(self) -> dict[int, tuple[int, ...]]:
+        """Per position, the indices of its segments that send, ascending (positions with none left out)."""
+        out: dict[int, list[int]] = {}
+        for j, s in enumerate(self.segments):
+            if s.sends:
+                out.setdefault(s.position, []).append(j)
+        return {p: tuple(js) for p, js in out.items()}
+
+    @cached_property
+    def receiving_by_position(self) -> dict[int, tuple[int, ...]]:
+        """Per position, the indices of its segments that receive, ascending (positions with none left out)."""
+        out: dict[int, list[int]] = {}
+        for j, s in enumerate(self.segments):
+            if s.receives:
+                out.setdefault(s.position, []).append(j)
+        return {p: tuple(js) for p, js in out.items()}
+
+    @cached_property
     def num_receive(self) -> int:
         return sum(s.receives for s in self.segments)
 
