@@ -81,18 +81,17 @@ class RankLayout:
     @cached_property
     def sending_by_position(self) -> dict[int, tuple[int, ...]]:
         """Per position, the indices of its segments that send, ascending (positions with none left out)."""
-        out: dict[int, list[int]] = {}
-        for j, s in enumerate(self.segments):
-            if s.sends:
-                out.setdefault(s.position, []).append(j)
-        return {p: tuple(js) for p, js in out.items()}
+        return self._by_position("sends")
 
     @cached_property
     def receiving_by_position(self) -> dict[int, tuple[int, ...]]:
         """Per position, the indices of its segments that receive, ascending (positions with none left out)."""
+        return self._by_position("receives")
+
+    def _by_position(self, flag: str) -> dict[int, tuple[int, ...]]:
         out: dict[int, list[int]] = {}
         for j, s in enumerate(self.segments):
-            if s.receives:
+            if getattr(s, flag):
                 out.setdefault(s.position, []).append(j)
         return {p: tuple(js) for p, js in out.items()}
 
