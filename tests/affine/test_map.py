@@ -44,28 +44,3 @@ def test_float32_maps_compose_to_float32():
     assert both.offset.dtype == both.transition.dtype == torch.float32
     exact = b.transition.double() @ a.offset.double() + b.offset.double()
     assert torch.equal(both.offset, exact.float())
-
-
-def test_apply_all_batches_like_maps_and_equals_each_apply(monkeypatch):
-    """Constant maps, affine maps of two shapes and two dtypes: each result is its own map's apply, and the
-    affine maps of one shape and dtype go through one product."""
-    import kdacp.affine as affine
-    g = torch.Generator().manual_seed(5)
-
-    def affine_map(n, K, V, dtype):
-        return AffineMap(torch.randn(n, 2, K, V, generator=g, dtype=dtype), torch.randn(n, 2, K, K, generator=g, dtype=dtype))
-    maps = [affine_map(1, 4, 3, torch.float64), AffineMap(torch.randn(1, 2, 4, 3, generator=g, dtype=torch.float64)),
-            affine_map(1, 4, 3, torch.float64), affine_map(2, 4, 3, torch.float64), affine_map(1, 4, 3, torch.float32),
-            affine_map(1, 4, 3, torch.float64)]
-    xs = [None if m.constant else torch.randn(m.offset.shape, generator=g, dtype=m.offset.dtype) for m in maps]
-    calls = []
-    real = affine.apply_state_summary
-    monkeypatch.setattr(affine, "apply_state_summary", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
-    got = affine.apply_all(maps, xs)
-    products = list(calls)
-    want = [m.apply(x) for m, x in zip(maps, xs)]
-    assert got[1] is maps[1].offset
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
-    # the three float64 maps of one row in one product; the two-row map and the float32 map each alone
-    assert sorted(products) == sorted([(3, 1, 2, 4, 3), (2, 2, 4, 3), (1, 2, 4, 3)])

@@ -22,7 +22,7 @@ import torch
 
 from .product import affine_product
 
-__all__ = ["AffineMap", "SummaryParts", "apply_all", "apply_state_summary", "apply_state_gradient_summary",
+__all__ = ["AffineMap", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
            "compose_state_summaries", "entry_states"]
 
 
@@ -114,26 +114,6 @@ def _products(A: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None, x2: torc
             out = out + b.double()
         first = out.to(_out_dtype(*(t for t in (A, x, b) if t is not None)))
         return first, None if x2 is None else (A64 @ x2.double()).to(_out_dtype(A, x2))
-
-
-def apply_all(maps, xs) -> list[torch.Tensor]:
-    """``[m.apply(x) for m, x in zip(maps, xs)]``, the maps with transitions whose operands agree in shapes and
-    dtypes in one batched product (one launch where a rank applies many: a packed batch cut per document)."""
-    out: list = [m.offset if m.transition is None else None for m in maps]
-    groups: dict = {}
-    for k, (m, x) in enumerate(zip(maps, xs)):
-        if m.transition is not None:
-            key = tuple((tuple(t.shape), t.dtype, t.device) for t in (m.offset, m.transition, x))
-            groups.setdefault(key, []).append(k)
-    for ks in groups.values():
-        if len(ks) == 1:
-            out[ks[0]] = maps[ks[0]].apply(xs[ks[0]])
-            continue
-        stacked = apply_state_summary(torch.stack([maps[k].offset for k in ks]),
-                                      torch.stack([maps[k].transition for k in ks]), torch.stack([xs[k] for k in ks]))
-        for k, value in zip(ks, stacked.unbind(0)):
-            out[k] = value
-    return out
 
 
 def apply_state_summary(S_ext: torch.Tensor, M: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,6 @@ import torch
 
 from kdacp.kernels.precision import resolve_precision
 from kdacp.distributed import RankRole, StandInExchange
-from kdacp.distributed.rank_role import affine_groups
 from kdacp.distributed.cost_model import RoleStages, StageTimes
 from kdacp.distributed.layout import LAYOUTS, make_layout
 from kdacp.distributed.plan import (STRATEGIES, CPPlan, layout_rank_layouts, local_cu_seqlens, one_rank_plan,
@@ -102,16 +101,18 @@ class ReadyExchange(StandInExchange):
         incoming = [None if route.source(i) is None else
                     self.incoming_at(route, i) if self.incoming_at is not None else self._incoming(route)
                     for i in route.positions]
-        for i in route.positions:
+        affine = []
+        for i, x in zip(route.positions, incoming):
             message = pending.messages[i]
-            if route.target(i) is not None and message is not None and message.transition is None:
-                self.passed[i] = message.offset
-        groups = affine_groups(pending, dict(zip(route.positions, incoming)))
+            if route.target(i) is not None and message is not None:
+                if message.transition is None:
+                    self.passed[i] = message.offset
+                else:
+                    affine.append((i, message, x))
 
         def apply():
-            for messages, xs, positions in groups:
-                self.passed.update(zip(positions, self.pass_on(messages, xs, route)))
-        if groups:
+            self.passed.update({i: self.pass_on(message, x, route) for i, message, x in affine})
+        if affine:
             self.timer.run("apply", apply) if self.timer else apply()
         return incoming
 

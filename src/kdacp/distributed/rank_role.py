@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..affine import AffineMap, apply_all
+from ..affine import AffineMap
 from ..backends import resolve_backend
 from ..backends.base import KDAInputs, LocalBackend
 from ..backends.call import prepare_call
@@ -30,7 +30,7 @@ from ..validation import check_kda_dtypes
 from .checks import check_rank_call
 from .orchestration import CPForward, CPGrads, cp_backward, cp_forward
 from .plan import CPPlan
-from .strategies import Pending, Route, StateExchange, affine_onward
+from .strategies import Pending, Route, StateExchange
 
 
 class StandInExchange:
@@ -54,16 +54,18 @@ class StandInExchange:
         self.sent = pending.messages
 
     def receive(self, pending: Pending) -> list:
-        route = pending.route
-        incoming = [None if route.source(i) is None else self._incoming(route) for i in route.positions]
-        for messages, xs, _ in affine_groups(pending, dict(zip(route.positions, incoming))):
-            self.pass_on(messages, xs, route)
-        return incoming
+        route, out = pending.route, []
+        for i in route.positions:
+            x = None if route.source(i) is None else self._incoming(route)
+            message = pending.messages.get(i)
+            if x is not None and route.target(i) is not None and message is not None and not message.constant:
+                self.pass_on(message, x, route)
+            out.append(x)
+        return out
 
-    def pass_on(self, messages: list[AffineMap], xs: list[torch.Tensor], route: Route) -> list[torch.Tensor]:
-        """The values positions of one chain depth send on, each message applied to its incoming ``x`` in one
-        batched product (as ``p2p`` forms them), rounded to the wire dtype."""
-        return [value.to(route.dtype) for value in apply_all(messages, xs)]
+    def pass_on(self, message: AffineMap, x: torch.Tensor, route: Route) -> torch.Tensor:
+        """The value a position sends on, ``message`` applied to its incoming ``x``, rounded to the wire dtype."""
+        return message.apply(x).to(route.dtype)
 
     def _incoming(self, route: Route) -> torch.Tensor:
         if self.incoming is not None:
@@ -75,18 +77,6 @@ class StandInExchange:
         if key not in self._zeros:
             self._zeros[key] = torch.zeros(route.shape, dtype=route.dtype, device=route.device)
         return self._zeros[key]
-
-
-def affine_groups(pending: Pending, incoming: dict) -> list[tuple[list[AffineMap], list[torch.Tensor], list[int]]]:
-    """Per run of one chain depth of ``pending``'s route (:attr:`~.strategies.Route.depth_groups`), the affine
-    messages that go on and the values they act on (``incoming``: position -> value), with their positions:
-    the products ``p2p`` forms in one launch each. Runs with none are left out."""
-    out = []
-    for group in pending.route.depth_groups:
-        onward = affine_onward(pending, group)
-        if onward:
-            out.append(([pending.messages[i] for i in onward], [incoming[i] for i in onward], onward))
-    return out
 
 
 @dataclass(frozen=True)

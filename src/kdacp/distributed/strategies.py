@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from ..affine import AffineMap, apply_all
+from ..affine import AffineMap
 from ..caches import SCAN_SCHEDULES
 from . import collectives
 
@@ -57,17 +57,6 @@ class Route:
     def handling(self) -> tuple[int, ...]:
         """This rank's positions in the order ``p2p`` handles them: :func:`handling_order`."""
         return handling_order(self.positions, self.emits, self.affine)
-
-    @cached_property
-    def depth_groups(self) -> tuple[tuple[int, ...], ...]:
-        """:attr:`handling` cut into runs of one chain depth: positions none of which waits on another."""
-        depths = chain_depths(self.emits, self.affine)
-        groups: list[list[int]] = []
-        for i in self.handling:
-            if not groups or depths[groups[-1][0]] != depths[i]:
-                groups.append([])
-            groups[-1].append(i)
-        return tuple(map(tuple, groups))
 
     @cached_property
     def slots(self) -> tuple[int, ...]:
@@ -183,14 +172,6 @@ class Pending:
             self.outbox.kept.clear()
 
 
-def affine_onward(pending: Pending, positions) -> list[int]:
-    """Those of ``positions`` whose message goes on and is affine: their ``M x + S`` is formed from what they
-    receive."""
-    route, messages = pending.route, pending.messages
-    return [i for i in positions
-            if route.target(i) is not None and messages.get(i) is not None and not messages[i].constant]
-
-
 class StateExchange(Protocol):
     """``begin`` before the local work (posts receives); ``send`` as soon as this rank's messages are
     known, one per position of ``route.positions`` (an :class:`~kdacp.affine.AffineMap`, or ``None`` where the
@@ -238,13 +219,11 @@ class P2PExchange:
     def receive(self, pending: Pending) -> list:
         route = pending.route
         incoming = {}
-        for group in route.depth_groups:  # the products of a group in one launch (a rank of many positions)
-            for i in group:
-                incoming[i] = None if route.source(i) is None else pending.take(i)
-            onward = affine_onward(pending, group)
-            values = apply_all([pending.messages[i] for i in onward], [incoming[i] for i in onward])
-            for i, value in zip(onward, values):
-                pending.post(i + 1, i, route.target(i), value.to(route.dtype))
+        for i in route.handling:
+            incoming[i] = x_in = None if route.source(i) is None else pending.take(i)
+            message, dst = pending.messages[i], route.target(i)
+            if dst is not None and not message.constant:
+                pending.post(i + 1, i, dst, message.apply(x_in).to(route.dtype))
         return [incoming[i] for i in route.positions]
 
 
