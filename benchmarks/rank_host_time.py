@@ -12,7 +12,9 @@ ReadyExchange`: the products of ``p2p``), so what is timed is kdacp's Python and
 
     python benchmarks/rank_host_time.py [--t-local 16384] [--ranks 2,8] [--rounds 21] [--profile ROLE]
 
-Prints one row per role: its positions and the median host milliseconds of a forward + backward; with
+Prints one row per role: its positions and the median milliseconds of a forward + backward, of this process's CPU
+time (``cpu_ms``: what kdacp's host work costs, steadier than the wall clock on a shared machine; one torch thread)
+and of the wall clock (``wall_ms``); with
 ``--profile "document_zigzag lognormal 8 middle"`` the cProfile top functions of that role by own time.
 """
 from __future__ import annotations
@@ -61,23 +63,24 @@ def main(argv=None) -> int:
         parser.error(f"--ranks / --t-local: {error}")
     if args.profile is not None and args.profile not in plans:
         parser.error(f"--profile must name a row, one of {sorted(plans)}; got {args.profile!r}")
-    cpu = torch.device("cpu")
-    call, do = role_call("kda", "torch", args.t_local, args.heads, args.head_dim, torch.float32, cpu)
+    torch.set_num_threads(1)  # the CPU time of this thread's work, not of idle intra-op workers
+    call, do = role_call("kda", "torch", args.t_local, args.heads, args.head_dim, torch.float32, torch.device("cpu"))
     rows = []
     for name, plan in plans.items():
         forward, backward = rank_step(SleepBackend(args.t_local, NO_SLEEP), plan, call, do, torch.float32,
                                       ReadyExchange())
         for _ in range(2):  # warm-up: memoised plans and routes
             forward(), backward()
-        times = []
+        cpu, wall = [], []
         for _ in range(args.rounds):
-            start = time.perf_counter()
+            start_cpu, start_wall = time.process_time(), time.perf_counter()
             forward(), backward()
-            times.append((time.perf_counter() - start) * 1e3)
+            cpu.append((time.process_time() - start_cpu) * 1e3)
+            wall.append((time.perf_counter() - start_wall) * 1e3)
         layout, batch, P, role = name.split()
         rows.append(dict(layout=layout, batch=batch, P=int(P), role=role,
                          positions=len(plan.rank_layouts[plan.rank].positions),
-                         host_ms=round(statistics.median(times), 3)))
+                         cpu_ms=round(statistics.median(cpu), 3), wall_ms=round(statistics.median(wall), 3)))
         if name == args.profile:
             profile = cProfile.Profile()
             profile.runcall(lambda: [(forward(), backward()) for _ in range(args.rounds)])
