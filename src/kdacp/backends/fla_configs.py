@@ -9,6 +9,11 @@ variable. :func:`export_fla_configs` turns a Triton autotune cache (``TRITON_CAC
 autotuner records its timings) into such files, which is how the shipped ones were made; making
 them on the user's GPU is :func:`kdacp.tuning.tune`.
 
+FLA's key holds no sequence count, so an entry tuned on one shape serves every count of sequences: the shipped
+H200 entry of the state pass (``chunk_gated_delta_rule_fwd_kernel_h_blockdim64``) over several sequences with
+incoming states, a context-parallel rank's pass, is set from a measurement of rank shapes (``BV = 64``;
+benchmarks/RESULTS.md, Per-rank overhead) and guarded by a test, since a re-export would overwrite it.
+
 A few FLA kernels (the gated norm of ``fla.modules.norm.fused_norm_gate``) use Triton's plain autotuner,
 which never reads those files; :func:`seed_autotuner` gives such an autotuner the file's entries as
 already-tuned results, which is what FLA's own autotuner does on an exact key match.
