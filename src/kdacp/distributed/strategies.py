@@ -59,6 +59,13 @@ class Route:
         return handling_order(self.positions, self.emits, self.affine)
 
     @cached_property
+    def outgoing(self) -> tuple[tuple[int, int], ...]:
+        """``p2p``'s sends from this rank to others: ``(position entered, its rank)``, in the order each receiver
+        reads them (:func:`handling_order` of the positions entered)."""
+        entered = [i + 1 for i in self.positions if self.target(i) not in (None, self.rank)]
+        return tuple((j, self.order[j]) for j in handling_order(entered, self.emits, self.affine))
+
+    @cached_property
     def slots(self) -> tuple[int, ...]:
         """Per position, its index among its rank's positions."""
         seen: dict = {}
@@ -202,10 +209,7 @@ class P2PExchange:
             if src is not None and src != route.rank:
                 buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
                 pending.receives[i] = (buffer, collectives.post_recv(buffer, src, route.group))
-        # a value is keyed by the position it enters, sent in the order its receiver reads it
-        entered = [i + 1 for i in route.positions if route.target(i) not in (None, route.rank)]
-        keys = [(j, route.order[j]) for j in handling_order(entered, route.emits, route.affine)]
-        pending.outbox = _OrderedSends(keys, route.group)
+        pending.outbox = _OrderedSends(route.outgoing, route.group)  # a value keyed by the position it enters
         return pending
 
     def send(self, pending: Pending, messages) -> None:
