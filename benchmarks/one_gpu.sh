@@ -24,6 +24,8 @@
 #                                             # sequence first, printing each kernel FLA autotunes, then FLA's new
 #                                             # configurations exported to OUT/fla-configs (copy them into
 #                                             # src/kdacp/configs/NVIDIA_H200 to skip that next time), then the rest
+#   bash benchmarks/one_gpu.sh profile  OUT   # the KDA and GDN layers' step split into the projections' matmuls and
+#                                             # the rest, per backend (attn_gym where installed), beside the floor
 #   bash benchmarks/one_gpu.sh attn_gym OUT   # backend="attn_gym" (benchmarks/attn_gym_prep.sh install first): its
 #                                             # GPU tests, the KDA layer at 16K and 64K, the GDN layer and op
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
@@ -32,7 +34,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, megatron_triton, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, megatron_triton, profile, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -106,6 +108,10 @@ megatron)
     step megatron_gdn 500 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 --batches one_sequence,lognormal \
         --out "$out/megatron_gdn"
     grep '^|' "$out/megatron_gdn.log"
+    ;;
+profile)
+    step layer_profile 300 python3 benchmarks/layer_profile.py --tokens 16384
+    grep '^|' "$out/layer_profile.log"
     ;;
 attn_gym)
     step attn_gym_tests 500 python3 -m pytest -q -m gpu -s tests/backends/test_attn_gym_backend_gpu.py
