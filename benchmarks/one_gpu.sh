@@ -12,7 +12,9 @@
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
-#                                             # per-rank overhead of the zigzag roles beside contiguous's
+#                                             # summary kernels' tilings over a per-document rank's many short
+#                                             # segments, then the per-rank overhead of the zigzag roles beside
+#                                             # contiguous's
 #   bash benchmarks/one_gpu.sh zigzag_tuning OUT  # the KDA zigzag roles again with FLA autotuning afresh (its
 #                                             # configurations' key holds no sequence count: RESULTS, Per-rank
 #                                             # overhead, cause 1) beside the shipped configurations
@@ -75,6 +77,8 @@ overhead)
     ;;
 zigzag)
     step sync_test 300 python3 -m pytest -q -m gpu tests/test_host_copies.py
+    step summary_segments 240 python3 benchmarks/summary_segments.py
+    grep '^|' "$out/summary_segments.log"
     for family in kda gdn; do  # 4 rounds of 3 calls: KDA's took 80 s on an H200
         step "zigzag_overhead_$family" 280 "${bench[@]}" --suite overhead --family "$family" --seq-lens 16384 \
             --layouts contiguous,zigzag,document_zigzag --ranks 2,8 --batches one_sequence,lognormal --rounds 4 \
