@@ -27,6 +27,7 @@ from kdacp.backends import backend_usable
 from kdacp.bench.harness import markdown_table
 from kdacp.bench.kernels import PEAK_FLOPS
 from kdacp.bench.layer import LAYERS, layer_step
+from kdacp.bench.timing import sync
 
 # substrings of cuBLAS / CUTLASS matmul kernel names (lower case), and the CPU's matmul ops
 GPU_MATMULS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
@@ -48,14 +49,12 @@ def kernel_times(layer, x, dy, device: torch.device, warmup: int, steps: int) ->
     """``{kernel or op name: ms per step}`` of ``steps`` profiled forward + backward steps."""
     for _ in range(warmup):
         layer_step(layer, x, dy, None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(steps):
             layer_step(layer, x, dy, None)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
     kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
     per: dict[str, float] = defaultdict(float)
     for event in prof.events():

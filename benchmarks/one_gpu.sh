@@ -100,10 +100,8 @@ megatron_triton)  # every kernel compiles afresh under the new Triton; FLA's GDN
         'accepted by FLA' if ok else 'refused by FLA'); sys.exit(0 if ok else 1)" || exit 1
     step megatron_triton_16k 540 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/megatron_gdn.py --seq-lens 16384 \
         --batches one_sequence --rounds 3 --out "$out/megatron_triton_16k"
-    step fla_configs 60 python3 -c "import os, sys; from pathlib import Path; \
-from kdacp.backends.fla_configs import export_fla_configs; \
-cache = os.environ.get('TRITON_CACHE_DIR', str(Path.home() / '.triton' / 'cache')); \
-print(*export_fla_configs(cache, sys.argv[1]), sep='\\n')" "$out/fla-configs"
+    step fla_configs 60 python3 -c "import sys, triton; from kdacp.backends.fla_configs import export_fla_configs; \
+print(*export_fla_configs(triton.knobs.cache.dir, sys.argv[1]), sep='\\n')" "$out/fla-configs"
     step megatron_triton_rest 540 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 \
         --batches one_sequence,lognormal --out "$out/megatron_triton"
     grep -h '^|' "$out/megatron_triton_16k.log" "$out/megatron_triton.log"
