@@ -21,8 +21,9 @@ VERSION=${TRITON_VERSION:-3.7.1}
 PART_BYTES=${PART_BYTES:-$((55 * 1024 * 1024))}
 python=${PYTHON:-python3}
 # paths inside the wheel that a Hopper run does not load
-TRIM=(triton/backends/nvidia/bin/ptxas-blackwell triton/_C/libproton.so triton/instrumentation)
-TRIM_GLOBS=("triton/backends/nvidia/lib/cupti/*.a" "triton/backends/nvidia/lib/cupti/libnvperf*")
+TRIM=(triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/bin/nvdisasm triton/backends/nvidia/lib/cupti
+      triton/_C/libproton.so triton/instrumentation triton/FileCheck)
+STRIP=triton/_C/libtriton.so
 
 pack() {
     local wheel=$1 dir=$2 work
@@ -32,8 +33,9 @@ pack() {
     (
         cd "$work"
         rm -rf "${TRIM[@]}"
-        for glob in "${TRIM_GLOBS[@]}"; do rm -f $glob; done
         [ -f triton/__init__.py ] || { echo "pack: $wheel holds no triton/__init__.py" >&2; exit 1; }
+        [ -f "$STRIP" ] || { echo "pack: $wheel holds no $STRIP" >&2; exit 1; }
+        strip --strip-unneeded "$STRIP"
     )
     mkdir -p "$dir"
     rm -f "$dir"/triton.tar.xz.part-* "$dir/SHA256SUMS"
