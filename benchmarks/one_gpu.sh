@@ -21,11 +21,14 @@
 #   bash benchmarks/one_gpu.sh gdn      OUT   # the Gated DeltaNet op against FLA's at 16K and 32K tokens
 #   bash benchmarks/one_gpu.sh megatron OUT   # KdacpGatedDeltaNet against Megatron-Core's GatedDeltaNet at 16K
 #                                             # and 32K tokens (needs megatron-core 0.19.2 installed)
-#   bash benchmarks/one_gpu.sh megatron_triton OUT  # the same, forward + backward, under a Triton >= 3.7.1 first
-#                                             # on PYTHONPATH (benchmarks/triton_prep.sh install): 16K one
-#                                             # sequence first, printing each kernel FLA autotunes, then FLA's new
-#                                             # configurations exported to OUT/fla-configs (copy them into
-#                                             # src/kdacp/configs/NVIDIA_H200 to skip that next time), then the rest
+#   bash benchmarks/one_gpu.sh megatron_triton_warm OUT  # under a Triton >= 3.7.1 first on PYTHONPATH
+#                                             # (benchmarks/triton_prep.sh install): every kernel of the Megatron
+#                                             # table compiled and autotuned (one round at 16K, one sequence and
+#                                             # packed, each kernel FLA tunes printed; over 4 minutes cold on an
+#                                             # H100), FLA's configurations exported to OUT/fla-configs (copy them
+#                                             # into src/kdacp/configs/<GPU> to skip that next time)
+#   bash benchmarks/one_gpu.sh megatron_triton OUT  # then, the Triton cache warm (the next call on the same
+#                                             # machine), the megatron table forward + backward
 #   bash benchmarks/one_gpu.sh profile  OUT   # the KDA and GDN layers' step split into the projections' matmuls and
 #                                             # the rest, per backend (attn_gym where installed), beside the floor
 #   bash benchmarks/one_gpu.sh attn_gym OUT   # backend="attn_gym" (benchmarks/attn_gym_prep.sh install first): its
@@ -36,7 +39,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, megatron_triton, profile, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -95,16 +98,20 @@ zigzag_tuning)
 gdn)
     step gdn 250 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/gdn"
     ;;
-megatron_triton)  # every kernel compiles afresh under the new Triton; FLA's GDN backward kernels also autotune
+megatron_triton_warm|megatron_triton)  # every kernel compiles afresh under the new Triton, into its cache
     python3 -c "import sys, triton; from fla.utils import TRITON_ABOVE_3_7_1 as ok; print('triton', triton.__version__,
         'accepted by FLA' if ok else 'refused by FLA'); sys.exit(0 if ok else 1)" || exit 1
-    step megatron_triton_16k 540 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/megatron_gdn.py --seq-lens 16384 \
-        --batches one_sequence --rounds 3 --out "$out/megatron_triton_16k"
-    step fla_configs 60 python3 -c "import sys, triton; from kdacp.backends.fla_configs import export_fla_configs; \
+    if [ "$part" = megatron_triton_warm ]; then
+        step megatron_triton_warm 530 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/megatron_gdn.py --seq-lens 16384 \
+            --batches one_sequence,lognormal --rounds 1 --out "$out/megatron_triton_warm"
+        step fla_configs 30 python3 -c "import sys, triton; from kdacp.backends.fla_configs import export_fla_configs; \
 print(*export_fla_configs(triton.knobs.cache.dir, sys.argv[1]), sep='\\n')" "$out/fla-configs"
-    step megatron_triton_rest 540 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 \
-        --batches one_sequence,lognormal --out "$out/megatron_triton"
-    grep -h '^|' "$out/megatron_triton_16k.log" "$out/megatron_triton.log"
+        grep -c "^Triton autotuning" "$out/megatron_triton_warm.log"
+    else
+        step megatron_triton 560 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 \
+            --batches one_sequence,lognormal --out "$out/megatron_triton"
+        grep -h '^|' "$out/megatron_triton.log"
+    fi
     ;;
 megatron)
     step megatron_gdn 500 python3 benchmarks/megatron_gdn.py --seq-lens 16384,32768 --batches one_sequence,lognormal \
