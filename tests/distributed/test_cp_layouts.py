@@ -1,7 +1,8 @@
 """``chunk_kda`` and ``chunk_gated_delta_rule`` over any token layout on gloo ranks against the float64
 reference on the global batch: zigzag (batch rows, with the split read from the call, and packed sequences),
 per-document zigzag with documents of every size class (a token, shorter than a convolution window of 4,
-shorter than a 64-token chunk, longer than a rank's tokens), and random caller ranges (uneven, several per
+shorter than a 64-token chunk, longer than a rank's tokens), the balanced placement of the same documents
+(P = 3; long ones cut per document, short ones whole or cut to fill a rank), and random caller ranges (uneven, several per
 rank, ranges of a few tokens, cut anywhere); every strategy, initial and final states, grouped value heads.
 Every output, final state and gradient at 1e-9. Each case's reference runs once, then every strategy."""
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from kdacp import reference
 from kdacp.distributed import STRATEGIES, build_cp_plan
-from kdacp.distributed.layout import TokenLayout, contiguous_layout, make_layout, ranges_layout
+from kdacp.distributed.layout import (TokenLayout, balanced_document_layout, contiguous_layout, make_layout,
+                                      ranges_layout)
 from kdacp.gdn import chunk_gated_delta_rule
 from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import recurrent_gated_delta_rule
@@ -63,6 +65,9 @@ def layout_cases(P: int) -> list[dict]:
         dict(name="zigzag-packed", op="kda", B=1, cu=packed, layout="zigzag", init=True, final=True),
         dict(name="document-zigzag-size-classes", op="kda", B=1, cu=docs, layout="document_zigzag", init=True,
              final=True),
+        # long documents cut per document, short ones whole (some cut to fill a rank's room), a rank holding many
+        dict(name="balanced-documents", op="kda", B=1, cu=docs, layout=balanced_document_layout(docs, P, whole_below=20),
+             init=True, final=True),
         dict(name="random-ranges-packed", op="kda", B=1, cu=packed, layout=random_ranges(packed[-1], P, 7 * P),
              init=True, final=True),
         # a training step: no states, batch rows, ranges of any length

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from kdacp.distributed.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, programs, simulate
 from kdacp.distributed.layout import TokenLayout, contiguous_layout, zigzag_layout
+from kdacp.distributed.layout import causal_pairs as ranges_causal_pairs
 
 __all__ = ["ATTENTION_FLOPS", "BACKWARD_FLOP_RATIO", "HYBRID_MODELS", "MIXER_STRATEGIES", "SCHEMES", "Calibrated",
            "HybridPrediction", "HybridShapes", "attention_balance", "causal_pairs", "one_gpu_step", "predict_hybrid"]
@@ -100,16 +101,9 @@ HYBRID_MODELS = {s.name: s for s in (KIMI_LINEAR_48B, QWEN3_NEXT_80B)}
 
 def causal_pairs(layout: TokenLayout, rank: int, cu_seqlens=None) -> int:
     """Key-query pairs ``rank``'s queries attend under causal attention with the document mask of global
-    ``cu_seqlens`` (ints; None: one sequence): for each of its tokens ``t``, ``t - start(document) + 1``."""
+    ``cu_seqlens`` (ints; None: one sequence): :func:`kdacp.distributed.layout.causal_pairs` of its ranges."""
     bounds = [0, layout.num_tokens] if cu_seqlens is None else [int(c) for c in cu_seqlens]
-    total = 0
-    for s, e in layout.ranges[rank]:
-        for d0, d1 in zip(bounds[:-1], bounds[1:]):
-            a, b = max(s, d0), min(e, d1)
-            if a < b:  # queries a .. b-1 of the document starting at d0: a-d0+1 .. b-d0 keys each
-                lo, hi = a - d0 + 1, b - d0
-                total += (lo + hi) * (hi - lo + 1) // 2
-    return total
+    return ranges_causal_pairs(layout.ranges[rank], bounds)
 
 
 def attention_balance(layout: TokenLayout, cu_seqlens=None) -> float:

@@ -16,6 +16,10 @@ Built-ins:
   to within one chunk's rounding).
 - :func:`document_zigzag_layout`: each document of a packed batch cut into ``2P`` chunks, rank ``r``
   holding chunks ``r`` and ``2P-1-r`` of every document (Megatron-Core's packed (THD) format).
+- :func:`balanced_document_layout`: a packed batch with its long documents cut as
+  :func:`document_zigzag_layout` cuts them and its short ones kept whole, placed so that the ranks' causal
+  attention work stays level: most documents then cross no rank, so a rank sends and receives a few states
+  where per-document zigzag has it pass one per document piece.
 - :func:`ranges_layout`: any ranges a caller gives (uneven, several per rank, cut anywhere).
 
 :func:`make_layout` turns a name or a layout into a layout for one batch.
@@ -27,8 +31,8 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["TokenLayout", "Position", "LAYOUTS", "contiguous_layout", "zigzag_layout", "document_zigzag_layout", "ranges_layout",
-           "make_layout"]
+__all__ = ["TokenLayout", "Position", "LAYOUTS", "contiguous_layout", "zigzag_layout", "document_zigzag_layout",
+           "balanced_document_layout", "ranges_layout", "make_layout", "causal_pairs"]
 
 LAYOUTS = ("contiguous", "zigzag", "document_zigzag")
 
@@ -155,6 +159,14 @@ def ranges_layout(ranges, num_tokens: int | None = None) -> TokenLayout:
     return _normalised(ranges, num_tokens)
 
 
+def _boundaries(cu_seqlens) -> list[int]:
+    """``cu_seqlens`` (ints or a 1-D tensor) as a list of ints, checked to be ``[0, ..., T]``, strictly increasing."""
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be [0, ..., T], strictly increasing, got {cu}")
+    return cu
+
+
 def _check_positive(name: str, x) -> None:
     if isinstance(x, bool) or not isinstance(x, int) or x < 1:
         raise ValueError(f"{name} must be a positive int, got {x!r}")
@@ -203,14 +215,100 @@ def document_zigzag_layout(cu_seqlens, world_size: int) -> TokenLayout:
     holding chunks ``r`` and ``2P-1-r`` of every document, documents in order (Megatron-Core's zigzag of a
     packed batch). Equal rank lengths need every document's length divisible by ``2P``."""
     _check_positive("world_size", world_size)
-    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must be [0, ..., T], strictly increasing, got {cu}")
+    cu = _boundaries(cu_seqlens)
     ranges = [[] for _ in range(world_size)]
     for a, b in zip(cu[:-1], cu[1:]):
         for r, rs in enumerate(_zigzag_ranges(a, b - a, world_size)):
             ranges[r] += rs
     return _normalised(ranges, cu[-1])
+
+
+def causal_pairs(ranges, cu_seqlens) -> int:
+    """Key-query pairs that the queries of ``ranges`` (global ``(start, end)`` pairs) attend under causal
+    attention with the document mask of global ``cu_seqlens`` (ints): for each token ``t``, ``t - start(its
+    document) + 1``."""
+    total = 0
+    for s, e in ranges:
+        for d0, d1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            a, b = max(s, d0), min(e, d1)
+            if a < b:  # queries a .. b-1 of the document starting at d0: a-d0+1 .. b-d0 keys each
+                lo, hi = a - d0 + 1, b - d0
+                total += (lo + hi) * (hi - lo + 1) // 2
+    return total
+
+
+def _level_shares(held: list[int], total: int) -> list[int]:
+    """Per rank, tokens to hold in all: as equal as ``total`` allows without going below ``held`` (what a rank
+    already holds), the remainder to the lowest ranks among those at the level."""
+    P = len(held)
+    for free in range(P, 0, -1):  # the ranks above the level keep what they hold; the others share the rest
+        ranks = sorted(range(P), key=lambda r: held[r])[:free]
+        rest = total - sum(held[r] for r in range(P) if r not in ranks)
+        level, extra = divmod(rest, free)
+        if level >= max(held[r] for r in ranks):
+            out = list(held)
+            for i, r in enumerate(sorted(ranks)):
+                out[r] = level + (i < extra)
+            return out
+    raise AssertionError("unreachable: one rank alone can always take the rest")
+
+
+def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | None = None) -> TokenLayout:
+    """A packed batch placed for level causal attention work with few documents cut across ranks.
+
+    Each document of at least ``whole_below`` tokens is cut into ``2 * world_size`` chunks, rank ``r`` holding
+    chunks ``r`` and ``2P-1-r`` (as :func:`document_zigzag_layout`: level attention work by construction).
+    The shorter documents stay whole: longest first, each goes to the rank with the fewest key-query pairs so
+    far (:func:`causal_pairs`) among those with room for it; a document no rank has room for is cut over the
+    ranks with room left, in rank order. Room: every rank holds ``T // P`` tokens (the lowest ranks one
+    more), unless its long documents' chunks alone hold more. A document kept whole sends and receives no
+    state, so a rank passes on about two states per long document (plus the few cut short ones) where
+    per-document zigzag passes two per document; the cost is some imbalance of attention work, less the
+    lower ``whole_below`` (``kdacp.bench.document_layouts`` measures both).
+
+    Args:
+        cu_seqlens: the global document boundaries ``[0, ..., T]`` (ints or a 1-D tensor), strictly increasing.
+        world_size: ranks ``P``.
+        whole_below: documents shorter than this many tokens stay whole; default a quarter of a rank's tokens,
+            ``max(1, T // (4 P))``.
+    """
+    _check_positive("world_size", world_size)
+    cu = _boundaries(cu_seqlens)
+    T, P = cu[-1], world_size
+    if whole_below is None:
+        whole_below = max(1, T // (4 * P))
+    _check_positive("whole_below", whole_below)
+    ranges = [[] for _ in range(P)]
+    short = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b - a >= whole_below:
+            for r, rs in enumerate(_zigzag_ranges(a, b - a, P)):
+                ranges[r] += rs
+        else:
+            short.append((a, b))
+    held = [sum(e - s for s, e in rs) for rs in ranges]
+    room = [share - h for share, h in zip(_level_shares(held, T), held)]
+    pairs = [causal_pairs(rs, cu) for rs in ranges]
+    left = []
+    for a, b in sorted(short, key=lambda d: (d[0] - d[1], d[0])):  # longest first, then in stream order
+        fits = [r for r in range(P) if room[r] >= b - a]
+        if not fits:
+            left.append((a, b))
+            continue
+        r = min(fits, key=lambda r: (pairs[r], r))
+        ranges[r].append((a, b))
+        room[r] -= b - a
+        pairs[r] += causal_pairs([(a, b)], cu)
+    r = 0
+    for a, b in sorted(left):  # cut over the ranks' room in rank order: its pieces keep the chain's order
+        while a < b:
+            while room[r] == 0:
+                r += 1
+            take = min(room[r], b - a)
+            ranges[r].append((a, a + take))
+            room[r] -= take
+            a += take
+    return _normalised([sorted(rs) for rs in ranges], T)
 
 
 def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> TokenLayout:
