@@ -15,6 +15,8 @@
 #                                             # summary kernels' tilings over a per-document rank's many short
 #                                             # segments, then the per-rank overhead of the zigzag roles beside
 #                                             # contiguous's
+#   bash benchmarks/one_gpu.sh balanced OUT   # the busiest rank of a packed batch placed by balanced_document_layout
+#                                             # beside per-document zigzag's roles (KDA and GDN, P = 8, log-normal)
 #   bash benchmarks/one_gpu.sh zigzag_tuning OUT  # the KDA zigzag roles again with FLA autotuning afresh (its
 #                                             # configurations' key holds no sequence count: RESULTS, Per-rank
 #                                             # overhead, cause 1) beside the shipped configurations
@@ -39,7 +41,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -87,6 +89,14 @@ zigzag)
             --layouts contiguous,zigzag,document_zigzag --ranks 2,8 --batches one_sequence,lognormal --rounds 4 \
             --iters 3 --out "$out/zigzag_overhead_$family"
     done
+    ;;
+balanced)
+    for family in kda gdn; do
+        step "balanced_overhead_$family" 280 "${bench[@]}" --suite overhead --family "$family" --seq-lens 16384 \
+            --layouts document_zigzag,balanced_documents --ranks 8 --batches lognormal --rounds 4 --iters 3 \
+            --out "$out/balanced_overhead_$family"
+    done
+    grep -h '^|' "$out"/balanced_overhead_*.log | grep -i "busiest\|middle\|role"
     ;;
 zigzag_tuning)
     for mode in shipped fresh; do  # fresh: FLA tunes each kernel key on the first shape it sees, here the roles'

@@ -1,4 +1,4 @@
-"""``kdacp bench --suite overhead --layouts``: the rank roles under zigzag layouts.
+"""``kdacp bench --suite overhead --layouts``: the rank roles under zigzag layouts and the balanced placement.
 
 - The roles stand for every rank: at each ``P``, every rank's segments (lengths, flags, how they group into
   ranges) are those of the role standing for it, and the roles differ from one another.
@@ -83,7 +83,8 @@ def _state_gradient(args: dict, options: dict, do: torch.Tensor, bos: int, t: in
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("layout, batch, P", [("zigzag", "one_sequence", 2), ("zigzag", "one_sequence", 3),
-                                              ("document_zigzag", "docs7", 2), ("document_zigzag", "lognormal", 3)])
+                                              ("document_zigzag", "docs7", 2), ("document_zigzag", "lognormal", 3),
+                                              ("balanced_documents", "lognormal", 3)])
 def test_every_rank_run_as_a_role_gives_the_reference(one_thread, family, layout, batch, P):
     T = 64
     plans = layout_role_plans(layout, batch, T, P)
@@ -195,3 +196,27 @@ def test_cli_layouts(one_thread, tmp_path, capsys):
         run(t_local=63, families=("kda",), batches=("one_sequence",), device="cpu", layouts=("zigzag",))
     with pytest.raises(ValueError, match="layouts must be from"):
         run(t_local=64, device="cpu", layouts=("stripes",))
+
+
+@pytest.mark.parametrize("P", [3, 8])
+def test_balanced_documents_time_their_busiest_rank(P):
+    T = 1024
+    plans = layout_role_plans("balanced_documents", "lognormal", T, P)
+    assert list(plans) == ["busiest"]
+    plan = plans["busiest"][0]
+    counts = [len(layout.positions) for layout in plan.rank_layouts]
+    assert plan.layout.local_lengths == (T,) * P
+    assert counts[plan.rank] == max(counts) and counts.index(max(counts)) == plan.rank
+    zigzag = layout_role_plans("document_zigzag", "lognormal", T, P)["middle"][0]
+    assert counts[plan.rank] < len(zigzag.rank_layouts[zigzag.rank].positions)
+    # one sequence: the balanced placement is zigzag, with its roles
+    assert list(layout_role_plans("balanced_documents", "one_sequence", T, P)) == ["ends", "middle", "turn"]
+
+
+def test_cli_runs_the_balanced_placement(one_thread, tmp_path):
+    assert main(["bench", "--suite", "overhead", "--device", "cpu", "--seq-lens", "64", "--heads", "1", "--head-dim",
+                 "8", "--batches", "lognormal", "--layouts", "balanced_documents", "--ranks", "3", "--out",
+                 str(tmp_path)]) == 0
+    rows = _by(json.loads((tmp_path / "overhead.json").read_text())["rows"], "overhead")
+    assert {(r["layout"], r["P"], r["role"]) for r in rows} == {("balanced_documents", 3, "busiest")}
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)

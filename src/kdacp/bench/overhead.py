@@ -61,7 +61,7 @@ import torch
 from kdacp.kernels.precision import resolve_precision
 from kdacp.distributed import RankRole, StandInExchange
 from kdacp.distributed.cost_model import RoleStages, StageTimes
-from kdacp.distributed.layout import LAYOUTS, make_layout
+from kdacp.distributed.layout import LAYOUTS, balanced_document_layout, make_layout, zigzag_layout
 from kdacp.distributed.plan import (STRATEGIES, CPPlan, layout_rank_layouts, local_cu_seqlens, one_rank_plan,
                                     rank_layouts, through_ranks)
 from kdacp.gdn import gdn_as_kda_arguments
@@ -190,6 +190,11 @@ def role_plans(batch: str, T: int) -> dict:
     return plans
 
 
+# the token layouts whose rank roles the suite times: kdacp's named ones, and a packed batch placed by
+# :func:`~kdacp.distributed.layout.balanced_document_layout` (one sequence: zigzag)
+OVERHEAD_LAYOUTS = LAYOUTS + ("balanced_documents",)
+
+
 def layout_role_ranks(P: int) -> dict:
     """``{role: rank}`` of the ranks that differ under a zigzag layout over ``P >= 2`` ranks (2P chunks, rank
     ``r`` holding chunks ``r`` and ``2P-1-r``; a packed batch's documents each so under ``document_zigzag``):
@@ -223,8 +228,8 @@ def layout_batch(layout: str, batch: str, T: int, P: int):
     """
     if isinstance(P, bool) or not isinstance(P, int) or P < 2:
         raise ValueError(f"world sizes must be ints >= 2, got {P!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layouts must be from {LAYOUTS}, got {layout!r}")
+    if layout not in OVERHEAD_LAYOUTS:
+        raise ValueError(f"layouts must be from {OVERHEAD_LAYOUTS}, got {layout!r}")
     if layout != "contiguous" and T % 2:
         raise ValueError(f"t_local must be even under {layout} (a rank holds two chunks of t_local / 2), got {T}")
     total = P * T
@@ -232,6 +237,8 @@ def layout_batch(layout: str, batch: str, T: int, P: int):
     if layout == "document_zigzag" and len(lengths) > 1:
         lengths = _multiples(lengths, 2 * P, total)
     cu = tuple(cu_seqlens_of(lengths)) if len(lengths) > 1 else None
+    if layout == "balanced_documents":
+        return cu, zigzag_layout(total, P) if cu is None else balanced_document_layout(cu, P)
     return cu, make_layout(layout, P, total, cu)
 
 
@@ -249,12 +256,17 @@ def _multiples(lengths, m: int, total: int) -> list[int]:
 
 def layout_role_plans(layout: str, batch: str, T: int, P: int) -> dict:
     """``{role: (plan of its rank in a P-rank plan under layout, one-rank plan of the same tokens)}``: the roles
-    of :func:`layout_role_ranks` under a zigzag ``layout`` over :func:`layout_batch`'s batch; the one-rank plan
-    holds the rank's segments as sequences of their own."""
+    of :func:`layout_role_ranks` under a zigzag ``layout`` over :func:`layout_batch`'s batch; under
+    ``balanced_documents`` of a packed batch, whose ranks each hold a different mix, one role, ``busiest``: the
+    rank of the most chain positions (the lowest of those). The one-rank plan holds the rank's segments as
+    sequences of their own."""
     cu, token_layout = layout_batch(layout, batch, T, P)
     layouts = layout_rank_layouts(cu, 1, token_layout)
     plans = {}
-    for role, rank in layout_role_ranks(P).items():
+    roles = layout_role_ranks(P)
+    if layout == "balanced_documents" and cu is not None:
+        roles = {"busiest": max(range(P), key=lambda r: (len(layouts[r].positions), -r))}
+    for role, rank in roles.items():
         plan = CPPlan(rank=rank, world_size=P, group=None, strategy="p2p", batch_size=1, cu_seqlens=cu,
                       local_lengths=token_layout.local_lengths, rank_layouts=layouts, layout=token_layout,
                       layout_name=layout)
@@ -456,7 +468,7 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
     check of the suite, not a measurement) 64 tokens, 2 heads of 8, float32, ``torch``, 1 round of 1 call.
     ``summary_precision``: the summary kernels' policy (:class:`kdacp.kernels.SummaryPrecision`; ``None``:
     the dtype's default), named in every overhead row's ``policy``. ``layouts``: from
-    :data:`~kdacp.distributed.layout.LAYOUTS`, the others than ``contiguous`` at every ``P`` of
+    :data:`OVERHEAD_LAYOUTS`, the others than ``contiguous`` at every ``P`` of
     ``world_sizes``. ``report(row)`` is called as each row completes.
 
     Raises:
@@ -473,9 +485,9 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"families must be from {FAMILIES}, got {unknown[0]!r}")
-    unknown = [name for name in layouts if name not in LAYOUTS]
+    unknown = [name for name in layouts if name not in OVERHEAD_LAYOUTS]
     if unknown:
-        raise ValueError(f"layouts must be from {LAYOUTS}, got {unknown[0]!r}")
+        raise ValueError(f"layouts must be from {OVERHEAD_LAYOUTS}, got {unknown[0]!r}")
     cases = list(_cases(batches, layouts, world_sizes, t_local))  # the plans, checked before anything runs
     rows = []
     for family in families:
