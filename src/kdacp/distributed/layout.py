@@ -26,6 +26,7 @@ Built-ins:
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -229,11 +230,13 @@ def causal_pairs(ranges, cu_seqlens) -> int:
     document) + 1``."""
     total = 0
     for s, e in ranges:
-        for d0, d1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            a, b = max(s, d0), min(e, d1)
-            if a < b:  # queries a .. b-1 of the document starting at d0: a-d0+1 .. b-d0 keys each
-                lo, hi = a - d0 + 1, b - d0
-                total += (lo + hi) * (hi - lo + 1) // 2
+        n = bisect.bisect_right(cu_seqlens, s) - 1  # the document holding token s, then those after it
+        while n < len(cu_seqlens) - 1 and cu_seqlens[n] < e:
+            d0 = cu_seqlens[n]
+            a, b = max(s, d0), min(e, cu_seqlens[n + 1])
+            lo, hi = a - d0 + 1, b - d0  # queries a .. b-1 of the document starting at d0: a-d0+1 .. b-d0 keys
+            total += (lo + hi) * (hi - lo + 1) // 2
+            n += 1
     return total
 
 
@@ -298,7 +301,7 @@ def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | Non
         r = min(fits, key=lambda r: (pairs[r], r))
         ranges[r].append((a, b))
         room[r] -= b - a
-        pairs[r] += causal_pairs([(a, b)], cu)
+        pairs[r] += (b - a) * (b - a + 1) // 2  # a whole document's
     r = 0
     for a, b in sorted(left):  # cut over the ranks' room in rank order: its pieces keep the chain's order
         while a < b:
