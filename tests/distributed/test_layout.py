@@ -142,3 +142,9 @@ def test_balanced_documents_refuse_bad_arguments_by_name():
         balanced_document_layout([0, 4, 4, 8], 2)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         balanced_document_layout([0, 8], 0)
+
+
+def test_balanced_documents_all_long_is_document_zigzag_with_its_uneven_rounding():
+    cu = [0, 7, 20, 33]  # chunks of 7 and 13 tokens over 2P = 4 and 6 differ by a token
+    for P in (2, 3):
+        assert balanced_document_layout(cu, P, whole_below=1).ranges == document_zigzag_layout(cu, P).ranges

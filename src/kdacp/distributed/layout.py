@@ -267,7 +267,7 @@ def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | Non
     more), unless its long documents' chunks alone hold more. A document kept whole sends and receives no
     state, so a rank passes on about two states per long document (plus the few cut short ones) where
     per-document zigzag passes two per document; the cost is some imbalance of attention work, less the
-    lower ``whole_below`` (``kdacp.bench.document_layouts`` measures both).
+    lower ``whole_below`` (``benchmarks/document_layouts.py`` counts both).
 
     Args:
         cu_seqlens: the global document boundaries ``[0, ..., T]`` (ints or a 1-D tensor), strictly increasing.
@@ -303,7 +303,7 @@ def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | Non
         room[r] -= b - a
         pairs[r] += (b - a) * (b - a + 1) // 2  # a whole document's
     r = 0
-    for a, b in sorted(left):  # cut over the ranks' room in rank order: its pieces keep the chain's order
+    for a, b in sorted(left):  # cut over the room left, rank by rank
         while a < b:
             while room[r] == 0:
                 r += 1
