@@ -13,7 +13,7 @@ import torch
 from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
-from .bench.overhead import OVERHEAD_LAYOUTS
+from .distributed.layout import LAYOUTS
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
 from .demo import DTYPES, rank_count
 from .layers.context_parallel import hybrid_ulysses_size
@@ -111,10 +111,10 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def _layouts(text: str) -> tuple[str, ...]:
-    """argparse type: comma-separated token layouts of :data:`kdacp.bench.overhead.OVERHEAD_LAYOUTS`."""
+    """argparse type: comma-separated token layouts of :data:`kdacp.distributed.layout.LAYOUTS`."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names or any(n not in OVERHEAD_LAYOUTS for n in names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated layouts from {', '.join(OVERHEAD_LAYOUTS)}, "
+    if not names or any(n not in LAYOUTS for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated layouts from {', '.join(LAYOUTS)}, "
                                          f"got {text!r}")
     return names
 
@@ -605,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "on CPU; up to 1024 on CUDA); overhead: the P of each layout other than "
                                       "contiguous whose rank roles are timed (default: 2,8,64)"),
             ("--layouts", _layouts, "overhead suite: comma-separated token layouts from "
-                                    f"{', '.join(OVERHEAD_LAYOUTS)} whose rank roles are timed (default: "
+                                    f"{', '.join(LAYOUTS)} whose rank roles are timed (default: "
                                     "contiguous)"),
             ("--predict-ranks", _rank_counts, "scaling suite: comma-separated rank counts to predict (default: "
                                               "2,4,...,1024); hybrid and balance: the rank counts (default: 8,16,64)"),

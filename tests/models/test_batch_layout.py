@@ -60,7 +60,7 @@ def _random_ranges(T: int, P: int, seed: int):
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "document_zigzag", "ranges"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "document_zigzag", "balanced_documents", "ranges"])
 def test_labels_and_positions_match_the_unsharded_batch(layout, P):
     T = 24 * P  # a multiple of 2P: no padding under contiguous and zigzag
     cu = [0, 5, 6, 3 * P + 1, 3 * P + 4, T] if layout != "document_zigzag" else [0, 2 * P, 8 * P, T]
@@ -132,6 +132,20 @@ def test_zigzag_padding_is_a_document_of_its_own_at_the_end():
     shifted, positions = _expected(padded, pad_labels, [0, 20, T, T + 3])
     assert torch.equal(got["labels"], shifted) and torch.equal(got["positions"], positions)
     assert torch.equal(got["labels"][:T], _expected(ids, ids, cu)[0])  # the real tokens' targets unchanged
+
+
+def test_balanced_documents_pad_to_a_multiple_of_p_as_a_document_of_their_own():
+    P, T = 4, 61  # 61 % 4 = 1: three pad tokens after the last document
+    ids = _tokens(T)
+    cu = [0, 20, 23, T]
+    shards = [shard_tokens(ids, cu_seqlens=torch.tensor(cu), rank=r, world_size=P, layout="balanced_documents",
+                           pad_id=0) for r in range(P)]
+    assert {b.input_ids.shape[1] for b in shards} == {16} and shards[0].padding == 3
+    assert shards[0].cu_seqlens.tolist() == [0, 20, 23, T, T + 3]
+    got = _reassembled(shards)
+    assert torch.equal(got["labels"][:T], _expected(ids, ids, cu)[0])  # the real tokens' targets unchanged
+    with pytest.raises(ValueError, match=r"a multiple of P \(or pass pad_id"):
+        shard_tokens(ids, cu_seqlens=torch.tensor(cu), rank=0, world_size=P, layout="balanced_documents")
 
 
 @pytest.mark.parametrize("cu_seqlens", [CU_SEQLENS, [0, 5, 6, 70, 73, 120, 126]])  # the last one needs no pad

@@ -115,10 +115,12 @@ def _layout_worker(rank, world_size, ref, results, layout):
 
 
 @pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), pytest.param(4, "zigzag", marks=pytest.mark.slow),
-                                               pytest.param(2, "document_zigzag", marks=pytest.mark.slow)])
+                                               pytest.param(2, "document_zigzag", marks=pytest.mark.slow),
+                                               (2, "balanced_documents")])
 def test_parallelize_under_zigzag_matches_one_process(world_size, layout, reference):
-    """Batches sharded under zigzag (rank r holds chunks r and 2P-1-r), or per-document zigzag (every document
-    padded to a multiple of 2P after its last token), the model parallelised for it: logits of the real tokens,
+    """Batches sharded under zigzag (rank r holds chunks r and 2P-1-r), per-document zigzag (every document
+    padded to a multiple of 2P after its last token) or the balanced placement (long documents cut per document,
+    the short one whole), the model parallelised for it: logits of the real tokens,
     loss and every gradient as one process's within TOL."""
     results = torch.multiprocessing.Manager().dict()
     run_ranks(_layout_worker, world_size, reference, results, layout)

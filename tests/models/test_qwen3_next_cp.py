@@ -132,7 +132,8 @@ def _layout_worker(rank, world_size, ref, results, layout):
 
 
 @pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), pytest.param(4, "zigzag", marks=pytest.mark.slow),
-                                               pytest.param(2, "document_zigzag", marks=pytest.mark.slow)])
+                                               pytest.param(2, "document_zigzag", marks=pytest.mark.slow),
+                                               (2, "balanced_documents")])
 def test_parallelize_under_zigzag_matches_one_process(world_size, layout, reference):
     """Batches sharded under zigzag (rank r holds chunks r and 2P-1-r), or per-document zigzag (every document
     padded to a multiple of 2P after its last token), the model parallelised for it: logits of the real tokens,

@@ -61,7 +61,7 @@ import torch
 from kdacp.kernels.precision import resolve_precision
 from kdacp.distributed import RankRole, StandInExchange
 from kdacp.distributed.cost_model import RoleStages, StageTimes
-from kdacp.distributed.layout import LAYOUTS, balanced_document_layout, make_layout, zigzag_layout
+from kdacp.distributed.layout import LAYOUTS, make_layout
 from kdacp.distributed.plan import (STRATEGIES, CPPlan, layout_rank_layouts, local_cu_seqlens, one_rank_plan,
                                     rank_layouts, through_ranks)
 from kdacp.gdn import gdn_as_kda_arguments
@@ -190,11 +190,6 @@ def role_plans(batch: str, T: int) -> dict:
     return plans
 
 
-# the token layouts whose rank roles the suite times: kdacp's named ones, and a packed batch placed by
-# :func:`~kdacp.distributed.layout.balanced_document_layout` (one sequence: zigzag)
-OVERHEAD_LAYOUTS = LAYOUTS + ("balanced_documents",)
-
-
 def layout_role_ranks(P: int) -> dict:
     """``{role: rank}`` of the ranks that differ under a zigzag layout over ``P >= 2`` ranks (2P chunks, rank
     ``r`` holding chunks ``r`` and ``2P-1-r``; a packed batch's documents each so under ``document_zigzag``):
@@ -228,8 +223,8 @@ def layout_batch(layout: str, batch: str, T: int, P: int):
     """
     if isinstance(P, bool) or not isinstance(P, int) or P < 2:
         raise ValueError(f"world sizes must be ints >= 2, got {P!r}")
-    if layout not in OVERHEAD_LAYOUTS:
-        raise ValueError(f"layouts must be from {OVERHEAD_LAYOUTS}, got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layouts must be from {LAYOUTS}, got {layout!r}")
     if layout != "contiguous" and T % 2:
         raise ValueError(f"t_local must be even under {layout} (a rank holds two chunks of t_local / 2), got {T}")
     total = P * T
@@ -237,8 +232,6 @@ def layout_batch(layout: str, batch: str, T: int, P: int):
     if layout == "document_zigzag" and len(lengths) > 1:
         lengths = _multiples(lengths, 2 * P, total)
     cu = tuple(cu_seqlens_of(lengths)) if len(lengths) > 1 else None
-    if layout == "balanced_documents":
-        return cu, zigzag_layout(total, P) if cu is None else balanced_document_layout(cu, P)
     return cu, make_layout(layout, P, total, cu)
 
 
@@ -468,7 +461,7 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
     check of the suite, not a measurement) 64 tokens, 2 heads of 8, float32, ``torch``, 1 round of 1 call.
     ``summary_precision``: the summary kernels' policy (:class:`kdacp.kernels.SummaryPrecision`; ``None``:
     the dtype's default), named in every overhead row's ``policy``. ``layouts``: from
-    :data:`OVERHEAD_LAYOUTS`, the others than ``contiguous`` at every ``P`` of
+    :data:`~kdacp.distributed.layout.LAYOUTS`, the others than ``contiguous`` at every ``P`` of
     ``world_sizes``. ``report(row)`` is called as each row completes.
 
     Raises:
@@ -485,9 +478,9 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"families must be from {FAMILIES}, got {unknown[0]!r}")
-    unknown = [name for name in layouts if name not in OVERHEAD_LAYOUTS]
+    unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
-        raise ValueError(f"layouts must be from {OVERHEAD_LAYOUTS}, got {unknown[0]!r}")
+        raise ValueError(f"layouts must be from {LAYOUTS}, got {unknown[0]!r}")
     cases = list(_cases(batches, layouts, world_sizes, t_local))  # the plans, checked before anything runs
     rows = []
     for family in families:

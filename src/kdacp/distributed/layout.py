@@ -35,7 +35,7 @@ import torch
 __all__ = ["TokenLayout", "Position", "LAYOUTS", "contiguous_layout", "zigzag_layout", "document_zigzag_layout",
            "balanced_document_layout", "ranges_layout", "make_layout", "causal_pairs"]
 
-LAYOUTS = ("contiguous", "zigzag", "document_zigzag")
+LAYOUTS = ("contiguous", "zigzag", "document_zigzag", "balanced_documents")
 
 
 @dataclass(frozen=True)
@@ -316,8 +316,9 @@ def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | Non
 
 def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> TokenLayout:
     """The :class:`TokenLayout` of one batch of ``num_tokens`` tokens over ``world_size`` ranks: ``layout`` is a
-    :class:`TokenLayout` (checked against both), or one of :data:`LAYOUTS` (``"document_zigzag"`` reads the
-    global ``cu_seqlens``; without them it is ``"zigzag"``)."""
+    :class:`TokenLayout` (checked against both), or one of :data:`LAYOUTS` (``"document_zigzag"`` and
+    ``"balanced_documents"``, :func:`balanced_document_layout` at its default, read the global ``cu_seqlens``;
+    without them each is ``"zigzag"``)."""
     if isinstance(layout, TokenLayout):
         if layout.world_size != world_size or layout.num_tokens != num_tokens:
             raise ValueError(f"layout must cover {num_tokens} tokens over {world_size} ranks, got one of "
@@ -329,4 +330,7 @@ def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> To
         return zigzag_layout(num_tokens, world_size)
     if layout == "document_zigzag":
         return document_zigzag_layout(cu_seqlens, world_size)
+    if layout == "balanced_documents":  # one sequence (or rows): its one long document is zigzag's
+        return zigzag_layout(num_tokens, world_size) if cu_seqlens is None else \
+            balanced_document_layout(cu_seqlens, world_size)
     raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")

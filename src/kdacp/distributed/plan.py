@@ -355,8 +355,9 @@ def build_cp_plan(cu_seqlens=None, *, layout=None, local_lengths=None, batch_siz
         layout: which tokens each rank holds: a :class:`~kdacp.distributed.layout.TokenLayout` (of
             ``cu_seqlens[-1]`` tokens, or of one batch row) or one of
             :data:`~kdacp.distributed.layout.LAYOUTS`: ``"contiguous"`` (the default), ``"zigzag"``,
-            ``"document_zigzag"`` (each document of ``cu_seqlens`` zigzagged; without ``cu_seqlens`` the
-            same as ``"zigzag"``). A name without ``cu_seqlens`` is resolved per call from ``T_local``
+            ``"document_zigzag"`` (each document of ``cu_seqlens`` zigzagged), ``"balanced_documents"``
+            (:func:`~kdacp.distributed.layout.balanced_document_layout`); the last two without ``cu_seqlens``
+            the same as ``"zigzag"``. A name without ``cu_seqlens`` is resolved per call from ``T_local``
             (rows of ``world_size * T_local`` tokens). Each rank passes its ranges' tokens, concatenated
             in ascending order.
         local_lengths: tokens held by each rank under the contiguous layout, ``[world_size]`` positive

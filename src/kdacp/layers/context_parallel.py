@@ -121,7 +121,8 @@ class ContextParallel(_SingleDevice):
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
         layout: how the global batch is split over the ranks: ``"contiguous"``, ``"zigzag"`` (rank ``r``
             holds chunks ``r`` and ``2P-1-r`` of ``2P``), ``"document_zigzag"`` (the same per document of a
-            packed row) or a :class:`~kdacp.distributed.layout.TokenLayout` (any ranges). Every layer call and
+            packed row), ``"balanced_documents"`` (a packed row's long documents so, its short ones whole:
+            :func:`~kdacp.distributed.layout.balanced_document_layout`) or a :class:`~kdacp.distributed.layout.TokenLayout` (any ranges). Every layer call and
             softmax attention follow it; only ``"state"`` mode takes another than contiguous.
 
     Raises:

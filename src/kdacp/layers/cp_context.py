@@ -215,8 +215,8 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
             ``batch_size`` rows. Read on the host once (a device sync for a CUDA tensor).
         local_length: the tokens this rank holds (per row).
         batch_size: rows ``B`` without ``cu_seqlens`` (1 with them).
-        layout: a :class:`~kdacp.distributed.layout.TokenLayout`, or ``"contiguous"``, ``"zigzag"`` or
-            ``"document_zigzag"`` (built-in layouts need every rank to hold ``local_length`` tokens).
+        layout: a :class:`~kdacp.distributed.layout.TokenLayout`, or one of
+            :data:`~kdacp.distributed.layout.LAYOUTS` (built-in layouts need every rank to hold ``local_length`` tokens).
         group: the context-parallel process group; None: one device (the whole batch here).
         strategy: the recurrence's state exchange (see :func:`kdacp.build_cp_plan`).
         with_plan: build the recurrence's plan (False: for softmax attention alone).

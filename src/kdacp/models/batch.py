@@ -93,10 +93,10 @@ def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 def _padding_plan(layout: str, P: int, T: int, cu_seqlens: torch.Tensor | None) -> tuple[list[tuple[int, int]], bool]:
     """Where ``pad_id`` tokens go so that the named ``layout`` gives every rank the same number of tokens:
     ``(pads, own_document)``, ``pads`` the ``(global position before padding, count)`` pairs with a count,
-    ascending. ``"contiguous"``: ``(-T) % P`` at the end; ``"zigzag"`` (and ``"document_zigzag"`` of one
-    sequence): ``(-T) % 2P`` at the end; both a document of their own. ``"document_zigzag"``: each document's
-    ``(-length) % 2P`` at its own end, extending it."""
-    if layout == "contiguous":
+    ascending. ``"contiguous"`` (and ``"balanced_documents"`` of a packed batch): ``(-T) % P`` at the end;
+    ``"zigzag"`` (and the document layouts of one sequence): ``(-T) % 2P`` at the end; both a document of their
+    own. ``"document_zigzag"``: each document's ``(-length) % 2P`` at its own end, extending it."""
+    if layout == "contiguous" or layout == "balanced_documents" and cu_seqlens is not None:
         return [(T, n) for n in [(-T) % P] if n], True
     if layout == "zigzag" or cu_seqlens is None:
         return [(T, n) for n in [(-T) % (2 * P)] if n], True
@@ -147,7 +147,8 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
         pads, own_document = _padding_plan(layout, world_size, T, cu_seqlens)
         if pads and (pad_id is None or B != 1):
             how = "or pass pad_id= to pad it" if B == 1 else f"pad_id= pads only batches of B == 1, got B={B}"
-            unit = "P" if layout == "contiguous" else "2P (every document's, for document_zigzag)"
+            by_p = layout == "contiguous" or layout == "balanced_documents" and cu_seqlens is not None
+            unit = "P" if by_p else "2P (every document's, for document_zigzag)"
             raise ValueError(f"the global batch's T={T} tokens must split evenly over {world_size} ranks under the "
                              f"{layout!r} layout, a multiple of {unit} ({how})")
         if pads:
@@ -219,10 +220,13 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
             of their own, which no real token sees (under zigzag they land in rank 0's second range).
             ``"document_zigzag"`` of a packed batch: each document's ``(-length) % 2P`` tokens appended to that
             document, after its last real token (so no real token sees them), positions continuing, and
-            ``cu_seqlens`` moved to include them (Megatron-Core's padded packed format). None: refuse such a ``T``.
+            ``cu_seqlens`` moved to include them (Megatron-Core's padded packed format). ``"balanced_documents"``
+            of a packed batch: ``(-T) % P`` tokens as a document of their own at the end. None: refuse such a ``T``.
         layout: one of :data:`~kdacp.distributed.layout.LAYOUTS` (``"contiguous"``: rank ``r`` holds the
             ``r``-th equal time shard; ``"zigzag"``: the stream cut into ``2P`` chunks, rank ``r`` holding chunks
-            ``r`` and ``2P-1-r``; ``"document_zigzag"``: the same per document), or a
+            ``r`` and ``2P-1-r``; ``"document_zigzag"``: the same per document; ``"balanced_documents"``:
+            :func:`~kdacp.distributed.layout.balanced_document_layout`, the long documents cut per document, the
+            short ones whole, for level attention work), or a
             :class:`~kdacp.distributed.layout.TokenLayout` of the ``T`` tokens (taken as is, uneven allowed).
 
     Returns:

@@ -30,8 +30,8 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
         cp: a :class:`kdacp.ContextParallel`, or a ``DeviceMesh`` (:meth:`ContextParallel.from_mesh`:
             1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
         layout: the token layout every batch is sharded by (``"contiguous"``, ``"zigzag"``,
-            ``"document_zigzag"`` or a :class:`~kdacp.distributed.layout.TokenLayout`; zigzag balances the softmax
-            attention's causal work): with a mesh, the context's layout; with a ``ContextParallel``, it must be
+            ``"document_zigzag"``, ``"balanced_documents"`` or a :class:`~kdacp.distributed.layout.TokenLayout`;
+            all but contiguous balance the softmax attention's causal work): with a mesh, the context's layout; with a ``ContextParallel``, it must be
             that context's (default: the context's, or contiguous for a mesh). Shard each batch with
             ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses one of another.
         loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
