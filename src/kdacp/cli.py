@@ -13,10 +13,10 @@ import torch
 from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
-from .distributed.layout import LAYOUTS
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
 from .demo import DTYPES, rank_count
 from .layers.context_parallel import hybrid_ulysses_size
+from .distributed.layout import LAYOUTS
 from .distributed.plan import STRATEGY_CHOICES
 from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES
@@ -114,8 +114,7 @@ def _layouts(text: str) -> tuple[str, ...]:
     """argparse type: comma-separated token layouts of :data:`kdacp.distributed.layout.LAYOUTS`."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names or any(n not in LAYOUTS for n in names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated layouts from {', '.join(LAYOUTS)}, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated layouts from {', '.join(LAYOUTS)}, got {text!r}")
     return names
 
 
@@ -605,8 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "on CPU; up to 1024 on CUDA); overhead: the P of each layout other than "
                                       "contiguous whose rank roles are timed (default: 2,8,64)"),
             ("--layouts", _layouts, "overhead suite: comma-separated token layouts from "
-                                    f"{', '.join(LAYOUTS)} whose rank roles are timed (default: "
-                                    "contiguous)"),
+                                    f"{', '.join(LAYOUTS)} whose rank roles are timed (default: contiguous)"),
             ("--predict-ranks", _rank_counts, "scaling suite: comma-separated rank counts to predict (default: "
                                               "2,4,...,1024); hybrid and balance: the rank counts (default: 8,16,64)"),
             ("--step-layers", _positive_int, "scaling suite: token-mixer layers of the step model's training step "
