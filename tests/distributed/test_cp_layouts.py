@@ -2,8 +2,8 @@
 reference on the global batch: zigzag (batch rows, with the split read from the call, and packed sequences),
 per-document zigzag with documents of every size class (a token, shorter than a convolution window of 4,
 shorter than a 64-token chunk, longer than a rank's tokens), the balanced placement of the same documents
-(P = 3; long ones cut per document, short ones whole or cut to fill a rank), and random caller ranges (uneven, several per
-rank, ranges of a few tokens, cut anywhere); every strategy, initial and final states, grouped value heads.
+(P = 3; long ones cut per document, short ones whole or cut to fill a rank), and random caller ranges (uneven,
+several per rank, ranges of a few tokens, cut anywhere); every strategy, initial and final states, grouped value heads.
 Every output, final state and gradient at 1e-9. Each case's reference runs once, then every strategy."""
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def layout_cases(P: int) -> list[dict]:
         dict(name="document-zigzag-size-classes", op="kda", B=1, cu=docs, layout="document_zigzag", init=True,
              final=True),
         # long documents cut per document, short ones whole (some cut to fill a rank's room), a rank holding many
-        dict(name="balanced-documents", op="kda", B=1, cu=docs, layout=balanced_document_layout(docs, P, whole_below=20),
-             init=True, final=True),
+        dict(name="balanced-documents", op="kda", B=1, cu=docs,
+             layout=balanced_document_layout(docs, P, whole_below=20), init=True, final=True),
         dict(name="random-ranges-packed", op="kda", B=1, cu=packed, layout=random_ranges(packed[-1], P, 7 * P),
              init=True, final=True),
         # a training step: no states, batch rows, ranges of any length

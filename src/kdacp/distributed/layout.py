@@ -326,11 +326,10 @@ def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> To
         return layout
     if layout == "contiguous":
         return contiguous_layout(num_tokens, world_size)
-    if layout == "zigzag" or (layout == "document_zigzag" and cu_seqlens is None):
-        return zigzag_layout(num_tokens, world_size)
+    if layout == "zigzag" or (layout in ("document_zigzag", "balanced_documents") and cu_seqlens is None):
+        return zigzag_layout(num_tokens, world_size)  # one sequence (or rows): one document, zigzagged
     if layout == "document_zigzag":
         return document_zigzag_layout(cu_seqlens, world_size)
-    if layout == "balanced_documents":  # one sequence (or rows): its one long document is zigzag's
-        return zigzag_layout(num_tokens, world_size) if cu_seqlens is None else \
-            balanced_document_layout(cu_seqlens, world_size)
+    if layout == "balanced_documents":
+        return balanced_document_layout(cu_seqlens, world_size)
     raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")

@@ -90,13 +90,19 @@ def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int64)
 
 
+def _pads_to_p(layout: str, cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether the named ``layout`` splits evenly at a multiple of ``P`` tokens (else of ``2P``, per document under
+    ``"document_zigzag"``): ``"contiguous"``, and ``"balanced_documents"`` of a packed batch."""
+    return layout == "contiguous" or layout == "balanced_documents" and cu_seqlens is not None
+
+
 def _padding_plan(layout: str, P: int, T: int, cu_seqlens: torch.Tensor | None) -> tuple[list[tuple[int, int]], bool]:
     """Where ``pad_id`` tokens go so that the named ``layout`` gives every rank the same number of tokens:
     ``(pads, own_document)``, ``pads`` the ``(global position before padding, count)`` pairs with a count,
     ascending. ``"contiguous"`` (and ``"balanced_documents"`` of a packed batch): ``(-T) % P`` at the end;
     ``"zigzag"`` (and the document layouts of one sequence): ``(-T) % 2P`` at the end; both a document of their
     own. ``"document_zigzag"``: each document's ``(-length) % 2P`` at its own end, extending it."""
-    if layout == "contiguous" or layout == "balanced_documents" and cu_seqlens is not None:
+    if _pads_to_p(layout, cu_seqlens):
         return [(T, n) for n in [(-T) % P] if n], True
     if layout == "zigzag" or cu_seqlens is None:
         return [(T, n) for n in [(-T) % (2 * P)] if n], True
@@ -147,8 +153,7 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
         pads, own_document = _padding_plan(layout, world_size, T, cu_seqlens)
         if pads and (pad_id is None or B != 1):
             how = "or pass pad_id= to pad it" if B == 1 else f"pad_id= pads only batches of B == 1, got B={B}"
-            by_p = layout == "contiguous" or layout == "balanced_documents" and cu_seqlens is not None
-            unit = "P" if by_p else "2P (every document's, for document_zigzag)"
+            unit = "P" if _pads_to_p(layout, cu_seqlens) else "2P (every document's, for document_zigzag)"
             raise ValueError(f"the global batch's T={T} tokens must split evenly over {world_size} ranks under the "
                              f"{layout!r} layout, a multiple of {unit} ({how})")
         if pads:

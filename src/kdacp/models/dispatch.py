@@ -31,9 +31,10 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
             1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
         layout: the token layout every batch is sharded by (``"contiguous"``, ``"zigzag"``,
             ``"document_zigzag"``, ``"balanced_documents"`` or a :class:`~kdacp.distributed.layout.TokenLayout`;
-            all but contiguous balance the softmax attention's causal work): with a mesh, the context's layout; with a ``ContextParallel``, it must be
-            that context's (default: the context's, or contiguous for a mesh). Shard each batch with
-            ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses one of another.
+            all but contiguous balance the softmax attention's causal work): with a mesh, the context's layout;
+            with a ``ContextParallel``, it must be that context's (default: the context's, or contiguous for a
+            mesh). Shard each batch with ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses
+            one of another.
         loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
             :mod:`kdacp.models.batch`): a process group or 1-D mesh, the flattened dp x cp mesh under
             FSDP2/DDP; default: the context-parallel group.
