@@ -17,6 +17,7 @@ tokens kept whole). Exact counts, no timing.
 from __future__ import annotations
 
 import argparse
+import bisect
 
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.harness import markdown_table
@@ -40,10 +41,9 @@ def receiving(layout: TokenLayout, cu: list[int]) -> int:
 def cut_documents(layout: TokenLayout, cu: list[int]) -> int:
     """Documents whose tokens more than one rank holds."""
     owners = [set() for _ in cu[:-1]]
-    doc = 0
     for rank, ranges in enumerate(layout.ranges):
         for s, e in ranges:
-            doc = next(d for d in range(len(cu) - 1) if cu[d] <= s < cu[d + 1])
+            doc = bisect.bisect_right(cu, s) - 1  # the document holding token s, then those after it
             while doc < len(cu) - 1 and cu[doc] < e:
                 owners[doc].add(rank)
                 doc += 1
