@@ -36,6 +36,8 @@ pack() {
         [ -f triton/__init__.py ] || { echo "pack: $wheel holds no triton/__init__.py" >&2; exit 1; }
         [ -f "$STRIP" ] || { echo "pack: $wheel holds no $STRIP" >&2; exit 1; }
         strip --strip-unneeded "$STRIP"
+        # zipfile drops the mode bits; ptxas and cuobjdump are run as programs
+        chmod a+x triton/backends/nvidia/bin/*
     )
     mkdir -p "$dir"
     rm -f "$dir"/triton.tar.xz.part-* "$dir/SHA256SUMS"
@@ -66,6 +68,7 @@ install)
     if [ -e "$dir/SHA256SUMS" ]; then (cd "$dir" && sha256sum --check --quiet SHA256SUMS); fi
     mkdir -p "$target"
     xz -dc "$dir/triton.tar.xz" | tar xf - -C "$target"
+    chmod a+x "$target"/triton/backends/nvidia/bin/*  # parts packed without the mode bits
     rm "$dir/triton.tar.xz"
     PYTHONPATH="$target:${PYTHONPATH:-}" "$python" -c \
         "import triton; print('triton', triton.__version__, 'from', triton.__file__)"
