@@ -155,13 +155,24 @@ def test_the_gate_bound_is_attention_gyms():
 def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name(monkeypatch, requested):
     monkeypatch.setattr(call, "resolve_backend", lambda backend, device: "attn_gym")
     q, k, v = _meta(1, 64, 4, 4, K=64, V=64)
-    arguments = dict(scalar_gate=False, **KIMI)
+    arguments = dict(scalar_gate=True, **dict(KIMI, lower_bound=None))
     if requested == "auto":
         assert call.call_backend("auto", CUDA, q, k, v, **arguments) == "fla"
     else:
         with pytest.raises(ValueError, match=r"backend='attn_gym' cannot run this call: .*K = V = 128"):
             call.call_backend("attn_gym", CUDA, q, k, v, **arguments)
     assert call.call_backend(requested, CUDA, *_meta(1, 64, 4, 4), **arguments) == "attn_gym"
+
+
+@pytest.mark.parametrize("requested, scalar_gate, want", [
+    ("auto", True, "attn_gym"),      # GDN trains faster on attention-gym's core
+    ("auto", False, "fla"),          # KDA's layer trains faster on FLA's kernels
+    ("attn_gym", False, "attn_gym"),  # asked for by name
+])
+def test_auto_runs_only_gdn_on_attention_gym(monkeypatch, requested, scalar_gate, want):
+    monkeypatch.setattr(call, "resolve_backend", lambda backend, device: "attn_gym")
+    arguments = dict(KIMI, lower_bound=None if scalar_gate else KIMI["lower_bound"])
+    assert call.call_backend(requested, CUDA, *_meta(1, 64, 4, 4), scalar_gate=scalar_gate, **arguments) == want
 
 
 def test_chunk_kda_refuses_attn_gym_on_the_cpu_before_running():

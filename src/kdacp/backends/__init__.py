@@ -4,8 +4,8 @@
 kernels (needs ``fla-core==0.6.0`` and a CUDA device). ``attn_gym``: attention-gym 0.0.17's staged KDA and
 GDN cores for training, FLA's kernels for the rest (needs both, and a Hopper GPU: capability 9.0).
 ``auto``: ``attn_gym`` for CUDA tensors on a Hopper GPU when both are installed, else ``fla`` when FLA is,
-else ``torch``; a call outside attention-gym's limits then runs on ``fla``
-(:func:`kdacp.backends.call.call_backend`).
+else ``torch``; a KDA call and a call outside attention-gym's limits then run on ``fla``
+(:func:`kdacp.backends.call.call_backend`: GDN trains faster on attention-gym's core, KDA does not).
 """
 from __future__ import annotations
 

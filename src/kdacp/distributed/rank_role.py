@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..affine import AffineMap
-from ..backends import resolve_backend
 from ..backends.base import KDAInputs, LocalBackend
-from ..backends.call import prepare_call
+from ..backends.call import call_backend, prepare_call
 from ..kernels.precision import resolve_precision
 from ..reference.gates import compute_dtype
 from ..validation import check_kda_dtypes
@@ -110,7 +109,9 @@ class RankRole:
         """
         check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound, None)
         check_kda_dtypes(q, k, v, g, beta)
-        name = resolve_backend(backend, q.device)
+        name = call_backend(backend, q.device, q, k, v, scalar_gate=scalar_gate is not None,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                            lower_bound=lower_bound, summary_precision=summary_precision)
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
         call = prepare_call(name, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
