@@ -235,13 +235,6 @@ def test_demo_names_mode_and_strategy():
     assert "mode hybrid (ulysses_size 2, strategy p2p)" in demo_config(4, "hybrid").describe()
 
 
-def test_demo_names_fla_where_auto_would_offer_attention_gym(monkeypatch):
-    """Kimi Linear's layers are KDA, which ``auto`` keeps on FLA even where attention-gym is installed."""
-    from kdacp import demo
-    monkeypatch.setattr(demo, "resolve_backend", lambda backend, device: "attn_gym")
-    assert "backend auto (fla)," in demo.demo_config(2).describe()
-
-
 def test_bench_layer_on_cpu_defaults_to_cpu_sizes(monkeypatch, tmp_path, capsys):
     """The command the CLI suggests without a GPU: at these sizes it ran in 19 s on 2 cores (at the GPU
     sizes, no row in 300 s)."""

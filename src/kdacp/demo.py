@@ -158,12 +158,11 @@ class DemoConfig:
                 f"of {self.head_dim}), {self.dtype}, backend {self._backend_text()}, {self.steps} steps")
 
     def _backend_text(self) -> str:
-        """The backend, and for ``auto`` what the model's KDA layers resolve to on the device (``attn_gym`` is
-        never ``auto``'s pick for KDA: :func:`kdacp.backends.call.call_backend`)."""
+        """The backend, and for ``auto`` what the model's KDA layers resolve to on the device
+        (:func:`resolve_backend`)."""
         if self.backend != "auto":
             return self.backend
-        name = resolve_backend(self.backend, torch.device(self.device))
-        return f"auto ({'fla' if name == 'attn_gym' else name})"
+        return f"auto ({resolve_backend(self.backend, torch.device(self.device))})"
 
 
 # Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), the

@@ -93,8 +93,10 @@ def test_auto_picks_attn_gym_only_on_hopper_with_both_installed(monkeypatch, fla
     monkeypatch.setattr(fla_adapter, "fla_available", lambda: fla)
     monkeypatch.setattr(attn_gym_adapter, "attn_gym_available", lambda: attn_gym)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert resolve_backend("auto", CUDA) == want
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", CUDA, scalar_gate=True) == want
+    assert resolve_backend("auto", torch.device("cpu"), scalar_gate=True) == "torch"
+    # KDA's layer trains faster on FLA's kernels: auto never picks attention-gym for it
+    assert resolve_backend("auto", CUDA) == ("fla" if fla else "torch")
 
 
 def _meta(B, T, H, HV, K=128, V=128, dtype=torch.bfloat16):
@@ -153,7 +155,7 @@ def test_the_gate_bound_is_attention_gyms():
 
 @pytest.mark.parametrize("requested", ["auto", "attn_gym"])
 def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name(monkeypatch, requested):
-    monkeypatch.setattr(call, "resolve_backend", lambda backend, device: "attn_gym")
+    monkeypatch.setattr(call, "resolve_backend", lambda backend, device, scalar_gate: "attn_gym")
     q, k, v = _meta(1, 64, 4, 4, K=64, V=64)
     arguments = dict(scalar_gate=True, **dict(KIMI, lower_bound=None))
     if requested == "auto":
@@ -170,7 +172,11 @@ def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name
     ("attn_gym", False, "attn_gym"),  # asked for by name
 ])
 def test_auto_runs_only_gdn_on_attention_gym(monkeypatch, requested, scalar_gate, want):
-    monkeypatch.setattr(call, "resolve_backend", lambda backend, device: "attn_gym")
+    monkeypatch.setattr(fla_adapter, "fla_available", lambda: True)
+    monkeypatch.setattr(fla_adapter, "require_fla", lambda: None)
+    monkeypatch.setattr(attn_gym_adapter, "attn_gym_available", lambda: True)
+    monkeypatch.setattr(attn_gym_adapter, "require_attn_gym", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     arguments = dict(KIMI, lower_bound=None if scalar_gate else KIMI["lower_bound"])
     assert call.call_backend(requested, CUDA, *_meta(1, 64, 4, 4), scalar_gate=scalar_gate, **arguments) == want
 

@@ -69,22 +69,17 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
 
 def call_backend(backend: str, device: torch.device, q, k, v, *, scalar_gate: bool, use_qk_l2norm_in_kernel: bool,
                  use_gate_in_kernel: bool, lower_bound, summary_precision) -> str:
-    """The concrete backend of one call: :func:`~kdacp.backends.resolve_backend`'s, except that where
-    ``"attn_gym"`` came from ``"auto"``, a KDA call (``scalar_gate=False``) and a call outside attention-gym's
-    limits (:func:`~kdacp.backends.attn_gym_adapter.attn_gym_refusal`, from shapes, dtypes and options only, so
-    every rank decides alike) run on ``"fla"``. KDA stays on FLA under ``"auto"`` because kdacp's KDA layer
-    trains faster there (forward + backward, 16K tokens, one H200: 14.51 against 15.01 ms, one sequence;
-    14.54 against 15.02 ms, 5 documents); GDN's trains in 0.68x of its time on attention-gym's core.
+    """The concrete backend of one call: :func:`~kdacp.backends.resolve_backend`'s, except that a call outside
+    attention-gym's limits (:func:`~kdacp.backends.attn_gym_adapter.attn_gym_refusal`, from shapes, dtypes and
+    options only, so every rank decides alike) runs on ``"fla"`` when ``"attn_gym"`` came from ``"auto"``.
 
     Raises:
         ValueError, ImportError: as :func:`~kdacp.backends.resolve_backend`; ValueError naming the limit when
             ``backend="attn_gym"`` was asked for by name and the call is outside it.
     """
-    name = resolve_backend(backend, device)
+    name = resolve_backend(backend, device, scalar_gate=scalar_gate)
     if name != "attn_gym":
         return name
-    if backend == "auto" and not scalar_gate:
-        return "fla"
     reason = attn_gym_refusal(q, k, v, scalar_gate=scalar_gate, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                               use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                               summary_precision=summary_precision)
