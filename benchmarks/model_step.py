@@ -7,9 +7,15 @@ one GPU (bf16 weights, AdamW, the model's own ``.loss``, backward, optimizer ste
 - ``+fsdp2 kept``: ``reshard_after_forward=False`` (kept from the forward to the backward, what a layer that
   fits does best; on P GPUs it saves one all-gather per layer and step);
 - ``+compile``: ``torch.compile`` of the whole parallelised model (inductor; kdacp's token mixers and
-  softmax attention run as opaque regions, :mod:`kdacp.compile`), its compilation in the warm-up steps.
+  softmax attention run as opaque regions, :mod:`kdacp.compile`), its compilation in the warm-up steps;
+- ``transformers``: transformers' own model, not parallelised (its own code, FLA's kernels where FLA imports),
+  one sequence a step (it has no packed-document input), what a user trains without kdacp.
+
+``--backend`` is kdacp's local backend in every parallelised variant (``auto``: FLA's kernels for Kimi Linear's
+KDA layers; ``attn_gym``: attention-gym's KDA core).
 
     python benchmarks/model_step.py [--tokens 16384,65536] [--variants parallelize,+compile] [--steps 10]
+    python benchmarks/model_step.py --variants transformers,parallelize --backend attn_gym
     python benchmarks/model_step.py --device cpu      # a check of the script (tiny config, gloo), not a result
 
 AdamW runs fused by default (one kernel for all parameters: torchtitan's default implementation; ``foreach``,
@@ -36,16 +42,17 @@ from kdacp.bench.timing import Clock, peak_gb, sync
 from kdacp.bench.trace import top_ops
 from kdacp.workers import free_port
 
-VARIANTS = ("parallelize", "+fsdp2", "+fsdp2 kept", "+compile")
+VARIANTS = ("parallelize", "+fsdp2", "+fsdp2 kept", "+compile", "transformers")
 FSDP_TARGET = 1.02  # FSDP2's cost over parallelize alone that a user should not notice
 
 
 def build_variant(name: str, size: dict, mesh, device: torch.device, dtype: torch.dtype, optimizer: str,
-                  compile_backend: str):
-    """``(step model, its parameters' module, AdamW)`` of variant ``name`` (:data:`VARIANTS`)."""
+                  compile_backend: str, backend: str):
+    """``(step model, AdamW)`` of variant ``name`` (:data:`VARIANTS`); ``backend``: kdacp's local backend."""
     from torch.distributed.fsdp import fully_shard
     model = build_model(size, seed=0, device=device, dtype=dtype)
-    kdacp.parallelize(model, mesh)
+    if name != "transformers":
+        kdacp.parallelize(model, kdacp.ContextParallel.from_mesh(mesh, backend=backend))
     if name.startswith("+fsdp2"):
         reshard = name == "+fsdp2"
         for layer in model.model.layers:
@@ -84,11 +91,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--optimizer", default="fused", choices=["fused", "foreach"], help="AdamW's implementation")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for +compile")
+    parser.add_argument("--backend", default="auto", choices=kdacp.backends.BACKENDS,
+                        help="kdacp's local backend in the parallelised variants")
     parser.add_argument("--profile", action="store_true",
                         help="after the timing, profile one step of each: device time by kernel, top rows")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if "transformers" in args.variants and args.documents != "one_sequence":
+        parser.error("--variants transformers: transformers' own model takes one sequence a step, so --documents "
+                     f"must be one_sequence, got {args.documents}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible (--device cpu checks the script)")
@@ -100,22 +112,26 @@ def main() -> None:
                             world_size=1)
     device = torch.device("cuda" if cuda else "cpu")
     mesh = kdacp.init_device_mesh(device.type, (1,), mesh_dim_names=("cp",))
-    runs = {name: build_variant(name, size, mesh, device, dtype, args.optimizer, args.compile_backend)
+    runs = {name: build_variant(name, size, mesh, device, dtype, args.optimizer, args.compile_backend, args.backend)
             for name in args.variants}
     params = sum(p.numel() for p in next(iter(runs.values()))[0].parameters())
     clock = Clock(device)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{gpu}, Kimi Linear {params / 1e6:.1f}M parameters, {dtype}, AdamW ({args.optimizer}), {args.documents}, "
-          f"median of {args.steps} steps after {args.warmup}:")
+          f"kdacp backend {args.backend}, median of {args.steps} steps after {args.warmup}:")
 
     for tokens in token_counts:
         def step(name: str, i: int) -> float:
             model, optimizer = runs[name]
             ids, cu = make_batch(i, list(document_lengths(args.documents, tokens, seed=i)), size["vocab"], seed=0)
-            batch = kdacp.shard_batch(ids.to(device), cu_seqlens=cu.to(device), group=mesh)
+            if name == "transformers":
+                ids = ids.to(device)
+                kwargs = dict(input_ids=ids, labels=ids)
+            else:
+                kwargs = kdacp.shard_batch(ids.to(device), cu_seqlens=cu.to(device), group=mesh).model_kwargs()
             sync(device)
             start = clock.stamp()
-            model(**batch.model_kwargs()).loss.backward()
+            model(**kwargs).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return clock.seconds(start, clock.stamp())
@@ -143,6 +159,8 @@ def main() -> None:
                 ratio += f": {'within' if m / base <= FSDP_TARGET else 'NOT within'} {FSDP_TARGET}x"
             print(f"  {name:14s} {m:.4f} s   (min {min(times[name]):.4f}, max {max(times[name]):.4f}), "
                   f"peak {peaks[name]:.2f} GiB{ratio}")
+        if "transformers" in median and base is not None:
+            print(f"  parallelize over transformers' own model: {base / median['transformers']:.3f}x")
     dist.destroy_process_group()
 
 

@@ -35,13 +35,17 @@
 #                                             # the rest, per backend (attn_gym where installed), beside the floor
 #   bash benchmarks/one_gpu.sh attn_gym OUT   # backend="attn_gym" (benchmarks/attn_gym_prep.sh install first): its
 #                                             # GPU tests, the KDA layer at 16K and 64K, the GDN layer and op
+#   bash benchmarks/one_gpu.sh model_backend OUT BACKEND  # the 346M Kimi Linear step against transformers' own
+#                                             # model (FLA's kernels), kdacp's layers on BACKEND (fla or attn_gym)
+#   bash benchmarks/one_gpu.sh overhead_backend OUT BACKEND  # the per-rank overhead of the contiguous roles (KDA
+#                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
 #
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym or demo}
+part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -140,6 +144,21 @@ attn_gym)
         --batches one_sequence,lognormal --out "$out/attn_gym_gdn_layer"
     step attn_gym_gdn 300 "${bench[@]}" --suite gdn --world-size 1 --seq-lens 16384,32768 --out "$out/attn_gym_gdn"
     ;;
+model_backend)
+    backend=${3:?model_backend OUT BACKEND: fla or attn_gym}
+    step "model_$backend" 300 python3 benchmarks/model_step.py --tokens 16384 --variants transformers,parallelize \
+        --backend "$backend"
+    tail -4 "$out/model_$backend.log"
+    ;;
+overhead_backend)
+    backend=${3:?overhead_backend OUT BACKEND: fla or attn_gym}
+    for family in kda gdn; do
+        step "overhead_${family}_$backend" 280 "${bench[@]}" --suite overhead --family "$family" --backend "$backend" \
+            --seq-lens 16384 --layouts contiguous --batches one_sequence,lognormal --rounds 3 --iters 3 \
+            --out "$out/overhead_${family}_$backend"
+    done
+    grep -h '^|' "$out"/overhead_*_"$backend".log | head -40
+    ;;
 demo)
     step demo 120 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kdacp.cli demo --world-size 1 --device cuda
     tail -2 "$out/demo.log"
@@ -147,7 +166,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, zigzag_tuning, gdn, megatron, attn_gym or demo, got $part" >&2
+    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo, got $part" >&2
     exit 2
     ;;
 esac
