@@ -30,3 +30,22 @@ def test_model_step_refuses_an_unknown_variant():
                           "--variants", "parallelize,+fsdp3"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT / "benchmarks")
     assert run.returncode == 2 and "variants must be from" in run.stderr and "+fsdp3" in run.stderr, run.stderr
+
+
+def test_model_step_times_transformers_own_model_beside_kdacp_on_cpu():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
+                          "--steps", "1", "--warmup", "0", "--tokens", "64", "--variants", "transformers,parallelize",
+                          "--backend", "torch"], capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "kdacp backend torch" in run.stdout, run.stdout
+    rows = dict(re.findall(r"^  (transformers|parallelize) +([0-9.]+) s", run.stdout, re.M))
+    assert sorted(rows) == ["parallelize", "transformers"] and all(float(t) > 0 for t in rows.values()), run.stdout
+    ratio = float(re.search(r"parallelize over transformers' own model: ([0-9.]+)x", run.stdout).group(1))
+    assert ratio == pytest.approx(float(rows["parallelize"]) / float(rows["transformers"]), rel=5e-3), run.stdout
+
+
+def test_model_step_refuses_packed_documents_for_transformers_own_model():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
+                          "--variants", "transformers", "--documents", "lognormal"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT / "benchmarks")
+    assert run.returncode == 2 and "--documents must be one_sequence" in run.stderr, run.stderr
