@@ -31,12 +31,16 @@ from kdacp.bench.timing import sync
 
 # substrings of cuBLAS / CUTLASS matmul kernel names (lower case), and the CPU's matmul ops
 GPU_MATMULS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
+# kernels compiled by the CUTLASS DSL (attention-gym's core): the recurrence's, not the projections'
+GPU_CORE_KERNELS = ("cutlass_dsl",)
 CPU_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def is_matmul(name: str, device: torch.device) -> bool:
+    """Whether the kernel or op ``name`` is a projection's matmul (cuBLAS's or CUTLASS's library kernels)."""
     if device.type == "cuda":
-        return any(part in name.lower() for part in GPU_MATMULS)
+        lower = name.lower()
+        return any(part in lower for part in GPU_MATMULS) and not any(part in lower for part in GPU_CORE_KERNELS)
     return name in CPU_MATMULS
 
 

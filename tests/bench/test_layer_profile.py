@@ -41,4 +41,5 @@ def test_matmul_kernels_are_told_apart():
     assert layer_profile.is_matmul("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTT", cuda)
     assert layer_profile.is_matmul("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", cuda)
     assert not layer_profile.is_matmul("chunk_kda_fwd_kernel_o", cuda)
+    assert not layer_profile.is_matmul("cutlass_dsl_chunk_kda_bwd_intra_fm1_kernel_cutlass__chunk_kda_bwd_intra_hmma", cuda)
     assert layer_profile.is_matmul("aten::addmm", cpu) and not layer_profile.is_matmul("aten::mul", cpu)
