@@ -124,11 +124,11 @@ def main() -> None:
         def step(name: str, i: int) -> float:
             model, optimizer = runs[name]
             ids, cu = make_batch(i, list(document_lengths(args.documents, tokens, seed=i)), size["vocab"], seed=0)
+            ids = ids.to(device)
             if name == "transformers":
-                ids = ids.to(device)
                 kwargs = dict(input_ids=ids, labels=ids)
             else:
-                kwargs = kdacp.shard_batch(ids.to(device), cu_seqlens=cu.to(device), group=mesh).model_kwargs()
+                kwargs = kdacp.shard_batch(ids, cu_seqlens=cu.to(device), group=mesh).model_kwargs()
             sync(device)
             start = clock.stamp()
             model(**kwargs).loss.backward()

@@ -45,7 +45,8 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-part=${1:?part: kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo}
+PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo"
+part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
@@ -166,7 +167,7 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 *)
-    echo "part must be kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo, got $part" >&2
+    echo "part must be $PARTS, got $part" >&2
     exit 2
     ;;
 esac
