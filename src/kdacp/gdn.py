@@ -17,6 +17,7 @@ import functools
 import torch
 
 from .caches import META_STAND_INS
+from .distributed.split import check_split
 from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_tensor
@@ -62,7 +63,7 @@ def _meta_stand_in(numel: int, dtype) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None):
+                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None, split="auto"):
     """Chunk GDN, differentiable (FLA's ``chunk_gated_delta_rule`` arguments): on one device, or with
     ``cp`` over the tokens split across the ranks of ``cp.group`` (call it on every rank).
 
@@ -71,15 +72,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             decay, or raw logits with ``use_gate_in_kernel`` (``-exp(A_log) * softplus(g + dt_bias)``,
             ``A_log``, ``dt_bias`` ``[HV]``); beta ``[B, T, HV]``.
         scale, initial_state ``[N, HV, K, V]``, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, cu_seqlens_cpu, backend, cp, summary_precision: as :func:`kdacp.chunk_kda` (same
+            cu_seqlens, cu_seqlens_cpu, backend, cp, summary_precision, split: as :func:`kdacp.chunk_kda` (same
             contract for states, gradients and errors under ``cp``).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
     """
+    check_split(split)
     gate = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
     prepared, plan = check_and_prepare(
         q, k, v, beta=beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         lower_bound=None, safe_gate=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
         check_finite=False, output_final_state=output_final_state, cp=cp, summary_precision=summary_precision, **gate)
-    return run_prepared(prepared, plan, initial_state, output_final_state)
+    return run_prepared(prepared, plan, initial_state, output_final_state, split)

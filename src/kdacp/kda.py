@@ -19,6 +19,7 @@ from .backends.call import PreparedCall, call_backend, input_dtypes, input_gradi
 from .distributed.checks import check_cp_call
 from .distributed.orchestration import cp_backward, cp_forward
 from .distributed.plan import CPPlan, one_rank_plan
+from .distributed.split import SplitPieces, check_split
 from .kernels.precision import resolve_precision
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_kda_inputs
@@ -32,6 +33,7 @@ class _Call:
     backend: LocalBackend
     output_final_state: bool
     has_initial_state: bool
+    split: object = "auto"
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -41,30 +43,35 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, call: _Call, q, k, v, g, beta, A_log, dt_bias, initial_state):
         inputs = KDAInputs(q, k, v, g, beta, A_log, dt_bias)
         # states are float32 (float64 for float64 inputs) whatever initial_state's dtype
-        result = cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(q))
+        result = _forward(call, inputs, initial_state)
         if any(ctx.needs_input_grad):  # nothing to keep for inference (host time, and the saved tensors)
             ctx.call, ctx.saved_type = call, type(result.saved)
             kept = result.head_states or LocalStates(None)
+            split = result.split
+            ctx.split_cut = None if split is None else (split.starts, split.counts)
             ctx.save_for_backward(result.local_initial, result.transition, kept.h, kept.v_new,
-                                  *tensor_fields(result.saved))
+                                  None if split is None else split.entries,
+                                  None if split is None else split.transitions, *tensor_fields(result.saved))
             ctx.input_dtypes = input_dtypes(inputs)
         return result.o, result.final_state
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        local_initial, transition, h, v_new, *saved = ctx.saved_tensors
+        local_initial, transition, h, v_new, split_entries, split_transitions, *saved = ctx.saved_tensors
         call: _Call = ctx.call
         head_states = None if h is None else LocalStates(None, h, v_new)
+        split = None if ctx.split_cut is None else SplitPieces(*ctx.split_cut, split_entries, split_transitions)
         # Like FLA, the state pass is recomputed rather than kept (memory), except where a predecessor waits for
         # a gradient that follows the rank's local pass: the whole rank is one head, or it holds several positions.
         grads = cp_backward(call.backend, call.plan, ctx.saved_type(*saved), local_initial, transition, head_states,
-                            do.contiguous(), dfinal, call.output_final_state, call.has_initial_state)
+                            do.contiguous(), dfinal, call.output_final_state, call.has_initial_state, split=split)
         return (None, *input_gradients(grads, ctx.input_dtypes), grads.dinitial_state)
 
 
 def _forward(call: _Call, inputs: KDAInputs, initial_state):
     # states are float32 (float64 for float64 inputs) whatever initial_state's dtype
-    return cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(inputs.q))
+    return cp_forward(call.backend, call.plan, inputs, initial_state, call.output_final_state, compute_dtype(inputs.q),
+                      split=call.split)
 
 
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -103,9 +110,10 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
     return prepare_call(name, q, k, v, g, beta, scalar_gate=scalar_gate, **options), plan
 
 
-def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool):
-    """Run a call from :func:`check_and_prepare` on ``plan``; returns what :func:`chunk_kda` returns."""
-    call = _Call(plan, prepared.backend, bool(output_final_state), initial_state is not None)
+def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool, split="auto"):
+    """Run a call from :func:`check_and_prepare` on ``plan``; returns what :func:`chunk_kda` returns.
+    ``split``: as :func:`chunk_kda`'s, checked."""
+    call = _Call(plan, prepared.backend, bool(output_final_state), initial_state is not None, split)
     tensors = (*vars(prepared.inputs).values(), initial_state)
     if wants_gradient(*tensors):
         o, final_state = ChunkKDAFunction.apply(call, *tensors)
@@ -118,7 +126,7 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None, summary_precision=None):
+              check_finite=False, cp=None, summary_precision=None, split="auto"):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
 
@@ -159,6 +167,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             :class:`kdacp.kernels.SummaryPrecision`; ``None``: the default for the inputs' dtype (fp16 and
             float32 inputs always run float32 products; the ``torch`` backend computes summaries in float32).
             Under ``cp`` every rank must pass the same value.
+        split: the split inside the device (:mod:`kdacp.distributed.split`): each long sequence (under ``cp``:
+            each long local segment of a rank that runs its state pass whole) cut into pieces whose state passes
+            run at once, from states carried between them by their summaries, forward and backward; exact to
+            the summaries' precision (``summary_precision``). ``"auto"`` (default): on a GPU where the pieces
+            that fill it cut the longest sequence at least 4 times (few heads, long sequences); an int ``S``:
+            the longest sequence in ``S`` pieces (1: none); ``None``: no split. Ranks may differ.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
@@ -169,9 +183,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             options (the rank whose input is wrong raises its own error, naming the argument).
         ImportError: ``"fla"`` or ``"attn_gym"`` unusable (the message names the missing package).
     """
+    check_split(split)  # before the cross-rank check: a bad value raises on its own rank, before any rank waits
     prepared, plan = check_and_prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         safe_gate=safe_gate, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
         check_finite=check_finite, output_final_state=output_final_state, cp=cp, summary_precision=summary_precision)
-    return run_prepared(prepared, plan, initial_state, output_final_state)
+    return run_prepared(prepared, plan, initial_state, output_final_state, split)

@@ -23,7 +23,7 @@ import torch
 from .product import affine_product
 
 __all__ = ["AffineMap", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
-           "compose_state_summaries", "entry_states"]
+           "chain_states", "compose_state_summaries", "entry_states"]
 
 
 class AffineMap(NamedTuple):
@@ -139,16 +139,45 @@ def compose_state_summaries(first, second) -> AffineMap:
     return AffineMap(*_products(M2, S1, S2, M1))
 
 
+def chain_states(maps: AffineMap, counts: tuple[int, ...], initial: torch.Tensor | None,
+                 reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Carry states along chains of pieces: ``maps`` (``offset [n, HV, K, V]``, ``transition [n, HV, K, K]``)
+    holds each piece's summary, sequence by sequence, ``counts`` the pieces of each of the ``N`` sequences
+    (host ints), ``initial [N, HV, K, V]`` (or ``None``: zeros) what enters each sequence.
+
+    Forward: piece ``j`` is entered by ``x_j`` and ``x_{j+1} = M_j x_j + S_ext_j``. ``reverse`` (the backward, with
+    ``offset = G``): ``initial`` is each sequence's final-state gradient, entering its last piece, and
+    ``x_j = M_{j+1}^T x_{j+1} + G_{j+1}``.
+
+    Returns ``(entries [n, HV, K, V], out [N, HV, K, V])``: what enters each piece (``reverse``: the gradient of its
+    final state) and what leaves each sequence (``reverse``: the gradient of its initial state). Products by the
+    precision rule of this module: one Triton launch for float32 GPU operands outside autograd
+    (:mod:`kdacp.kernels.chain`), else piece by piece in float64."""
+    offsets, transitions = maps
+    if len(counts) == 0 or sum(counts) != offsets.shape[0]:
+        raise ValueError(f"counts {counts} must add up to the {offsets.shape[0]} pieces of maps")
+    if _kernel_path(offsets, transitions, initial):
+        from ..host_copies import to_device
+        from ..kernels.chain import chain_states as chain_kernel  # kernels import this module
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        seqs = to_device(torch.tensor(list(zip(firsts, counts)), dtype=torch.int64), offsets.device)
+        return chain_kernel(offsets, transitions, seqs, initial, reverse)
+    step = apply_state_gradient_summary if reverse else apply_state_summary
+    entries = [None] * offsets.shape[0]
+    outs, first = [], 0
+    for row, count in enumerate(counts):
+        x = offsets.new_zeros(offsets.shape[1:]) if initial is None else initial[row]
+        order = range(first + count - 1, first - 1, -1) if reverse else range(first, first + count)
+        for j in order:
+            entries[j] = x
+            x = step(offsets[j], transitions[j], x)
+        outs.append(x)
+        first += count
+    dtype = _out_dtype(*(t for t in (offsets, transitions, initial) if t is not None))
+    return torch.stack(entries).to(dtype), torch.stack(outs).to(dtype)
+
+
 def entry_states(parts: SummaryParts, initial: torch.Tensor) -> torch.Tensor:
     """``[n, HV, K, V]``: the state entering each piece of ``parts`` when each sequence starts from its row
-    of ``initial [N, HV, K, V]``: that row, then ``M_j S + S_ext_j`` piece by piece (``n - N`` products,
-    in sequence within each sequence)."""
-    states, first = [], 0
-    for row, count in enumerate(parts.counts):
-        S = initial[row]
-        states.append(S)
-        for j in range(first, first + count - 1):
-            S = apply_state_summary(parts.parts.offset[j], parts.parts.transition[j], S)
-            states.append(S)
-        first += count
-    return torch.stack(states)
+    of ``initial [N, HV, K, V]`` (:func:`chain_states` forward)."""
+    return chain_states(parts.parts, parts.counts, initial)[0]

@@ -200,6 +200,7 @@ class AttnGymBackend(FlaBackend):
 
     name = "attn_gym"
     parallel_pieces = False  # its summaries cover whole segments only
+    summary_pieces = False
     saved_type = AttnGymKDASaved
     tape_name = "ChunkKDASaved"
 
@@ -271,9 +272,10 @@ class AttnGymBackend(FlaBackend):
         extra = AttnGymSaved(x.g if o.use_gate_in_kernel else None, q_rstd, k_rstd, x.A_log, x.dt_bias)
         return AttnGymChunks(prepared, span, extra)
 
-    def state_summary(self, chunks: AttnGymChunks, span: Span, with_transition: bool, parts: bool = False):
+    def state_summary(self, chunks: AttnGymChunks, span: Span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
         if parts:
-            raise ValueError("the attn_gym backend summarises whole segments only (parallel_pieces is False)")
+            raise ValueError("the attn_gym backend summarises whole segments only (summary_pieces is False)")
         maps = chunks.prepared.state_summaries(_bounds(span, chunks.span.start, chunks.prepared.saved.q.device))
         return affine_map_of(maps, with_transition)
 

@@ -153,14 +153,19 @@ class LocalBackend(Protocol):
     # backend's state kernel is faster so (measured on one H200 at 16K tokens, 32 heads of 128: FLA's GDN
     # state kernel 0.311 -> 0.206 ms in two pieces; FLA's KDA kernel 0.421 -> 0.422 ms; benchmarks/RESULTS.md).
     parallel_pieces: bool
+    # Whether ``state_summary`` can return the summaries of pieces (``parts``), which the split inside one
+    # device (:mod:`kdacp.distributed.split`) needs.
+    summary_pieces: bool
 
     def prepare(self, inputs: KDAInputs, span: Span): ...
 
-    def state_summary(self, chunks, span: Span, with_transition: bool, parts: bool = False):
+    def state_summary(self, chunks, span: Span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
         """``AffineMap(offset=S_ext [n, HV, K, V], transition=M [n, HV, K, K] or None)``. ``parts`` (with
         the transition): :class:`~kdacp.affine.SummaryParts`, the summaries and those of consecutive
         pieces of each segment, so that the state pass can run over all pieces at once
-        (``span.cut(parts.starts)``) from :func:`~kdacp.affine.entry_states`."""
+        (``span.cut(parts.starts)``) from :func:`~kdacp.affine.entry_states`; ``chunks_per_piece``: each
+        segment cut every that many chunks from its first token (``None``: the backend's choice)."""
 
     def state_pass(self, chunks, span: Span, initial_state: torch.Tensor, output_final_state: bool) -> LocalStates:
         """The states of ``span`` from ``initial_state [n, HV, K, V]``."""

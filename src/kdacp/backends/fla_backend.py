@@ -20,6 +20,7 @@ from ..host_copies import to_device
 from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
 from .fla_adapter import load_fla
 from ..kernels import state_gradient_summary, state_summary
+from ..kernels.config import piece_config
 
 
 class TokenSaved:
@@ -129,6 +130,7 @@ def _fla_varlen(cu: tuple[int, ...], chunk_size: int, device: torch.device) -> d
 class FlaBackend:
     name = "fla"
     parallel_pieces = False  # FLA's KDA state kernel is no faster in pieces
+    summary_pieces = True
     # the keyword of the cumulative gate in FLA's chunk-state kernels: per channel (``gk [1, T, HV, K]``)
     gate_keyword = "gk"
 
@@ -223,12 +225,13 @@ class FlaBackend:
                          None if o.use_gate_in_kernel else p.gc, Aqk, Akk, p.q_rstd, p.k_rstd, x.A_log, x.dt_bias)
         return FlaChunks(saved, p.gc, w, u, kg)
 
-    def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool, parts: bool = False):
+    def state_summary(self, chunks: FlaChunks, span: Span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
         # M only where it is read (ranks strictly inside a chain): the state-only kernel is cheaper.
         return state_summary(span.take(chunks.kg), span.take(chunks.w), span.take(chunks.u), span.take(chunks.gc),
                              chunk_size=self.options.chunk_size, output="both" if with_transition else "state",
                              cu_seqlens=span.cu_seqlens_host(), parts=parts,
-                             precision=self.options.summary_precision)
+                             precision=self.options.summary_precision, config=piece_config(chunks_per_piece))
 
     def state_pass(self, chunks: FlaChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:

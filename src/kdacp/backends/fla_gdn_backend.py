@@ -95,12 +95,14 @@ class FlaGDNBackend(FlaBackend):
                          x.A_log, x.dt_bias)
         return GDNChunks(saved, w, u)
 
-    def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool, parts: bool = False):
+    def state_summary(self, chunks: GDNChunks, span: Span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
         x = chunks.saved
         return state_summary(span.take(x.k), span.take(chunks.w), span.take(chunks.u), span.take(x.gc),
                              chunk_size=self.options.chunk_size,
                              output="both" if with_transition else "state", cu_seqlens=span.cu_seqlens_host(),
-                             raw_keys=True, parts=parts, precision=self.options.summary_precision)
+                             raw_keys=True, parts=parts, precision=self.options.summary_precision,
+                             config=piece_config(chunks_per_piece))
 
     def state_pass(self, chunks: GDNChunks, span: Span, initial_state: torch.Tensor,
                    output_final_state: bool) -> LocalStates:

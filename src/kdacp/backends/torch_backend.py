@@ -35,6 +35,7 @@ class TorchBackwardStates(BackwardStates):
 class TorchBackend:
     name = "torch"
     parallel_pieces = True  # exact either way; keeps the pieces path under the CPU tests
+    summary_pieces = True
 
     def __init__(self, options: KDAOptions):
         self.options = options
@@ -57,7 +58,8 @@ class TorchBackend:
         """The (detached) raw inputs of all local tokens: every stage recomputes from them."""
         return KDAInputs(*(None if t is None else t.detach() for t in vars(inputs).values()))
 
-    def state_summary(self, chunks: KDAInputs, span: Span, with_transition: bool, parts: bool = False):
+    def state_summary(self, chunks: KDAInputs, span: Span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
         inter = self._intermediates(chunks, span)
         C = self.options.chunk_size
 
@@ -67,11 +69,13 @@ class TorchBackend:
         summary = summarise(span.cu_seqlens_tensor(chunks.q.device))
         if not parts:
             return summary if with_transition else summary._replace(transition=None)
-        # each segment in two pieces, cut at a chunk boundary near its middle (one piece for one chunk)
+        # pieces of chunks_per_piece chunks; by default each segment in two, cut at a chunk boundary near its
+        # middle (one piece for one chunk)
         starts, counts = [], []
         for bos, eos in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]):
             n_chunks = -(-(eos - bos) // C)
-            cuts = (bos,) if n_chunks < 2 else (bos, bos + C * (n_chunks // 2))
+            step = chunks_per_piece or max(-(-n_chunks // 2), 1)
+            cuts = tuple(range(bos, eos, C * step))
             starts += cuts
             counts.append(len(cuts))
         pieces = summarise(torch.tensor((*starts, span.cu_seqlens[-1]), dtype=torch.int64, device=chunks.q.device))

@@ -76,6 +76,8 @@ from ..caches import ROUTES
 from ..host_copies import put_rows, take_rows
 from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
+from .split import (SplitPieces, chunks_per_piece, segment_gradient_summaries, split_backward_local,
+                    split_backward_states, split_state_pass)
 from .strategies import Route, StateExchange, make_exchange
 
 
@@ -88,7 +90,8 @@ class CPForward:
     none, as FLA's op does); ``transition``: ``M [n, HV, K, K]`` on through ranks, else ``None``;
     ``head_states``: the state pass (``h``, ``v_new``) of the whole rank where its backward sends gradients
     back after its local pass (the head is the whole rank, or the rank holds several positions), kept so that
-    the backward does not recompute it on the critical path; else ``None``."""
+    the backward does not recompute it on the critical path; else ``None``; ``split``: the pieces the rank's
+    state pass was cut into (:mod:`~kdacp.distributed.split`), which its backward runs over, or ``None``."""
 
     o: torch.Tensor
     final_state: torch.Tensor | None
@@ -96,6 +99,7 @@ class CPForward:
     local_initial: torch.Tensor
     transition: torch.Tensor | None
     head_states: LocalStates | None
+    split: SplitPieces | None = None
 
 
 @dataclass
@@ -144,10 +148,13 @@ def _cat(parts: list, dim: int):
 
 
 def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_state: torch.Tensor | None,
-               output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None
-               ) -> CPForward:
+               output_final_state: bool, state_dtype: torch.dtype, exchange: StateExchange | None = None,
+               split=None) -> CPForward:
     """Run one rank's forward; see the module docstring for the order of stages. ``exchange``: default
-    the plan's strategy's (:mod:`kdacp.bench.scaling` passes a probe that times the stages)."""
+    the plan's strategy's (:mod:`kdacp.bench.scaling` passes a probe that times the stages); ``split``: the
+    split inside the device (:func:`~kdacp.distributed.split.chunks_per_piece`), applied to the state pass of a
+    rank of one position that runs it over its whole tokens (one device, a through rank, a rank without a
+    tail)."""
     T, HV, V, K = inputs.v.shape[1], inputs.v.shape[2], inputs.v.shape[3], inputs.q.shape[3]
     device = inputs.q.device
     layouts = plan.layouts(T // plan.batch_size)
@@ -158,6 +165,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
         return _forward_positions(backend, plan, layout, route, exchange, inputs, initial_state, output_final_state,
                                   state_dtype)
     position = layout.positions[0]
+    length = chunks_per_piece(split, backend, layout.whole, HV, K, V, backend.options.chunk_size, device)
     pending = exchange.begin(route)
 
     head, rest = layout.head, layout.after_head
@@ -168,10 +176,11 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     # zero initial states are passed as none (no fill kernel; FLA neither reads them nor forms their gradient)
     known_initial = None if initial_state is None else initial_state[starting].to(state_dtype).contiguous()
 
-    message, transition, rest_states, rest_o, pieces = None, None, None, None, None
+    message, transition, rest_states, rest_o, pieces, cut = None, None, None, None, None, None
     if route.affine[position]:  # a through rank: its one segment both receives and sends
-        summary = backend.state_summary(chunks, head, with_transition=True, parts=backend.parallel_pieces)
-        if backend.parallel_pieces:
+        summary = backend.state_summary(chunks, head, with_transition=True,
+                                        parts=bool(length) or backend.parallel_pieces, chunks_per_piece=length)
+        if length or backend.parallel_pieces:
             pieces, summary = summary, summary.summary
         message, transition = summary, summary.transition
     elif layout.num_send:  # one launch over every segment after the head; the tail's states are its last rows
@@ -185,15 +194,20 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     kept = None
     if pieces is not None and len(pieces.starts) > len(pieces.counts):
         # a through rank: its pass runs over the summary's pieces at once, each from the state entering it
-        states = backend.state_pass(chunks, head.cut(pieces.starts), entry_states(pieces, incoming),
-                                    output_final_state)
+        entries = entry_states(pieces, incoming)
+        states = backend.state_pass(chunks, head.cut(pieces.starts), entries, output_final_state)
+        if length:  # its backward runs over the pieces too
+            cut = SplitPieces(pieces.starts, pieces.counts, entries, pieces.parts.transition)
         o = backend.output(chunks, layout.whole, local_initial, states)
         # each segment's final state is its last piece's
         last = [sum(pieces.counts[:i + 1]) - 1 for i in range(len(pieces.counts))]
         local_final = None if states.final_state is None else take_rows(states.final_state, last)
         kept = states
     elif rest_states is None:  # no pass made a message: one pass over the whole rank
-        states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
+        if length:
+            states, cut = split_state_pass(backend, chunks, layout.whole, local_initial, output_final_state, length)
+        else:
+            states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
         o = backend.output(chunks, layout.whole, local_initial, states)
         local_final = states.final_state
         kept = states if rest.empty and not head.empty else None  # the head is the whole rank
@@ -211,7 +225,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
             final_state = collectives.all_reduce_sum(final_state, plan.group)
     if local_initial is None:  # no rows; the empty tensor keeps shape and dtype
         local_initial = torch.empty(0, HV, K, V, dtype=state_dtype, device=device)
-    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept)
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, kept, cut)
 
 
 def _rows(parts: list) -> torch.Tensor | None:
@@ -227,10 +241,10 @@ def _rows(parts: list) -> torch.Tensor | None:
 def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch.Tensor,
                 transition: torch.Tensor | None, head_states: LocalStates | None, do: torch.Tensor,
                 dfinal: torch.Tensor | None, output_final_state: bool, has_initial_state: bool,
-                exchange: StateExchange | None = None) -> CPGrads:
+                exchange: StateExchange | None = None, split: SplitPieces | None = None) -> CPGrads:
     """Run one rank's backward, mirroring :func:`cp_forward`; ``do [1, T_local, HV, V]``,
     ``dfinal [N, HV, K, V]`` (this rank's gradient of the returned final states, or ``None``);
-    ``exchange`` as for :func:`cp_forward`."""
+    ``exchange`` as for :func:`cp_forward`; ``split``: the forward's ``CPForward.split``."""
     T, HV, V = do.shape[1], do.shape[2], do.shape[3]
     K = local_initial.shape[2]
     state_dtype = local_initial.dtype
@@ -255,15 +269,28 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     pending = exchange.begin(route)
 
     n_head, n_known = layout.num_receive, len(segments) - layout.num_send
-    # one launch set over the whole rank
-    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
-                                   head_states)
+    # one launch set over the whole rank (over the pieces its forward's state pass was cut into, if any)
+    piece_summaries = None
+    if split is None:
+        local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
+                                       head_states)
+    else:
+        local = split_backward_local(backend, saved, layout.whole, do, split, head_states)
+        piece_summaries = backend.state_gradient_summary(local)
+
+    def gradient_pass(dht):
+        if split is None:
+            return backend.backward_states(local, dht)
+        return split_backward_states(backend, local, split, piece_summaries, dht)
+
     final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
     if route.affine[position]:  # a through rank: its one segment both receives and sends
-        message = AffineMap(backend.state_gradient_summary(local), transition.transpose(-1, -2))
+        G = (backend.state_gradient_summary(local) if split is None
+             else segment_gradient_summaries(piece_summaries, split))
+        message = AffineMap(G, transition.transpose(-1, -2))
     elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
-        states = backend.backward_states(local, final_grads)
+        states = gradient_pass(final_grads)
         if n_head:
             message = AffineMap(states.dinitial_state[:n_head])
     elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
@@ -272,7 +299,7 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange.send(pending, (message,))
     dS_out, = exchange.receive(pending)
     if states is None:
-        states = backend.backward_states(local, _rows([(final_grads, n_known), (dS_out, layout.num_send)]))
+        states = gradient_pass(_rows([(final_grads, n_known), (dS_out, layout.num_send)]))
     grads = backend.backward_inputs(states)
     pending.finish_sends()
 

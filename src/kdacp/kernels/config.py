@@ -45,3 +45,9 @@ class SummaryConfig:
     def resolved(self, default: "SummaryConfig") -> "SummaryConfig":
         """This config with its ``None`` fields taken from ``default``."""
         return replace(default, **{k: v for k, v in self.__dict__.items() if v is not None})
+
+
+def piece_config(chunks_per_piece: int | None) -> SummaryConfig | None:
+    """The summary kernels' config that cuts every sequence into pieces of ``chunks_per_piece`` chunks (the
+    pieces a caller's state pass then runs over), or ``None`` (the kernels' own choice) for ``None``."""
+    return None if chunks_per_piece is None else SummaryConfig(chunks_per_program=chunks_per_piece)

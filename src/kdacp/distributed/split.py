@@ -1,0 +1,124 @@
+"""The split inside one device: long sequences cut into pieces whose state passes run at once.
+
+FLA's chunked state passes walk the chunks of a sequence one after another on ``HV x V / BV`` programs; with
+few heads and long sequences most SMs idle. The algebra of the exchange between ranks serves inside one device:
+cut each long segment of a span into pieces of ``L`` chunks (from its first token, so that every piece but the
+last is whole chunks), summarise every piece in parallel (``S_ext``, ``M``: one summary launch), carry the
+states along each segment's pieces (:func:`kdacp.affine.chain_states`: one launch), and run one state pass over
+all pieces at once, each from the state entering it. Backward mirrors it: the local backward over the pieces
+from those entering states, the gradient summaries ``G`` of every piece, the gradients carried back along the
+pieces with ``M^T``, and one gradient pass over all pieces. Outputs, final states and gradients are those of
+the uncut span, to rounding (the summaries' precision policy, as for context parallelism).
+
+The cut is chosen per span by :func:`chunks_per_piece`: ``split="auto"`` (on a GPU, when the pieces the summary
+kernels pick to fill it cut the longest segment into at least :data:`AUTO_MIN_PIECES`), an int (pieces of the
+longest segment), or ``None`` (no cut).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..affine import AffineMap, chain_states
+from ..backends.base import LocalBackend, LocalStates, Span
+from ..host_copies import take_rows
+from ..kernels.subsegments import pick_chunks_per_program
+
+# ``split="auto"`` cuts only where the longest segment's serial walk gets at least this many times shorter: the
+# summaries and the chain cost about one more walk of a piece, and a state pass that already fills the GPU (many
+# heads, or many sequences) gains nothing from more programs.
+AUTO_MIN_PIECES = 4
+# state columns per program of the summary kernels (their default ``block_v``)
+_SUMMARY_BLOCK_V = 64
+
+
+def check_split(split) -> None:
+    """Raise ``ValueError`` unless ``split`` is ``"auto"``, ``None`` or a positive int."""
+    if split is None or split == "auto" or (type(split) is int and split >= 1):
+        return
+    raise ValueError(f"split must be 'auto', a positive int (pieces of the longest sequence; 1: no split) or "
+                     f"None (no split), got {split!r}")
+
+
+def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, V: int, chunk_size: int,
+                     device: torch.device) -> int | None:
+    """The length in chunks of the pieces ``span``'s segments are cut into, or ``None`` for no cut.
+
+    ``split`` as :func:`check_split`; an int ``S`` cuts the longest segment into ``S`` pieces (others into as
+    many pieces of the same length as they need); ``"auto"`` takes the summary kernels' own choice, about two
+    programs per SM of ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where it cuts
+    the longest segment into at least :data:`AUTO_MIN_PIECES` on a CUDA device. Backends that cannot summarise
+    pieces (``summary_pieces`` false) never cut."""
+    if split is None or split == 1 or span.empty or not backend.summary_pieces:
+        return None
+    lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
+    longest = -(-max(lengths) // chunk_size)
+    if split == "auto":
+        if device.type != "cuda":
+            return None
+        bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
+        block_v = min(_SUMMARY_BLOCK_V, K, V)
+        length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, device)
+        return length if -(-longest // length) >= AUTO_MIN_PIECES else None
+    length = -(-longest // split)
+    return length if length < longest else None
+
+
+@dataclass(frozen=True)
+class SplitPieces:
+    """A span's cut, as its forward ran it: ``starts`` (each piece's first token, from the span's first; host
+    ints), ``counts`` (pieces per segment), ``entries [n, HV, K, V]`` (the state entering each piece) and
+    ``transitions [n, HV, K, K]`` (each piece's ``M``), float32 (float64 for float64 inputs)."""
+
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    entries: torch.Tensor
+    transitions: torch.Tensor
+
+    def first_pieces(self) -> list[int]:
+        """The index of each segment's first piece."""
+        return [sum(self.counts[:i]) for i in range(len(self.counts))]
+
+    def last_pieces(self) -> list[int]:
+        """The index of each segment's last piece."""
+        return [sum(self.counts[:i + 1]) - 1 for i in range(len(self.counts))]
+
+
+def split_state_pass(backend: LocalBackend, chunks, span: Span, initial_state: torch.Tensor | None,
+                     output_final_state: bool, length: int) -> tuple[LocalStates, SplitPieces]:
+    """The state pass of ``span`` from ``initial_state [n_segments, HV, K, V]`` (or ``None``: zeros), run over
+    its segments cut into pieces of ``length`` chunks: ``(states, pieces)``, ``states`` as the uncut pass's (``h``
+    and ``v_new`` of every chunk, each segment's final state) and ``pieces`` what the backward needs."""
+    parts = backend.state_summary(chunks, span, with_transition=True, parts=True, chunks_per_piece=length)
+    entries, _ = chain_states(parts.parts, parts.counts, initial_state)
+    states = backend.state_pass(chunks, span.cut(parts.starts), entries, output_final_state)
+    pieces = SplitPieces(parts.starts, parts.counts, entries, parts.parts.transition)
+    final = None if states.final_state is None else take_rows(states.final_state, pieces.last_pieces())
+    return replace(states, final_state=final), pieces
+
+
+def split_backward_local(backend: LocalBackend, saved, span: Span, do: torch.Tensor, pieces: SplitPieces,
+                         states: LocalStates | None):
+    """:meth:`~kdacp.backends.base.LocalBackend.backward_local` over ``span`` cut as ``pieces`` (from the
+    forward's :func:`split_state_pass`), each piece from the state that entered it; ``states``: that pass's, if
+    kept."""
+    return backend.backward_local(saved, span.cut(pieces.starts), do, pieces.entries, states)
+
+
+def segment_gradient_summaries(piece_summaries: torch.Tensor, pieces: SplitPieces) -> torch.Tensor:
+    """``G [n_segments, HV, K, V]`` of a cut span from its pieces' ``G [n, HV, K, V]`` (the backend's
+    ``state_gradient_summary`` of :func:`split_backward_local`'s result): the gradient reaching each segment's
+    initial state when its final state's is zero."""
+    return chain_states(AffineMap(piece_summaries, pieces.transitions), pieces.counts, None, reverse=True)[1]
+
+
+def split_backward_states(backend: LocalBackend, local, pieces: SplitPieces, piece_summaries: torch.Tensor,
+                          dht: torch.Tensor | None):
+    """The gradient state pass of ``local`` (from :func:`split_backward_local`) given each segment's final-state
+    gradient ``dht [n_segments, HV, K, V]`` (or ``None``: zero), run over all pieces at once: the gradients of the
+    pieces' final states are carried back from ``dht`` along each segment with ``M^T`` and the pieces' own
+    ``piece_summaries`` (``G [n, HV, K, V]``). The result's ``dinitial_state`` is per segment (its first piece's)."""
+    dht_pieces, _ = chain_states(AffineMap(piece_summaries, pieces.transitions), pieces.counts, dht, reverse=True)
+    states = backend.backward_states(local, dht_pieces)
+    return replace(states, dinitial_state=take_rows(states.dinitial_state, pieces.first_pieces()))
