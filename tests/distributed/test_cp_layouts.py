@@ -101,8 +101,10 @@ def _reference(case: dict, args: dict, cu):
     return recurrent_gated_delta_rule(**args, cu_seqlens=cu, output_final_state=True)
 
 
-def check_layout_case(rank: int, world_size: int, case: dict, seed: int, strategies=ALL_STRATEGIES) -> None:
-    """One case on every strategy: outputs, final states and every gradient at 1e-9 (float64)."""
+def check_layout_case(rank: int, world_size: int, case: dict, seed: int, strategies=ALL_STRATEGIES,
+                      split=None) -> None:
+    """One case on every strategy: outputs, final states and every gradient at 1e-9 (float64). ``split``: the
+    ops' ``split=``."""
     args = _inputs(case, seed)
     cu = None if case["cu"] is None else torch.tensor(case["cu"])
     total = args["q"].shape[1]
@@ -128,7 +130,7 @@ def check_layout_case(rank: int, world_size: int, case: dict, seed: int, strateg
         plan = build_cp_plan(cu, layout=case["layout"], batch_size=None if cu is not None else case["B"],
                              strategy=strategy)
         assert plan.layout_for(len(index)) == layout and plan.strategy in STRATEGIES
-        o, final_state = op(**local, output_final_state=final, backend="torch", cp=plan)
+        o, final_state = op(**local, output_final_state=final, backend="torch", cp=plan, split=split)
         loss = (o * do[:, index]).sum() + (final and (final_state * dfinal[rank]).sum())
         grads = dict(zip(names, torch.autograd.grad(loss, [local[n] for n in names])))
         where = f"[{case['name']}, {strategy}, rank {rank}/{world_size}]"

@@ -76,8 +76,7 @@ from ..caches import ROUTES
 from ..host_copies import put_rows, take_rows
 from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
-from .split import (SplitPieces, chunks_per_piece, segment_gradient_summaries, split_backward_local,
-                    split_backward_states, split_state_pass)
+from .split import RankBackward, SplitPieces, chunks_per_piece, split_state_pass
 from .strategies import Route, StateExchange, make_exchange
 
 
@@ -161,11 +160,11 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     layout = layouts[plan.rank]
     route, _ = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, device)
     exchange = exchange or make_exchange(plan.strategy)
+    length = chunks_per_piece(split, backend, layout.whole, HV, K, V, backend.options.chunk_size, device)
     if len(layout.positions) > 1:
         return _forward_positions(backend, plan, layout, route, exchange, inputs, initial_state, output_final_state,
-                                  state_dtype)
+                                  state_dtype, length)
     position = layout.positions[0]
-    length = chunks_per_piece(split, backend, layout.whole, HV, K, V, backend.options.chunk_size, device)
     pending = exchange.begin(route)
 
     head, rest = layout.head, layout.after_head
@@ -264,42 +263,29 @@ def cp_backward(backend: LocalBackend, plan: CPPlan, saved, local_initial: torch
     exchange = exchange or make_exchange(plan.strategy)
     if len(layout.positions) > 1:
         return _backward_positions(backend, plan, layout, route, exchange, saved, local_initial, transition,
-                                   head_states, do, dht_all, has_initial_state)
+                                   head_states, do, dht_all, has_initial_state, split)
     position = len(route.order) - 1 - layout.positions[0]  # the backward route runs the chain reversed
     pending = exchange.begin(route)
 
     n_head, n_known = layout.num_receive, len(segments) - layout.num_send
     # one launch set over the whole rank (over the pieces its forward's state pass was cut into, if any)
-    piece_summaries = None
-    if split is None:
-        local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None,
-                                       head_states)
-    else:
-        local = split_backward_local(backend, saved, layout.whole, do, split, head_states)
-        piece_summaries = backend.state_gradient_summary(local)
-
-    def gradient_pass(dht):
-        if split is None:
-            return backend.backward_states(local, dht)
-        return split_backward_states(backend, local, split, piece_summaries, dht)
-
+    local = RankBackward(backend, saved, layout.whole, do, local_initial if len(local_initial) else None,
+                         head_states, split)
     final_grads = None if dht_all is None or not n_known else dht_all[_sequences(segments[:n_known])]
     message, states = None, None
     if route.affine[position]:  # a through rank: its one segment both receives and sends
-        G = (backend.state_gradient_summary(local) if split is None
-             else segment_gradient_summaries(piece_summaries, split))
-        message = AffineMap(G, transition.transpose(-1, -2))
+        message = AffineMap(local.gradient_summary(), transition.transpose(-1, -2))
     elif layout.num_send == 0:  # nothing to wait for: the whole pass, whose head rows are the message
-        states = gradient_pass(final_grads)
+        states = local.gradient_pass(final_grads)
         if n_head:
             message = AffineMap(states.dinitial_state[:n_head])
     elif n_head:  # the head's segments end here: their own pass makes the message, ahead of the whole pass
         head_dht = None if final_grads is None else final_grads[:n_head]
-        message = AffineMap(backend.backward_states(local, head_dht, segments=n_head).dinitial_state)
+        message = AffineMap(local.gradient_pass(head_dht, segments=n_head).dinitial_state)
     exchange.send(pending, (message,))
     dS_out, = exchange.receive(pending)
     if states is None:
-        states = gradient_pass(_rows([(final_grads, n_known), (dS_out, layout.num_send)]))
+        states = local.gradient_pass(_rows([(final_grads, n_known), (dS_out, layout.num_send)]))
     grads = backend.backward_inputs(states)
     pending.finish_sends()
 
@@ -327,12 +313,13 @@ def _sending_span(layout: RankLayout) -> tuple[int, int]:
 
 def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
                        exchange: StateExchange, inputs: KDAInputs, initial_state: torch.Tensor | None,
-                       output_final_state: bool, state_dtype: torch.dtype) -> CPForward:
+                       output_final_state: bool, state_dtype: torch.dtype, length: int | None) -> CPForward:
     """The forward of a rank holding several positions of the chain (ranges of the layout), in critical-path
     order: the pass that makes its messages (over the segments from its first sending one to its last: the
     summary ``(S_ext, M)`` where a message is affine, and a sequence that starts in its range then sends
     ``M S_0 + S_ext``; else the state pass from the known initial states), the send, the blocking receive, then
-    one state pass and one output over all of its tokens, each segment from its incoming, given or zero state."""
+    one state pass and one output over all of its tokens, each segment from its incoming, given or zero state
+    (cut into pieces of ``length`` chunks where that is not ``None``: :mod:`~kdacp.distributed.split`)."""
     segments = layout.segments
     HV, K, V = inputs.v.shape[2], inputs.q.shape[3], inputs.v.shape[3]
     pending = exchange.begin(route)
@@ -374,7 +361,11 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
         else:
             starts.append(None if given is None else given[s.sequence])
     local_initial = _state_rows(starts)
-    states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
+    cut = None
+    if length:
+        states, cut = split_state_pass(backend, chunks, layout.whole, local_initial, output_final_state, length)
+    else:
+        states = backend.state_pass(chunks, layout.whole, local_initial, output_final_state)
     o = backend.output(chunks, layout.whole, local_initial, states)
     pending.finish_sends()
     final_state = None
@@ -388,13 +379,13 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
     # the backward's affine messages read M of the segments of the sending span (kept only where one is affine)
     transition = transition if any(route.affine[p] for p in route.positions) else None
     # its states kept: the backward's messages follow its local pass, which would otherwise run this pass again
-    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, states)
+    return CPForward(o, final_state, backend.to_saved(chunks), local_initial, transition, states, cut)
 
 
 def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, route: Route,
                         exchange: StateExchange, saved, local_initial: torch.Tensor,
                         transition: torch.Tensor | None, kept: LocalStates | None, do: torch.Tensor,
-                        dht_all: torch.Tensor | None, has_initial_state: bool) -> CPGrads:
+                        dht_all: torch.Tensor | None, has_initial_state: bool, split: SplitPieces | None) -> CPGrads:
     """The backward of a rank holding several positions, mirroring :func:`_forward_positions`: the local
     backward over the whole rank (from the forward's ``kept`` states of the whole rank, if any); where a segment
     receives, its message is the gradient reaching its initial state with the known final-state gradients (zero
@@ -404,7 +395,7 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
     segments = layout.segments
     L = len(route.order)
     pending = exchange.begin(route)
-    local = backend.backward_local(saved, layout.whole, do, local_initial if len(local_initial) else None, kept)
+    local = RankBackward(backend, saved, layout.whole, do, local_initial if len(local_initial) else None, kept, split)
     known = [None if dht_all is None or s.sends else dht_all[s.sequence] for s in segments]
     receiving = [j for j, s in enumerate(segments) if s.receives]
     first, _ = _sending_span(layout)
@@ -414,9 +405,9 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
             # every message is G (a through position's, or a final-state gradient of zero): the gradient summary,
             # over the segments from the first receiving one to the last (zigzag's first rank: its last range)
             low = receiving[0]
-            dinitial = backend.state_gradient_summary(local, segments=(low, receiving[-1] + 1))
+            dinitial = local.gradient_summary(segments=(low, receiving[-1] + 1))
         else:  # the pass with the known final-state gradients (zero where a segment sends, giving G there)
-            low, dinitial = 0, backend.backward_states(local, _state_rows(known)).dinitial_state
+            low, dinitial = 0, local.gradient_pass(_state_rows(known)).dinitial_state
         for k, i in enumerate(route.positions):
             rows = layout.receiving_by_position.get(L - 1 - i, ())
             if rows and route.affine[i]:
@@ -432,7 +423,7 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
         if s.sends:
             dht[j] = incoming[s.position][seen[s.position]]
             seen[s.position] += 1
-    states = backend.backward_states(local, _state_rows(dht))
+    states = local.gradient_pass(_state_rows(dht))
     grads = backend.backward_inputs(states)
     pending.finish_sends()
     dinitial_state = None

@@ -98,27 +98,47 @@ def split_state_pass(backend: LocalBackend, chunks, span: Span, initial_state: t
     return replace(states, final_state=final), pieces
 
 
-def split_backward_local(backend: LocalBackend, saved, span: Span, do: torch.Tensor, pieces: SplitPieces,
-                         states: LocalStates | None):
-    """:meth:`~kdacp.backends.base.LocalBackend.backward_local` over ``span`` cut as ``pieces`` (from the
-    forward's :func:`split_state_pass`), each piece from the state that entered it; ``states``: that pass's, if
-    kept."""
-    return backend.backward_local(saved, span.cut(pieces.starts), do, pieces.entries, states)
+class RankBackward:
+    """One rank's local backward over a span, cut as its forward's state pass was (``pieces``) or whole
+    (``None``): :meth:`gradient_summary` and :meth:`gradient_pass` answer per segment of the uncut span either way.
 
+    Cut, the local backward runs over the pieces from the states that entered them, and every piece's gradient
+    summary ``G`` is formed once, up front (:meth:`gradient_summary` carries them back along each segment with
+    ``M^T``; :meth:`gradient_pass` carries the segments' final-state gradients to every piece first).
+    """
 
-def segment_gradient_summaries(piece_summaries: torch.Tensor, pieces: SplitPieces) -> torch.Tensor:
-    """``G [n_segments, HV, K, V]`` of a cut span from its pieces' ``G [n, HV, K, V]`` (the backend's
-    ``state_gradient_summary`` of :func:`split_backward_local`'s result): the gradient reaching each segment's
-    initial state when its final state's is zero."""
-    return chain_states(AffineMap(piece_summaries, pieces.transitions), pieces.counts, None, reverse=True)[1]
+    def __init__(self, backend: LocalBackend, saved, span: Span, do: torch.Tensor, initial_state: torch.Tensor | None,
+                 states: LocalStates | None, pieces: SplitPieces | None):
+        """``initial_state [n_segments, HV, K, V]`` (or ``None``), ``states``: the forward's state pass of exactly
+        this span, if kept (else recomputed), as :meth:`~kdacp.backends.base.LocalBackend.backward_local`."""
+        self.backend, self.pieces = backend, pieces
+        if pieces is None:
+            self.local = backend.backward_local(saved, span, do, initial_state, states)
+            self._piece_summaries = None
+        else:
+            self.local = backend.backward_local(saved, span.cut(pieces.starts), do, pieces.entries, states)
+            self._piece_summaries = backend.state_gradient_summary(self.local)
 
+    def _chain(self, dht: torch.Tensor | None):
+        return chain_states(AffineMap(self._piece_summaries, self.pieces.transitions), self.pieces.counts, dht,
+                            reverse=True)
 
-def split_backward_states(backend: LocalBackend, local, pieces: SplitPieces, piece_summaries: torch.Tensor,
-                          dht: torch.Tensor | None):
-    """The gradient state pass of ``local`` (from :func:`split_backward_local`) given each segment's final-state
-    gradient ``dht [n_segments, HV, K, V]`` (or ``None``: zero), run over all pieces at once: the gradients of the
-    pieces' final states are carried back from ``dht`` along each segment with ``M^T`` and the pieces' own
-    ``piece_summaries`` (``G [n, HV, K, V]``). The result's ``dinitial_state`` is per segment (its first piece's)."""
-    dht_pieces, _ = chain_states(AffineMap(piece_summaries, pieces.transitions), pieces.counts, dht, reverse=True)
-    states = backend.backward_states(local, dht_pieces)
-    return replace(states, dinitial_state=take_rows(states.dinitial_state, pieces.first_pieces()))
+    def gradient_summary(self, segments: tuple[int, int] | None = None) -> torch.Tensor:
+        """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final state's is zero;
+        of segments ``first`` to ``last - 1`` only with ``segments = (first, last)``."""
+        if self.pieces is None:
+            return self.backend.state_gradient_summary(self.local, segments)
+        G = self._chain(None)[1]
+        return G if segments is None else G[segments[0]:segments[1]]
+
+    def gradient_pass(self, dht: torch.Tensor | None, segments: int | None = None):
+        """The gradient state pass (:meth:`~kdacp.backends.base.LocalBackend.backward_states`) from each segment's
+        final-state gradient ``dht [n, HV, K, V]`` (``None``: zero); its ``dinitial_state`` is per segment.
+        ``segments``: the pass over the first ``segments`` segments only (uncut spans only)."""
+        if self.pieces is None:
+            return self.backend.backward_states(self.local, dht, segments)
+        if segments is not None:
+            raise ValueError("a cut span's gradient pass runs over all of its segments")
+        dht_pieces, _ = self._chain(dht)
+        states = self.backend.backward_states(self.local, dht_pieces)
+        return replace(states, dinitial_state=take_rows(states.dinitial_state, self.pieces.first_pieces()))
