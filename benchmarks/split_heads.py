@@ -1,0 +1,109 @@
+"""The split inside one GPU against FLA's ops, over the head counts tensor parallelism leaves on a GPU.
+
+For each family (KDA with Kimi Linear's gate: in kernel, safe, lower bound -5, q/k L2 norm in kernel; GDN with
+Qwen3-Next's log-decay gate given, q/k L2 norm in kernel), head count (``H = HV``, K = V = 128, bf16), token count
+and batch (one sequence, or log-normal packed documents of median 2,048 tokens), times forward and forward +
+backward of FLA's op beside kdacp's with each ``split`` setting (``none``, ``auto``, or pieces of the longest
+sequence), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one
+table (ms, and each kdacp setting over FLA) and writes every row to ``--out`` as JSON.
+
+    python benchmarks/split_heads.py --heads 2,4,8,32 --tokens 65536 --out split.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kdacp.bench.batches import cu_seqlens_of, document_lengths
+from kdacp.bench.inputs import random_inputs
+from kdacp.bench.timing import median_times
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _split(name: str):
+    return None if name == "none" else name if name == "auto" else int(name)
+
+
+def _op_inputs(family: str, T: int, H: int, cu) -> tuple[dict, dict]:
+    """``(tensors, options)`` for both ops, the tensors leaves that require grad."""
+    x = random_inputs(T, H, H, 128, 128, gate=family)
+    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True,
+                   cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
+    if family == "kda":
+        options.update(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=x["A_log"].float(),
+                       dt_bias=x["dt_bias"].float())
+        tensors = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    else:  # the log decay, as Qwen3-Next's layer forms it before the op
+        g = (-x["A_log"].float().exp() * F.softplus(x["g"].float() + x["dt_bias"].float())).to(x["q"].dtype)
+        tensors = dict(q=x["q"], k=x["k"], v=x["v"], g=g, beta=x["beta"])
+    return {n: t.detach().requires_grad_() for n, t in tensors.items()}, options
+
+
+def _calls(op, tensors: dict, options: dict, backward: bool):
+    do = torch.randn_like(tensors["v"])
+
+    def call():
+        o, _ = op(**tensors, **options)
+        if backward:
+            o.backward(do)
+            for t in tensors.values():
+                t.grad = None
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default="kda,gdn")
+    parser.add_argument("--heads", type=_ints, default=[2, 4, 8, 16, 32])
+    parser.add_argument("--tokens", type=_ints, default=[65536])
+    parser.add_argument("--batches", default="one_sequence")
+    parser.add_argument("--splits", default="none,auto,8,16,32")
+    parser.add_argument("--modes", default="forward,forward_backward")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+    from fla.ops.kda import chunk_kda as fla_kda
+
+    import kdacp
+    rows = []
+    card = torch.cuda.get_device_name()
+    print(f"# {card}, torch {torch.__version__}")
+    for family in args.families.split(","):
+        fla_op, ours = (fla_kda, kdacp.chunk_kda) if family == "kda" else (fla_gdn, kdacp.chunk_gated_delta_rule)
+        for T in args.tokens:
+            for batch in args.batches.split(","):
+                cu = None if batch == "one_sequence" else cu_seqlens_of(document_lengths(batch, T))
+                for H in args.heads:
+                    tensors, options = _op_inputs(family, T, H, cu)
+                    for mode in args.modes.split(","):
+                        backward = mode == "forward_backward"
+                        fns = {"fla": _calls(fla_op, tensors, options, backward)}
+                        for name in args.splits.split(","):
+                            fns[f"split={name}"] = _calls(ours, tensors, dict(options, split=_split(name)), backward)
+                        start = time.perf_counter()
+                        seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
+                        row = dict(card=card, family=family, tokens=T, batch=batch, heads=H, mode=mode,
+                                   ms={n: s * 1e3 for n, s in seconds.items()}, wall_s=time.perf_counter() - start)
+                        rows.append(row)
+                        ratios = " ".join(f"{n} {ms:.3f} ({ms / row['ms']['fla']:.2f}x)"
+                                          for n, ms in row["ms"].items() if n != "fla")
+                        print(f"{family} T={T} {batch} H={H} {mode}: fla {row['ms']['fla']:.3f} ms | {ratios}",
+                              flush=True)
+                    del tensors
+                    torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
