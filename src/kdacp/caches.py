@@ -7,6 +7,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | memo | kept in | entries | bound |
 |---|---|---|---|
 | row indices of a rank's segments on the device | ``host_copies`` | ``(rows, device)`` | :data:`ROW_INDICES` (LRU) |
+| piece tables of the chain kernel | ``affine`` | ``(pieces per sequence, device)`` | :data:`CHAIN_TABLES` (LRU) |
 | sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
 | pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
 | FLA's packed-sequence arguments | ``backends.fla_backend`` | boundaries of a batch | :data:`FLA_VARLEN_BATCHES` (LRU) |
@@ -31,6 +32,7 @@ import torch
 
 ROW_INDICES = 256         # index lists (a rank's segments by role: a few per batch) kept on the device
 SUMMARY_PLANS = 64        # summary kernels' sub-segment plans (a few per batch, forward and backward)
+CHAIN_TABLES = 64         # the chain kernel's (first piece, count) tables (one or two per batch)
 FLA_VARLEN_BATCHES = 16   # batches whose FLA cu_seqlens / chunk_indices are kept (a few in flight, per chunk size)
 ATTN_GYM_BOUNDARIES = 32  # attention-gym's boundaries and summary rows kept (a few per batch: spans, forward and backward)
 SCAN_SCHEDULES = 512      # routes whose scan schedule is kept

@@ -16,9 +16,13 @@ products left the virtual-ranks errors unchanged at P = 2..64 (benchmarks/RESULT
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+
+from ..caches import CHAIN_TABLES
+from ..host_copies import to_device
 
 from .product import affine_product
 
@@ -139,6 +143,14 @@ def compose_state_summaries(first, second) -> AffineMap:
     return AffineMap(*_products(M2, S1, S2, M1))
 
 
+@functools.lru_cache(maxsize=CHAIN_TABLES)
+def _chain_table(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[N, 2]`` int64 ``(first piece, count)`` rows on ``device``, kept per batch: made without a device sync,
+    and the same memory on every call (what a captured CUDA graph reads)."""
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    return to_device(torch.tensor(list(zip(firsts, counts)), dtype=torch.int64), device)
+
+
 def chain_states(maps: AffineMap, counts: tuple[int, ...], initial: torch.Tensor | None,
                  reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Carry states along chains of pieces: ``maps`` (``offset [n, HV, K, V]``, ``transition [n, HV, K, K]``)
@@ -157,11 +169,8 @@ def chain_states(maps: AffineMap, counts: tuple[int, ...], initial: torch.Tensor
     if len(counts) == 0 or sum(counts) != offsets.shape[0]:
         raise ValueError(f"counts {counts} must add up to the {offsets.shape[0]} pieces of maps")
     if _kernel_path(offsets, transitions, initial):
-        from ..host_copies import to_device
         from ..kernels.chain import chain_states as chain_kernel  # kernels import this module
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
-        seqs = to_device(torch.tensor(list(zip(firsts, counts)), dtype=torch.int64), offsets.device)
-        return chain_kernel(offsets, transitions, seqs, initial, reverse)
+        return chain_kernel(offsets, transitions, _chain_table(tuple(counts), offsets.device), initial, reverse)
     step = apply_state_gradient_summary if reverse else apply_state_summary
     entries = [None] * offsets.shape[0]
     outs, first = [], 0
