@@ -172,12 +172,14 @@ def test_tune_tunes_the_gates_and_batches_asked_for(monkeypatch, tmp_path, capsy
     assert main(["tune", "--gates", "softplus", "--batches", "docs7", "--seq-lens", "2048"]) == 0
     assert seen["gates"] == (None,) and seen["batches"] == ("docs7",) and seen["t_local"] == (2048,)
     assert seen["out"] is None
-    assert capsys.readouterr().out.strip() == (f"wrote 1 FLA configuration files into {tmp_path / 'NVIDIA_H100_80GB_HBM3'}; "
+    folder = tmp_path / "NVIDIA_H100_80GB_HBM3"
+    assert capsys.readouterr().out.strip() == (f"wrote 1 FLA configuration files into {folder}; "
                                                "kdacp uses them on this GPU from now on")
     assert main(["tune", "--gates", "safe,softplus"]) == 0 and seen["gates"] == (-5.0, None)
     assert seen["batches"] == ("one_sequence", "docs7")  # the default: both kinds of batch
     capsys.readouterr()
-    assert "expected comma-separated gates from safe, softplus, got 'none'" in _usage_error(capsys, "tune", "--gates", "none")
+    error = _usage_error(capsys, "tune", "--gates", "none")
+    assert "expected comma-separated gates from safe, softplus, got 'none'" in error
 
 
 def test_bench_device_cuda_without_a_gpu_names_the_missing_gpu(no_workers, capsys):

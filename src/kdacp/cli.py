@@ -474,8 +474,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
     try:
-        paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
-                     batches=args.batches, gates=args.gates)
+        paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads,
+                     head_dim=args.head_dim, batches=args.batches, gates=args.gates)
     except RuntimeError as e:
         print(f"kdacp tune: {e}", file=sys.stderr)
         return 1
