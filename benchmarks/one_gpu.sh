@@ -44,8 +44,9 @@
 #   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
-#                                             # at the layer's; the GPU's files copied to OUT/fla-configs/<GPU> (copy
-#                                             # them into src/kdacp/configs/<GPU> to ship them)
+#                                             # at the layer's; the GPU's files (the tuned entries, the sibling's for
+#                                             # the shapes not tuned) copied to OUT/fla-configs/<GPU> (copy them into
+#                                             # src/kdacp/configs/<GPU> and name the GPU in SHIPPED_CAPABILITY to ship)
 #
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.

@@ -155,6 +155,7 @@ def test_tune_help_says_where_the_files_go_and_that_kdacp_prefers_them(capsys):
     from kdacp.backends.fla_configs import USER_CONFIGS
     tune = _help(capsys, "tune").replace("- ", "-")  # argparse wraps after hyphens
     assert f"By default they go to {USER_CONFIGS}/<GPU name>, where kdacp looks first" in tune
+    assert "the shapes it does not tune keep the configurations used before" in tune
     assert "instead of the ones it ships" in tune and f"(default: {USER_CONFIGS}/<GPU name>, which kdacp reads" in tune
 
 

@@ -143,6 +143,56 @@ def test_every_shipped_folder_names_its_architecture():
     assert {d.name for d in SHIPPED_CONFIGS.iterdir() if d.is_dir()} == SHIPPED_CAPABILITY.keys()
 
 
+def _entries(*pairs):
+    """A configuration file's entries: (key, BT) pairs."""
+    return {fla_key_hash(key): {"autotune_key": key, "config": _config(bt, 4)} for key, bt in pairs}
+
+
+def _write(folder, kernel, entries):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{kernel}.json").write_text(json.dumps({"kernel_name": kernel, "triton_version": "3.6.0",
+                                                       "autotune_entries": entries}))
+
+
+def _read(folder, kernel):
+    return {tuple(e["autotune_key"]): e["config"]["kwargs"]["BT"]
+            for e in json.loads((folder / f"{kernel}.json").read_text())["autotune_entries"].values()}
+
+
+def test_add_missing_entries_keeps_the_folders_own(tmp_path):
+    from kdacp.backends.fla_configs import add_missing_entries
+    base, out = tmp_path / "base", tmp_path / "out"
+    _write(base, "a_kernel", _entries(([64], 16), ([128], 16)))
+    _write(base, "b_kernel", _entries(([1], 32)))
+    _write(out, "a_kernel", _entries(([64], 64)))
+    assert add_missing_entries(out, base) == [out / "a_kernel.json", out / "b_kernel.json"]
+    assert _read(out, "a_kernel") == {(64,): 64, (128,): 16}  # its own entry kept, the missing one added
+    assert _read(out, "b_kernel") == {(1,): 32}
+    assert add_missing_entries(out, base) == []  # nothing lacks now
+
+
+def test_tune_keeps_every_shape_the_configurations_used_before_served(monkeypatch, tmp_path):
+    """An H100 without files of its own ran on the H200's; after `kdacp tune` at one shape it runs on its
+    own folder alone, which must still hold the H200's entries for the shapes it did not tune (else those
+    would autotune again, minutes), its tuned entries winning."""
+    import kdacp.tuning
+    shipped = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", (9, 0))
+    _write(shipped / "NVIDIA_H200", "a_kernel", _entries(([64], 16), ([128], 16)))
+    _write(shipped / "NVIDIA_H200", "b_kernel", _entries(([1], 32)))
+
+    def tune_into(cache, out, *args):  # FLA's export of the one shape tuned
+        _write(out, "a_kernel", _entries(([64], 64)))
+        return [out / "a_kernel.json"]
+    monkeypatch.setattr(kdacp.tuning, "_tune_into", tune_into)
+    own = tmp_path / "user" / "NVIDIA_H100_80GB_HBM3"
+    assert kdacp.tuning.tune() == [own / "a_kernel.json", own / "b_kernel.json"]
+    assert _read(own, "a_kernel") == {(64,): 64, (128,): 16} and _read(own, "b_kernel") == {(1,): 32}
+    assert choose_config_dir("NVIDIA H100 80GB HBM3", (9, 0)) == own  # used from now on
+    _write(shipped / "NVIDIA_H200", "b_kernel", _entries(([1], 32), ([2], 8)))
+    assert kdacp.tuning.tune() == [own / "a_kernel.json"]  # again: the folder used now is its own
+    assert _read(own, "b_kernel") == {(1,): 32}
+
+
 def test_tune_needs_a_gpu(capsys):
     import torch
 

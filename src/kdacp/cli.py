@@ -652,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"{USER_CONFIGS}/<GPU name>, where kdacp looks first: it then uses them "
                                       "instead of the ones it ships (tuned on the H200, and taken "
                                       "by other GPUs of its architecture), so a first run on this GPU no "
-                                      "longer autotunes these shapes. Running it again adds to the files there. "
+                                      "longer autotunes these shapes; the shapes it does not tune keep the "
+                                      "configurations used before. Running it again adds to the files there. "
                                       "Needs a CUDA GPU and a fresh process.")
     tune.add_argument("--out", default=None,
                       help=f"folder for the files (default: {USER_CONFIGS}/<GPU name>, which kdacp reads; kdacp "

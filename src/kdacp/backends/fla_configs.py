@@ -155,6 +155,26 @@ def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernel
     return written
 
 
+def add_missing_entries(out_dir: str | Path, base_dir: str | Path) -> list[Path]:
+    """Give the configuration files in ``out_dir`` every entry of ``base_dir``'s that they lack, writing
+    the files ``out_dir`` lacks whole; entries already in ``out_dir`` are kept. kdacp points FLA at one
+    folder per GPU, so a folder tuned at a few shapes, filled from the folder used before it, still
+    serves every shape that one served. Returns the files changed or written, sorted."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for path in sorted(Path(base_dir).glob("*.json")):
+        base = json.loads(path.read_text())
+        target = out / path.name
+        mine = json.loads(target.read_text()) if target.exists() else {**base, "autotune_entries": {}}
+        missing = {h: e for h, e in base["autotune_entries"].items() if h not in mine["autotune_entries"]}
+        if missing:
+            mine["autotune_entries"].update(missing)
+            target.write_text(json.dumps(mine, indent=1, sort_keys=True))
+            changed.append(target)
+    return changed
+
+
 def autotuner_kernel_name(autotuner) -> str:
     """The kernel name a Triton autotuner is filed under (its jitted function's name, as FLA names it)."""
     fn = autotuner.fn
