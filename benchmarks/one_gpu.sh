@@ -41,11 +41,17 @@
 #                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
+#   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
+#                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
+#                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
+#                                             # at the layer's; the GPU's files (the tuned entries, the sibling's for
+#                                             # the shapes not tuned) copied to OUT/fla-configs/<GPU> (copy them into
+#                                             # src/kdacp/configs/<GPU> and name the GPU in SHIPPED_CAPABILITY to ship)
 #
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend or demo"
+PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo or first_run"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -165,6 +171,16 @@ demo)
     tail -2 "$out/demo.log"
     step gpu_tests 400 python3 -m pytest -q -m gpu tests/test_determinism_gpu.py tests/test_long_sequence_gpu.py \
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
+    ;;
+first_run)
+    nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
+    demo=(python3 -m kdacp_command demo --world-size 1 --device cuda)
+    step first_run_shipped 90 env TRITON_CACHE_DIR="$(mktemp -d)" "${demo[@]}"
+    step tune_demo 180 python3 -m kdacp_command tune --gates softplus --batches docs7 --seq-lens 2048
+    step first_run_own 90 env TRITON_CACHE_DIR="$(mktemp -d)" "${demo[@]}"
+    step tune_layer 200 python3 -m kdacp_command tune --gates safe --batches one_sequence,docs7 --seq-lens 16384
+    cp -r "${XDG_CACHE_HOME:-$HOME/.cache}/kdacp/fla-configs" "$out/"
+    grep -h "^time: \|kdacp: no FLA\|^wrote" "$out"/first_run_*.log "$out"/tune_*.log
     ;;
 *)
     echo "part must be $PARTS, got $part" >&2

@@ -151,6 +151,38 @@ def test_tune_takes_comma_separated_lengths():
     assert build_parser().parse_args(["tune", "--seq-lens", "1024,2048"]).seq_lens == (1024, 2048)
 
 
+def test_tune_help_says_where_the_files_go_and_that_kdacp_prefers_them(capsys):
+    from kdacp.backends.fla_configs import USER_CONFIGS
+    tune = _help(capsys, "tune").replace("- ", "-")  # argparse wraps after hyphens
+    assert f"By default they go to {USER_CONFIGS}/<GPU name>, where kdacp looks first" in tune
+    assert "the shapes it does not tune keep the configurations used before" in tune
+    assert "instead of the ones it ships" in tune and f"(default: {USER_CONFIGS}/<GPU name>, which kdacp reads" in tune
+
+
+def test_tune_tunes_the_gates_and_batches_asked_for(monkeypatch, tmp_path, capsys):
+    """``--gates`` and ``--batches`` reach :func:`kdacp.tuning.tune` (each gate and batch runs other kernels,
+    so a first run's shapes can be tuned alone), and the last line says where the files went and who reads them."""
+    import kdacp.tuning
+    from kdacp.cli import main
+    seen = {}
+
+    def tune(out, **kwargs):
+        seen.update(kwargs, out=out)
+        return [tmp_path / "NVIDIA_H100_80GB_HBM3" / "chunk_fwd_kernel_o.json"]
+    monkeypatch.setattr(kdacp.tuning, "tune", tune)
+    assert main(["tune", "--gates", "softplus", "--batches", "docs7", "--seq-lens", "2048"]) == 0
+    assert seen["gates"] == (None,) and seen["batches"] == ("docs7",) and seen["t_local"] == (2048,)
+    assert seen["out"] is None
+    folder = tmp_path / "NVIDIA_H100_80GB_HBM3"
+    assert capsys.readouterr().out.strip() == (f"wrote 1 FLA configuration files into {folder}; "
+                                               "kdacp uses them on this GPU from now on")
+    assert main(["tune", "--gates", "safe,softplus"]) == 0 and seen["gates"] == (-5.0, None)
+    assert seen["batches"] == ("one_sequence", "docs7")  # the default: both kinds of batch
+    capsys.readouterr()
+    error = _usage_error(capsys, "tune", "--gates", "none")
+    assert "expected comma-separated gates from safe, softplus, got 'none'" in error
+
+
 def test_bench_device_cuda_without_a_gpu_names_the_missing_gpu(no_workers, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

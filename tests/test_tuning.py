@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 
-from kdacp.backends.fla_configs import SHIPPED_CONFIGS, export_fla_configs, fla_key_hash, gpu_dir_name, use_shipped_configs
+from kdacp.backends.fla_configs import (SHIPPED_CONFIGS, choose_config_dir, export_fla_configs, fla_key_hash,
+                                        gpu_dir_name, use_configs_for_this_gpu, use_shipped_configs)
 
 
 def _config(bt, warps):
@@ -68,6 +69,128 @@ def test_a_users_own_configurations_come_first(tmp_path):
     assert env["FLA_CONFIG_DIR"] == str(tmp_path / "NVIDIA_H200")
     env = {}
     assert use_shipped_configs("NVIDIA H200", env, user_dir=tmp_path / "none") == SHIPPED_CONFIGS / "NVIDIA_H200"
+
+
+def _fake_gpu(monkeypatch, tmp_path, name, capability, shipped=("NVIDIA_H200",)):
+    """A CUDA device named ``name`` of ``capability``, with kdacp shipping files for the GPUs ``shipped``
+    only (all sm_90) and no files of the user's."""
+    import torch
+
+    from kdacp.backends import fla_configs
+    for gpu in shipped:
+        (tmp_path / "shipped" / gpu).mkdir(parents=True)
+    monkeypatch.setattr(fla_configs, "SHIPPED_CONFIGS", tmp_path / "shipped")
+    monkeypatch.setattr(fla_configs, "SHIPPED_CAPABILITY", {gpu: (9, 0) for gpu in shipped})
+    monkeypatch.setattr(fla_configs, "USER_CONFIGS", tmp_path / "user")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    return tmp_path / "shipped"
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H800"])
+def test_a_hopper_gpu_without_files_of_its_own_takes_the_h200s(monkeypatch, tmp_path, caplog, name):
+    """An H100 of any variant with no files of its own takes the H200's (both sm_90) instead of
+    autotuning every kernel shape of a first run (minutes), and says so in one line naming both GPUs
+    and how to make its own."""
+    shipped = _fake_gpu(monkeypatch, tmp_path, name, (9, 0))
+    env = {}
+    with caplog.at_level("WARNING"):
+        assert use_configs_for_this_gpu(env) == shipped / "NVIDIA_H200"
+    assert env == {"FLA_CONFIG_DIR": str(shipped / "NVIDIA_H200"), "FLA_CACHE_MODE": "strict"}
+    assert len(caplog.messages) == 1
+    note = caplog.messages[0]
+    assert "\n" not in note and name in note and "NVIDIA H200 (same architecture, sm_90)" in note
+    assert "`kdacp tune`" in note and str(tmp_path / "user" / gpu_dir_name(name)) in note
+
+
+def test_the_nearest_sibling_is_the_one_sharing_most_of_the_name(monkeypatch, tmp_path):
+    shipped = _fake_gpu(monkeypatch, tmp_path, "unused", (9, 0), shipped=("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"))
+    assert choose_config_dir("NVIDIA H100 PCIe", (9, 0)) == shipped / "NVIDIA_H100_80GB_HBM3"
+    assert choose_config_dir("NVIDIA H200 NVL", (9, 0)) == shipped / "NVIDIA_H200"
+    assert choose_config_dir("NVIDIA H800", (9, 0)) == shipped / "NVIDIA_H100_80GB_HBM3"  # a tie: the first by name
+    assert choose_config_dir("NVIDIA H200", (9, 0)) == shipped / "NVIDIA_H200"  # its own
+    assert choose_config_dir("NVIDIA H100 PCIe") is None  # no capability, no sibling
+
+
+def test_a_gpu_of_another_architecture_takes_no_siblings_files(monkeypatch, tmp_path, caplog):
+    _fake_gpu(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB", (8, 0))
+    env = {}
+    with caplog.at_level("WARNING"):
+        assert use_configs_for_this_gpu(env) is None
+    assert env == {} and len(caplog.messages) == 1
+    assert "A100" in caplog.messages[0] and "autotunes" in caplog.messages[0] and "`kdacp tune`" in caplog.messages[0]
+
+
+@pytest.mark.parametrize("env", [{"FLA_CACHE_MODE": "disabled"}, {"FLA_CONFIG_DIR": "/mine"}, {"LOCAL_RANK": "1"}])
+def test_no_note_where_the_user_chose_or_on_other_ranks(monkeypatch, tmp_path, caplog, env):
+    _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 PCIe", (9, 0))
+    with caplog.at_level("WARNING"):
+        used = use_configs_for_this_gpu(env)
+    assert caplog.messages == []
+    assert (used is not None) == ("LOCAL_RANK" in env)  # the other ranks still take the H200's, quietly
+
+
+def test_no_note_for_a_gpu_with_files_of_its_own(monkeypatch, tmp_path, caplog):
+    shipped = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H200", (9, 0))
+    with caplog.at_level("WARNING"):
+        assert use_configs_for_this_gpu({}) == shipped / "NVIDIA_H200"
+    assert caplog.messages == []
+
+
+def test_every_shipped_folder_names_its_architecture():
+    from kdacp.backends.fla_configs import SHIPPED_CAPABILITY
+    assert {d.name for d in SHIPPED_CONFIGS.iterdir() if d.is_dir()} == SHIPPED_CAPABILITY.keys()
+
+
+def _entries(*pairs):
+    """A configuration file's entries: (key, BT) pairs."""
+    return {fla_key_hash(key): {"autotune_key": key, "config": _config(bt, 4)} for key, bt in pairs}
+
+
+def _write(folder, kernel, entries):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{kernel}.json").write_text(json.dumps({"kernel_name": kernel, "triton_version": "3.6.0",
+                                                       "autotune_entries": entries}))
+
+
+def _read(folder, kernel):
+    return {tuple(e["autotune_key"]): e["config"]["kwargs"]["BT"]
+            for e in json.loads((folder / f"{kernel}.json").read_text())["autotune_entries"].values()}
+
+
+def test_add_missing_entries_keeps_the_folders_own(tmp_path):
+    from kdacp.backends.fla_configs import add_missing_entries
+    base, out = tmp_path / "base", tmp_path / "out"
+    _write(base, "a_kernel", _entries(([64], 16), ([128], 16)))
+    _write(base, "b_kernel", _entries(([1], 32)))
+    _write(out, "a_kernel", _entries(([64], 64)))
+    assert add_missing_entries(out, base) == [out / "a_kernel.json", out / "b_kernel.json"]
+    assert _read(out, "a_kernel") == {(64,): 64, (128,): 16}  # its own entry kept, the missing one added
+    assert _read(out, "b_kernel") == {(1,): 32}
+    assert add_missing_entries(out, base) == []  # nothing lacks now
+
+
+def test_tune_keeps_every_shape_the_configurations_used_before_served(monkeypatch, tmp_path):
+    """An H100 without files of its own ran on the H200's; after `kdacp tune` at one shape it runs on its
+    own folder alone, which must still hold the H200's entries for the shapes it did not tune (else those
+    would autotune again, minutes), its tuned entries winning."""
+    import kdacp.tuning
+    shipped = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", (9, 0))
+    _write(shipped / "NVIDIA_H200", "a_kernel", _entries(([64], 16), ([128], 16)))
+    _write(shipped / "NVIDIA_H200", "b_kernel", _entries(([1], 32)))
+
+    def tune_into(cache, out, *args):  # FLA's export of the one shape tuned
+        _write(out, "a_kernel", _entries(([64], 64)))
+        return [out / "a_kernel.json"]
+    monkeypatch.setattr(kdacp.tuning, "_tune_into", tune_into)
+    own = tmp_path / "user" / "NVIDIA_H100_80GB_HBM3"
+    assert kdacp.tuning.tune() == [own / "a_kernel.json", own / "b_kernel.json"]
+    assert _read(own, "a_kernel") == {(64,): 64, (128,): 16} and _read(own, "b_kernel") == {(1,): 32}
+    assert choose_config_dir("NVIDIA H100 80GB HBM3", (9, 0)) == own  # used from now on
+    _write(shipped / "NVIDIA_H200", "b_kernel", _entries(([1], 32), ([2], 8)))
+    assert kdacp.tuning.tune() == [own / "a_kernel.json"]  # again: the folder used now is its own
+    assert _read(own, "b_kernel") == {(1,): 32}
 
 
 def test_tune_needs_a_gpu(capsys):
@@ -138,7 +261,8 @@ if {no_reread}:
     import kdacp.backends.fla_adapter as adapter
     adapter._reread_cache_mode = lambda: None
 with mock.patch.object(torch.cuda, "is_available", lambda: True), \\
-        mock.patch.object(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200"):
+        mock.patch.object(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200"), \\
+        mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)):
     from kdacp.backends.fla_adapter import fla_available
     assert fla_available()
 print(cache.FLA_CACHE_MODE.value, os.path.basename(os.environ["FLA_CONFIG_DIR"]))

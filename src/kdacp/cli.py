@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
+from .backends.fla_configs import USER_CONFIGS
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
 from .bench.virtual import CHUNK as VIRTUAL_CHUNK
@@ -85,6 +86,18 @@ def _batches(text: str) -> tuple[str, ...]:
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(BATCHES)}, got {text!r}")
     return names
+
+
+# ``kdacp tune --gates``: the KDA gate's name -> the layer's ``gate_lower_bound``
+TUNE_GATES = {"safe": -5.0, "softplus": None}
+
+
+def _gates(text: str) -> tuple[float | None, ...]:
+    """argparse type: comma-separated gate names of :data:`TUNE_GATES`, as ``gate_lower_bound`` values."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in TUNE_GATES for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated gates from {', '.join(TUNE_GATES)}, got {text!r}")
+    return tuple(TUNE_GATES[n] for n in names)
 
 
 def _int_list(text: str, low: int, what: str) -> tuple[int, ...]:
@@ -260,8 +273,9 @@ def _demo(args: argparse.Namespace) -> int:
     if device == "cuda" and show:
         # Without tuned configurations FLA autotunes each new shape in the first step: minutes on a GPU.
         print("kdacp demo: on a GPU the first step includes compiling the Triton kernels and FLA's autotuning "
-              "of any kernel shape without a tuned configuration (kdacp ships the H200's); the whole "
-              "command's time and what it went to are printed at the end", file=sys.stderr)
+              "of any kernel shape without a tuned configuration (kdacp ships the H200's, which other "
+              "Hopper GPUs take when they have none of their own); the whole command's time and what it "
+              "went to are printed at the end", file=sys.stderr)
     launched_at = time.time()
     try:
         results = launch(demo_worker, world, (cfg,), device=device, port=args.port, timeout_s=timeout,
@@ -460,11 +474,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
     try:
-        paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads, head_dim=args.head_dim)
+        paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads,
+                     head_dim=args.head_dim, batches=args.batches, gates=args.gates)
     except RuntimeError as e:
         print(f"kdacp tune: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {len(paths)} FLA configuration files into {paths[0].parent if paths else args.out}")
+    folder = paths[0].parent if paths else args.out
+    use = ("kdacp uses them on this GPU from now on" if args.out is None
+           else f"FLA uses them where FLA_CONFIG_DIR={folder} and FLA_CACHE_MODE=strict are set")
+    print(f"wrote {len(paths)} FLA configuration files into {folder}; {use}")
     return 0
 
 
@@ -628,11 +646,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
-                                       "configurations (used instead of the shipped ones)",
+                                       "configurations, which kdacp then prefers over the shipped ones",
                           description="Autotune FLA's kernels for kdacp's KimiDeltaAttention layer at the given "
-                                      "sizes on this GPU and save the configurations, which kdacp then uses "
-                                      "instead of the shipped ones. Needs a CUDA GPU and a fresh process.")
-    tune.add_argument("--out", default=None, help="folder for the files (default: ~/.cache/kdacp/fla-configs/<GPU>)")
+                                      "sizes on this GPU and save the configurations. By default they go to "
+                                      f"{USER_CONFIGS}/<GPU name>, where kdacp looks first: it then uses them "
+                                      "instead of the ones it ships (tuned on the H200, and taken "
+                                      "by other GPUs of its architecture), so a first run on this GPU no "
+                                      "longer autotunes these shapes; the shapes it does not tune keep the "
+                                      "configurations used before. Running it again adds to the files there. "
+                                      "Needs a CUDA GPU and a fresh process.")
+    tune.add_argument("--out", default=None,
+                      help=f"folder for the files (default: {USER_CONFIGS}/<GPU name>, which kdacp reads; kdacp "
+                           "reads another folder only where FLA_CONFIG_DIR names it)")
     tune.add_argument("--seq-lens", type=_lengths, default=(16384, 2048),
                       help="comma-separated tokens per call; some kernels tune per token count (default: 16384,2048)")
     tune.add_argument("--hidden", type=_positive_int, default=2048,
@@ -640,6 +665,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--heads", type=_positive_int, default=32, help="the layer's heads (default: %(default)s)")
     tune.add_argument("--head-dim", type=_positive_int, default=128,
                       help="the size of each head, K = V (default: %(default)s)")
+    tune.add_argument("--batches", type=_batches, default=("one_sequence", "docs7"),
+                      help=f"comma-separated batches from {', '.join(BATCHES)}: one sequence and several documents "
+                           "run different kernels (default: one_sequence,docs7)")
+    tune.add_argument("--gates", type=_gates, default=(-5.0, None),
+                      help="comma-separated KDA gates, which run different kernels: safe, Kimi Linear's with lower "
+                           "bound -5, and softplus, transformers' Kimi Linear's, which kdacp demo runs (default: "
+                           "safe,softplus)")
     tune.set_defaults(func=_tune)
     return parser
 

@@ -9,7 +9,8 @@ import itertools
 import os
 from pathlib import Path
 
-from .backends.fla_configs import USER_CONFIGS, export_fla_configs, gpu_dir_name
+from .backends import fla_configs
+from .backends.fla_configs import add_missing_entries, choose_config_dir, export_fla_configs, gpu_dir_name
 
 
 def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: int = 2048, heads: int = 32,
@@ -22,7 +23,13 @@ def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: in
     ``t_local`` (an int or several: some kernels, such as the gated norm, key their tuning on the
     token count), with FLA autotuning into a fresh Triton cache, then
     exports the kernels that read FLA's configuration directory into ``out_dir`` (default:
-    :data:`USER_CONFIGS` / the GPU's name, which kdacp then prefers over its shipped files).
+    :data:`~kdacp.backends.fla_configs.USER_CONFIGS` / the GPU's name, which kdacp then prefers over its
+    shipped files). The entries it did not tune come from the configurations kdacp used on this GPU
+    before (its shipped ones, or a sibling GPU's: :func:`~kdacp.backends.fla_configs.choose_config_dir`),
+    so the new folder, which replaces that one, serves every shape it served.
+
+    Returns:
+        The files written, sorted.
 
     Raises:
         RuntimeError: no CUDA GPU, or FLA was imported already in this process (its settings are read
@@ -37,18 +44,22 @@ def tune(out_dir: str | Path | None = None, *, t_local=(16384, 2048), hidden: in
     if "fla" in sys.modules:
         raise RuntimeError("tuning must run in a fresh process (FLA reads its settings at import, and it was "
                            "imported already)")
-    out = Path(out_dir) if out_dir is not None else USER_CONFIGS / gpu_dir_name(torch.cuda.get_device_name())
+    gpu = torch.cuda.get_device_name()
+    out = Path(out_dir) if out_dir is not None else fla_configs.USER_CONFIGS / gpu_dir_name(gpu)
+    before = choose_config_dir(gpu, tuple(torch.cuda.get_device_capability()))
     saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "FLA_CACHE_MODE")}
     with tempfile.TemporaryDirectory(prefix="kdacp-tune-") as cache:
         os.environ["TRITON_CACHE_DIR"], os.environ["FLA_CACHE_MODE"] = cache, "disabled"  # tune afresh
         try:
-            return _tune_into(cache, out, t_local, hidden, heads, head_dim, batches, gates)
+            tuned = _tune_into(cache, out, t_local, hidden, heads, head_dim, batches, gates)
         finally:  # the temporary cache goes away: leave no variable pointing at it
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+    filled = add_missing_entries(out, before) if before is not None and before.resolve() != out.resolve() else []
+    return sorted(set(tuned) | set(filled))
 
 
 def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim: int, batches,

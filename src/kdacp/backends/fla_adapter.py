@@ -61,10 +61,8 @@ _STAGES = {
 def _load() -> tuple[SimpleNamespace | None, str | None]:
     # Before FLA is imported (it reads FLA_CACHE_MODE once): kdacp's tuned configurations for this GPU,
     # unless the user chose FLA's settings; a config missed still autotunes.
-    import torch
-
-    from .fla_configs import use_shipped_configs
-    shipped = use_shipped_configs(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    from .fla_configs import use_configs_for_this_gpu
+    shipped = use_configs_for_this_gpu()
     try:
         import fla
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"

@@ -5,7 +5,9 @@ FLA 0.6.0 looks a kernel's configuration up in ``$FLA_CONFIG_DIR/<kernel name>.j
 ``FLA_CACHE_MODE`` says so (read once, when FLA is imported), keyed by the kernel's autotune key (its
 key arguments' values and its tensor arguments' dtypes); on a miss it autotunes as usual.
 :func:`use_shipped_configs` points FLA at kdacp's files for the GPU at hand, unless the user set either
-variable. :func:`export_fla_configs` turns a Triton autotune cache (``TRITON_CACHE_DIR``, where FLA's
+variable; a GPU without its own files takes those of the nearest shipped GPU of its architecture
+(:func:`choose_config_dir`), so that a first run never autotunes for minutes where a sibling's files
+serve. :func:`export_fla_configs` turns a Triton autotune cache (``TRITON_CACHE_DIR``, where FLA's
 autotuner records its timings) into such files, which is how the shipped ones were made; making
 them on the user's GPU is :func:`kdacp.tuning.tune`.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -31,24 +34,78 @@ SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 USER_CONFIGS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kdacp" / "fla-configs"
 
 
+# The CUDA compute capability of each GPU kdacp ships configurations for. A GPU without files of its own
+# takes those of a shipped GPU of its capability: a configuration is sized to the chip's shared memory,
+# registers and units, which the capability fixes, so a sibling's runs (an H100 takes the H200's) and
+# saves the minutes of autotuning; one of another capability is never taken (it may not even launch).
+SHIPPED_CAPABILITY = {"NVIDIA_H200": (9, 0)}
+
+log = logging.getLogger(__name__)
+
+
 def gpu_dir_name(device_name: str) -> str:
     """FLA's directory name for a GPU (``"NVIDIA H200"`` -> ``"NVIDIA_H200"``)."""
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
-def use_shipped_configs(device_name: str | None, environ=os.environ, user_dir: Path | None = None) -> Path | None:
-    """Set ``FLA_CONFIG_DIR`` to the configurations for ``device_name`` (the user's own from ``kdacp tune``
-    in ``user_dir``, default :data:`USER_CONFIGS`, else kdacp's shipped ones) and ``FLA_CACHE_MODE`` to
-    ``strict`` (exact key matches; anything else autotunes), unless the user set either variable or none
-    exist for that GPU. Returns the directory used, or None. FLA reads ``FLA_CACHE_MODE`` when first
-    imported: call it before, or hand an imported FLA the mode afterwards (as kdacp's adapter does)."""
+def choose_config_dir(device_name: str, capability: tuple[int, int] | None = None,
+                      user_dir: Path | None = None) -> Path | None:
+    """The folder of FLA configurations for a GPU named ``device_name``: the user's own from ``kdacp tune``
+    (in ``user_dir``, default :data:`USER_CONFIGS`), else kdacp's shipped ones for that GPU (in
+    :data:`SHIPPED_CONFIGS`), else, given the GPU's compute ``capability``, the shipped ones of the GPU of that
+    capability (:data:`SHIPPED_CAPABILITY`) whose name shares the most ``_``-separated parts with this
+    one's (ties: the first by name; an ``NVIDIA H100 PCIe`` takes an ``NVIDIA_H100_...`` folder over
+    ``NVIDIA_H200``). None when there is none of these."""
+    name, shipped_dir = gpu_dir_name(device_name), SHIPPED_CONFIGS
+    own = next((d for d in ((user_dir or USER_CONFIGS) / name, shipped_dir / name) if d.is_dir()), None)
+    if own is not None or capability is None:
+        return own
+    parts = set(name.split("_"))
+    siblings = [gpu for gpu, cap in sorted(SHIPPED_CAPABILITY.items())
+                if cap == tuple(capability) and (shipped_dir / gpu).is_dir()]
+    return shipped_dir / max(siblings, key=lambda gpu: len(parts & set(gpu.split("_")))) if siblings else None
+
+
+def use_shipped_configs(device_name: str | None, environ=os.environ, user_dir: Path | None = None,
+                        capability: tuple[int, int] | None = None) -> Path | None:
+    """Set ``FLA_CONFIG_DIR`` to the configurations :func:`choose_config_dir` picks for ``device_name``
+    (of compute ``capability``, which lets a GPU without files of its own take a sibling's) and
+    ``FLA_CACHE_MODE`` to ``strict`` (exact key matches; anything else autotunes), unless the user set
+    either variable or there are none. Returns the directory used, or None. FLA reads ``FLA_CACHE_MODE``
+    when first imported: call it before, or hand an imported FLA the mode afterwards (as kdacp's adapter
+    does)."""
     if device_name is None or "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ:
         return None
-    name = gpu_dir_name(device_name)
-    folder = next((d for d in ((user_dir or USER_CONFIGS) / name, SHIPPED_CONFIGS / name) if d.is_dir()), None)
+    folder = choose_config_dir(device_name, capability, user_dir)
     if folder is None:
         return None
     environ["FLA_CONFIG_DIR"], environ["FLA_CACHE_MODE"] = str(folder), "strict"
+    return folder
+
+
+def use_configs_for_this_gpu(environ=os.environ, user_dir: Path | None = None) -> Path | None:
+    """:func:`use_shipped_configs` for the current CUDA device, saying in one logged line (a warning of
+    this module's logger, on stderr where logging is not set up) when the GPU has no configurations of
+    its own: whose are used, or that FLA will autotune, and that ``kdacp tune`` makes the GPU's own. Says
+    nothing where the user set FLA's variables, and only on the first local rank under torchrun
+    (``LOCAL_RANK`` 0 or unset). Returns the directory used, or None (no CUDA device, none apply)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    name, capability = torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
+    user_set = "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ
+    folder = use_shipped_configs(name, environ, user_dir, capability)
+    own = folder is not None and folder.name == gpu_dir_name(name)
+    if user_set or own or environ.get("LOCAL_RANK", "0") != "0":
+        return folder
+    how = f"`kdacp tune` makes this GPU's own (into {(user_dir or USER_CONFIGS) / gpu_dir_name(name)})"
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if folder is None:
+        log.warning(f"kdacp: no FLA kernel configurations for the {name} ({arch}): FLA autotunes each new kernel "
+                    f"shape at its first use, minutes in a first run; {how}")
+    else:
+        log.warning(f"kdacp: no FLA kernel configurations for the {name}; using the shipped ones of the "
+                    f"{folder.name.replace('_', ' ')} (same architecture, {arch}); {how}")
     return folder
 
 
@@ -96,6 +153,26 @@ def export_fla_configs(triton_cache_dir: str | Path, out_dir: str | Path, kernel
                                     "autotune_entries": {**old, **entries}}, indent=1, sort_keys=True))
         written.append(path)
     return written
+
+
+def add_missing_entries(out_dir: str | Path, base_dir: str | Path) -> list[Path]:
+    """Give the configuration files in ``out_dir`` every entry of ``base_dir``'s that they lack, writing
+    the files ``out_dir`` lacks whole; entries already in ``out_dir`` are kept. kdacp points FLA at one
+    folder per GPU, so a folder tuned at a few shapes, filled from the folder used before it, still
+    serves every shape that one served. Returns the files changed or written, sorted."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for path in sorted(Path(base_dir).glob("*.json")):
+        base = json.loads(path.read_text())
+        target = out / path.name
+        mine = json.loads(target.read_text()) if target.exists() else {**base, "autotune_entries": {}}
+        missing = {h: e for h, e in base["autotune_entries"].items() if h not in mine["autotune_entries"]}
+        if missing:
+            mine["autotune_entries"].update(missing)
+            target.write_text(json.dumps(mine, indent=1, sort_keys=True))
+            changed.append(target)
+    return changed
 
 
 def autotuner_kernel_name(autotuner) -> str:
