@@ -70,10 +70,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    import kdacp  # first: it points FLA at its kernel configurations, which FLA reads at import
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     from fla.ops.kda import chunk_kda as fla_kda
-
-    import kdacp
     rows = []
     card = torch.cuda.get_device_name()
     print(f"# {card}, torch {torch.__version__}")
