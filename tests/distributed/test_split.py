@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import kdacp.distributed.split as split_module
 from kdacp import reference
 from kdacp.affine import AffineMap, chain_states
-from kdacp.backends.base import Span
+from kdacp.backends.base import KDAOptions, Span
 from kdacp.backends.torch_backend import TorchBackend
 from kdacp.distributed.split import check_split, chunks_per_piece
 from kdacp.gdn import chunk_gated_delta_rule
@@ -90,15 +90,15 @@ def test_one_device_split_matches_reference(op, pieces, chain_walks):
 
 
 def test_pieces_of_the_longest_segment():
-    backend = TorchBackend.__new__(TorchBackend)
+    backend = TorchBackend(KDAOptions(scale=0.25))
     span = Span(0, 700, (0, 40, 700))  # the longest: 660 tokens, 11 chunks of 64
     cpu = torch.device("cpu")
-    assert chunks_per_piece(3, backend, span, 2, 16, 16, 64, cpu) == 4
-    assert chunks_per_piece(11, backend, span, 2, 16, 16, 64, cpu) == 1
-    assert chunks_per_piece(1, backend, span, 2, 16, 16, 64, cpu) is None
-    assert chunks_per_piece(None, backend, span, 2, 16, 16, 64, cpu) is None
-    assert chunks_per_piece(12, backend, Span(0, 40, (0, 40)), 2, 16, 16, 64, cpu) is None  # one chunk: no cut
-    assert chunks_per_piece("auto", backend, span, 2, 16, 16, 64, cpu) is None  # auto cuts on a GPU only
+    assert chunks_per_piece(3, backend, span, 2, 16, 16, cpu) == 4
+    assert chunks_per_piece(11, backend, span, 2, 16, 16, cpu) == 1
+    assert chunks_per_piece(1, backend, span, 2, 16, 16, cpu) is None
+    assert chunks_per_piece(None, backend, span, 2, 16, 16, cpu) is None
+    assert chunks_per_piece(12, backend, Span(0, 40, (0, 40)), 2, 16, 16, cpu) is None  # one chunk: no cut
+    assert chunks_per_piece("auto", backend, span, 2, 16, 16, cpu) is None  # auto cuts on a GPU only
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "on", True])

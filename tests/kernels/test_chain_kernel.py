@@ -1,4 +1,4 @@
-"""The chain kernel (:mod:`kdacp.kernels.chain`) under the Triton interpreter against the float64 chain of
+"""The chain kernel (:mod:`kdacp.affine.chain`) under the Triton interpreter against the float64 chain of
 :func:`kdacp.affine.chain_states`: both directions, with and without incoming states, a masked column tile."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdacp.affine import AffineMap, chain_states
-from kdacp.kernels.chain import chain_states as chain_kernel
+from kdacp.affine.chain import chain_states as chain_kernel
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -24,6 +24,7 @@ import torch
 from ..caches import CHAIN_TABLES
 from ..host_copies import to_device
 
+from .chain import chain_states as chain_kernel
 from .product import affine_product
 
 __all__ = ["AffineMap", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
@@ -164,12 +165,11 @@ def chain_states(maps: AffineMap, counts: tuple[int, ...], initial: torch.Tensor
     Returns ``(entries [n, HV, K, V], out [N, HV, K, V])``: what enters each piece (``reverse``: the gradient of its
     final state) and what leaves each sequence (``reverse``: the gradient of its initial state). Products by the
     precision rule of this module: one Triton launch for float32 GPU operands outside autograd
-    (:mod:`kdacp.kernels.chain`), else piece by piece in float64."""
+    (:mod:`kdacp.affine.chain`), else piece by piece in float64."""
     offsets, transitions = maps
     if len(counts) == 0 or sum(counts) != offsets.shape[0]:
         raise ValueError(f"counts {counts} must add up to the {offsets.shape[0]} pieces of maps")
     if _kernel_path(offsets, transitions, initial):
-        from ..kernels.chain import chain_states as chain_kernel  # kernels import this module
         return chain_kernel(offsets, transitions, _chain_table(tuple(counts), offsets.device), initial, reverse)
     step = apply_state_gradient_summary if reverse else apply_state_summary
     entries = [None] * offsets.shape[0]

@@ -25,6 +25,7 @@ import torch
 from .base import KDAInputs, LocalGrads, LocalStates, Span
 from .fla_backend import FlaBackend, FlaBackwardStates, TokenSaved
 from ..kernels import state_gradient_summary, state_summary
+from ..kernels.config import piece_config
 
 
 @dataclass

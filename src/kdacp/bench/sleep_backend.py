@@ -29,6 +29,7 @@ class SleepBackend:
 
     name = "sleep"
     parallel_pieces = False  # its stages sleep the times of the FLA backend's
+    summary_pieces = False  # no split inside the device: its stages are timed whole
     dtype = torch.float32
 
     def __init__(self, tokens: int, stages: dict | None = None):
@@ -49,8 +50,12 @@ class SleepBackend:
         self.HV, self.V = inputs.v.shape[2:]
         return None
 
-    def state_summary(self, chunks, span, with_transition: bool, parts: bool = False):
-        """Zero summaries; ``parts``: one piece per segment (its state pass then runs as one, as timed)."""
+    def state_summary(self, chunks, span, with_transition: bool, parts: bool = False,
+                      chunks_per_piece: int | None = None):
+        """Zero summaries; ``parts``: one piece per segment (its state pass then runs as one, as timed);
+        ``chunks_per_piece`` must be ``None`` (``summary_pieces`` is false)."""
+        if chunks_per_piece is not None:
+            raise ValueError("the sleep backend summarises whole segments only (summary_pieces is False)")
         self._sleep("state_summary", span)
         n = span.num_segments
         summary = AffineMap(self._zeros(n, self.HV, self.K, self.V),

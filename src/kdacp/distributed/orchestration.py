@@ -160,7 +160,7 @@ def cp_forward(backend: LocalBackend, plan: CPPlan, inputs: KDAInputs, initial_s
     layout = layouts[plan.rank]
     route, _ = _routes(plan, T // plan.batch_size, (HV, K, V), state_dtype, device)
     exchange = exchange or make_exchange(plan.strategy)
-    length = chunks_per_piece(split, backend, layout.whole, HV, K, V, backend.options.chunk_size, device)
+    length = chunks_per_piece(split, backend, layout.whole, HV, K, V, device)
     if len(layout.positions) > 1:
         return _forward_positions(backend, plan, layout, route, exchange, inputs, initial_state, output_final_state,
                                   state_dtype, length)

@@ -41,7 +41,7 @@ def check_split(split) -> None:
                      f"None (no split), got {split!r}")
 
 
-def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, V: int, chunk_size: int,
+def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, V: int,
                      device: torch.device) -> int | None:
     """The length in chunks of the pieces ``span``'s segments are cut into, or ``None`` for no cut.
 
@@ -49,9 +49,10 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     many pieces of the same length as they need); ``"auto"`` takes the summary kernels' own choice, about two
     programs per SM of ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where it cuts
     the longest segment into at least :data:`AUTO_MIN_PIECES` on a CUDA device. Backends that cannot summarise
-    pieces (``summary_pieces`` false) never cut."""
+    pieces (``summary_pieces`` false) never cut; the chunk length is the backend's (``options.chunk_size``)."""
     if split is None or split == 1 or span.empty or not backend.summary_pieces:
         return None
+    chunk_size = backend.options.chunk_size
     lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     longest = -(-max(lengths) // chunk_size)
     if split == "auto":
@@ -127,7 +128,7 @@ class RankBackward:
         """``G [n, HV, K, V]``: the gradient reaching each segment's initial state when its final state's is zero;
         of segments ``first`` to ``last - 1`` only with ``segments = (first, last)``."""
         if self.pieces is None:
-            return self.backend.state_gradient_summary(self.local, segments)
+            return self.backend.state_gradient_summary(self.local, segments=segments)
         G = self._chain(None)[1]
         return G if segments is None else G[segments[0]:segments[1]]
 
@@ -136,7 +137,7 @@ class RankBackward:
         final-state gradient ``dht [n, HV, K, V]`` (``None``: zero); its ``dinitial_state`` is per segment.
         ``segments``: the pass over the first ``segments`` segments only (uncut spans only)."""
         if self.pieces is None:
-            return self.backend.backward_states(self.local, dht, segments)
+            return self.backend.backward_states(self.local, dht, segments=segments)
         if segments is not None:
             raise ValueError("a cut span's gradient pass runs over all of its segments")
         dht_pieces, _ = self._chain(dht)

@@ -56,8 +56,7 @@ from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",
-           "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs",
-           "zigzag_to_contiguous"]
+           "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs"]
 
 CACHED_LAYOUTS = 8  # zigzag routes kept (one per batch shape / packing; a few batches in flight)
 

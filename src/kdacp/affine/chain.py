@@ -5,7 +5,8 @@ A sequence cut into pieces ``0..c-1`` with summaries ``(A_j, M_j)`` carries its 
 (backward: ``A = G``, ``x`` the gradient of each piece's final state). One program walks one ``[K, BV]``
 column tile of one sequence and head through its pieces, storing the state entering each, so the split
 inside one device (:mod:`kdacp.distributed.split`) pays one launch for what is otherwise ``c - 1`` small
-products in sequence. Products run in 3xTF32 and add in float32, as :mod:`kdacp.affine.product`'s.
+products in sequence. Products run in 3xTF32 (the summary kernels' float32 products,
+:data:`kdacp.kernels.precision.F32_DOT`) and add in float32, as :mod:`kdacp.affine.product`'s.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import F32_DOT
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _chain_kernel(a, m, x0, seqs, entries, out, HV, s_an, s_ah, s_ak, s_mn, s_mh
         else:
             b_m = tl.load(m + p64 * s_mn + i_h * s_mh + o_k[:, None] * s_mr + o_k[None, :] * s_mc)
         # from zero: a float32 sum passed to tl.dot as its accumulator is truncated by the tensor cores
-        acc = tl.dot(b_m, acc, input_precision=F32_DOT) + b_a
+        acc = tl.dot(b_m, acc, input_precision="tf32x3") + b_a
     tl.store(out + (i_n * HV + i_h).to(tl.int64) * K * V + tile, acc, mask=m_c[None, :])
 
 
