@@ -81,6 +81,22 @@ def check_boundaries(cu: list[int] | tuple[int, ...], T: int) -> None:
         raise ValueError(f"cu_seqlens[-1] must equal T={T} (the number of tokens), got {cu[-1]}")
 
 
+def check_fla_only_options(*, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False) -> None:
+    """FLA's options that kdacp takes by name and runs at FLA's default only (False): raise ``ValueError`` for
+    True, saying what to pass instead. ``use_beta_sigmoid_in_kernel=True`` (beta given as logits) and
+    ``allow_neg_eigval=True`` (FLA's ``beta = 2 * sigmoid(logits)`` in ``[0, 2)``) are not run by kdacp's kernels."""
+    for name, value in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                        ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if use_beta_sigmoid_in_kernel:
+        raise ValueError("use_beta_sigmoid_in_kernel=True is not supported: pass beta = sigmoid(logits) (float32) "
+                         "with use_beta_sigmoid_in_kernel=False")
+    if allow_neg_eigval:
+        raise ValueError("allow_neg_eigval=True (beta in [0, 2)) is not supported: kdacp runs beta in [0, 1] only; "
+                         "pass allow_neg_eigval=False")
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     """Validate ``cu_seqlens`` ``[N+1]`` (int, starting at 0, strictly increasing, ending at ``T``,
     ``B == 1``) and return ``N``."""
@@ -98,11 +114,16 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
 
 
 def check_kda_dtypes(q, k, v, g, beta) -> None:
-    """Raise ``TypeError`` unless ``q, k, v, g`` share one dtype and ``beta`` has it too, or is float32
-    or wider (FLA's layer passes float32 ``beta`` with bfloat16 inputs)."""
-    for name, x in (("k", k), ("v", v), ("g", g)):
+    """Raise ``TypeError`` unless ``q, k, v`` share one dtype, ``g`` has it too or is float32 with bfloat16 or
+    float16 ``q`` (FLA's gate kernels return float32 decays; every backend accumulates the gate in float32, so a
+    float32 ``g`` is used as given), and ``beta`` has it or is float32 or wider (FLA's layer passes float32
+    ``beta`` with bfloat16 inputs)."""
+    for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k, v and g must share one dtype")
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    if g.dtype != q.dtype and not (g.dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)):
+        raise TypeError(f"g has dtype {g.dtype} but q has {q.dtype}; g must have q's dtype, or float32 with "
+                        f"bfloat16 or float16 q")
     wide = beta.dtype in (torch.float32, torch.float64) and beta.dtype.itemsize >= q.dtype.itemsize
     if beta.dtype != q.dtype and not wide:
         raise TypeError(f"beta has dtype {beta.dtype} but q has {q.dtype}; beta must have q's dtype, or float32 "
