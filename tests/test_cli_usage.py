@@ -418,3 +418,10 @@ def test_bench_attn_gym_without_attn_gym_is_a_usage_error(no_workers, capsys, mo
     finally:
         attn_gym_adapter._load.cache_clear()
     assert "--backend attn_gym: attn-gym is not installed; pip install 'attn-gym[linear]==0.0.17'" in message
+
+
+def test_demo_help_says_auto_keeps_kda_on_fla(capsys):
+    """kdacp.backends.resolve_backend: auto takes attention-gym for GDN only; the demo trains KDA."""
+    demo = _help(capsys, "demo")
+    assert "auto: on CUDA with FLA installed, fla for KDA, and for GDN attn_gym on a Hopper GPU" in demo
+    assert "attn_gym on a Hopper GPU where installed, else fla" not in demo

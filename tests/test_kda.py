@@ -77,3 +77,36 @@ def test_chunk_kda_takes_autograd_only_where_a_gradient_is_wanted(monkeypatch):
         assert torch.equal(a, final_grad.detach())
     with pytest.raises(AssertionError, match="without a gradient"):  # a gradient wanted: the wrapper runs
         chunk_kda(**args, backend="torch")
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_float32_gate_with_bfloat16_inputs(op):
+    """FLA's ops take a float32 g with bfloat16 q, k, v (its gate kernels return float32): the gate is used as
+    given (every backend accumulates it in float32), so the result is within the bf16 tolerance of the float64
+    reference, as the same call with g rounded to bfloat16 is; dg comes back float32."""
+    from kdacp.gdn import chunk_gated_delta_rule
+    args = make_kda_inputs(1, 70, 2, 2, 16, 16, initial_state=True, requires_grad=False, seed=7)
+    if op == "gdn":
+        args["g"] = torch.nn.functional.logsigmoid(torch.randn(1, 70, 2, dtype=torch.float64) + 2.0)
+    fn, oracle = (chunk_kda, reference.recurrent_kda) if op == "kda" else (
+        chunk_gated_delta_rule, reference.recurrent_gated_delta_rule)
+    gen = torch.Generator().manual_seed(8)
+    do, dht = torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64), torch.randn(1, 2, 16, 16, generator=gen,
+                                                                                         dtype=torch.float64)
+
+    def run(f, inputs):
+        inputs = {n: x.detach().requires_grad_() for n, x in inputs.items()}
+        o, final = f(**inputs, output_final_state=True)
+        grads = torch.autograd.grad((o.double() * do).sum() + (final.double() * dht).sum(), list(inputs.values()))
+        return o, final, dict(zip(inputs, grads))
+
+    ref = run(oracle, args)
+    tol = 2e-2  # bf16 inputs and intermediates against the float64 reference
+    low = {n: x.to(torch.bfloat16) for n, x in args.items() if n in ("q", "k", "v", "beta")}
+    for g_dtype in (torch.float32, torch.bfloat16):
+        o, final, grads = run(lambda **a: fn(**a, backend="torch"),
+                              {**args, **low, "g": args["g"].to(g_dtype), "initial_state": args["initial_state"].float()})
+        assert o.dtype == torch.bfloat16 and grads["g"].dtype == g_dtype and grads["q"].dtype == torch.bfloat16
+        assert rel_err(o, ref[0]) < tol and rel_err(final, ref[1]) < tol, g_dtype
+        for name, grad in grads.items():
+            assert rel_err(grad, ref[2][name]) < tol, (g_dtype, name, rel_err(grad, ref[2][name]))

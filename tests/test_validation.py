@@ -73,9 +73,13 @@ def _cast(args, dtype, *names):
 
 MIXED = [
     ("q wider", lambda a: _cast(a, torch.float32, "k", "v", "g", "beta"),
-     "k has dtype torch.float32 but q has torch.float64; q, k, v and g must share one dtype"),
+     "k has dtype torch.float32 but q has torch.float64; q, k and v must share one dtype"),
     ("v", lambda a: _cast(a, torch.float32, "v"), "v has dtype torch.float32 but q has torch.float64"),
     ("g", lambda a: _cast(a, torch.bfloat16, "g"), "g has dtype torch.bfloat16 but q has torch.float64"),
+    ("g float32 with float64", lambda a: _cast(a, torch.float32, "g"),
+     "g has dtype torch.float32 but q has torch.float64; g must have q's dtype, or float32 with bfloat16 or float16 q"),
+    ("g float16 with bfloat16", lambda a: _cast(_cast(a, torch.bfloat16, "q", "k", "v", "beta"), torch.float16, "g"),
+     "g has dtype torch.float16 but q has torch.bfloat16"),
     ("beta narrower", lambda a: _cast(a, torch.float32, "beta"),
      "beta has dtype torch.float32 but q has torch.float64; beta must have q's dtype, or float32 or wider"),
     ("beta half", lambda a: _cast(_cast(a, torch.bfloat16, "q", "k", "v", "g"), torch.float16, "beta"),
@@ -97,3 +101,21 @@ def test_float32_companions_of_bfloat16_inputs_are_accepted():
     args = _cast(args, torch.float32, "beta", "A_log", "dt_bias", "initial_state")
     o, final = kdacp.chunk_kda(**args, output_final_state=True, backend="torch")
     assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", ["chunk_kda", "chunk_gated_delta_rule"])
+def test_fla_options_taken_by_name_and_refused_when_set(op):
+    """FLA's use_beta_sigmoid_in_kernel and allow_neg_eigval: False (FLA's default, what kdacp runs) is taken,
+    True is refused by name."""
+    args = _args()
+    if op == "chunk_gated_delta_rule":
+        args["g"] = args["g"][..., 0]
+    fn = getattr(kdacp, op)
+    o, _ = fn(**args, backend="torch", use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
+    assert torch.equal(o, fn(**args, backend="torch")[0])
+    with pytest.raises(ValueError, match=r"^allow_neg_eigval=True \(beta in \[0, 2\)\) is not supported"):
+        fn(**args, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match=r"^use_beta_sigmoid_in_kernel=True is not supported: pass beta = sigmoid"):
+        fn(**args, use_beta_sigmoid_in_kernel=True)
+    with pytest.raises(TypeError, match="^allow_neg_eigval must be a bool, got 'no'"):
+        fn(**args, allow_neg_eigval="no")

@@ -492,7 +492,8 @@ _MODE_MEANINGS = {"state": "time shards, state passed between ranks", "ulysses":
 _STRATEGY_MEANINGS = {"p2p": "hop by hop along the ranks", "allgather": "every rank gathers every summary",
                       "scan": "recursive doubling, log2 P rounds",
                       "auto": "the cost model's pick for the plan, printed at the end"}
-_BACKEND_MEANINGS = {"auto": "attn_gym on a Hopper GPU where installed, else fla on CUDA when installed, else torch "
+_BACKEND_MEANINGS = {"auto": "on CUDA with FLA installed, fla for KDA, and for GDN attn_gym on a Hopper GPU where "
+                             "installed (training calls within its limits), else fla; torch without CUDA or FLA "
                              "(the first line says which)",
                      "torch": "PyTorch's, on any device", "fla": "FLA's Triton kernels, CUDA only",
                      "attn_gym": "attention-gym's KDA/GDN cores for training beside FLA's kernels, Hopper only"}

@@ -20,7 +20,7 @@ from .caches import META_STAND_INS
 from .distributed.split import check_split
 from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
-from .validation import check_tensor
+from .validation import check_fla_only_options, check_tensor
 
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
@@ -63,7 +63,8 @@ def _meta_stand_in(numel: int, dtype) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None, split="auto"):
+                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None, split="auto",
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
     """Chunk GDN, differentiable (FLA's ``chunk_gated_delta_rule`` arguments): on one device, or with
     ``cp`` over the tokens split across the ranks of ``cp.group`` (call it on every rank).
 
@@ -72,12 +73,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             decay, or raw logits with ``use_gate_in_kernel`` (``-exp(A_log) * softplus(g + dt_bias)``,
             ``A_log``, ``dt_bias`` ``[HV]``); beta ``[B, T, HV]``.
         scale, initial_state ``[N, HV, K, V]``, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, cu_seqlens_cpu, backend, cp, summary_precision, split: as :func:`kdacp.chunk_kda` (same
-            contract for states, gradients and errors under ``cp``).
+            cu_seqlens, cu_seqlens_cpu, backend, cp, summary_precision, split, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: as :func:`kdacp.chunk_kda` (same contract for states, gradients and errors under ``cp``).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
     """
+    check_fla_only_options(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     check_split(split)
     gate = gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
     prepared, plan = check_and_prepare(

@@ -22,7 +22,7 @@ from .distributed.plan import CPPlan, one_rank_plan
 from .distributed.split import SplitPieces, check_split
 from .kernels.precision import resolve_precision
 from .reference.gates import compute_dtype
-from .validation import check_finite_inputs, check_kda_inputs
+from .validation import check_finite_inputs, check_fla_only_options, check_kda_inputs
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None, summary_precision=None, split="auto"):
+              check_finite=False, cp=None, summary_precision=None, split="auto", use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
 
@@ -173,6 +174,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             the summaries' precision (``summary_precision``). ``"auto"`` (default): on a GPU where the pieces
             that fill it cut the longest sequence at least 4 times (few heads, long sequences); an int ``S``:
             the longest sequence in ``S`` pieces (1: none); ``None``: no split. Ranks may differ.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's names, taken at FLA's default only (False; True
+            raises ``ValueError``): ``beta`` is the write strength in ``[0, 1]``, after its sigmoid.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
@@ -183,7 +186,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             options (the rank whose input is wrong raises its own error, naming the argument).
         ImportError: ``"fla"`` or ``"attn_gym"`` unusable (the message names the missing package).
     """
-    check_split(split)  # before the cross-rank check: a bad value raises on its own rank, before any rank waits
+    # before the cross-rank check: a bad value raises on its own rank, before any rank waits
+    check_fla_only_options(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    check_split(split)
     prepared, plan = check_and_prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,

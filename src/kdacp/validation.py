@@ -39,6 +39,64 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_layer_sizes(*, hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size) -> None:
+    """Check a delta-rule layer's sizes: each a positive int, ``num_v_heads`` (``HV``) a multiple of
+    ``num_heads`` (``H``)."""
+    for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_v_heads", num_v_heads),
+                        ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("conv_size", conv_size)):
+        check_positive_int(name, value)
+    if num_v_heads % num_heads:
+        raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
+
+
+def check_hidden_states(x, hidden_size: int, dtype: torch.dtype, cu_seqlens=None) -> None:
+    """Check a layer's input ``x [B, T, hidden_size]``: a tensor of the layer's parameter ``dtype`` (any floating
+    dtype under autocast), ``B == 1`` with ``cu_seqlens``. No host sync."""
+    check_tensor("hidden_states", x, 3)
+    if x.shape[-1] != hidden_size:
+        raise ValueError(f"hidden_states must have shape [B, T, hidden_size={hidden_size}], got {tuple(x.shape)}")
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"hidden_states has dtype {x.dtype} but the layer's parameters have {dtype}: "
+                        f"cast one to the other (or run under autocast)")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the batch size B must be 1 (packed sequences), got hidden_states "
+                         f"{tuple(x.shape)}")
+
+
+def check_boundaries(cu: list[int] | tuple[int, ...], T: int) -> None:
+    """Check the host values of ``cu_seqlens``: starting at 0, strictly increasing, ending at ``T``."""
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {list(cu)}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens[-1] must equal T={T} (the number of tokens), got {cu[-1]}")
+
+
+def check_fla_only_options(*, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False) -> None:
+    """FLA's options that kdacp takes by name and runs at FLA's default only (False): raise ``ValueError`` for
+    True, saying what to pass instead. ``use_beta_sigmoid_in_kernel=True`` (beta given as logits) and
+    ``allow_neg_eigval=True`` (FLA's ``beta = 2 * sigmoid(logits)`` in ``[0, 2)``) are not run by kdacp's kernels."""
+    for name, value in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                        ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if use_beta_sigmoid_in_kernel:
+        raise ValueError("use_beta_sigmoid_in_kernel=True is not supported: pass beta = sigmoid(logits) (float32) "
+                         "with use_beta_sigmoid_in_kernel=False")
+    if allow_neg_eigval:
+        raise ValueError("allow_neg_eigval=True (beta in [0, 2)) is not supported: kdacp runs beta in [0, 1] only; "
+                         "pass allow_neg_eigval=False")
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     """Validate ``cu_seqlens`` ``[N+1]`` (int, starting at 0, strictly increasing, ending at ``T``,
     ``B == 1``) and return ``N``."""
@@ -51,21 +109,21 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size B must be 1 (packed sequences), got B={B}")
     cu = cu_seqlens.tolist()
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
-    if cu[-1] != T:
-        raise ValueError(f"cu_seqlens[-1] must equal T={T} (the number of tokens), got {cu[-1]}")
+    check_boundaries(cu, T)
     return len(cu) - 1
 
 
 def check_kda_dtypes(q, k, v, g, beta) -> None:
-    """Raise ``TypeError`` unless ``q, k, v, g`` share one dtype and ``beta`` has it too, or is float32
-    or wider (FLA's layer passes float32 ``beta`` with bfloat16 inputs)."""
-    for name, x in (("k", k), ("v", v), ("g", g)):
+    """Raise ``TypeError`` unless ``q, k, v`` share one dtype, ``g`` has it too or is float32 with bfloat16 or
+    float16 ``q`` (FLA's gate kernels return float32 decays; every backend accumulates the gate in float32, so a
+    float32 ``g`` is used as given), and ``beta`` has it or is float32 or wider (FLA's layer passes float32
+    ``beta`` with bfloat16 inputs)."""
+    for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k, v and g must share one dtype")
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    if g.dtype != q.dtype and not (g.dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)):
+        raise TypeError(f"g has dtype {g.dtype} but q has {q.dtype}; g must have q's dtype, or float32 with "
+                        f"bfloat16 or float16 q")
     wide = beta.dtype in (torch.float32, torch.float64) and beta.dtype.itemsize >= q.dtype.itemsize
     if beta.dtype != q.dtype and not wide:
         raise TypeError(f"beta has dtype {beta.dtype} but q has {q.dtype}; beta must have q's dtype, or float32 "

@@ -220,3 +220,14 @@ def test_cli_runs_the_balanced_placement(one_thread, tmp_path):
     rows = _by(json.loads((tmp_path / "overhead.json").read_text())["rows"], "overhead")
     assert {(r["layout"], r["P"], r["role"]) for r in rows} == {("balanced_documents", 3, "busiest")}
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)
+
+
+def test_every_asked_layout_is_planned():
+    """With both zigzag layouts asked for, each batch runs one of them, and every other layout runs every batch."""
+    from kdacp.bench.overhead import _cases
+    batches = ("one_sequence", "docs7")
+    layouts = ("contiguous", "zigzag", "document_zigzag", "balanced_documents")
+    planned = {(batch, layout) for batch, layout, _, _ in _cases(batches, layouts, (2,), 64)}
+    assert planned == {("one_sequence", "contiguous"), ("docs7", "contiguous"), ("one_sequence", "zigzag"),
+                       ("docs7", "document_zigzag"), ("one_sequence", "balanced_documents"),
+                       ("docs7", "balanced_documents")}

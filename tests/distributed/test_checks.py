@@ -23,7 +23,7 @@ def _dtype_errors(rank: int, world_size: int) -> None:
         chunk_kda(**split, backend="torch", cp=plan)
     # Every rank passes the same mix: every rank raises the local message.
     mixed = dict(args, q=args["q"].float(), k=args["k"].float())
-    with pytest.raises(TypeError, match="v has dtype torch.float64 but q has torch.float32; q, k, v and g must share"):
+    with pytest.raises(TypeError, match="v has dtype torch.float64 but q has torch.float32; q, k and v must share"):
         chunk_kda(**mixed, backend="torch", cp=plan)
     # beta may be wider than the rest (FLA's layer passes float32 beta with bfloat16 inputs).
     wide = dict(args, **{n: args[n].float() for n in ("q", "k", "v", "g")})
@@ -59,3 +59,23 @@ def test_summary_precision_is_checked_on_one_device():
     args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=0)
     with pytest.raises(ValueError, match="summary_precision must be one of"):
         chunk_kda(**args, backend="torch", summary_precision="fast")
+
+
+def _plan_errors(rank: int, world_size: int) -> None:
+    args = make_kda_inputs(1, 20, 1, 1, 16, 16, requires_grad=False, seed=0)
+    # the last rank's boundaries differ at index 2: every rank is told where, and each rank's value there
+    cu = [0, 10, 41 if rank == world_size - 1 else 40, 60]
+    with pytest.raises(ValueError, match=r"^chunk_kda: ranks disagree on plan: cu_seqlens differ first at index 2 "
+                                         r"\(rank 0: 40, rank 1: 40, rank 2: 41\); every rank must pass the same plan"):
+        chunk_kda(**args, backend="torch", cp=build_cp_plan(cu))
+    # a scalar entry: its value by rank
+    strategy = "allgather" if rank == 1 else "p2p"
+    with pytest.raises(ValueError, match=r"ranks disagree on plan: strategy by rank \['p2p', 'allgather', 'p2p'\]"):
+        chunk_kda(**args, backend="torch", cp=build_cp_plan(batch_size=1, strategy=strategy))
+    # every rank still runs the next call
+    o, _ = chunk_kda(**args, backend="torch", cp=build_cp_plan([0, 10, 40, 60]))
+    assert o.shape == args["v"].shape
+
+
+def test_plan_disagreement_names_the_differing_boundaries():
+    run_ranks(_plan_errors, 3, timeout_s=120)

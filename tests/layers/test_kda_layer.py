@@ -225,3 +225,30 @@ def test_per_batch_memo_is_bounded(monkeypatch):
     for cu in keep:
         layer(x, cu_seqlens=cu)
     assert layer.cp._contexts.cache_info().currsize == CP_CONTEXTS
+
+
+@pytest.mark.parametrize("layer_class", ["KimiDeltaAttention", "GatedDeltaNet"])
+@pytest.mark.parametrize("argument, value, error", [
+    ("num_heads", 0, ValueError), ("num_v_heads", -2, ValueError), ("head_k_dim", -1, ValueError),
+    ("head_v_dim", 0, ValueError), ("hidden_size", 2.5, TypeError), ("conv_size", 0, ValueError)])
+def test_constructor_names_a_bad_size(layer_class, argument, value, error):
+    sizes = dict(hidden_size=64, num_heads=2, head_k_dim=16, head_v_dim=16)
+    with pytest.raises(error, match=f"^{argument} must be a positive int, got {value}$"):
+        getattr(kdacp, layer_class)(**{**sizes, argument: value})
+
+
+@pytest.mark.parametrize("layer_class", ["KimiDeltaAttention", "GatedDeltaNet"])
+def test_forward_names_a_bad_input_before_any_kernel(layer_class):
+    layer = getattr(kdacp, layer_class)(hidden_size=64, num_heads=2, head_k_dim=16, head_v_dim=16, backend="torch")
+    with pytest.raises(ValueError, match=r"^hidden_states must have shape \[B, T, hidden_size=64\], got \(1, 32, 48\)"):
+        layer(torch.randn(1, 32, 48))
+    with pytest.raises(ValueError, match="^hidden_states must have 3 dims"):
+        layer(torch.randn(32, 64))
+    with pytest.raises(TypeError, match="^hidden_states has dtype torch.float64 but the layer's parameters have "
+                                        "torch.bfloat16"):
+        layer.to(torch.bfloat16)(torch.randn(1, 32, 64, dtype=torch.float64))
+    layer.float()
+    with pytest.raises(ValueError, match=r"^cu_seqlens\[-1\] must equal T=32 \(the number of tokens\), got 40$"):
+        layer(torch.randn(1, 32, 64), cu_seqlens=torch.tensor([0, 10, 40]))
+    with pytest.raises(ValueError, match="^with cu_seqlens the batch size B must be 1"):
+        layer(torch.randn(2, 16, 64), cu_seqlens=torch.tensor([0, 10, 32]))

@@ -280,13 +280,14 @@ def _cases(batches, layouts, world_sizes, T: int):
     """``(batch, layout, P, {role: (plan, one)})`` of every case, layout by layout: the contiguous roles of a
     3-rank plan (:func:`role_plans`), the other layouts' at every ``P`` (:func:`layout_role_plans`). Where both
     zigzag layouts are asked for, each batch runs the one Megatron-Core gives it: one sequence ``zigzag`` (its
-    ``document_zigzag`` is the same), a packed batch ``document_zigzag``."""
+    ``document_zigzag`` is the same), a packed batch ``document_zigzag``; every other layout runs every batch."""
     both = {"zigzag", "document_zigzag"} <= set(layouts)
     for layout in layouts:
         for batch in batches:
             if layout == "contiguous":
                 yield batch, layout, 3, role_plans(batch, T)
-            elif not both or layout == ("zigzag" if batch == "one_sequence" else "document_zigzag"):
+            elif not both or layout not in ("zigzag", "document_zigzag") or \
+                    layout == ("zigzag" if batch == "one_sequence" else "document_zigzag"):
                 for P in world_sizes:
                     yield batch, layout, P, layout_role_plans(layout, batch, T, P)
 

@@ -79,6 +79,29 @@ _SHOW = {"q/k dtype": lambda c: _dtype_names(c, 2), "lower_bound": _bits_float, 
                                                       "A_log", "dt_bias")}}
 
 
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def plan_difference(descriptions: list) -> str:
+    """Where the ranks' plans differ, from every rank's :attr:`CPPlan.description` (in rank order): the first
+    entry that differs and each rank's value there; for a sequence (``cu_seqlens``, ``local_lengths``, the
+    layout's ranges) the first index at which the ranks differ and each rank's value at it."""
+    for pairs in zip(*descriptions):
+        name, values = pairs[0][0], [value for _, value in pairs]
+        if all(value == values[0] for value in values):
+            continue
+        if all(isinstance(value, (tuple, list)) for value in values):
+            i = next(i for i in range(max(map(len, values)))
+                     if len({repr(v[i]) if i < len(v) else None for v in values}) > 1)
+            shown = ", ".join(f"rank {r}: {_short(v[i]) if i < len(v) else f'none (length {len(v)})'}"
+                              for r, v in enumerate(values))
+            return f"{name} differ first at index {i} ({shown})"
+        return f"{name} by rank [{', '.join(_short(v) for v in values)}]"
+    return "the plans' descriptions agree but their fingerprints differ"
+
+
 def check_rank_call(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
                     lower_bound, cu_seqlens):
     """This rank's own part of :func:`check_cp_call` (no collective, dtypes aside): shapes, ``T_local`` against
@@ -162,6 +185,11 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
                          f"every rank stops here instead of waiting")
     for i, field in enumerate(_FIELDS, start=1):
         values = [row[i] for row in rows]
+        if field == "plan" and len(set(values)) > 1:
+            # every rank saw the same rows, so every rank takes part in this second gather
+            raise ValueError(f"chunk_kda: ranks disagree on plan: "
+                             f"{plan_difference(collectives.all_gather_objects(plan.description, plan.group))}; "
+                             "every rank must pass the same plan (build_cp_plan with the same arguments)")
         if len(set(values)) > 1:
             shown = ", ".join(_SHOW.get(field, str)(v) for v in values)
             raise ValueError(f"chunk_kda: ranks disagree on {field}: values by rank [{shown}]; every rank must "

@@ -66,6 +66,17 @@ def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def all_gather_objects(obj, group) -> list:
+    """Every rank's picklable ``obj``, in rank order (a slow path: for error messages, not for data)."""
+    out = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:
+        _note(e, "an all-gather over the context-parallel group")
+        raise
+    return out
+
+
 def post_all_gather(tensor: torch.Tensor, group):
     """Start a non-blocking all-gather of ``tensor``; returns ``(work, parts)``: after ``work.wait()``,
     ``torch.stack(parts)`` is ``[world_size, *tensor.shape]``. Keep ``tensor`` alive until then."""

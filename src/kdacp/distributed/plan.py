@@ -294,10 +294,17 @@ class CPPlan:
         return self.batch_size if self.cu_seqlens is None else len(self.cu_seqlens) - 1
 
     @cached_property
+    def description(self) -> tuple[tuple[str, object], ...]:
+        """The global description every rank must share, as ``(name, value)`` pairs (host values)."""
+        return (("world_size", self.world_size), ("strategy", self.strategy), ("batch_size", self.batch_size),
+                ("cu_seqlens", self.cu_seqlens), ("local_lengths", self.local_lengths),
+                ("check_every_call", self.check_every_call),
+                ("layout ranges", self.layout.ranges) if self.layout is not None else ("layout", self.layout_name))
+
+    @cached_property
     def signature(self) -> int:
-        """A 63-bit fingerprint of the global description, compared across ranks on each call."""
-        text = repr((self.world_size, self.strategy, self.batch_size, self.cu_seqlens, self.local_lengths,
-                     self.check_every_call, self.layout.ranges if self.layout is not None else self.layout_name))
+        """A 63-bit fingerprint of :attr:`description`, compared across ranks on each call."""
+        text = repr(tuple(value for _, value in self.description))
         return zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 31)
 
     def layout_for(self, local_length: int) -> TokenLayout:

@@ -21,6 +21,7 @@ from ..caches import HALO_ROUTES
 from ..distributed import build_cp_plan
 from ..distributed.layout import TokenLayout, make_layout
 from ..host_copies import to_device
+from ..validation import check_boundaries
 from .autograd_collectives import exchange_rows
 
 
@@ -223,7 +224,8 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
         device: where the device tensors live (default ``cu_seqlens``' device, else the CPU).
 
     Raises:
-        ValueError: a layout that does not cover the batch, or gives this rank another number of tokens.
+        ValueError: a layout that does not cover the batch, or gives this rank another number of tokens; on one
+            device with a built-in layout, ``cu_seqlens`` not ``0 = c_0 < c_1 < ... < c_N = local_length``.
     """
     P = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -234,6 +236,8 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
     if cu_seqlens is not None:
         cu = tuple(int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
         batch_size = 1
+        if P == 1 and not isinstance(layout, TokenLayout):  # the whole batch here: the op's own message
+            check_boundaries(cu, local_length)
     layout = make_layout(layout, P, _global_tokens(layout, cu, local_length, P), cu)
     if layout.local_lengths[rank] != local_length:
         raise ValueError(f"the layout gives rank {rank} {layout.local_lengths[rank]} tokens, but it holds "

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..backends import FLA_BACKENDS, resolve_backend
 from ..compile import run_opaque
 from ..reference.gates import compute_dtype
+from ..validation import check_hidden_states, check_layer_sizes
 from .context_parallel import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution, causal_conv1d
@@ -189,6 +190,10 @@ class DeltaRuleLayer(nn.Module):
         backend: ``"auto"``, ``"torch"``, ``"fla"`` or ``"attn_gym"``; ``"fla"`` and ``"attn_gym"`` (``auto`` on
             CUDA with FLA installed) also run the short convolution and the norm as FLA's fused kernels.
         cp: a :class:`ContextParallel`, or None for one device; may be set later.
+
+    Raises:
+        TypeError, ValueError: a size that is not a positive int, or ``num_v_heads`` not a multiple of
+            ``num_heads`` (naming the argument).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None, head_k_dim: int, head_v_dim: int,
@@ -196,10 +201,8 @@ class DeltaRuleLayer(nn.Module):
                  cp: ContextParallel | None, device=None, dtype=None):
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        if num_v_heads % num_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
-        if conv_size < 1:
-            raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        check_layer_sizes(hidden_size=hidden_size, num_heads=num_heads, num_v_heads=num_v_heads,
+                          head_k_dim=head_k_dim, head_v_dim=head_v_dim, conv_size=conv_size)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
         self.backend = backend
@@ -274,6 +277,12 @@ class DeltaRuleLayer(nn.Module):
         Returns:
             ``(y [B, T, hidden_size], final_state [N, HV, K, V] float32 or wider, or None)``; the
             final states are on every rank.
+
+        Raises:
+            TypeError, ValueError: ``hidden_states`` not ``[B, T, hidden_size]`` of the parameters' dtype (any
+                floating dtype under autocast), ``cu_seqlens`` with ``B != 1`` or (without ``cp``) not ending at
+                ``T``; and what the op (:attr:`op`) raises, naming the argument. Before any kernel runs.
         """
+        check_hidden_states(hidden_states, self.hidden_size, self.o_proj.weight.dtype, cu_seqlens)
         return mix_tokens(self, SINGLE_DEVICE if self.cp is None else self.cp, hidden_states, cu_seqlens=cu_seqlens,
                           backend=self.backend, initial_state=initial_state, output_final_state=output_final_state)

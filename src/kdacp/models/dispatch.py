@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layers.context_parallel import ContextParallel
 from ..layers.delta_rule import DeltaRuleLayer
 from . import kimi_linear, qwen3_next
+from .loading import say_kernel_fallbacks_once
 
 # config.model_type -> the model's name in messages
 SUPPORTED_MODELS = {"kimi_linear": "KimiLinearForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
@@ -59,6 +60,7 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
         names = ", ".join(SUPPORTED_MODELS.values())
         raise ValueError(f"kdacp.parallelize supports transformers' {names} (and their base models); got "
                          f"{type(model).__name__} with config.model_type={model_type!r}")
+    say_kernel_fallbacks_once()  # for a model built without kdacp's loaders
     if isinstance(cp, DeviceMesh):
         cp = ContextParallel.from_mesh(cp, layout="contiguous" if layout is None else layout)
     elif layout is not None and isinstance(cp, ContextParallel) and cp.layout != layout:
