@@ -96,6 +96,10 @@ USAGE_ERRORS = [
     (("bench", "--suite", "layer", "--device", "cpu", "--world-size", "1024"), "is more than this machine holds"),
     (("bench",), "the following arguments are required: --suite"),
     ((), "the following arguments are required: command"),
+    (("--bogus",), "unrecognized arguments: --bogus"),
+    (("demo", "--seq-lens", "-5,100"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", "100,-4"), "-4 is not positive"),
+    (("tune", "--heads", "-3"), "argument --heads: expected a positive integer, got '-3'"),
 ]
 
 
@@ -170,6 +174,7 @@ def test_tune_tunes_the_gates_and_batches_asked_for(monkeypatch, tmp_path, capsy
         seen.update(kwargs, out=out)
         return [tmp_path / "NVIDIA_H100_80GB_HBM3" / "chunk_fwd_kernel_o.json"]
     monkeypatch.setattr(kdacp.tuning, "tune", tune)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["tune", "--gates", "softplus", "--batches", "docs7", "--seq-lens", "2048"]) == 0
     assert seen["gates"] == (None,) and seen["batches"] == ("docs7",) and seen["t_local"] == (2048,)
     assert seen["out"] is None
@@ -418,3 +423,41 @@ def test_bench_attn_gym_without_attn_gym_is_a_usage_error(no_workers, capsys, mo
     finally:
         attn_gym_adapter._load.cache_clear()
     assert "--backend attn_gym: attn-gym is not installed; pip install 'attn-gym[linear]==0.0.17'" in message
+
+
+def test_bench_out_naming_a_file_is_refused_before_the_suite(no_workers, capsys, tmp_path):
+    (tmp_path / "afile").touch()
+    for out in ("afile", "afile/sub"):
+        message = _usage_error(capsys, "bench", "--suite", "hybrid", "--out", str(tmp_path / out))
+        assert f"--out {tmp_path / out}: expected a folder" in message and "afile is a file" in message
+
+
+def test_an_unknown_option_is_named_in_its_command_usage(capsys):
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--bogus", "--steps", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: kdacp demo ")
+    assert err.strip().splitlines()[-1] == "kdacp demo: error: unrecognized arguments: --bogus"
+
+
+def test_tune_without_a_gpu_is_a_usage_error(no_workers, capsys, monkeypatch):
+    """The exit status of a missing GPU is 2 for every command (bench's: above)."""
+    import kdacp.tuning
+
+    def tune(*args, **kwargs):
+        raise AssertionError("tuning started")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kdacp.tuning, "tune", tune)
+    assert "kdacp tune: needs a CUDA GPU and none is visible" in _usage_error(capsys, "tune")
+
+
+def test_version_and_the_exit_status_contract(capsys):
+    import kdacp
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"kdacp {kdacp.__version__}\n"
+    top = _help(capsys)
+    assert ("exit status: 0 success, 1 a failed check or run, 2 a usage error or missing hardware or package "
+            "(before anything runs), 130 interrupted") in top

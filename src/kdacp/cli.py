@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from . import __version__
 from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
 from .backends.fla_configs import USER_CONFIGS
 from .bench import CPU_SUITES, SUITES
@@ -101,13 +104,15 @@ def _gates(text: str) -> tuple[float | None, ...]:
 
 
 def _int_list(text: str, low: int, what: str) -> tuple[int, ...]:
-    """Comma-separated integers, each at least ``low``; else an argparse error naming ``what`` was expected."""
+    """Comma-separated integers, each at least ``low``; else an argparse error naming ``what`` was expected
+    (and the first value below ``low``)."""
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
         values = ()
     if not values or min(values) < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        below = next((f" ({v} is {'not positive' if low == 1 else f'below {low}'})" for v in values if v < low), "")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}{below}")
     return values
 
 
@@ -400,6 +405,16 @@ def _check_backend(backend: str, device: str) -> None:
         raise UsageError(f"--backend {backend}: {e}") from None
 
 
+def _check_folder(flag: str, path: str) -> None:
+    """:class:`UsageError` unless ``path`` can be the folder ``flag`` names: it, or the nearest of the folders
+    above it that exists, is a folder (the missing ones are made)."""
+    for above in (Path(path), *Path(path).parents):
+        if above.exists():
+            if not above.is_dir():
+                raise UsageError(f"{flag} {path}: expected a folder (made where missing), but {above} is a file")
+            return
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -409,6 +424,7 @@ def _bench(args: argparse.Namespace) -> int:
     unread = _unread_option(args)
     if unread:
         raise UsageError(unread)
+    _check_folder("--out", args.out)
     if args.family == "conv" and args.suite != "kernels":
         raise UsageError(f"--family conv is for --suite kernels, not --suite {args.suite}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -473,6 +489,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
+    if not torch.cuda.is_available():
+        raise UsageError("needs a CUDA GPU and none is visible: it times FLA's kernels on it")
+    if args.out is not None:
+        _check_folder("--out", args.out)
     try:
         paths = tune(args.out, t_local=tuple(args.seq_lens), hidden=args.hidden, heads=args.heads,
                      head_dim=args.head_dim, batches=args.batches, gates=args.gates)
@@ -521,9 +541,17 @@ def _add_launch_options(parser: argparse.ArgumentParser, *, world_size: str, tim
     parser.add_argument("--timeout", type=_seconds, default=timeout_default, help=timeout)
 
 
+# The exit statuses of every command (``kdacp --help``'s epilog; the README says the same).
+EXIT_STATUS = ("exit status: 0 success, 1 a failed check or run, 2 a usage error or missing hardware or package "
+               "(before anything runs), 130 interrupted (Ctrl-C; every worker is stopped first; 128 + N for another "
+               "stopping signal N)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdacp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``kdacp`` parser; each command's parser is its namespace's ``parser`` (for errors in its own usage)."""
+    parser = argparse.ArgumentParser(prog="kdacp", description=__doc__, epilog=EXIT_STATUS)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="train a tiny Kimi Linear model context-parallel and check it against one "
                                        "process",
                           description="Train a tiny Hugging Face Kimi Linear model (KDA and MLA layers) under "
@@ -559,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-precompile", dest="precompile", action="store_false",
                       help="on a GPU, let the first step compile each Triton kernel as it first launches instead "
                            "of compiling them all in parallel ahead of it (kdacp.precompile)")
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, parser=demo)
 
     bench = sub.add_parser("bench", help="run a benchmark suite; writes JSON, Markdown and PNG plots",
                            description="Run one benchmark suite and write <suite>.json, <suite>.md and its PNG "
@@ -643,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hybrid suite: a balance suite's JSON whose measured attention throughput is used")
     bench.add_argument("--measured", default=None, metavar="JSON",
                        help="scaling suite: a cp suite's JSON whose rows are drawn as measured points")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench, parser=bench)
 
     tune = sub.add_parser("tune", help="autotune FLA's kernels for kdacp's layer on this GPU and save the "
                                        "configurations, which kdacp then prefers over the shipped ones",
@@ -672,14 +700,44 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated KDA gates, which run different kernels: safe, Kimi Linear's with lower "
                            "bound -5, and softplus, transformers' Kimi Linear's, which kdacp demo runs (default: "
                            "safe,softplus)")
-    tune.set_defaults(func=_tune)
+    tune.set_defaults(func=_tune, parser=tune)
     return parser
 
 
+# an option's value that argparse would take for an option: a negative number or list of numbers
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _values_joined(argv: list[str]) -> list[str]:
+    """``argv`` with each long option followed by a negative value (``--seq-lens -5,100``) joined into one
+    ``--seq-lens=-5,100``, so that the value reaches the option's own check."""
+    joined: list[str] = []
+    for word in argv:
+        if joined and _NEGATIVE.match(word) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] += "=" + word
+        else:
+            joined.append(word)
+    return joined
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line ``argv`` (default: ``sys.argv[1:]``) parsed; an error (exit status 2) in the usage of
+    the command it belongs to, naming any unknown option."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(_values_joined(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" if unknown
+                     else "the following arguments are required: command")
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; the exit status: 0 success, 2 a usage error (argparse's, or :class:`UsageError`:
-    one line, before any worker starts), 1 a run that failed, 128 + N a run stopped by signal N."""
-    args = build_parser().parse_args(argv)
+    """Run the command line; its exit status (:data:`EXIT_STATUS`): 0 success, 1 a failed check or run, 2 a
+    usage error (argparse's, or :class:`UsageError`: one line, before any worker starts), 130 a Ctrl-C
+    (128 + N a run stopped by signal N)."""
+    args = parse_args(argv)
     try:
         return args.func(args)
     except UsageError as e:
