@@ -291,6 +291,8 @@ def test_bench_layer_on_cpu_defaults_to_cpu_sizes(monkeypatch, tmp_path, capsys)
 
 
 def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
+    import types
+
     import kdacp.bench
     from kdacp.cli import main
     calls = []
@@ -306,6 +308,7 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
                         lambda: dict(date="d", device="gpu", gpus=2, torch="t", triton="t", commit="c"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2 ** 30))
     main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
           "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
@@ -461,3 +464,28 @@ def test_version_and_the_exit_status_contract(capsys):
     top = _help(capsys)
     assert ("exit status: 0 success, 1 a failed check or run, 2 a usage error or missing hardware or package "
             "(before anything runs), 130 interrupted") in top
+
+
+@pytest.mark.parametrize("argv,named", [
+    (("demo", "--world-size", "2", "--seq-lens", "100000000000"), "--seq-lens (100000000000 tokens)"),
+    (("demo", "--world-size", "2", "--heads", "10000000"), "--heads 10000000"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--seq-lens", "10000000000"), "--seq-lens 10000000000"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--heads", "10000000"), "--heads 10000000")])
+def test_sizes_that_cannot_fit_are_refused_before_any_worker(no_workers, capsys, argv, named):
+    message = _usage_error(capsys, *argv)
+    assert named in message and "need at least" in message and "GB of memory are available" in message
+
+
+def test_the_memory_estimate_passes_the_default_sizes():
+    from kdacp.bench.layer import memory_bytes
+    from kdacp.demo import DemoConfig
+    assert 1e6 < DemoConfig().memory_bytes() < 1e8  # the default demo: well under its measured 1 GB a rank
+    assert 1e5 < memory_bytes(2, t_local=256, hidden=128, heads=4, head_dim=32) < 1e8
+
+
+def test_a_worker_killed_by_sigkill_names_the_out_of_memory_killer():
+    import signal
+
+    from kdacp.workers import exit_cause
+    assert exit_cause(-signal.SIGKILL) == "signal SIGKILL, most often the out-of-memory killer"
+    assert exit_cause(-signal.SIGTERM) == "signal SIGTERM" and exit_cause(3) == "exit code 3"

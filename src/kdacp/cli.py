@@ -24,7 +24,8 @@ from .distributed.layout import LAYOUTS
 from .distributed.plan import STRATEGY_CHOICES
 from .kernels.precision import SummaryPrecision
 from .layers.context_parallel import MODES
-from .workers import Stopped, WorkerError, check_launch, launch, pick_backend, under_torchrun
+from .bench.layer import memory_bytes as layer_memory_bytes
+from .workers import Stopped, WorkerError, check_launch, check_memory, launch, pick_backend, under_torchrun
 
 _IMPORTED = time.monotonic()
 
@@ -264,6 +265,9 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     _machine_check(check_launch, world, device, args.port)
+    _machine_check(check_memory, cfg.memory_bytes(), world, device,
+                   f"--seq-lens ({sum(cfg.seq_lens)} tokens), --heads {cfg.num_heads}, --head-dim {cfg.head_dim} and "
+                   f"--dtype {cfg.dtype}")
     show = not under_torchrun() or int(os.environ["RANK"]) == 0
     if show:
         print(f"demo: {cfg.describe()}", flush=True)
@@ -415,6 +419,10 @@ def _check_folder(flag: str, path: str) -> None:
             return
 
 
+# The layer suite's sizes (its ``run``'s arguments) and the options that set them, for its memory check.
+_LAYER_SIZES = {"t_local": "--seq-lens", "hidden": "--hidden", "heads": "--heads", "head_dim": "--head-dim"}
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -455,6 +463,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(modes_error)
     if args.suite in _SUITE_OPTIONS["world_size"]:
         _machine_check(check_launch, world, device, args.port)
+    cases = _bench_cases(args, device)
+    if args.suite == "layer":
+        for case in cases:
+            _machine_check(check_memory, layer_memory_bytes(world, **case), world, device, "the layer suite's " + ", ".join(
+                f"{flag} {case[name]}" for name, flag in _LAYER_SIZES.items() if name in case))
     render = getattr(suite, "markdown", markdown_table)
     plots = getattr(suite, "PLOTS", None)
     measured: list[dict] = []  # every row as it is reported, kept when the run stops early
@@ -467,7 +480,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     rows: list[dict] = []
     try:
-        for case in _bench_cases(args, device):
+        for case in cases:
             rows += run_suite(args.suite, case, device=device, world_size=world, port=args.port,
                               timeout_s=args.timeout, on_row=on_row)
     except Exception as e:  # noqa: BLE001 - a failed suite ends the command with its reason

@@ -149,6 +149,20 @@ class DemoConfig:
             except (ImportError, ValueError) as e:
                 raise ValueError(f"--backend {self.backend}: {e}") from None
 
+    def memory_bytes(self) -> int:
+        """A lower bound of the bytes one rank holds at its peak, from the sizes alone (for refusing sizes that
+        cannot fit before any worker starts): the reference's float32 logits of the whole batch, which rank 0
+        broadcasts to every rank (``[T, vocab]``); the weights of the model and of its float32 reference with
+        their gradients, counting only the KDA layers' q, k, v and output projections and the MLA layers'
+        query and output projections (``hidden x heads x head_dim`` each) and the embedding and output
+        layer; and the saved inputs q, k, v and gate of the KDA layers for the rank's tokens."""
+        T, (d, H, K) = sum(self.seq_lens), (self.hidden_size, self.num_heads, self.head_dim)
+        width = 2 if self.dtype == "bfloat16" else 4
+        kda_layers = LAYER_TYPES.count("linear_attention")
+        params = (4 * kda_layers + 2 * (len(LAYER_TYPES) - kda_layers)) * d * H * K + 2 * self.vocab_size * d
+        return (4 * T * self.vocab_size + params * 2 * (width + 4)
+                + 4 * kda_layers * (T // self.world_size) * H * K * width)
+
     def describe(self) -> str:
         """One line naming what runs: ranks, mode, strategy (where state is passed), model, dtype."""
         how = {"state": f"strategy {self.strategy}", "ulysses": "all-to-all over heads, no state passing",

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "deadline", "free_port",
-           "under_torchrun", "pick_backend"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "deadline", "exit_cause",
+           "free_port", "under_torchrun", "pick_backend"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -134,6 +134,24 @@ def check_world_size(world_size: int, device: str) -> None:
             f"--world-size {world_size} is more than this machine holds: {cores} cores hold at most {by_cores} "
             f"CPU ranks ({RANKS_PER_CORE} per core) and {memory / 1024:.1f} GB of available memory at most "
             f"{by_memory} ({RANK_MEMORY_MB} MB per rank); lower --world-size to {min(by_cores, by_memory)} or less")
+
+
+def check_memory(rank_bytes: float, world_size: int, device: str, sizes: str) -> None:
+    """Raise :class:`WorkerError` unless ``world_size`` ranks that each hold ``rank_bytes`` (a lower bound, from
+    the run's sizes) fit on ``device``: on CUDA each rank's GPU (its total memory), on CPU the memory available
+    now, less :data:`RANK_MEMORY_MB` a rank for the interpreter and its imports. ``sizes`` names the command
+    line's arguments that set ``rank_bytes``; the message names them, the estimate and what is available."""
+    gb = 2 ** 30
+    if device == "cuda":
+        gpus = range(min(world_size, torch.cuda.device_count()))  # this node's, under torchrun
+        available = min(torch.cuda.get_device_properties(i).total_memory for i in gpus) / gb
+        need, where = rank_bytes / gb, "on each rank's GPU"
+    else:
+        available = (_available_mb() - world_size * RANK_MEMORY_MB) / 1024
+        need, where = world_size * rank_bytes / gb, f"for {world_size} CPU ranks on this machine"
+    if need > available:
+        raise WorkerError(f"{sizes} need at least {need:,.1f} GB {where}, but {max(available, 0):,.1f} GB of memory "
+                          "are available; lower them")
 
 
 # Python that each spawned worker runs first, before multiprocessing's own start-up (which imports the launcher's
@@ -310,8 +328,13 @@ def _stop(procs) -> None:
             p.join(1)
 
 
-def _cause(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+def exit_cause(code: int) -> str:
+    """A process's end from its exit ``code`` (negative: the signal that killed it), in words; SIGKILL, which
+    no worker sends itself, is most often the kernel's out-of-memory killer, and the words say so."""
+    if code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name
+    return f"signal {name}, most often the out-of-memory killer" if -code == signal.SIGKILL else f"signal {name}"
 
 
 def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str = "") -> None:
@@ -319,7 +342,7 @@ def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str 
         code = p.exitcode
         if code is None or code == 0 or r in results or (signals_only and code > 0):
             continue
-        raise WorkerError(f"worker rank {r} died ({_cause(code)}){consequence}; the other workers were stopped")
+        raise WorkerError(f"worker rank {r} died ({exit_cause(code)}){consequence}; the other workers were stopped")
 
 
 def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
@@ -331,7 +354,7 @@ def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
             raise WorkerError(f"worker rank {r} returned its result but had not exited when the run passed its "
                               f"{timeout_s:.0f} s limit; all workers were stopped")
         if p.exitcode != 0:
-            raise WorkerError(f"worker rank {r} died after returning its result ({_cause(p.exitcode)})")
+            raise WorkerError(f"worker rank {r} died after returning its result ({exit_cause(p.exitcode)})")
 
 
 def check_launch(world_size: int, device: str, port: int = 0) -> None:
