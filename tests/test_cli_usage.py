@@ -7,11 +7,11 @@ import torch
 def no_workers(monkeypatch):
     """Fails a test that gets as far as starting workers or a suite: usage errors must stop before."""
     import kdacp.bench
-    import kdacp.cli
+    import kdacp.commands
 
     def launch(*args, **kwargs):
         raise AssertionError("workers were started")
-    monkeypatch.setattr(kdacp.cli, "launch", launch)
+    monkeypatch.setattr(kdacp.commands, "launch", launch)
     monkeypatch.setattr(kdacp.bench, "run_suite", launch)
 
 
@@ -489,3 +489,83 @@ def test_a_worker_killed_by_sigkill_names_the_out_of_memory_killer():
     from kdacp.workers import exit_cause
     assert exit_cause(-signal.SIGKILL) == "signal SIGKILL, most often the out-of-memory killer"
     assert exit_cause(-signal.SIGTERM) == "signal SIGTERM" and exit_cause(3) == "exit code 3"
+
+
+def test_help_and_version_answer_without_importing_torch():
+    """``kdacp --help``, ``kdacp <command> --help`` and ``kdacp --version`` build the parser without torch
+    (seconds to import); in a fresh interpreter, as the command runs."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom kdacp.cli import main\n"
+            "for argv in (['--help'], ['demo', '--help'], ['bench', '--help'], ['tune', '--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+            "print('loaded:', sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "loaded: []", out.stdout[-500:] + out.stderr
+
+
+@pytest.fixture
+def kdacp_logger():
+    """The ``kdacp`` logger, its level and handlers restored after the test."""
+    import logging
+    logger = logging.getLogger("kdacp")
+    level, handlers = logger.level, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def test_v_and_q_set_the_kdacp_loggers_level(kdacp_logger, monkeypatch, tmp_path, capsys):
+    """Library messages go through the ``kdacp`` logger: warnings by default, progress with -v (before or after
+    the command), errors only with -q."""
+    import logging
+
+    import kdacp.bench
+    from kdacp.cli import main
+
+    def run_suite(name, case, **kwargs):
+        logging.getLogger("kdacp.bench.soak").info("progress")
+        logging.getLogger("kdacp.bench.soak").warning("a warning")
+        return [dict(step=1)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    for argv, shown in ((["bench"], ["a warning"]), (["-v", "bench"], ["progress", "a warning"]),
+                        (["bench", "-v"], ["progress", "a warning"]), (["bench", "-q"], [])):
+        assert main([*argv, "--suite", "soak", "--out", str(tmp_path)]) == 0
+        err = capsys.readouterr().err
+        assert [m for m in ("progress", "a warning") if m in err] == shown, (argv, err)
+
+
+def test_demo_of_one_step_and_its_time_from_the_commands_entry(monkeypatch, capsys):
+    """``--steps 1``: no ``nan`` and no "1 steps"; the time breakdown counts from the command's entry, not from
+    the process's start (what ran before it in the same process is not the command's)."""
+    import re
+    import time
+
+    import kdacp.commands
+    from kdacp.cli import main
+
+    def launch(fn, world, args, **kwargs):
+        row = dict(device="cpu", tokens=64, sequences=1, first_s=0.5, later_ms=None, output_err=0.0, loss_err=0.0,
+                   grad_err=0.0, losses=[5.5], precompiled=0, precompile_s=0.0, autotune_s=0.0, strategy="p2p",
+                   build_s=0.0, steps_s=0.5, reference_s=0.0, checks_s=0.0, worker_s=0.0, started_at=time.time())
+        return [[dict(row, rank=r) for r in range(world)]] * world
+    monkeypatch.setattr(kdacp.commands, "launch", launch)
+    started = time.time()
+    assert main(["demo", "--world-size", "2", "--seq-lens", "64,64", "--steps", "1"]) == 0
+    elapsed = time.time() - started
+    out = capsys.readouterr().out
+    assert "nan" not in out and "1 steps" not in out and ", 1 step\n" in out and "no later steps" in out
+    whole = float(re.search(r"time: ([0-9.]+) s from command to verdict", out).group(1))
+    assert whole <= elapsed + 0.05, out
+
+
+def test_bench_progress_has_a_total(monkeypatch, tmp_path, capsys):
+    import kdacp.bench
+    from kdacp.cli import main
+
+    def run_suite(name, case, *, on_row, **kwargs):
+        on_row(dict(t=case["t_local"]))
+        return [dict(t=case["t_local"])]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "layer", "--device", "cpu", "--seq-lens", "64,128", "--out", str(tmp_path)]) == 0
+    assert "2/2" in capsys.readouterr().err

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import sys
 import queue
 import signal
 import socket
@@ -29,8 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "deadline", "exit_cause",
-           "free_port", "under_torchrun", "pick_backend"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "configure_logging",
+           "deadline", "exit_cause", "free_port", "under_torchrun", "pick_backend"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -42,6 +44,26 @@ RANK_MEMORY_MB = 1000
 # The signals that stop a run: Ctrl-C, kill, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class _Stderr(logging.Handler):
+    """Writes each record to the ``sys.stderr`` of the moment (one replaced after the handler was made too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's contract: a failed emit is reported, never raised
+            self.handleError(record)
+
+
+def configure_logging(level: int) -> None:
+    """Set the ``kdacp`` logger (whose children every kdacp module logs to) to ``level`` and give it one
+    stderr handler (however often called): the command line's ``-v``/``-q``, and each worker's, which
+    :func:`launch` hands its launcher's level."""
+    logger = logging.getLogger("kdacp")
+    logger.setLevel(level)
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
 
 
 class WorkerError(RuntimeError):
@@ -218,8 +240,9 @@ def _init_group(rank: int, world_size: int, device: str, timeout_s: float, init_
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float, fn, args, messages,
-            prepare, parent_pid: int) -> None:
+            prepare, parent_pid: int, log_level: int) -> None:
     _watch_parent(parent_pid)
+    configure_logging(log_level)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -414,7 +437,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
                     raise WorkerError(f"the run passed its {timeout_s:.0f} s limit while starting its workers "
                                       f"({r} of {world_size} started); all were stopped")
                 started.append(ctx.Process(target=_worker, daemon=True, args=(
-                    r, world_size, port, device, timeout_s, fn, args, messages, prepare, os.getpid())))
+                    r, world_size, port, device, timeout_s, fn, args, messages, prepare, os.getpid(),
+                    logging.getLogger("kdacp").getEffectiveLevel())))
                 _start(started[-1])
             while len(results) < world_size:
                 try:
