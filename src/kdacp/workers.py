@@ -159,18 +159,20 @@ def check_world_size(world_size: int, device: str) -> None:
 
 
 def check_memory(rank_bytes: float, world_size: int, device: str, sizes: str) -> None:
-    """Raise :class:`WorkerError` unless ``world_size`` ranks that each hold ``rank_bytes`` (a lower bound, from
-    the run's sizes) fit on ``device``: on CUDA each rank's GPU (its total memory), on CPU the memory available
-    now, less :data:`RANK_MEMORY_MB` a rank for the interpreter and its imports. ``sizes`` names the command
-    line's arguments that set ``rank_bytes``; the message names them, the estimate and what is available."""
+    """Raise :class:`WorkerError` unless the ranks of a ``world_size`` run on this machine (under torchrun its
+    ``LOCAL_WORLD_SIZE``), each holding ``rank_bytes`` (a lower bound, from the run's sizes), fit on ``device``:
+    on CUDA each rank's GPU (its total memory), on CPU the memory available now, less :data:`RANK_MEMORY_MB` a
+    rank for the interpreter and its imports. ``sizes`` names the command line's arguments that set
+    ``rank_bytes``; the message names them, the estimate and what is available."""
     gb = 2 ** 30
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
     if device == "cuda":
-        gpus = range(min(world_size, torch.cuda.device_count()))  # this node's, under torchrun
+        gpus = range(min(here, torch.cuda.device_count()))
         available = min(torch.cuda.get_device_properties(i).total_memory for i in gpus) / gb
         need, where = rank_bytes / gb, "on each rank's GPU"
     else:
-        available = (_available_mb() - world_size * RANK_MEMORY_MB) / 1024
-        need, where = world_size * rank_bytes / gb, f"for {world_size} CPU ranks on this machine"
+        available = (_available_mb() - here * RANK_MEMORY_MB) / 1024
+        need, where = here * rank_bytes / gb, f"for {here} CPU ranks on this machine"
     if need > available:
         raise WorkerError(f"{sizes} need at least {need:,.1f} GB {where}, but {max(available, 0):,.1f} GB of memory "
                           "are available; lower them")
@@ -402,7 +404,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
     Under torchrun, runs this process's rank only and returns ``[result]``; ``world_size == 1`` runs in
     this process too (its process group of one rank is destroyed at the end). Otherwise checks the world
     size (:func:`check_world_size`) and spawns the ranks (``gloo`` on CPU, ``nccl`` with one GPU per
-    rank); ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
+    rank; each logs through the ``kdacp`` logger at this process's level, :func:`configure_logging`);
+    ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
     counts from the call: starting the workers, the run, and their exit. ``prepare()`` (picklable) runs in
     each rank's process before its process group exists: imports that must precede the group go there
     (transformers' model modules imported after it keep the default group alive until interpreter
