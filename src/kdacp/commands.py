@@ -21,12 +21,13 @@ from .workers import Stopped, WorkerError, check_launch, check_memory, launch, p
 
 
 class UsageError(ValueError):
-    """A command line that cannot run as given (a bad value, or one this machine cannot hold): ``main`` prints
-    it on one line and exits with status 2, before any worker starts."""
+    """A command line that cannot run as given (a bad value, or one this machine cannot hold): :func:`run`
+    prints it on one line and returns exit status 2, before any worker starts."""
 
 
 def _machine_check(check: Callable, *args) -> None:
-    """``check(*args)`` (:func:`kdacp.workers.check_launch`, :func:`~kdacp.workers.pick_backend`), its
+    """``check(*args)`` (:func:`kdacp.workers.check_launch`, :func:`~kdacp.workers.check_memory`,
+    :func:`~kdacp.workers.pick_backend`), its
     :class:`~kdacp.workers.WorkerError` (what this machine cannot run) a :class:`UsageError`."""
     try:
         check(*args)
