@@ -56,7 +56,7 @@ part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
-bench=(python3 -m kdacp.cli bench --device cuda)
+bench=(python3 -m kdacp.cli bench -v --device cuda)
 case "$part" in
 kernels)
     step kernels_kda 180 "${bench[@]}" --suite kernels --out "$out/kernels_kda"

@@ -18,12 +18,12 @@ source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
 if [ "$part" = 1 ]; then
     step gpu_tests 120 python3 -m pytest -q -m gpu tests/distributed/test_cp_gpu.py tests/layers/test_kda_layer_cp_gpu.py
     tail -1 "$out/gpu_tests.log"
-    step cp_kda 150 python3 -m kdacp.cli bench --suite cp --world-size 2 --seq-lens 16384 \
+    step cp_kda 150 python3 -m kdacp.cli bench -v --suite cp --world-size 2 --seq-lens 16384 \
         --batches one_sequence,docs7 --trace "$out/trace" --out "$out/cp_kda"
-    step cp_gdn 180 python3 -m kdacp.cli bench --suite cp --family gdn --world-size 2 --seq-lens 16384,32768 \
+    step cp_gdn 180 python3 -m kdacp.cli bench -v --suite cp --family gdn --world-size 2 --seq-lens 16384,32768 \
         --batches one_sequence,docs7 --out "$out/cp_gdn"
-    step layer 120 python3 -m kdacp.cli bench --suite layer --world-size 2 --modes state,ulysses --out "$out/layer"
-    step scaling 120 python3 -m kdacp.cli bench --suite scaling --world-size 2 --seq-lens 16384 --out "$out/scaling"
+    step layer 120 python3 -m kdacp.cli bench -v --suite layer --world-size 2 --modes state,ulysses --out "$out/layer"
+    step scaling 120 python3 -m kdacp.cli bench -v --suite scaling --world-size 2 --seq-lens 16384 --out "$out/scaling"
 elif [ "$part" = 2 ]; then
     step demo 200 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kdacp.cli demo --world-size 2 --device cuda
     tail -5 "$out/demo.log"

@@ -7,11 +7,11 @@ import torch
 def no_workers(monkeypatch):
     """Fails a test that gets as far as starting workers or a suite: usage errors must stop before."""
     import kdacp.bench
-    import kdacp.cli
+    import kdacp.commands
 
     def launch(*args, **kwargs):
         raise AssertionError("workers were started")
-    monkeypatch.setattr(kdacp.cli, "launch", launch)
+    monkeypatch.setattr(kdacp.commands, "launch", launch)
     monkeypatch.setattr(kdacp.bench, "run_suite", launch)
 
 
@@ -96,6 +96,10 @@ USAGE_ERRORS = [
     (("bench", "--suite", "layer", "--device", "cpu", "--world-size", "1024"), "is more than this machine holds"),
     (("bench",), "the following arguments are required: --suite"),
     ((), "the following arguments are required: command"),
+    (("--bogus",), "unrecognized arguments: --bogus"),
+    (("demo", "--seq-lens", "-5,100"), "argument --seq-lens: expected comma-separated positive integers"),
+    (("demo", "--seq-lens", "100,-4"), "-4 is not positive"),
+    (("tune", "--heads", "-3"), "argument --heads: expected a positive integer, got '-3'"),
 ]
 
 
@@ -170,6 +174,7 @@ def test_tune_tunes_the_gates_and_batches_asked_for(monkeypatch, tmp_path, capsy
         seen.update(kwargs, out=out)
         return [tmp_path / "NVIDIA_H100_80GB_HBM3" / "chunk_fwd_kernel_o.json"]
     monkeypatch.setattr(kdacp.tuning, "tune", tune)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["tune", "--gates", "softplus", "--batches", "docs7", "--seq-lens", "2048"]) == 0
     assert seen["gates"] == (None,) and seen["batches"] == ("docs7",) and seen["t_local"] == (2048,)
     assert seen["out"] is None
@@ -286,6 +291,8 @@ def test_bench_layer_on_cpu_defaults_to_cpu_sizes(monkeypatch, tmp_path, capsys)
 
 
 def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
+    import types
+
     import kdacp.bench
     from kdacp.cli import main
     calls = []
@@ -301,6 +308,7 @@ def test_bench_batches_and_trace_reach_the_suite(monkeypatch, tmp_path, capsys):
                         lambda: dict(date="d", device="gpu", gpus=2, torch="t", triton="t", commit="c"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if on the GPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2 ** 30))
     main(["bench", "--suite", "cp", "--trace", str(tmp_path / "t"), "--seq-lens", "1024", "--world-size", "2",
           "--out", str(tmp_path)])
     assert calls[-1] == ("cp", dict(t_locals=(1024,), family="kda", trace_dir=str(tmp_path / "t")))
@@ -425,3 +433,146 @@ def test_demo_help_says_auto_keeps_kda_on_fla(capsys):
     demo = _help(capsys, "demo")
     assert "auto: on CUDA with FLA installed, fla for KDA, and for GDN attn_gym on a Hopper GPU" in demo
     assert "attn_gym on a Hopper GPU where installed, else fla" not in demo
+
+
+def test_bench_out_naming_a_file_is_refused_before_the_suite(no_workers, capsys, tmp_path):
+    (tmp_path / "afile").touch()
+    for out in ("afile", "afile/sub"):
+        message = _usage_error(capsys, "bench", "--suite", "hybrid", "--out", str(tmp_path / out))
+        assert f"--out {tmp_path / out}: expected a folder" in message and "afile is a file" in message
+
+
+def test_an_unknown_option_is_named_in_its_command_usage(capsys):
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--bogus", "--steps", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: kdacp demo ")
+    assert err.strip().splitlines()[-1] == "kdacp demo: error: unrecognized arguments: --bogus"
+
+
+def test_tune_without_a_gpu_is_a_usage_error(no_workers, capsys, monkeypatch):
+    """The exit status of a missing GPU is 2 for every command (bench's: above)."""
+    import kdacp.tuning
+
+    def tune(*args, **kwargs):
+        raise AssertionError("tuning started")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kdacp.tuning, "tune", tune)
+    assert "kdacp tune: needs a CUDA GPU and none is visible" in _usage_error(capsys, "tune")
+
+
+def test_version_and_the_exit_status_contract(capsys):
+    import kdacp
+    from kdacp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"kdacp {kdacp.__version__}\n"
+    top = _help(capsys)
+    assert ("exit status: 0 success, 1 a failed check or run, 2 a usage error or missing hardware or package "
+            "(before anything runs), 130 interrupted") in top
+
+
+@pytest.mark.parametrize("argv,named", [
+    (("demo", "--world-size", "2", "--seq-lens", "100000000000"), "--seq-lens (100000000000 tokens)"),
+    (("demo", "--world-size", "2", "--heads", "10000000"), "--heads 10000000"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--seq-lens", "10000000000"), "--seq-lens 10000000000"),
+    (("bench", "--suite", "layer", "--device", "cpu", "--heads", "10000000"), "--heads 10000000")])
+def test_sizes_that_cannot_fit_are_refused_before_any_worker(no_workers, capsys, argv, named):
+    message = _usage_error(capsys, *argv)
+    assert named in message and "need at least" in message and "GB of memory are available" in message
+
+
+def test_the_memory_estimate_passes_the_default_sizes():
+    from kdacp.bench.layer import memory_bytes
+    from kdacp.demo import DemoConfig
+    assert 1e6 < DemoConfig().memory_bytes() < 1e8  # the default demo: well under its measured 1 GB a rank
+    assert 1e5 < memory_bytes(2, t_local=256, hidden=128, heads=4, head_dim=32) < 1e8
+
+
+def test_a_worker_killed_by_sigkill_names_the_out_of_memory_killer():
+    import signal
+
+    from kdacp.workers import exit_cause
+    assert exit_cause(-signal.SIGKILL) == "signal SIGKILL, most often the out-of-memory killer"
+    assert exit_cause(-signal.SIGTERM) == "signal SIGTERM" and exit_cause(3) == "exit code 3"
+
+
+def test_help_and_version_answer_without_importing_torch():
+    """``kdacp --help``, ``kdacp <command> --help`` and ``kdacp --version`` build the parser without torch
+    (seconds to import); in a fresh interpreter, as the command runs."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom kdacp.cli import main\n"
+            "for argv in (['--help'], ['demo', '--help'], ['bench', '--help'], ['tune', '--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+            "print('loaded:', sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "loaded: []", out.stdout[-500:] + out.stderr
+
+
+@pytest.fixture
+def kdacp_logger():
+    """The ``kdacp`` logger, its level and handlers restored after the test."""
+    import logging
+    logger = logging.getLogger("kdacp")
+    level, handlers = logger.level, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def test_v_and_q_set_the_kdacp_loggers_level(kdacp_logger, monkeypatch, tmp_path, capsys):
+    """Library messages go through the ``kdacp`` logger: warnings by default, progress with -v (before or after
+    the command), errors only with -q."""
+    import logging
+
+    import kdacp.bench
+    from kdacp.cli import main
+
+    def run_suite(name, case, **kwargs):
+        logging.getLogger("kdacp.bench.soak").info("progress")
+        logging.getLogger("kdacp.bench.soak").warning("a warning")
+        return [dict(step=1)]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    for argv, shown in ((["bench"], ["a warning"]), (["-v", "bench"], ["progress", "a warning"]),
+                        (["bench", "-v"], ["progress", "a warning"]), (["bench", "-q"], [])):
+        assert main([*argv, "--suite", "soak", "--out", str(tmp_path)]) == 0
+        err = capsys.readouterr().err
+        assert [m for m in ("progress", "a warning") if m in err] == shown, (argv, err)
+
+
+def test_demo_of_one_step_and_its_time_from_the_commands_entry(monkeypatch, capsys):
+    """``--steps 1``: no ``nan`` and no "1 steps"; the time breakdown counts from the command's entry, not from
+    the process's start (what ran before it in the same process is not the command's)."""
+    import re
+    import time
+
+    import kdacp.commands
+    from kdacp.cli import main
+
+    def launch(fn, world, args, **kwargs):
+        row = dict(device="cpu", tokens=64, sequences=1, first_s=0.5, later_ms=None, output_err=0.0, loss_err=0.0,
+                   grad_err=0.0, losses=[5.5], precompiled=0, precompile_s=0.0, autotune_s=0.0, strategy="p2p",
+                   build_s=0.0, steps_s=0.5, reference_s=0.0, checks_s=0.0, worker_s=0.0, started_at=time.time())
+        return [[dict(row, rank=r) for r in range(world)]] * world
+    monkeypatch.setattr(kdacp.commands, "launch", launch)
+    started = time.time()
+    assert main(["demo", "--world-size", "2", "--seq-lens", "64,64", "--steps", "1"]) == 0
+    elapsed = time.time() - started
+    out = capsys.readouterr().out
+    assert "nan" not in out and "1 steps" not in out and ", 1 step\n" in out and "no later steps" in out
+    whole = float(re.search(r"time: ([0-9.]+) s from command to verdict", out).group(1))
+    assert whole <= elapsed + 0.05, out
+
+
+def test_bench_progress_has_a_total(monkeypatch, tmp_path, capsys):
+    import kdacp.bench
+    from kdacp.cli import main
+
+    def run_suite(name, case, *, on_row, **kwargs):
+        on_row(dict(t=case["t_local"]))
+        return [dict(t=case["t_local"])]
+    monkeypatch.setattr(kdacp.bench, "run_suite", run_suite)
+    assert main(["bench", "--suite", "layer", "--device", "cpu", "--seq-lens", "64,128", "--out", str(tmp_path)]) == 0
+    assert "2/2" in capsys.readouterr().err

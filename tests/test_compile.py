@@ -63,6 +63,9 @@ def test_opaque_region_compiles_once_and_matches_eager(total, with_bias):
     assert counter.frame_count == 1
 
 
+# The failing backward compilation makes autograd's anomaly mode print the forward's traceback as a warning:
+# the failure this test expects, not a problem of the run.
+@pytest.mark.filterwarnings("ignore:Error detected in CumsumBackward0:UserWarning")
 def test_region_compiled_directly_does_not_trace():
     """The mechanism matters: without run_opaque the boundaries read on the host become data-dependent sizes,
     which one graph (``fullgraph=True``, torchtitan's per-block compile) does not compile (torch 2.13: the

@@ -9,9 +9,9 @@ ROOT = Path(kdacp.__file__).parent
 
 # Lowest first; a part may import only the parts before it (the package's own __init__ is the facade
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
-# distributed, ops -> layers -> bench, demo -> cli.
-ORDER = ("caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
-         "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "cli")
+# distributed, ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
+ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
+         "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "options", "commands", "cli")
 
 
 def _module_name(path: Path) -> str:

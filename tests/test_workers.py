@@ -2,6 +2,7 @@
 a rank that dies after its result, and no process left behind after a signal or a killed launcher, also one
 killed while its workers are still starting."""
 import atexit
+import logging
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from kdacp import workers
-from kdacp.workers import Stopped, WorkerError, launch
+from kdacp.workers import Stopped, WorkerError, configure_logging, launch
 
 _BEFORE_GROUP = []  # filled in each rank's own process by _prepare
 
@@ -235,3 +236,21 @@ def test_a_launcher_killed_while_its_workers_start_leaves_none(tmp_path):
 def test_stopped_names_the_signal():
     assert str(Stopped(signal.SIGTERM)) == "stopped by SIGTERM; every worker was stopped"
     assert isinstance(Stopped(signal.SIGINT), WorkerError)
+
+
+def _log_info(ctx):
+    logging.getLogger("kdacp.test_workers").info(f"rank {ctx.rank} logs")
+    return ctx.rank
+
+
+def test_workers_log_at_the_launchers_level(capfd):
+    """``kdacp -v`` reaches the workers: each logs through the ``kdacp`` logger at the launcher's level."""
+    logger = logging.getLogger("kdacp")
+    level, handlers = logger.level, list(logger.handlers)
+    configure_logging(logging.INFO)
+    try:
+        assert launch(_log_info, 2, timeout_s=120) == [0, 1]
+    finally:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+    assert "rank 1 logs" in capfd.readouterr().err

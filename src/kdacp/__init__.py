@@ -9,20 +9,39 @@ layers :class:`KimiDeltaAttention` and :class:`GatedDeltaNet` with their context
 which compiles a step's Triton kernels in parallel before its first run; and :mod:`kdacp.reference`,
 the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Triton launchers
 (:mod:`kdacp.kernels`) stay in their modules.
+
+Each name is imported at its first use (``import kdacp`` alone loads no torch, so that the command line's
+``--help`` answers at once): ``from kdacp import chunk_kda`` and ``kdacp.chunk_kda`` work as ever, as does
+``kdacp.<submodule>``.
 """
-from . import reference
-from .distributed import CPPlan, build_cp_plan, init_device_mesh, new_cp_group
-from .gdn import chunk_gated_delta_rule
-from .layers import CPContext, ContextParallel, GatedDeltaNet, KimiDeltaAttention, build_cp_context
-from .models import global_token_mean_loss, parallelize, shard_batch
-from .precompile import precompile
-from .kda import chunk_kda
+import importlib
+import importlib.util
 
-__version__ = "0.1.0"
+from .choices import VERSION as __version__
 
-__all__ = [
-    "CPContext", "CPPlan", "ContextParallel", "GatedDeltaNet", "KimiDeltaAttention", "build_cp_context", "build_cp_plan",
-    "chunk_gated_delta_rule",
-    "chunk_kda", "global_token_mean_loss", "init_device_mesh", "new_cp_group", "parallelize", "precompile", "reference",
-    "shard_batch",
-]
+# each exported name -> the module that defines it (None: the name is a submodule)
+_EXPORTS = {
+    "CPPlan": ".distributed", "build_cp_plan": ".distributed", "init_device_mesh": ".distributed",
+    "new_cp_group": ".distributed", "chunk_gated_delta_rule": ".gdn", "CPContext": ".layers",
+    "ContextParallel": ".layers", "GatedDeltaNet": ".layers", "KimiDeltaAttention": ".layers",
+    "build_cp_context": ".layers", "global_token_mean_loss": ".models", "parallelize": ".models",
+    "shard_batch": ".models", "precompile": ".precompile", "chunk_kda": ".kda", "reference": None,
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """An exported name (:data:`_EXPORTS`) or a submodule, imported at its first use and kept."""
+    if name in _EXPORTS and _EXPORTS[name] is not None:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

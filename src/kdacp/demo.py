@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .backends import FLA_BACKENDS, resolve_backend
+from .choices import DEMO_DTYPES as DTYPES
 from .distributed import build_cp_plan, new_cp_group
 from .layers import ContextParallel
 from .layers.context_parallel import MODES, hybrid_ulysses_size
@@ -37,7 +38,7 @@ from .precompile import precompile
 from .workers import RankContext
 
 __all__ = ["DTYPES", "DemoConfig", "PHASES", "demo_batch", "demo_config", "demo_model", "demo_step", "demo_worker",
-           "rank_count"]
+           "plural"]
 
 
 # Largest relative error (norm-wise) accepted between the context-parallel run and the float32 reference.
@@ -51,7 +52,6 @@ __all__ = ["DTYPES", "DemoConfig", "PHASES", "demo_batch", "demo_config", "demo_
 # Float64 is not offered: transformers' Kimi Linear computes in float32 inside whatever the weights.
 TOLERANCE = {("cpu", "float32"): 2e-5, ("cuda", "float32"): 1e-2, ("cpu", "bfloat16"): 1e-1,
              ("cuda", "bfloat16"): 1e-1}
-DTYPES = ("float32", "bfloat16")
 # The decoder's token mixers: KDA, MLA (full attention, under Ulysses), KDA. The MLPs are dense: a mixture
 # of experts picks each token's experts by a top-k choice, which bf16 rounding flips for near ties, so a bf16
 # run could not be held to the float32 reference (measured: 9e-2 in the router's gradient); it works per
@@ -67,9 +67,9 @@ CONV_SIZE = 4
 PHASES = ("build", "steps", "reference", "checks")
 
 
-def rank_count(n: int) -> str:
-    """``"1 rank"``, ``"4 ranks"``."""
-    return f"{n} rank" if n == 1 else f"{n} ranks"
+def plural(n: int, noun: str) -> str:
+    """``n`` ``noun`` s: ``"1 rank"``, ``"4 ranks"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 @dataclass(frozen=True)
@@ -149,13 +149,27 @@ class DemoConfig:
             except (ImportError, ValueError) as e:
                 raise ValueError(f"--backend {self.backend}: {e}") from None
 
+    def memory_bytes(self) -> int:
+        """A lower bound of the bytes one rank holds at its peak, from the sizes alone (for refusing sizes that
+        cannot fit before any worker starts): the reference's float32 logits of the whole batch, which rank 0
+        broadcasts to every rank (``[T, vocab]``); the weights of the model and of its float32 reference with
+        their gradients, counting only the KDA layers' q, k, v and output projections and the MLA layers'
+        query and output projections (``hidden x heads x head_dim`` each) and the embedding and output
+        layer; and the saved inputs q, k, v and gate of the KDA layers for the rank's tokens."""
+        T, (d, H, K) = sum(self.seq_lens), (self.hidden_size, self.num_heads, self.head_dim)
+        width = 2 if self.dtype == "bfloat16" else 4
+        kda_layers = LAYER_TYPES.count("linear_attention")
+        params = (4 * kda_layers + 2 * (len(LAYER_TYPES) - kda_layers)) * d * H * K + 2 * self.vocab_size * d
+        return (4 * T * self.vocab_size + params * 2 * (width + 4)
+                + 4 * kda_layers * (T // self.world_size) * H * K * width)
+
     def describe(self) -> str:
         """One line naming what runs: ranks, mode, strategy (where state is passed), model, dtype."""
         how = {"state": f"strategy {self.strategy}", "ulysses": "all-to-all over heads, no state passing",
                "hybrid": f"ulysses_size {self.ulysses_size}, strategy {self.strategy}"}[self.mode]
         layers = ", ".join({"linear_attention": "KDA", "full_attention": "MLA"}[t] for t in LAYER_TYPES)
-        return (f"{rank_count(self.world_size)}, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads "
-                f"of {self.head_dim}), {self.dtype}, backend {self._backend_text()}, {self.steps} steps")
+        return (f"{plural(self.world_size, 'rank')}, mode {self.mode} ({how}), Kimi Linear ({layers}; {self.num_heads} heads "
+                f"of {self.head_dim}), {self.dtype}, backend {self._backend_text()}, {plural(self.steps, 'step')}")
 
     def _backend_text(self) -> str:
         """The backend, and for ``auto`` what the model's KDA layers resolve to on the device
@@ -312,7 +326,7 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     """One rank of the demo; returns every rank's row (gathered), so rank 0 can print the table.
 
     A row: ``rank, device, tokens, sequences``; ``first_s`` (the first step, its ``precompile_s`` and
-    ``autotune_s`` included), ``later_ms`` (mean); ``output_err, loss_err, grad_err``; ``losses``;
+    ``autotune_s`` included), ``later_ms`` (mean; None after one step); ``output_err, loss_err, grad_err``; ``losses``;
     ``strategy`` (:func:`_strategy`); ``<phase>_s`` of :data:`PHASES` and ``worker_s`` (this function's
     whole time), in seconds; ``started_at``: when this function began (``time.time()``, comparable across
     the processes of one machine)."""
@@ -393,5 +407,5 @@ def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
     pieces = sum(1 for a, b in zip(cu_list[:-1], cu_list[1:]) if a < shard.stop and b > shard.start)
     later = times[1:]
     return dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompiled=compiled,
-                later_ms=1e3 * sum(later) / len(later) if later else float("nan"), **errors, losses=losses,
+                later_ms=1e3 * sum(later) / len(later) if later else None, **errors, losses=losses,
                 device=str(ctx.device), strategy=strategy)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import sys
 import queue
 import signal
 import socket
@@ -29,8 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "deadline", "free_port",
-           "under_torchrun", "pick_backend"]
+__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "configure_logging",
+           "deadline", "exit_cause", "free_port", "under_torchrun", "pick_backend"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
 # and a run is better made smaller than left to crawl into its collectives' timeouts.
@@ -42,6 +44,26 @@ RANK_MEMORY_MB = 1000
 # The signals that stop a run: Ctrl-C, kill, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class _Stderr(logging.Handler):
+    """Writes each record to the ``sys.stderr`` of the moment (one replaced after the handler was made too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's contract: a failed emit is reported, never raised
+            self.handleError(record)
+
+
+def configure_logging(level: int) -> None:
+    """Set the ``kdacp`` logger (whose children every kdacp module logs to) to ``level`` and give it one
+    stderr handler (however often called): the command line's ``-v``/``-q``, and each worker's, which
+    :func:`launch` hands its launcher's level."""
+    logger = logging.getLogger("kdacp")
+    logger.setLevel(level)
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
 
 
 class WorkerError(RuntimeError):
@@ -136,6 +158,26 @@ def check_world_size(world_size: int, device: str) -> None:
             f"{by_memory} ({RANK_MEMORY_MB} MB per rank); lower --world-size to {min(by_cores, by_memory)} or less")
 
 
+def check_memory(rank_bytes: float, world_size: int, device: str, sizes: str) -> None:
+    """Raise :class:`WorkerError` unless the ranks of a ``world_size`` run on this machine (under torchrun its
+    ``LOCAL_WORLD_SIZE``), each holding ``rank_bytes`` (a lower bound, from the run's sizes), fit on ``device``:
+    on CUDA each rank's GPU (its total memory), on CPU the memory available now, less :data:`RANK_MEMORY_MB` a
+    rank for the interpreter and its imports. ``sizes`` names the command line's arguments that set
+    ``rank_bytes``; the message names them, the estimate and what is available."""
+    gb = 2 ** 30
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if device == "cuda":
+        gpus = range(min(here, torch.cuda.device_count()))
+        available = min(torch.cuda.get_device_properties(i).total_memory for i in gpus) / gb
+        need, where = rank_bytes / gb, "on each rank's GPU"
+    else:
+        available = (_available_mb() - here * RANK_MEMORY_MB) / 1024
+        need, where = here * rank_bytes / gb, f"for {here} CPU ranks on this machine"
+    if need > available:
+        raise WorkerError(f"{sizes} need at least {need:,.1f} GB {where}, but {max(available, 0):,.1f} GB of memory "
+                          "are available; lower them")
+
+
 # Python that each spawned worker runs first, before multiprocessing's own start-up (which imports the launcher's
 # main module, torch and kdacp: seconds, and tens of seconds on a loaded machine, all of it before _worker):
 # from here on the kernel kills the worker when the launcher dies, whatever the worker is doing, and a
@@ -200,8 +242,9 @@ def _init_group(rank: int, world_size: int, device: str, timeout_s: float, init_
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float, fn, args, messages,
-            prepare, parent_pid: int) -> None:
+            prepare, parent_pid: int, log_level: int) -> None:
     _watch_parent(parent_pid)
+    configure_logging(log_level)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -310,8 +353,13 @@ def _stop(procs) -> None:
             p.join(1)
 
 
-def _cause(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+def exit_cause(code: int) -> str:
+    """A process's end from its exit ``code`` (negative: the signal that killed it), in words; SIGKILL, which
+    no worker sends itself, is most often the kernel's out-of-memory killer, and the words say so."""
+    if code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name
+    return f"signal {name}, most often the out-of-memory killer" if -code == signal.SIGKILL else f"signal {name}"
 
 
 def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str = "") -> None:
@@ -319,7 +367,7 @@ def _raise_if_dead(procs, results, signals_only: bool = False, consequence: str 
         code = p.exitcode
         if code is None or code == 0 or r in results or (signals_only and code > 0):
             continue
-        raise WorkerError(f"worker rank {r} died ({_cause(code)}){consequence}; the other workers were stopped")
+        raise WorkerError(f"worker rank {r} died ({exit_cause(code)}){consequence}; the other workers were stopped")
 
 
 def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
@@ -331,7 +379,7 @@ def _raise_if_exit_failed(procs, deadline: float, timeout_s: float) -> None:
             raise WorkerError(f"worker rank {r} returned its result but had not exited when the run passed its "
                               f"{timeout_s:.0f} s limit; all workers were stopped")
         if p.exitcode != 0:
-            raise WorkerError(f"worker rank {r} died after returning its result ({_cause(p.exitcode)})")
+            raise WorkerError(f"worker rank {r} died after returning its result ({exit_cause(p.exitcode)})")
 
 
 def check_launch(world_size: int, device: str, port: int = 0) -> None:
@@ -356,7 +404,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
     Under torchrun, runs this process's rank only and returns ``[result]``; ``world_size == 1`` runs in
     this process too (its process group of one rank is destroyed at the end). Otherwise checks the world
     size (:func:`check_world_size`) and spawns the ranks (``gloo`` on CPU, ``nccl`` with one GPU per
-    rank); ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
+    rank; each logs through the ``kdacp`` logger at this process's level, :func:`configure_logging`);
+    ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
     counts from the call: starting the workers, the run, and their exit. ``prepare()`` (picklable) runs in
     each rank's process before its process group exists: imports that must precede the group go there
     (transformers' model modules imported after it keep the default group alive until interpreter
@@ -391,7 +440,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
                     raise WorkerError(f"the run passed its {timeout_s:.0f} s limit while starting its workers "
                                       f"({r} of {world_size} started); all were stopped")
                 started.append(ctx.Process(target=_worker, daemon=True, args=(
-                    r, world_size, port, device, timeout_s, fn, args, messages, prepare, os.getpid())))
+                    r, world_size, port, device, timeout_s, fn, args, messages, prepare, os.getpid(),
+                    logging.getLogger("kdacp").getEffectiveLevel())))
                 _start(started[-1])
             while len(results) < world_size:
                 try:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import BACKENDS, FLA_BACKENDS
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads, LocalStates, Span
 from .torch_backend import TorchBackend
 
 __all__ = ["BACKENDS", "FLA_BACKENDS", "backend_usable", "KDAInputs", "KDAOptions", "LocalBackend", "LocalGrads",
            "LocalStates", "Span", "TorchBackend", "make_backend", "resolve_backend"]
 
-BACKENDS = ("auto", "torch", "fla", "attn_gym")
-# the concrete backends that run FLA's kernels (attn_gym beside attention-gym's): the layers then also run
-# FLA's fused convolution and gated norm
-FLA_BACKENDS = ("fla", "attn_gym")
 
 
 def resolve_backend(backend: str, device: torch.device, *, scalar_gate: bool = False) -> str:

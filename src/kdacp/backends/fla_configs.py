@@ -29,9 +29,9 @@ import os
 import re
 from pathlib import Path
 
+from ..choices import USER_CONFIGS
+
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
-# where ``kdacp tune`` writes a user's own configurations (preferred over the shipped ones)
-USER_CONFIGS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kdacp" / "fla-configs"
 
 
 # The CUDA compute capability of each GPU kdacp ships configurations for. A GPU without files of its own

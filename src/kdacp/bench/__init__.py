@@ -21,12 +21,11 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
+from ..choices import CPU_SUITES, SUITES
 from ..workers import RankContext, deadline, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
-SUITES = ("kernels", "cp", "gdn", "layer", "virtual", "soak", "scaling", "overhead", "hybrid", "balance")
-CPU_SUITES = ("layer", "virtual", "soak", "scaling", "overhead", "hybrid", "balance")  # the suites that also run without a GPU
 
 
 def load_suite(name: str) -> ModuleType:

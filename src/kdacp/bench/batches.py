@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import random
 
+from ..choices import BATCHES
+
 # Seven documents of a 32K-token batch (16K tokens per rank on 2 ranks); the third crosses the edge.
 DOCS_7 = (7777, 3000, 12000, 513, 1000, 1000, 7478)
-BATCHES = ("one_sequence", "docs7", "lognormal")
 
 
 def document_lengths(batch: str, total: int, seed: int = 0, median: int = 2048, sigma: float = 1.0) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ Ratios are over ``one_gpu``; ``peak_ratio``: kdacp p2p's peak memory over one GP
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ def run(t_locals=(16384, 32768), batches=BATCHES, family: str = "kda", warmup: i
             row = dict(batch=batch, docs=len(lengths), T_local=T, world_size=world_size, label=f"{batch} {T}",
                        family=family, **{"pass": "forward+backward" if backward else "forward"})
             row.update(timed_columns(fns, CONTENDERS, "one_gpu", warmup, rounds, iters, group, torch.device("cuda"),
-                                     lambda tb: log(f"T_local={T} {batch} failed:\n{tb}")))
+                                     lambda tb: log(f"T_local={T} {batch} failed:\n{tb}", logging.WARNING)))
             if "kdacp_cp" in fns and "one_gpu" in fns:
                 row["peak_ratio"] = peak_gb(fns["kdacp_cp"], group, torch.device("cuda")) / \
                     peak_gb(fns["one_gpu"], group, torch.device("cuda"))

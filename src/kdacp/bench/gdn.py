@@ -31,6 +31,7 @@ the training row also times ``kdacp_attn_gym``, ``kdacp.chunk_gated_delta_rule(b
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -106,12 +107,12 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
             row = dict(batch=batch, docs=len(lengths), T=T, label=f"{batch} {T}",
                        **{"pass": "forward+backward" if backward else "forward"})
             row.update(timed_columns(fns, CONTENDERS, "fla", warmup, rounds, iters, group, torch.device("cuda"),
-                                     lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}")))
+                                     lambda tb: log(f"gdn T={T} {batch} failed:\n{tb}", logging.WARNING)))
             if "kdacp" in fns and "fla" in fns:
                 row["max_rel_diff_vs_fla"] = max_rel_diff(fns["kdacp"](), fns["fla"](), group)
                 row.update(timed_columns({n: fns[n] for n in ("fla", "kdacp")}, ("fla", "kdacp"), "fla", warmup, rounds,
                                          iters, None, torch.device("cuda"),
-                                         lambda tb: log(f"gdn T={T} {batch} device time failed:\n{tb}"), queued=True))
+                                         lambda tb: log(f"gdn T={T} {batch} device time failed:\n{tb}", logging.WARNING), queued=True))
             rows_here = [row]
             if not backward and "kdacp" in contenders:
                 train = step_functions({"fla_kda": lambda **a: _fla_kda_broadcast(fla, varlen, **a),
@@ -123,7 +124,7 @@ def run(t_locals=(16384, 32768), batches=("one_sequence", "docs7"), heads: int =
                             **{"pass": "forward+backward, KDA kernels"})
                 trow.update(timed_columns(train, training, "fla_kda", warmup, rounds, iters, group,
                                           torch.device("cuda"),
-                                          lambda tb: log(f"gdn T={T} {batch} training failed:\n{tb}")))
+                                          lambda tb: log(f"gdn T={T} {batch} training failed:\n{tb}", logging.WARNING)))
                 if not math.isnan(trow["kdacp_ms"]):  # timed: both steps run
                     trow["max_rel_diff_vs_fla"] = max_rel_diff(train["kdacp"](), train["fla_kda"](), group)
                 if attn_gym and not math.isnan(trow["kdacp_attn_gym_ms"]):

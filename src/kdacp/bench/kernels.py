@@ -31,8 +31,8 @@ system gives a kernel with no arithmetic to hide.
 """
 from __future__ import annotations
 
+import logging
 import math
-import sys
 
 import torch
 
@@ -46,6 +46,8 @@ from kdacp.layers.short_conv import causal_conv1d as conv_reference
 from .errors import rel_err
 from .harness import PlotSpec
 from .timing import time_round_robin
+
+_log = logging.getLogger(__name__)
 
 PLOTS = {"kernels": PlotSpec(x="kernel", y="ms", bars=True, panel="T", ylabel="ms (median, warm)",
                              title="state-summary kernels, B=1, HV=32, K=V=128, bf16,")}
@@ -125,7 +127,7 @@ def _fla_rows(x, r, costs, B, T, HV, K, V, BT):
     try:
         fla = load_fla()
     except ImportError as e:  # FLA is optional
-        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
+        _log.warning(f"FLA not available ({e}); skipping its rows")
         return []
     rows = []
     hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["kg"].device)
@@ -350,7 +352,7 @@ def _fla_gdn_contenders(x, r, costs, HV, K, V, chunk_size) -> dict:
     try:
         fla = load_fla()
     except ImportError as e:  # FLA is optional
-        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
+        _log.warning(f"FLA not available ({e}); skipping its rows")
         return {}
     hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=x["k"].device)
     dhm = torch.zeros_like(hm)
@@ -488,7 +490,7 @@ def _conv_contenders(x, with_fla) -> dict:
     try:
         fla = load_fla()
     except ImportError as e:  # FLA is optional
-        print(f"FLA not available ({e}); skipping its rows", file=sys.stderr)
+        _log.warning(f"FLA not available ({e}); skipping its rows")
         return found
     fkw = dict(activation="silu", backend="triton", cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
 

@@ -28,6 +28,8 @@ there), the base of the ratios.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -77,6 +79,20 @@ def layer_step(layer, x: torch.Tensor, dy: torch.Tensor, cu_seqlens: torch.Tenso
     """Forward and backward of one layer call (kdacp's or FLA's); gradients of ``x`` and every parameter."""
     y = layer(x, cu_seqlens=cu_seqlens)[0]
     torch.autograd.grad(y, [x, *layer.parameters()], dy)
+
+
+def memory_bytes(world_size: int, **case) -> int:
+    """A lower bound of the bytes one rank of :func:`run` holds at once with ``case`` (its keyword arguments;
+    :func:`run`'s defaults for the others), from the sizes alone (for refusing sizes that cannot fit before
+    any worker starts): the global input and output gradient ``[t_local * world_size, hidden]`` every rank
+    draws, the layer's q, k, v and output projections (``hidden x heads x head_dim`` each) with their
+    gradients, and the rank's q, k, v and gate ``[t_local, heads, head_dim]``."""
+    given = inspect.signature(run).bind_partial(**case)
+    given.apply_defaults()
+    a = given.arguments
+    width = torch.empty((), dtype=a["dtype"]).element_size()
+    inner = a["heads"] * a["head_dim"]
+    return width * (2 * a["t_local"] * world_size * a["hidden"] + 2 * 4 * a["hidden"] * inner + 4 * a["t_local"] * inner)
 
 
 def run(t_local: int = 16384, hidden: int = 2048, heads: int = 32, head_dim: int = 128, modes=("state",),

@@ -2,11 +2,13 @@
 forward only), the relative difference of two contenders across ranks, and progress lines."""
 from __future__ import annotations
 
-import sys
+import logging
 import time
 
 import torch
 import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
 
 
 def _train_step(fn, x: dict, do: torch.Tensor):
@@ -41,10 +43,11 @@ def max_rel_diff(a_step, b_step, group) -> float:
     return (diff[:, 0] / diff[:, 1]).sqrt().max().item()
 
 
-def log(message: str) -> None:
-    """Progress on rank 0's stderr, with wall time: FLA autotunes each kernel at first use (minutes, cold)."""
+def log(message: str, level: int = logging.INFO) -> None:
+    """A message of rank 0 with its wall time through the ``kdacp`` logger: progress at INFO (``kdacp -v``
+    shows it; FLA autotunes each kernel at first use, minutes cold), a failed case at WARNING."""
     if dist.get_rank() == 0:
-        print(f"[kdacp bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        _log.log(level, f"[kdacp bench {time.strftime('%H:%M:%S')}] {message}")
 
 
 def record_row(rows: list, row: dict, report) -> None:

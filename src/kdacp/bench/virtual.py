@@ -28,6 +28,7 @@ import torch
 
 from kdacp import reference
 from kdacp.affine import AffineMap
+from kdacp.choices import VIRTUAL_CHUNK as CHUNK  # a rank's tokens are a multiple of it
 from kdacp.distributed.strategies import simulate_scan
 
 from .harness import PlotSpec
@@ -37,8 +38,6 @@ PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_e
                                    title="incoming-state error vs ranks (virtual); where the strategies' errors "
                                          "are equal their lines lie on one another", ylabel="relative error")}
 STRATEGY_ORDERS = ("p2p", "allgather", "scan")
-# The reference's chunk size: a rank's tokens are a multiple of it.
-CHUNK = 64
 # Ranks by device: the CPU's stop at 64 (seconds; 1024 takes minutes, mostly the float64 reference).
 WORLD_SIZES = {"cpu": (2, 4, 8, 16, 64), "cuda": (2, 4, 8, 16, 64, 256, 1024)}
 

@@ -32,10 +32,11 @@ from functools import cached_property
 
 import torch
 
+from ..choices import LAYOUTS
+
 __all__ = ["TokenLayout", "Position", "LAYOUTS", "contiguous_layout", "zigzag_layout", "document_zigzag_layout",
            "balanced_document_layout", "ranges_layout", "make_layout", "causal_pairs"]
 
-LAYOUTS = ("contiguous", "zigzag", "document_zigzag", "balanced_documents")
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,11 @@ import torch.distributed as dist
 
 from ..backends.base import Span
 from ..caches import RANK_LAYOUTS
+from ..choices import STRATEGIES, STRATEGY_CHOICES
 from ..validation import check_cu_seqlens
 from . import cost_model
 from .layout import LAYOUTS, TokenLayout, contiguous_layout, make_layout
 
-STRATEGIES = ("p2p", "allgather", "scan")
-STRATEGY_CHOICES = STRATEGIES + ("auto",)
 # (HV, K, V) that "auto" sizes messages with when not told: Kimi Linear's (H=HV=32, K=V=128)
 AUTO_STATE_SHAPE = (32, 128, 128)
 

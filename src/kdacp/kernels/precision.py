@@ -26,7 +26,6 @@ truncates float32 -> bf16 casts: there every bf16 operand is a float32 tile hold
 """
 from __future__ import annotations
 
-import enum
 import os
 
 import torch
@@ -34,34 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-
-class SummaryPrecision(str, enum.Enum):
-    """How the summary kernels round the float32 operand of each state product, with bf16 inputs.
-
-    ``exact``: three bf16 pieces (~24 bits, float32-faithful); ``two_piece``: two (~16 bits);
-    ``mixed``: the transition ``M`` (and the sub-segment ``M^T`` of the gradient kernel) in one piece,
-    ``S_ext`` and ``G`` in two; ``one_piece``: one (8 bits: the state rounded to bf16 before each
-    product, float32 accumulation, as FLA's own state pass); ``one_piece_forward``: one piece in the forward
-    summary (``S_ext``, ``M``), two in the gradient summary ``G`` (whose one-piece walk is no faster). fp16
-    and float32 inputs run float32 products (3xTF32) whatever the policy. Relative errors and times:
-    benchmarks/RESULTS.md.
-    """
-
-    EXACT = "exact"
-    TWO_PIECE = "two_piece"
-    MIXED = "mixed"
-    ONE_PIECE = "one_piece"
-    ONE_PIECE_FORWARD = "one_piece_forward"
-
-    def pieces(self, dtype: torch.dtype, backward: bool = False) -> tuple[int, int]:
-        """``(PIECES, M_PIECES)`` of the forward summary kernel (``backward``: of the gradient summary kernel)
-        for inputs of ``dtype``: bf16 pieces of the float32 operand in the ``S_ext``/``G`` columns and in the
-        transition columns; 0 means float32 products."""
-        if dtype != torch.bfloat16:
-            return 0, 0
-        if self is SummaryPrecision.ONE_PIECE_FORWARD:
-            return (2, 2) if backward else (1, 1)
-        return {"exact": (3, 3), "two_piece": (2, 2), "mixed": (2, 1), "one_piece": (1, 1)}[self.value]
+from ..choices import SummaryPrecision
 
 
 # The default for bf16 inputs: the cheapest policy whose end-to-end error (the context-parallel op's outputs,

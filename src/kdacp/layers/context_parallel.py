@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import CP_CONTEXTS, TensorKey
+from ..choices import MODES
 from ..compile import hold_for_regions
 from ..distributed import new_cp_group
 from ..distributed.layout import LAYOUTS, TokenLayout
@@ -29,7 +30,6 @@ from .autograd_collectives import heads_to_time, time_to_heads
 from .cp_context import CPContext, build_cp_context
 from .cp_hooks import CPHooks
 
-MODES = ("state", "ulysses", "hybrid")
 
 
 class _SingleDevice(CPHooks):
