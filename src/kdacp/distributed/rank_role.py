@@ -29,11 +29,11 @@ from ..validation import check_kda_dtypes
 from .checks import check_rank_call
 from .orchestration import CPForward, CPGrads, cp_backward, cp_forward
 from .plan import CPPlan
-from .strategies import Pending, Route, StateExchange
+from .exchanges import Pending, Route, StateExchange
 
 
 class StandInExchange:
-    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing, for a rank run without
+    """A :class:`~kdacp.distributed.exchanges.StateExchange` that moves nothing, for a rank run without
     its peers. ``send`` keeps the rank's messages (:attr:`sent`: position -> :class:`~kdacp.affine.AffineMap`
     or ``None``, of the last call); ``receive`` hands every position that receives ``incoming``
     (``[n, HV, K, V]`` in the route's dtype: the route's message shape), by default zeros, made once per shape
