@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .backends import BACKENDS, FLA_BACKENDS, resolve_backend
+from .backends import BACKENDS, needs_cuda, resolve_backend
 from .backends.fla_configs import USER_CONFIGS
 from .bench import CPU_SUITES, SUITES
 from .bench.batches import BATCHES
@@ -415,7 +415,7 @@ def _bench(args: argparse.Namespace) -> int:
     missing = _missing_gpu(args.suite, device)
     if missing:
         raise UsageError(missing)
-    if args.backend in FLA_BACKENDS:
+    if needs_cuda(args.backend):
         _check_backend(args.backend, device)
     if args.suite == "overhead" and args.ranks and set(args.layouts or ("contiguous",)) == {"contiguous"}:
         raise UsageError("--ranks is for the overhead suite's layouts other than contiguous (the contiguous roles are "
