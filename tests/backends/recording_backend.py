@@ -22,7 +22,10 @@ def _counted(stage: str):
 
 class RecordingBackend(TorchBackend):
     name = "recording"
-    locals().update({stage: _counted(stage) for stage in STAGES})
+
+
+for _stage in STAGES:
+    setattr(RecordingBackend, _stage, _counted(_stage))
 
 
 register_backend(BackendSpec("recording", lambda options, scalar_gate: RecordingBackend(options)))
