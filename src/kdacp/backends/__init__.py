@@ -43,7 +43,7 @@ def backend_usable(backend: str, device: torch.device) -> bool:
 def needs_cuda(backend: str) -> bool:
     """Whether the registered backend ``backend`` runs on CUDA devices only (False for ``"auto"``)."""
     spec = BACKEND_SPECS.get(backend)
-    return spec is not None and "cpu" not in spec.devices
+    return spec is not None and not spec.runs_on("cpu")
 
 
 def make_backend(name: str, options: KDAOptions, scalar_gate: bool = False) -> LocalBackend:

@@ -49,7 +49,7 @@ class BackendSpec:
         build: ``(options, scalar_gate) -> LocalBackend`` for one call; ``scalar_gate``: run GDN's kernels
             on its gate ``g [1, T, HV]`` (only where :attr:`runs_scalar_gate` says so).
         families: the op families it serves, of :data:`FAMILIES`.
-        devices: the device types it runs on.
+        devices: the device types it runs on (None: any).
         available: ``(device) -> bool``, cheap, for ``"auto"`` (its packages present, the device right).
         require: ``(device) -> None``, raising ``ValueError`` / ``ImportError`` that names why it cannot run on
             ``device`` (asked for by name); None: it runs on every device of :attr:`devices`.
@@ -67,7 +67,7 @@ class BackendSpec:
     name: str
     build: Callable[[KDAOptions, bool], LocalBackend]
     families: frozenset = frozenset(FAMILIES)
-    devices: tuple[str, ...] = ("cpu", "cuda")
+    devices: tuple[str, ...] | None = None
     available: Callable[[torch.device], bool] = lambda device: True
     require: Callable[[torch.device], None] | None = None
     auto_priority: dict = field(default_factory=dict)
@@ -80,11 +80,15 @@ class BackendSpec:
 
     def check(self, device: torch.device) -> None:
         """Raise, naming why, unless this backend runs on ``device``."""
-        if device.type not in self.devices:
+        if not self.runs_on(device.type):
             kind = " or ".join(t.upper() if t == "cuda" else t for t in self.devices)
             raise ValueError(f"backend={self.name!r} needs {kind} tensors, got device {device}")
         if self.require is not None:
             self.require(device)
+
+    def runs_on(self, device_type: str) -> bool:
+        """Whether it runs on devices of ``device_type`` at all (its packages aside)."""
+        return self.devices is None or device_type in self.devices
 
     def availability(self, device: torch.device) -> tuple[bool, str | None]:
         """``(ok, reason)``: whether it runs on ``device`` and, if not, why."""
@@ -141,7 +145,7 @@ def choose_backend(backend: str, device: torch.device, *, scalar_gate: bool = Fa
         candidates = sorted((s for s in BACKEND_SPECS.values() if family in s.auto_priority),
                             key=lambda s: s.auto_priority[family])
         for spec in candidates:
-            if device.type in spec.devices and spec.available(device) and _call_refusal(spec, family, call) is None:
+            if spec.runs_on(device.type) and spec.available(device) and _call_refusal(spec, family, call) is None:
                 return spec
         raise ValueError(f"backend='auto': no registered backend runs this {family} call on {device}")
     spec = BACKEND_SPECS[backend]
