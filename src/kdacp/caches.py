@@ -14,7 +14,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | attention-gym's int32 boundaries and summary rows | ``backends.attn_gym_backend`` | boundaries of a batch, rows of its spans | :data:`ATTN_GYM_BOUNDARIES` (LRU) |
 | attention-gym's modules | ``backends.attn_gym_adapter`` | one | one |
 | FLA's modules, and whether its GDN backward runs here | ``backends.fla_adapter`` | one | one |
-| scan schedules | ``distributed.strategies`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
+| scan schedules | ``distributed.exchanges.scan`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
 | rank layouts of a batch | ``distributed.plan`` | ``(boundaries, batch size, rank lengths)`` | :data:`RANK_LAYOUTS` (LRU) |
 | a plan's forward and backward routes | ``distributed.orchestration`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
 | GDN's ``dt_bias`` stand-in for the KDA op's checks (a meta tensor) | ``gdn`` | ``(size, dtype)`` | :data:`META_STAND_INS` (LRU) |

@@ -17,14 +17,13 @@ if TYPE_CHECKING:
 
 # the package's version (``kdacp.__version__``, ``kdacp --version``)
 VERSION = "0.1.0"
-# the local KDA backends a layer or op takes (:func:`kdacp.backends.resolve_backend`)
+# kdacp's own local backends and "auto", as the command line offers them (:mod:`kdacp.backends.registry` holds
+# their specs; a layer or op takes any registered name)
 BACKENDS = ("auto", "torch", "fla", "attn_gym")
-# the concrete backends that run FLA's kernels (attn_gym beside attention-gym's): the layers then also run
-# FLA's fused convolution and gated norm
-FLA_BACKENDS = ("fla", "attn_gym")
 # the context-parallel modes of :class:`kdacp.ContextParallel`
 MODES = ("state", "ulysses", "hybrid")
-# the state exchanges of a plan (:func:`kdacp.build_cp_plan`), and the choices with the cost model's pick
+# kdacp's own state exchanges (:mod:`kdacp.distributed.exchanges` registers them; a plan takes any registered
+# name: :func:`kdacp.distributed.plan.strategy_choices`), and the choices with the cost model's pick
 STRATEGIES = ("p2p", "allgather", "scan")
 STRATEGY_CHOICES = STRATEGIES + ("auto",)
 # the token layouts of :mod:`kdacp.distributed.layout`

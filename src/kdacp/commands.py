@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .backends import FLA_BACKENDS, resolve_backend
+from .backends import needs_cuda, resolve_backend
 from .bench.layer import memory_bytes as layer_memory_bytes
 from .choices import CPU_SUITES, VIRTUAL_CHUNK
 from .demo import plural
@@ -316,7 +316,7 @@ def _bench(args: argparse.Namespace) -> int:
     missing = _missing_gpu(args.suite, device)
     if missing:
         raise UsageError(missing)
-    if args.backend in FLA_BACKENDS:
+    if needs_cuda(args.backend):
         _check_backend(args.backend, device)
     if args.suite == "overhead" and args.ranks and set(args.layouts or ("contiguous",)) == {"contiguous"}:
         raise UsageError("--ranks is for the overhead suite's layouts other than contiguous (the contiguous roles are "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backends import FLA_BACKENDS, resolve_backend
+from .backends import needs_cuda, resolve_backend
 from .choices import DEMO_DTYPES as DTYPES
 from .distributed import build_cp_plan, new_cp_group
 from .layers import ContextParallel
@@ -140,10 +140,10 @@ class DemoConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.backend in FLA_BACKENDS and self.device != "cuda":
+        if needs_cuda(self.backend) and self.device != "cuda":
             raise ValueError(f"--backend {self.backend} needs --device cuda (its kernels are CUDA-only), got --device "
                              f"{self.device}; use --backend torch or auto")
-        if self.backend in FLA_BACKENDS:
+        if needs_cuda(self.backend):
             try:
                 resolve_backend(self.backend, torch.device(self.device))
             except (ImportError, ValueError) as e:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
-from .backends.call import PreparedCall, call_backend, input_dtypes, input_gradients, prepare_call, wants_gradient
+from .backends.call import (PreparedCall, choose_call_backend, input_dtypes, input_gradients, prepare_call,
+                           wants_gradient)
 from .distributed.checks import check_cp_call
 from .distributed.orchestration import cp_backward, cp_forward
 from .distributed.plan import CPPlan, one_rank_plan
@@ -84,11 +85,13 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    safe_gate=safe_gate, summary_precision=summary_precision)
-    # the backend, by the call's shapes, dtypes and options (auto: attention-gym's cores within their limits)
-    resolve_backend = functools.partial(call_backend, q=q, k=k, v=v, scalar_gate=scalar_gate is not None,
-                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                                        summary_precision=summary_precision)
+    # the backend, chosen once by the call's shapes, dtypes and options (auto: attention-gym's cores within
+    # their limits); under cp inside the cross-rank check, so that every rank raises alike
+    choose = functools.partial(choose_call_backend, q=q, k=k, v=v, scalar_gate=scalar_gate is not None,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                               summary_precision=summary_precision,
+                               training=wants_gradient(q, k, v, g, beta, A_log, dt_bias, *(scalar_gate or ())))
     if cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
@@ -99,12 +102,13 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
             check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                                      A_log=A_log if use_gate_in_kernel else None,
                                      dt_bias=dt_bias if use_gate_in_kernel else None))
-        name = resolve_backend(backend, q.device)
+        name = choose(backend, q.device).name
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
         plan = one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
     else:
         name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                             backend=backend, resolve_backend=resolve_backend, check_finite=check_finite,
+                             backend=backend, resolve_backend=lambda b, d: choose(b, d).name,
+                             check_finite=check_finite,
                              cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu, **options)
         plan = cp
     return prepare_call(name, q, k, v, g, beta, scalar_gate=scalar_gate, **options), plan

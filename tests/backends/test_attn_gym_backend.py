@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kdacp import chunk_gated_delta_rule, chunk_kda, reference
-from kdacp.backends import attn_gym_adapter, attn_gym_backend, call, fla_adapter, fla_backend, resolve_backend
+from kdacp.backends import (BACKEND_SPECS, attn_gym_adapter, attn_gym_backend, call, fla_adapter, fla_backend,
+                            resolve_backend)
 from kdacp.backends.attn_gym_adapter import MAX_GATE_MAGNITUDE, attn_gym_refusal
 from kdacp.backends.attn_gym_backend import AttnGymBackend, AttnGymGDNBackend, affine_map_of, gradient_map_of
 from kdacp.backends.base import KDAInputs, KDAOptions, Span
@@ -153,17 +154,25 @@ def test_the_gate_bound_is_attention_gyms():
     assert MAX_GATE_MAGNITUDE == pytest.approx(constants.MAX_GATE_LOWER_BOUND_MAGNITUDE, abs=1e-12)
 
 
+def _fake_hopper_with_both(monkeypatch):
+    monkeypatch.setattr(fla_adapter, "fla_available", lambda: True)
+    monkeypatch.setattr(fla_adapter, "require_fla", lambda: None)
+    monkeypatch.setattr(attn_gym_adapter, "attn_gym_available", lambda: True)
+    monkeypatch.setattr(attn_gym_adapter, "require_attn_gym", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
 @pytest.mark.parametrize("requested", ["auto", "attn_gym"])
 def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name(monkeypatch, requested):
-    monkeypatch.setattr(call, "resolve_backend", lambda backend, device, scalar_gate: "attn_gym")
+    _fake_hopper_with_both(monkeypatch)
     q, k, v = _meta(1, 64, 4, 4, K=64, V=64)
     arguments = dict(scalar_gate=True, **dict(KIMI, lower_bound=None))
     if requested == "auto":
-        assert call.call_backend("auto", CUDA, q, k, v, **arguments) == "fla"
+        assert call.choose_call_backend("auto", CUDA, q, k, v, **arguments).name == "fla"
     else:
         with pytest.raises(ValueError, match=r"backend='attn_gym' cannot run this call: .*K = V = 128"):
-            call.call_backend("attn_gym", CUDA, q, k, v, **arguments)
-    assert call.call_backend(requested, CUDA, *_meta(1, 64, 4, 4), **arguments) == "attn_gym"
+            call.choose_call_backend("attn_gym", CUDA, q, k, v, **arguments)
+    assert call.choose_call_backend(requested, CUDA, *_meta(1, 64, 4, 4), **arguments).name == "attn_gym"
 
 
 @pytest.mark.parametrize("requested, scalar_gate, want", [
@@ -172,13 +181,10 @@ def test_a_call_outside_the_limits_runs_on_fla_under_auto_and_is_refused_by_name
     ("attn_gym", False, "attn_gym"),  # asked for by name
 ])
 def test_auto_runs_only_gdn_on_attention_gym(monkeypatch, requested, scalar_gate, want):
-    monkeypatch.setattr(fla_adapter, "fla_available", lambda: True)
-    monkeypatch.setattr(fla_adapter, "require_fla", lambda: None)
-    monkeypatch.setattr(attn_gym_adapter, "attn_gym_available", lambda: True)
-    monkeypatch.setattr(attn_gym_adapter, "require_attn_gym", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _fake_hopper_with_both(monkeypatch)
     arguments = dict(KIMI, lower_bound=None if scalar_gate else KIMI["lower_bound"])
-    assert call.call_backend(requested, CUDA, *_meta(1, 64, 4, 4), scalar_gate=scalar_gate, **arguments) == want
+    got = call.choose_call_backend(requested, CUDA, *_meta(1, 64, 4, 4), scalar_gate=scalar_gate, **arguments)
+    assert got.name == want
 
 
 def test_chunk_kda_refuses_attn_gym_on_the_cpu_before_running():
@@ -269,7 +275,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(attn_gym_backend, "load_attn_gym", stand_in_attn_gym.attn_gym)
     monkeypatch.setattr(fla_backend, "load_fla", stand_in_attn_gym.fla)
     import kdacp.kda
-    monkeypatch.setattr(kdacp.kda, "call_backend", lambda backend, device, **call: backend)
+    monkeypatch.setattr(kdacp.kda, "choose_call_backend", lambda backend, device, **call: BACKEND_SPECS[backend])
 
 
 K8 = 8

@@ -17,7 +17,8 @@ def _use_stand_in() -> None:
     from tests.backends import stand_in_attn_gym
     attn_gym_backend.load_attn_gym = stand_in_attn_gym.attn_gym
     fla_backend.load_fla = stand_in_attn_gym.fla
-    kdacp.kda.call_backend = lambda backend, device, **call: backend
+    from kdacp.backends import BACKEND_SPECS
+    kdacp.kda.choose_call_backend = lambda backend, device, **call: BACKEND_SPECS[backend]
 
 
 def _run(rank: int, world_size: int) -> None:

@@ -16,7 +16,8 @@ from tests.test_gdn import gdn_inputs
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def _check(rank: int, world_size: int) -> None:
+def _check(rank: int, world_size: int, strategies=None, backend: str = "torch") -> None:
+    """Every strategy of ``strategies`` (default :data:`STRATEGIES`) on ``backend`` against the reference."""
     cu = [0, 7, 40 * world_size - 9, 40 * world_size - 1, 40 * world_size]   # the long one spans every rank
     lengths = [40 + 5 * (r - (world_size - 1) / 2) for r in range(world_size)]
     lengths = [int(x) for x in lengths[:-1]] + [40 * world_size - sum(int(x) for x in lengths[:-1])]
@@ -29,16 +30,16 @@ def _check(rank: int, world_size: int) -> None:
     w, wS = torch.randn(ref_o.shape, generator=gen, dtype=ref_o.dtype), torch.randn(ref_S.shape, generator=gen,
                                                                                      dtype=ref_S.dtype)
     ref = torch.autograd.grad((ref_o * w).sum() + (ref_S * wS).sum(), [args[n] for n in names])
-    for strategy in STRATEGIES:
+    for strategy in strategies or STRATEGIES:
         local = {n: (x[:, lo:hi].detach().clone().requires_grad_() if n in TOKEN_INPUTS else
                      x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x)
                  for n, x in args.items()}
         plan = build_cp_plan(cu_t, local_lengths=lengths, strategy=strategy)
-        o, S = chunk_gated_delta_rule(**local, output_final_state=True, backend="torch", cp=plan)
+        o, S = chunk_gated_delta_rule(**local, output_final_state=True, backend=backend, cp=plan)
         # the final states are on every rank; one rank carries their loss
         loss = (o * w[:, lo:hi]).sum() + ((S * wS).sum() if rank == 0 else 0.0)
         grads = torch.autograd.grad(loss, [local[n] for n in names])
-        where = f"[{strategy}, rank {rank}/{world_size}]"
+        where = f"[{strategy}, {backend}, rank {rank}/{world_size}]"
         assert rel_err(o, ref_o[:, lo:hi]) < 1e-9, f"{where} o"
         assert rel_err(S, ref_S) < 1e-9, f"{where} final state"
         for n, got, want in zip(names, grads, ref):

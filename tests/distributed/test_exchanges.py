@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from kdacp.distributed import strategies
+from kdacp.distributed import collectives, exchanges
 from kdacp.distributed.layout import document_zigzag_layout, zigzag_layout
 from kdacp.distributed.plan import chain_links, layout_rank_layouts
 from tests.distributed.test_scan import _random_messages, _random_route, _sequential
@@ -120,17 +120,17 @@ def run_exchange(strategy: str, holders, emits, affine, messages, monkeypatch, w
     (over ``wire``, default a new :class:`_Wire`)."""
     P = max(holders) + 1
     wire = _Wire(P) if wire is None else wire
-    monkeypatch.setattr(strategies.collectives, "post_recv", wire.post_recv)
-    monkeypatch.setattr(strategies.collectives, "send", wire.send)
-    monkeypatch.setattr(strategies.collectives, "post_all_gather", wire.post_all_gather)
+    monkeypatch.setattr(collectives, "post_recv", wire.post_recv)
+    monkeypatch.setattr(collectives, "send", wire.send)
+    monkeypatch.setattr(collectives, "post_all_gather", wire.post_all_gather)
     n = max(max(emits), 1)
     got, errors = {}, []
 
     def rank_main(r):
         try:
-            route = strategies.Route(r, ("wire", r), tuple(holders), tuple(emits), tuple(affine), (n, 2, 3, 4),
+            route = exchanges.Route(r, ("wire", r), tuple(holders), tuple(emits), tuple(affine), (n, 2, 3, 4),
                                      torch.float64, torch.device("cpu"))
-            exchange = strategies.make_exchange(strategy)
+            exchange = exchanges.make_exchange(strategy)
             pending = exchange.begin(route)
             exchange.send(pending, [messages[i] for i in route.positions])
             got.update(zip(route.positions, exchange.receive(pending)))

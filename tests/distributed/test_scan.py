@@ -11,7 +11,7 @@ import torch
 
 from kdacp.distributed.plan import STRATEGIES, rank_layouts
 from kdacp.affine import AffineMap
-from kdacp.distributed.strategies import ScanExchange, make_exchange, scan_schedule, simulate_scan
+from kdacp.distributed.exchanges import ScanExchange, make_exchange, scan_schedule, simulate_scan
 from tests.distributed.test_cp_chunk_kda import _cases, _check_case
 from tests.multiprocess import run_ranks
 
@@ -139,12 +139,13 @@ def test_scan_exchange_in_one_process(P, backward, monkeypatch):
     over an in-process mailbox, in both directions (the backward route runs ranks in descending
     order; ``Route.emits`` / ``affine`` are indexed by position), against the sequential fold. Receives
     run in route order, so a rank that needed a message from a later position would fail here."""
-    from kdacp.distributed import strategies
+    from kdacp.distributed import exchanges as strategies
+    from kdacp.distributed.exchanges import scan
     rng, gen = random.Random(7 * P + backward), torch.Generator().manual_seed(P)
     for _ in range(25):
         box = _Mailbox()
-        monkeypatch.setattr(strategies.collectives, "post_recv", box.post_recv)
-        monkeypatch.setattr(strategies.collectives, "send", box.send)
+        monkeypatch.setattr(scan.collectives, "post_recv", box.post_recv)
+        monkeypatch.setattr(scan.collectives, "send", box.send)
         emits, affine = _random_route(P, rng)  # by position
         messages = _random_messages(emits, affine, gen)
         want = _sequential(messages, emits)
@@ -177,7 +178,7 @@ def test_scan_simulation_detects_a_missing_round():
     messages = _random_messages(emits, affine, gen)
     want = _sequential(messages, emits)
     schedule = scan_schedule(emits, affine)
-    from kdacp.distributed import strategies
+    from kdacp.distributed.exchanges import scan as strategies
     broken = strategies.ScanSchedule(schedule.rounds[:-1] + ((),), schedule.absolute, schedule.incoming)
     real = strategies.scan_schedule
     strategies.scan_schedule = lambda *a: broken

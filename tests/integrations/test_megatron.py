@@ -142,7 +142,7 @@ def _layer_worker(rank, P, check_removal, results):
     _megatron_cpu()
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from kdacp.distributed.strategies import P2PExchange
+    from kdacp.distributed.exchanges import P2PExchange
     from kdacp.integrations import megatron as km
     from kdacp.layers import cp_context
     megatron_reference_kernels()

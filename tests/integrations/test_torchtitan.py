@@ -303,7 +303,7 @@ def _parallel_model(ref, world_size: int, balancer):
 
 def _cp_worker(rank, world_size, balancer, ref, check_removal, results):
     import kdacp.integrations.torchtitan as kt
-    from kdacp.distributed.strategies import P2PExchange
+    from kdacp.distributed.exchanges import P2PExchange
     from kdacp.layers import cp_context
     model, cp_mesh, layout = _parallel_model(ref, world_size, balancer)
     # kdacp deals out the tokens torchtitan's own cut would give this rank

@@ -1,5 +1,6 @@
 """One call's preparation, shared by the single-device op (``kdacp.chunk_kda``) and the
-context-parallel one (``kdacp.chunk_kda``): options, the backend instance, the inputs packed into
+context-parallel one (``kdacp.chunk_kda``): the backend chosen once (:func:`choose_call_backend`), options, the
+backend instance, the inputs packed into
 one row, and the casting of the gradients back to the inputs' dtypes."""
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import make_backend, resolve_backend
-from .attn_gym_adapter import attn_gym_refusal
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
-from .fla_adapter import fla_gated_gdn_backward_supported
+from .registry import BACKEND_SPECS, BackendSpec, CallFacts, choose_backend
 
 
 @dataclass(frozen=True)
@@ -33,16 +32,15 @@ class PreparedCall:
 
 def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                  A_log, dt_bias, lower_bound, safe_gate, summary_precision=None, scalar_gate=None) -> PreparedCall:
-    """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name`` resolved).
+    """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name``: the registered
+    backend :func:`choose_call_backend` chose).
 
     ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)``, of which ``g`` is the
-    per-channel broadcast (``dt_bias``: a meta stand-in, :func:`kdacp.gdn.gdn_as_kda_arguments`); the
-    ``fla`` backend then runs FLA's GDN kernels on it, the ``torch`` backend the KDA reference on the
-    broadcast (``dt_bias`` broadcast here). Where FLA refuses its GDN backward
-    (:func:`~kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`) and a gradient is wanted,
-    the ``fla`` backend runs FLA's KDA kernels on the broadcast gate instead (same math, slower). The
-    ``attn_gym`` backend runs attention-gym's GDN core on it where a gradient is wanted, and a call that
-    wants none on the ``fla`` backend (see :mod:`kdacp.backends.attn_gym_backend`).
+    per-channel broadcast (``dt_bias``: a meta stand-in, :func:`kdacp.gdn.gdn_as_kda_arguments`); a backend
+    whose spec runs the scalar gate (:attr:`~kdacp.backends.registry.BackendSpec.runs_scalar_gate`: ``fla``,
+    except for a training call where FLA refuses its GDN backward, and ``attn_gym``) gets it, the others the
+    broadcast (``dt_bias`` broadcast here). A call that wants no gradient runs on the spec's ``inference``
+    backend where it names one (``attn_gym``: FLA's kernels, see :mod:`kdacp.backends.attn_gym_backend`).
     """
     B, T, _, K = q.shape
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
@@ -50,12 +48,10 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
                          safe_gate=bool(safe_gate), summary_precision=summary_precision)
     training = wants_gradient(q, k, v, g, beta, A_log, dt_bias, *(scalar_gate or ()))
-    if backend_name == "attn_gym" and not training:
-        # FLA's forward is as fast for KDA and faster for GDN (2.220 / 2.243 ms and 1.148 / 1.832 ms, FLA /
-        # attention-gym, 16K tokens, 32 heads of 128, one H200): prefill and inference run on FLA
-        backend_name = "fla"
-    gdn = scalar_gate is not None and (backend_name == "attn_gym" or backend_name == "fla" and (
-        not training or fla_gated_gdn_backward_supported()))
+    spec = BACKEND_SPECS[backend_name]
+    if not training and spec.inference is not None:
+        spec = BACKEND_SPECS[spec.inference]
+    gdn = scalar_gate is not None and spec.runs_scalar_gate(training)
     if gdn:
         g, dt_bias = scalar_gate
     elif scalar_gate is not None and scalar_gate[1] is not None:
@@ -63,31 +59,23 @@ def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in
     packed = [x if B == 1 else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    return PreparedCall(make_backend(backend_name, options, scalar_gate=gdn), KDAInputs(*packed, A_log, dt_bias), B,
-                        T, v.shape[2], v.shape[3])
+    return PreparedCall(spec.build(options, gdn), KDAInputs(*packed, A_log, dt_bias), B, T, v.shape[2], v.shape[3])
 
 
-def call_backend(backend: str, device: torch.device, q, k, v, *, scalar_gate: bool, use_qk_l2norm_in_kernel: bool,
-                 use_gate_in_kernel: bool, lower_bound, summary_precision) -> str:
-    """The concrete backend of one call: :func:`~kdacp.backends.resolve_backend`'s, except that a call outside
-    attention-gym's limits (:func:`~kdacp.backends.attn_gym_adapter.attn_gym_refusal`, from shapes, dtypes and
-    options only, so every rank decides alike) runs on ``"fla"`` when ``"attn_gym"`` came from ``"auto"``.
+def choose_call_backend(backend: str, device: torch.device, q, k, v, *, scalar_gate: bool,
+                        use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound, summary_precision,
+                        training: bool = False) -> BackendSpec:
+    """The backend of one call, chosen once (:func:`~kdacp.backends.registry.choose_backend` with the call's
+    shapes, dtypes and options, so every rank decides alike): under ``"auto"`` a call outside a candidate's
+    limits (attention-gym's) runs on the next candidate (``"fla"``).
 
     Raises:
-        ValueError, ImportError: as :func:`~kdacp.backends.resolve_backend`; ValueError naming the limit when
-            ``backend="attn_gym"`` was asked for by name and the call is outside it.
+        ValueError, ImportError: as :func:`~kdacp.backends.registry.choose_backend`; ValueError naming the limit
+            when a backend asked for by name refuses the call.
     """
-    name = resolve_backend(backend, device, scalar_gate=scalar_gate)
-    if name != "attn_gym":
-        return name
-    reason = attn_gym_refusal(q, k, v, scalar_gate=scalar_gate, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                              use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-                              summary_precision=summary_precision)
-    if reason is None:
-        return name
-    if backend == "auto":
-        return "fla"
-    raise ValueError(f"backend='attn_gym' cannot run this call: {reason}")
+    return choose_backend(backend, device, scalar_gate=scalar_gate, call=CallFacts(
+        q, k, v, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound, summary_precision=summary_precision, training=training))
 
 
 def wants_gradient(*tensors) -> bool:

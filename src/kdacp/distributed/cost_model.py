@@ -20,7 +20,9 @@ ranges, the chain has more positions than ranks: each rank runs one program over
   ``barrier(key)``: as ``gather`` with no link time (it ends when the last position joins): a point
   where every rank meets, whatever it costs (a training step's loss, a hybrid model's attention).
 
-Stage times come per rank role (``first``: rank 0, ``through``: strictly inside the chain, ``last``:
+Each exchange's program lives beside it (:meth:`~.exchanges.StateExchange.program`): :func:`programs`
+runs whichever is registered, and ``"auto"`` compares every registered candidate
+(:func:`~.exchanges.auto_candidates`). Stage times come per rank role (``first``: rank 0, ``through``: strictly inside the chain, ``last``:
 rank P-1) and direction, as the orchestration (:mod:`.orchestration`) runs them: ``ready`` (local
 work before the message is posted: forward ``prepare`` and the summary ``(S_ext, M)`` or the state
 pass; backward the local backward and ``G`` or the gradient state pass), ``between`` (work after
@@ -40,7 +42,7 @@ so after the through ranks' ``ready`` the chain is one hop (link + apply) per th
     compute(ready); gather(key, summary, with M when any rank is through); compute(between); wait(key);
     compute(stack of P summaries + (chain before i - 1) x apply); compute(after)
 
-``scan`` (the rounds of :func:`~.strategies.scan_schedule`, ``ceil(log2 P)`` of them)::
+``scan`` (the rounds of :func:`~.exchanges.scan_schedule`, ``ceil(log2 P)`` of them)::
 
     compute(ready); send own payloads (every round's if the map is constant, else round 0's);
     compute(between); for each round d:
@@ -65,7 +67,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from .strategies import handling_order, scan_schedule
+from .exchanges import EXCHANGES, ModelRoute, auto_candidates, make_exchange
 
 __all__ = ["Link", "RoleStages", "StageTimes", "DEFAULT_LINK", "exchange_stage_times"]
 
@@ -215,118 +217,28 @@ def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     return emits, affine
 
 
-class _Outbox:
-    """One rank's sends in a fixed order per peer (as :class:`~.strategies.Pending` releases them): a send
-    leaves once it and every earlier one to that peer are ready. ``keys``: ``(key, peer, bytes)`` in order."""
-
-    def __init__(self, keys):
-        self.queues, self.size, self.ready = {}, {}, set()
-        for key, peer, nbytes in keys:
-            self.queues.setdefault(peer, []).append(key)
-            self.size[key] = nbytes
-
-    def release(self, key, peer: int) -> list[tuple]:
-        """Mark ``key`` ready; the send ops that leave now."""
-        self.ready.add(key)
-        ops, queue = [], self.queues[peer]
-        while queue and queue[0] in self.ready:
-            ops.append(("send", peer, self.size[queue.pop(0)]))
-        return ops
-
-
 def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, gather_key=0,
              holders=None) -> list[list[tuple]]:
-    """Every rank's program for ``strategy`` (``p2p``, ``allgather``, ``scan``) on one route:
-    ``emits``/``affine`` by position (as :class:`~.strategies.Route`'s, in its order), ``stages[i]``
+    """Every rank's program for the registered exchange ``strategy`` (:data:`~.exchanges.EXCHANGES`) on one
+    route: ``emits``/``affine`` by position (as :class:`~.exchanges.Route`'s, in its order), ``stages[i]``
     position ``i``'s local work; ``holders[i]``: the rank holding position ``i`` (default: position ``i``
-    is rank ``i``'s only one); ``gather_key`` names the all-gather (``allgather``). A rank of several
-    positions runs their local work together (its stages added up), handles them in flow order (under
-    ``p2p`` in :func:`~.strategies.handling_order`, as the exchange does), hands messages between its own
-    positions over for free, and sends to each peer in the order the peer reads."""
+    is rank ``i``'s only one); ``gather_key`` names a collective the exchange joins. A rank of several
+    positions runs their local work together (its stages added up): ``compute(ready)``, the exchange's own
+    program (:meth:`~.exchanges.StateExchange.program`, holding ``compute(between)``), ``compute(after)``.
+
+    Raises:
+        ValueError: no exchange registered as ``strategy``.
+    """
+    if strategy not in EXCHANGES:
+        raise ValueError(f"strategy must be one of {tuple(EXCHANGES)} here, got {strategy!r}")
     L = len(emits)
     holders = tuple(range(L)) if holders is None else tuple(holders)
     ranks = max(holders) + 1
     own = [[i for i in range(L) if holders[i] == r] for r in range(ranks)]
-    state, summary = times.state_bytes, times.summary_bytes
-    incoming = [i > 0 and emits[i - 1] > 0 for i in range(L)]
-    # chain[i]: the messages position i's incoming value is folded from (allgather)
-    chain = [0] * L
-    for i in range(1, L):
-        chain[i] = 0 if not incoming[i] else 1 if not affine[i - 1] else chain[i - 1] + 1
-    if strategy == "scan":
-        schedule = scan_schedule(tuple(emits), tuple(affine))
-        scan_sends, scan_receives = [{} for _ in range(L)], [{} for _ in range(L)]
-        for d, transfers in enumerate(schedule.rounds):
-            for src, dst, is_open in transfers:
-                scan_sends[src][d], scan_receives[dst][d] = (dst, is_open), (src, is_open)
-    out = []
-    for r in range(ranks):
-        mine = own[r]
-        ready, between, after = (sum(getattr(stages[i], f) for i in mine) for f in ("ready", "between", "after"))
-        prog: list[tuple] = [("compute", ready)]
-        if strategy == "p2p":
-            mine = handling_order(mine, emits, affine)
-            entered = handling_order([i + 1 for i in mine if emits[i] > 0 and i + 1 < L and holders[i + 1] != r],
-                                     emits, affine)
-            sends = [j - 1 for j in entered]
-            outbox = _Outbox([(i, holders[i + 1], state) for i in sends])
-            for i in sends:
-                if not affine[i]:
-                    prog += outbox.release(i, holders[i + 1])
-            prog.append(("compute", between))
-            for i in mine:
-                if incoming[i] and holders[i - 1] != r:
-                    prog.append(("recv", holders[i - 1]))
-                if emits[i] > 0 and i + 1 < L and affine[i]:
-                    prog.append(("compute", times.apply_s))
-                    if i in sends:
-                        prog += outbox.release(i, holders[i + 1])
-        elif strategy == "allgather":
-            if any(emits):
-                slots = max(len(o) for o in own)
-                nbytes = slots * (summary if any(affine) else state)
-                prog.append(("gather", gather_key, nbytes))
-            prog.append(("compute", between))
-            if any(emits):
-                prog.append(("wait", gather_key))
-                folds = sum(max(chain[i] - 1, 0) for i in mine)
-                prog.append(("compute", ranks * nbytes * times.copy_s_per_byte + folds * times.apply_s))
-        elif strategy == "scan":
-            keys = [((d, dst), holders[dst], summary if is_open else state)
-                    for d, transfers in enumerate(schedule.rounds) for src, dst, is_open in transfers
-                    if holders[src] == r and holders[dst] != r]
-            outbox = _Outbox(keys)
-
-            def post(d, dst):
-                return [] if holders[dst] == r else outbox.release((d, dst), holders[dst])
-
-            for i in mine:
-                constant = not affine[i] or not emits[i]
-                for d, (dst, _) in scan_sends[i].items():
-                    if constant or d == 0:
-                        prog += post(d, dst)
-            prog.append(("compute", between))
-            held = {i: (False, True) for i in mine}  # what each position has composed so far, and whether open
-            for d in range(len(schedule.rounds)):
-                for i in mine:
-                    if d in scan_sends[i] and d > 0 and affine[i] and emits[i]:
-                        dst, _ = scan_sends[i][d]
-                        if held[i][0]:  # own o held: nothing to compose while nothing has arrived
-                            prog.append(("compute", times.compose_s if held[i][1] else times.apply_s))
-                        prog += post(d, dst)
-                for i in mine:
-                    if d in scan_receives[i]:
-                        src, is_open = scan_receives[i][d]
-                        if holders[src] != r:
-                            prog.append(("recv", holders[src]))
-                        if held[i][0]:
-                            prog.append(("compute", times.compose_s if is_open else times.apply_s))
-                        held[i] = (True, held[i][1] and is_open)
-        else:
-            raise ValueError(f"strategy must be one of ('p2p', 'allgather', 'scan') here, got {strategy!r}")
-        prog.append(("compute", after))
-        out.append(prog)
-    return out
+    total = [tuple(sum(getattr(stages[i], f) for i in mine) for f in ("ready", "between", "after")) for mine in own]
+    route = ModelRoute(tuple(emits), tuple(affine), holders, times, tuple(t[1] for t in total), gather_key)
+    middles = make_exchange(strategy).program(route)
+    return [[("compute", ready)] + middle + [("compute", after)] for (ready, _, after), middle in zip(total, middles)]
 
 # The exchange's own compute where nothing was measured: kdacp.affine's float32 product kernel on a
 # GPU, a small fixed cost plus the flops at its rate (one H200, 32 heads of 128: 8.5 us per apply,
@@ -346,13 +258,13 @@ Route = tuple  # (emits, affine) by position, or (emits, affine, holders): the r
 
 
 def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
-    """``(strategy, reason)``: the one of ``p2p``, ``allgather``, ``scan`` whose exchange the model
-    predicts fastest (forward plus backward, local work left out: it is the same for all three but
-    for what overlaps), for routes ``forward``/``backward`` given as ``(emits, affine)`` by position
-    (position ``i`` on rank ``i``) or ``(emits, affine, holders)`` (a layout whose ranks hold several
-    positions: the chain is longer than the group). Without a position strictly inside a chain every
-    strategy is one hop: ``p2p``. Deterministic: the same arguments give the same answer on every rank
-    (ties go to the earlier of p2p, scan, allgather)."""
+    """``(strategy, reason)``: the candidate exchange (:func:`~.exchanges.auto_candidates`: kdacp's ``p2p``,
+    ``scan``, ``allgather``) whose exchange the model predicts fastest (forward plus backward, local work left
+    out: it is the same for all but for what overlaps), for routes ``forward``/``backward`` given as
+    ``(emits, affine)`` by position (position ``i`` on rank ``i``) or ``(emits, affine, holders)`` (a layout
+    whose ranks hold several positions: the chain is longer than the group). Without a position strictly
+    inside a chain every strategy is one hop: ``p2p``. Deterministic: the same arguments give the same
+    answer on every rank (ties go to the earlier candidate: p2p, scan, allgather)."""
     L = len(forward[0])
     P = max(forward[2]) + 1 if len(forward) > 2 else L
     inside = sum(forward[1])
@@ -360,14 +272,15 @@ def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Li
     if inside == 0:
         where = f"P={P}" if L == P else f"{L} positions over P={P}"
         return "p2p", f"no {'rank' if L == P else 'position'} inside a chain ({where}): one hop"
+    candidates = auto_candidates()
     cost = {}
-    for s in ("p2p", "scan", "allgather"):
+    for s in candidates:
         total = 0.0
         for emits, affine, *holders in (forward, backward):
             zero = [RoleStages()] * len(emits)
             total += max(simulate(programs(s, emits, affine, zero, times, holders=holders[0] if holders else None),
                                   link))
         cost[s] = total
-    best = min(cost, key=lambda s: (cost[s], ("p2p", "scan", "allgather").index(s)))
+    best = min(cost, key=lambda s: (cost[s], candidates.index(s)))
     others = ", ".join(f"{s} {cost[s] * 1e3:.3g}" for s in cost if s != best)
     return best, f"{what} inside a chain; model exchange {cost[best] * 1e3:.3g} ms vs {others} ms"

@@ -40,7 +40,7 @@ tail cost a packed rank about 0.2 ms of split launches.
 
 Under a layout whose ranks hold several ranges (zigzag, a caller's ranges: several *positions* of the
 chain, :mod:`~kdacp.distributed.layout`), the routes run over positions and a rank exchanges one message per
-position it holds (:mod:`~kdacp.distributed.strategies`). A rank of one position runs the schedule above; a
+position it holds (:mod:`~kdacp.distributed.exchanges`). A rank of one position runs the schedule above; a
 rank of several runs one launch set over all of its tokens (:func:`_forward_positions`,
 :func:`_backward_positions`):
 
@@ -77,7 +77,7 @@ from ..host_copies import put_rows, take_rows
 from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
 from .split import RankBackward, SplitPieces, chunks_per_piece, split_state_pass
-from .strategies import Route, StateExchange, make_exchange
+from .exchanges import Route, StateExchange, make_exchange
 
 
 @dataclass

@@ -26,7 +26,14 @@ from ..caches import RANK_LAYOUTS
 from ..choices import STRATEGIES, STRATEGY_CHOICES
 from ..validation import check_cu_seqlens
 from . import cost_model
+from .exchanges import EXCHANGES
 from .layout import LAYOUTS, TokenLayout, contiguous_layout, make_layout
+
+
+def strategy_choices() -> tuple[str, ...]:
+    """Every registered exchange's name (:data:`~kdacp.distributed.exchanges.EXCHANGES`), and ``"auto"``."""
+    return tuple(EXCHANGES) + ("auto",)
+
 
 # (HV, K, V) that "auto" sizes messages with when not told: Kimi Linear's (H=HV=32, K=V=128)
 AUTO_STATE_SHAPE = (32, 128, 128)
@@ -247,8 +254,8 @@ def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape
     Raises:
         ValueError: unknown strategy, or a ``state_shape`` that is not three positive ints.
     """
-    if strategy not in STRATEGY_CHOICES:
-        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    if strategy not in strategy_choices():
+        raise ValueError(f"strategy must be one of {strategy_choices()}, got {strategy!r}")
     if strategy != "auto":
         return strategy, "given"
     shape = AUTO_STATE_SHAPE if state_shape is None else tuple(state_shape)
@@ -392,8 +399,8 @@ def build_cp_plan(cu_seqlens=None, *, layout=None, local_lengths=None, batch_siz
             rank without tokens or does not match the batch, bad ``state_shape``, invalid ``cu_seqlens``,
             lengths that do not add up.
     """
-    if strategy not in STRATEGY_CHOICES:
-        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    if strategy not in strategy_choices():
+        raise ValueError(f"strategy must be one of {strategy_choices()}, got {strategy!r}")
     if layout is not None and local_lengths is not None:
         raise ValueError("pass layout or local_lengths, not both: local_lengths are the contiguous layout's "
                          "lengths; give any other split as layout=kdacp.distributed.layout.ranges_layout(...)")

@@ -22,18 +22,18 @@ import torch
 
 from ..affine import AffineMap
 from ..backends.base import KDAInputs, LocalBackend
-from ..backends.call import call_backend, prepare_call
+from ..backends.call import choose_call_backend, prepare_call, wants_gradient
 from ..kernels.precision import resolve_precision
 from ..reference.gates import compute_dtype
 from ..validation import check_kda_dtypes
 from .checks import check_rank_call
 from .orchestration import CPForward, CPGrads, cp_backward, cp_forward
 from .plan import CPPlan
-from .strategies import Pending, Route, StateExchange
+from .exchanges import Pending, Route, StateExchange
 
 
 class StandInExchange:
-    """A :class:`~kdacp.distributed.strategies.StateExchange` that moves nothing, for a rank run without
+    """A :class:`~kdacp.distributed.exchanges.StateExchange` that moves nothing, for a rank run without
     its peers. ``send`` keeps the rank's messages (:attr:`sent`: position -> :class:`~kdacp.affine.AffineMap`
     or ``None``, of the last call); ``receive`` hands every position that receives ``incoming``
     (``[n, HV, K, V]`` in the route's dtype: the route's message shape), by default zeros, made once per shape
@@ -109,9 +109,12 @@ class RankRole:
         """
         check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound, None)
         check_kda_dtypes(q, k, v, g, beta)
-        name = call_backend(backend, q.device, q, k, v, scalar_gate=scalar_gate is not None,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                            lower_bound=lower_bound, summary_precision=summary_precision)
+        name = choose_call_backend(backend, q.device, q, k, v, scalar_gate=scalar_gate is not None,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                   use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                                   summary_precision=summary_precision,
+                                   training=wants_gradient(q, k, v, g, beta, A_log, dt_bias,
+                                                           *(scalar_gate or ()))).name
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
         call = prepare_call(name, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,

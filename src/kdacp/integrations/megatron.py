@@ -50,7 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from ..backends import FLA_BACKENDS, resolve_backend
+from ..backends import backend_fuses
 from ..gdn import chunk_gated_delta_rule
 from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
@@ -240,7 +240,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         halo = batch.left_halos([x], weight.shape[-1] - 1)[0]
         return causal_conv1d(x, weight[:, 0], self.conv1d.bias, halo=halo, cu_seqlens=batch.local_cu_seqlens,
                              cu_seqlens_cpu=batch.local_cu_seqlens_cpu, range_starts=batch.range_starts,
-                             fused=resolve_backend(self.backend, x.device) in FLA_BACKENDS)
+                             fused=bool(backend_fuses(self.backend, x.device, scalar_gate=True)))
 
 
 # --- specs --------------------------------------------------------------------------------------------------

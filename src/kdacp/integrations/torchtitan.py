@@ -77,7 +77,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer
 
-from ..backends import FLA_BACKENDS, resolve_backend
+from ..backends import backend_fuses
 from ..compile import hold_for_regions, run_opaque
 from ..distributed.layout import TokenLayout, contiguous_layout, ranges_layout
 from ..gdn import chunk_gated_delta_rule
@@ -274,7 +274,7 @@ class _HaloConvolution:
         halo = context.left_halos([x], weight.shape[-1] - 1)[0]
         return (causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
                               cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
-                              fused=resolve_backend(self.context.backend, x.device) in FLA_BACKENDS),)
+                              fused=bool(backend_fuses(self.context.backend, x.device, scalar_gate=True))),)
 
     def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         return (x.new_empty(x.shape),)

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 import torch.nn as nn
 
-from ..backends import FLA_BACKENDS, resolve_backend
+from ..backends import backend_fuses
 from ..compile import run_opaque
 from ..reference.gates import compute_dtype
 from ..validation import check_hidden_states, check_layer_sizes
@@ -106,7 +106,7 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
         ``(y [B, T, hidden], final_state [N, HV, K, V] float32 or wider, on every rank, or None)``.
     """
     K, V = parts.head_k_dim, parts.head_v_dim
-    fused = resolve_backend(cp.backend or backend, x.device) in FLA_BACKENDS
+    fused = bool(backend_fuses(cp.backend or backend, x.device))
     p = parts.project(x)
     # Ulysses moves the convolutions' inputs, so each depthwise convolution then sees whole sequences of its
     # head shard and needs no halo inside the Ulysses group.
