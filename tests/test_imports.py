@@ -11,7 +11,7 @@ ROOT = Path(kdacp.__file__).parent
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
 # distributed, ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
 ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
-         "models", "integrations", "precompile", "workers", "demo", "bench", "tuning", "options", "commands", "cli")
+         "models", "integrations", "precompilation", "workers", "demo", "bench", "tuning", "options", "commands", "cli")
 
 
 def _module_name(path: Path) -> str:
@@ -146,3 +146,12 @@ def test_the_top_level_exports_what_users_call():
     assert {"chunk_kda", "chunk_gated_delta_rule", "build_cp_plan", "global_token_mean_loss"} <= set(kdacp.__all__)
     assert not {"AffineMap", "state_summary", "transition", "compose_state_summaries"} & set(kdacp.__all__)
     assert all(hasattr(kdacp, name) for name in kdacp.__all__)
+
+
+def test_no_exported_name_is_also_a_submodule():
+    """Importing ``kdacp.<name>`` sets the package's attribute ``name`` to that submodule, so an exported function
+    of the same name would turn into a module once anything imports the submodule (order-dependent)."""
+    import importlib.util
+    clashes = [name for name, module in kdacp._EXPORTS.items()
+               if module is not None and importlib.util.find_spec(f"kdacp.{name}") is not None]
+    assert not clashes, f"exported names that are also submodules: {clashes}"

@@ -1,4 +1,4 @@
-"""kdacp.precompile: a dry run that compiles a step's new Triton kernels in parallel and launches none.
+"""kdacp.precompile (:mod:`kdacp.precompilation`): a dry run that compiles a step's new Triton kernels in parallel and launches none.
 
 On CPU (the interpreter) it must not run the step at all; on a GPU the dry run must skip every launch
 that needed a compile, leave the kernels compiled for the real run (no compile then), skip untuned

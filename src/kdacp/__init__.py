@@ -25,7 +25,7 @@ _EXPORTS = {
     "new_cp_group": ".distributed", "chunk_gated_delta_rule": ".gdn", "CPContext": ".layers",
     "ContextParallel": ".layers", "GatedDeltaNet": ".layers", "KimiDeltaAttention": ".layers",
     "build_cp_context": ".layers", "global_token_mean_loss": ".models", "parallelize": ".models",
-    "shard_batch": ".models", "precompile": ".precompile", "chunk_kda": ".kda", "reference": None,
+    "shard_batch": ".models", "precompile": ".precompilation", "chunk_kda": ".kda", "reference": None,
 }
 
 __all__ = sorted(_EXPORTS)

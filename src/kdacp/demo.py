@@ -34,7 +34,7 @@ from .distributed import build_cp_plan, new_cp_group
 from .layers import ContextParallel
 from .layers.context_parallel import MODES, hybrid_ulysses_size
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
-from .precompile import precompile
+from .precompilation import precompile
 from .workers import RankContext
 
 __all__ = ["DTYPES", "DemoConfig", "PHASES", "demo_batch", "demo_config", "demo_model", "demo_step", "demo_worker",

@@ -34,7 +34,7 @@ class _Call:
     backend: LocalBackend
     output_final_state: bool
     has_initial_state: bool
-    split: object = "auto"
+    split: object = None
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -114,7 +114,7 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
     return prepare_call(name, q, k, v, g, beta, scalar_gate=scalar_gate, **options), plan
 
 
-def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool, split="auto"):
+def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool, split=None):
     """Run a call from :func:`check_and_prepare` on ``plan``; returns what :func:`chunk_kda` returns.
     ``split``: as :func:`chunk_kda`'s, checked."""
     call = _Call(plan, prepared.backend, bool(output_final_state), initial_state is not None, split)
@@ -130,7 +130,7 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None, summary_precision=None, split="auto", use_beta_sigmoid_in_kernel=False,
+              check_finite=False, cp=None, summary_precision=None, split=None, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
@@ -175,9 +175,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         split: the split inside the device (:mod:`kdacp.distributed.split`): each long sequence (under ``cp``:
             each long local segment of a rank that runs its state pass whole) cut into pieces whose state passes
             run at once, from states carried between them by their summaries, forward and backward; exact to
-            the summaries' precision (``summary_precision``). ``"auto"`` (default): on a GPU where the pieces
-            that fill it cut the longest sequence at least 4 times (few heads, long sequences); an int ``S``:
-            the longest sequence in ``S`` pieces (1: none); ``None``: no split. Ranks may differ.
+            the summaries' precision (``summary_precision``). ``None`` (default): no split; ``"auto"``: on a GPU
+            where the pieces that fill it cut the longest sequence at least 4 times (few heads, long sequences);
+            an int ``S``: the longest sequence in ``S`` pieces (1: none). Ranks may differ. The default stays
+            off until ``"auto"`` is measured on a GPU (benchmarks/split_heads.py).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's names, taken at FLA's default only (False; True
             raises ``ValueError``): ``beta`` is the write strength in ``[0, 1]``, after its sigmoid.
 

@@ -572,7 +572,7 @@ def sweep_conv(T=16384, D=4096, W=4, *, dtype=torch.bfloat16, device="cuda", pas
     documents after a halo (to choose ``FWD_TILES`` / ``BWD_TILES``; compiled in parallel first). Prints and
     returns ``(pass, tiles, ms one sequence, ms documents, GB/s)`` rows and the fastest tiling of each pass
     (least summed time)."""
-    from kdacp.precompile import precompile
+    from kdacp.precompilation import precompile
     cases = [(p, tiles) for p in passes for tiles in conv_tilings(p)]
     inputs = [(args, dy) for _, args, dy in conv_sweep_inputs(T, D, W, dtype=dtype, device=device)]
 
