@@ -2,7 +2,7 @@
 import pytest
 
 from kdacp.bench.batches import DOCS_7, cu_seqlens_of, document_lengths
-from kdacp.distributed.plan import local_cu_seqlens
+from kdacp.cp.plan import local_cu_seqlens
 
 
 def test_document_lengths():

@@ -8,8 +8,8 @@ of operations, with its rounding:
 
 - ``p2p``: hop by hop, ``x_{r+1} = M_r x_r + S_r``, rounded to float32 at every hop (the message);
 - ``allgather``: each rank folds the whole chain before it from the float32 summaries;
-- ``scan``: the recursive-doubling rounds of :class:`~kdacp.distributed.exchanges.ScanExchange`,
-  payloads rounded to float32 every round (:func:`~kdacp.distributed.exchanges.simulate_scan`).
+- ``scan``: the recursive-doubling rounds of :class:`~kdacp.cp.exchanges.ScanExchange`,
+  payloads rounded to float32 every round (:func:`~kdacp.cp.exchanges.simulate_scan`).
 
 Every product follows :mod:`kdacp.affine`'s rule, as the strategies run it: float64 on the CPU, the
 float32 kernel on a GPU.
@@ -29,7 +29,7 @@ import torch
 from kdacp import reference
 from kdacp.affine import AffineMap
 from kdacp.choices import VIRTUAL_CHUNK as CHUNK  # a rank's tokens are a multiple of it
-from kdacp.distributed.exchanges import simulate_scan
+from kdacp.cp.exchanges import simulate_scan
 
 from .harness import PlotSpec
 from .inputs import random_inputs

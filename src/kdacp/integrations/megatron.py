@@ -52,7 +52,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from ..backends import backend_fuses
 from ..gdn import chunk_gated_delta_rule
-from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
+from ..cp.context import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",
