@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, route_step_path,
+from kdacp.bench.scaling_model import (chain_route, fla_programs, predict, predict_step, route_path, route_step_path,
                                        simulate_on_cores, simulate_shared, step_programs)
-from kdacp.cp.cost_model import Link, RoleStages, StageTimes, chain_route, programs
+from kdacp.cp.cost_model import Link, RoleStages, StageTimes, programs
 from kdacp.cp.cost_model import simulate as simulate_dedicated
 from kdacp.cp.plan import STRATEGIES
 from tests.cp.test_cost_model import LINK, TIMES

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kdacp import reference
 from kdacp.cp import STRATEGIES, build_cp_plan
 from kdacp.cp.layout import (TokenLayout, balanced_document_layout, contiguous_layout, make_layout,
-                                      ranges_layout)
+                             ranges_layout)
 from kdacp.gdn import chunk_gated_delta_rule
 from kdacp.kda import chunk_kda
 from kdacp.reference.gdn import recurrent_gated_delta_rule

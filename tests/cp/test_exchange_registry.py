@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kdacp.bench.scaling_model import chain_route
 from kdacp.cp import STRATEGIES, cost_model
 from kdacp.cp.exchanges import AUTO_PRIORITY, EXCHANGES, auto_candidates, make_exchange, register_exchange
 from kdacp.cp.plan import resolve_strategy, strategy_choices
@@ -25,7 +26,7 @@ def test_the_new_exchange_is_one_registry_line():
 
 def test_the_cost_model_runs_every_registered_exchanges_program(monkeypatch):
     P = 6
-    emits, affine = cost_model.chain_route(P)
+    emits, affine = chain_route(P)
     times = cost_model.exchange_stage_times(1, 32, 128, 128)
     zero = [cost_model.RoleStages()] * P
     paths = {s: max(cost_model.simulate(cost_model.programs(s, emits, affine, zero, times), cost_model.DEFAULT_LINK))

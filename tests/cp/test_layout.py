@@ -5,7 +5,7 @@ import torch
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.hybrid_model import attention_balance
 from kdacp.cp.layout import (balanced_document_layout, causal_pairs, contiguous_layout,
-                                      document_zigzag_layout, make_layout, ranges_layout, zigzag_layout)
+                             document_zigzag_layout, make_layout, ranges_layout, zigzag_layout)
 
 
 def _covered(layout):

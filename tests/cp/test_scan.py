@@ -11,7 +11,8 @@ import torch
 
 from kdacp.cp.plan import STRATEGIES, rank_layouts
 from kdacp.affine import AffineMap
-from kdacp.cp.exchanges import ScanExchange, make_exchange, scan_schedule, simulate_scan
+from kdacp.bench.virtual import simulate_scan
+from kdacp.cp.exchanges import ScanExchange, make_exchange, scan_schedule
 from tests.cp.test_cp_chunk_kda import _cases, _check_case
 from tests.multiprocess import run_ranks
 

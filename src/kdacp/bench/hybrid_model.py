@@ -47,9 +47,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kdacp.cp.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, programs, simulate
+from kdacp.cp.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, programs, simulate
 from kdacp.cp.layout import TokenLayout, contiguous_layout, zigzag_layout
 from kdacp.cp.layout import causal_pairs as ranges_causal_pairs
+
+from .scaling_model import chain_route
 
 __all__ = ["ATTENTION_FLOPS", "BACKWARD_FLOP_RATIO", "HYBRID_MODELS", "MIXER_STRATEGIES", "SCHEMES", "Calibrated",
            "HybridPrediction", "HybridShapes", "attention_balance", "causal_pairs", "one_gpu_step", "predict_hybrid"]

@@ -62,12 +62,11 @@ from kdacp.kernels.precision import resolve_precision
 from kdacp.bench.rank_role import RankRole, StandInExchange
 from kdacp.cp.cost_model import RoleStages, StageTimes
 from kdacp.cp.layout import LAYOUTS, make_layout
-from kdacp.cp.plan import (STRATEGIES, CPPlan, layout_rank_layouts, local_cu_seqlens, one_rank_plan,
-                                    rank_layouts, through_ranks)
+from kdacp.cp.plan import STRATEGIES, CPPlan, RankLayout, layout_rank_layouts, one_rank_plan, rank_layouts
 from kdacp.gdn import gdn_as_kda_arguments
 from kdacp.reference.gates import compute_dtype
 
-from .batches import cu_seqlens_of, document_lengths
+from .batches import cu_seqlens_of, document_lengths, local_cu_seqlens
 from .calibration import OPTIONS as KDA_OPTIONS
 from .calibration import op_times
 from .inputs import random_inputs
@@ -351,6 +350,12 @@ def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, w
     return {(role, direction): [statistics.median(getattr(runs[k], n) for runs in got[role]) * 1e3
                                 for n in ("ready", "between", "after")]
             for role in plans for k, direction in enumerate(("forward", "backward"))}
+
+
+def through_ranks(layouts: tuple[RankLayout, ...]) -> tuple[bool, ...]:
+    """Per rank of a contiguous layout: strictly inside a chain, so its message is affine in what it
+    receives (it sends ``M``, forward, and ``M^T``, backward)."""
+    return tuple(lay.through and len(layouts) > 1 and lay.num_receive > 0 for lay in layouts)
 
 
 def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict,

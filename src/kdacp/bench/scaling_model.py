@@ -25,12 +25,12 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from kdacp.cp.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, deadlock_error,
-                                         join_gather, programs)
+from kdacp.cp.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, deadlock_error,
+                                 join_gather, programs)
 from kdacp.cp.cost_model import simulate as simulate_dedicated
 from kdacp.cp.plan import STRATEGIES, RankLayout, chain_routes
 
-__all__ = ["layout_step_path", "predict", "route_path", "route_step_path"]
+__all__ = ["chain_route", "layout_step_path", "predict", "route_path", "route_step_path"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 MODEL_LAYOUTS = ("contiguous", "zigzag")
@@ -55,6 +55,13 @@ class Prediction:
     @property
     def ratio(self) -> float:
         return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
+
+
+def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """``(emits, affine)`` by position of one sequence split over ``P`` ranks (either direction)."""
+    emits = (1,) * (P - 1) + (0,)
+    affine = tuple(0 < i < P - 1 for i in range(P))
+    return emits, affine
 
 
 def simulate_on_cores(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:

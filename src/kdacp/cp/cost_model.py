@@ -23,7 +23,7 @@ ranges, the chain has more positions than ranks: each rank runs one program over
 Each exchange's program lives beside it (:meth:`~.exchanges.StateExchange.program`): :func:`programs`
 runs whichever is registered, and ``"auto"`` compares every registered candidate
 (:func:`~.exchanges.auto_candidates`). Stage times come per rank role (``first``: rank 0, ``through``: strictly inside the chain, ``last``:
-rank P-1) and direction, as the orchestration (:mod:`.orchestration`) runs them: ``ready`` (local
+rank P-1) and direction, as the schedule (:mod:`.schedule`) runs them: ``ready`` (local
 work before the message is posted: forward ``prepare`` and the summary ``(S_ext, M)`` or the state
 pass; backward the local backward and ``G`` or the gradient state pass), ``between`` (work after
 posting that needs no incoming value) and ``after`` (work on the incoming value). ``apply``: one
@@ -208,13 +208,6 @@ def join_gather(joined: dict, key, t: float, nbytes: int | None, P: int, link: L
     last = max(s for s, _ in joined[key])
     sizes = [b for _, b in joined[key] if b is not None]
     return {key: last + (link.all_gather(P, max(sizes)) if sizes else 0.0)}
-
-
-def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """``(emits, affine)`` by position of one sequence split over ``P`` ranks (either direction)."""
-    emits = (1,) * (P - 1) + (0,)
-    affine = tuple(0 < i < P - 1 for i in range(P))
-    return emits, affine
 
 
 def programs(strategy: str, emits, affine, stages: list[RoleStages], times: StageTimes, gather_key=0,

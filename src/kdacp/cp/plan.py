@@ -152,12 +152,6 @@ class RankLayout:
         return self.span(self.head_end, self.num_tokens)
 
 
-def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
-    """The boundaries of global tokens ``[start, end)`` of a packed batch (global ``cu_seqlens``) as a
-    batch of their own: sequences cut at the edges, offsets relative to ``start``."""
-    return [0] + [c - start for c in cu_seqlens if start < c < end] + [end - start]
-
-
 def rank_layouts(cu_seqlens, batch_size: int, lengths) -> tuple[RankLayout, ...]:
     """Every rank's :class:`RankLayout` under the contiguous layout of tokens per rank ``lengths``: packed
     sequences ``cu_seqlens`` (global boundaries), or ``batch_size`` rows split along time (any int
@@ -236,12 +230,6 @@ def chain_routes(layouts: tuple[RankLayout, ...]) -> tuple[tuple, tuple]:
     holders, through = tuple(link.rank for link in links), tuple(link.through for link in links)
     return ((tuple(link.num_send for link in links), through, holders),
             (tuple(link.num_receive for link in reversed(links)), through[::-1], holders[::-1]))
-
-
-def through_ranks(layouts: tuple[RankLayout, ...]) -> tuple[bool, ...]:
-    """Per rank of a contiguous layout: strictly inside a chain, so its message is affine in what it
-    receives (it sends ``M``, forward, and ``M^T``, backward)."""
-    return tuple(lay.through and len(layouts) > 1 and lay.num_receive > 0 for lay in layouts)
 
 
 def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape=None, link=None) -> tuple[str, str]:

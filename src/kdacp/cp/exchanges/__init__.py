@@ -8,8 +8,8 @@ from .base import (AUTO_PRIORITY, EXCHANGES, ModelOutbox, ModelRoute, OrderedSen
 # kdacp's own exchanges, registered on import in this order
 from .p2p import P2PExchange
 from .allgather import AllGatherExchange
-from .scan import ScanExchange, ScanSchedule, scan_schedule, simulate_scan
+from .scan import ScanExchange, ScanSchedule, scan_schedule
 
 __all__ = ["AUTO_PRIORITY", "AllGatherExchange", "EXCHANGES", "ModelOutbox", "ModelRoute", "OrderedSends",
            "P2PExchange", "Pending", "Route", "ScanExchange", "ScanSchedule", "StateExchange", "auto_candidates",
-           "chain_depths", "handling_order", "make_exchange", "register_exchange", "scan_schedule", "simulate_scan"]
+           "chain_depths", "handling_order", "make_exchange", "register_exchange", "scan_schedule"]

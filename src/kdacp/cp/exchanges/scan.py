@@ -244,21 +244,3 @@ class ScanExchange:
                         held[i] = (True, held[i][1] and is_open)
             out.append(prog)
         return out
-
-
-def simulate_scan(messages: list[AffineMap | None], emits, affine, dtype: torch.dtype = torch.float64
-                  ) -> list[torch.Tensor | None]:
-    """Run :class:`ScanExchange` in one process (for tests and the virtual benchmark): every position's
-    incoming value, with payloads packed and rounded to ``dtype`` as the exchange sends them. ``messages``,
-    ``emits`` and ``affine`` are indexed by position in the route's order. All positions are held by one
-    rank, so every payload is handed over in memory: the same rounds as across ranks, no second copy."""
-    emits, affine = tuple(int(e) for e in emits), tuple(bool(a) for a in affine)
-    first = next((m for m in messages if m is not None), None)
-    if first is None:
-        return [None] * len(messages)
-    shape = (max(emits + (1,)),) + tuple(first.offset.shape[1:])
-    route = Route(0, None, (0,) * len(messages), emits, affine, shape, dtype, first.offset.device)
-    exchange = ScanExchange()
-    pending = exchange.begin(route)
-    exchange.send(pending, messages)
-    return exchange.receive(pending)
