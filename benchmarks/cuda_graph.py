@@ -32,8 +32,9 @@ import torch.distributed as dist
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.errors import rel_err
 from kdacp.bench.timing import host_and_wall_times
-from kdacp.distributed import new_cp_group
-from kdacp.layers import ContextParallel, KimiDeltaAttention
+from kdacp.cp import new_cp_group
+from kdacp.cp import ContextParallel
+from kdacp.layers import KimiDeltaAttention
 from kdacp.layers.delta_rule import mix_tokens
 from kdacp.models.prefill import LayerPrefill
 from kdacp.workers import free_port

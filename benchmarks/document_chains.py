@@ -20,8 +20,9 @@ import torch
 from kdacp.bench.harness import markdown_table
 from kdacp.bench.sleep_backend import SLEEP_STAGES, SleepBackend, sleep_inputs
 from kdacp.bench.timing import median_times
-from kdacp.distributed import RankRole, build_cp_plan
-from kdacp.distributed.plan import STRATEGIES
+from kdacp.bench.rank_role import RankRole
+from kdacp.cp import build_cp_plan
+from kdacp.cp.plan import STRATEGIES
 from kdacp.workers import launch
 
 NO_SLEEP = dict.fromkeys(SLEEP_STAGES, 0.0)

@@ -9,7 +9,7 @@ layout: ``attention``, the max over mean of the ranks' pairs (:func:`kdacp.bench
 ``receiving``, the most pieces on one rank whose first token is not a document's (each receives a state going
 forward, and as many send one back); ``cut``, documents held by more than one rank; the worst over the seeds
 of each. Layouts: ``contiguous``, ``document_zigzag``, and ``balanced`` / ``balanced/8``
-(:func:`kdacp.distributed.layout.balanced_document_layout` with documents under a quarter / an eighth of a rank's
+(:func:`kdacp.cp.layout.balanced_document_layout` with documents under a quarter / an eighth of a rank's
 tokens kept whole). Exact counts, no timing.
 
     python benchmarks/document_layouts.py [--ranks 2,8,16,64] [--tokens 16384] [--seeds 4]
@@ -22,7 +22,7 @@ import bisect
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.harness import markdown_table
 from kdacp.bench.hybrid_model import attention_balance
-from kdacp.distributed.layout import TokenLayout, balanced_document_layout, contiguous_layout, document_zigzag_layout
+from kdacp.cp.layout import TokenLayout, balanced_document_layout, contiguous_layout, document_zigzag_layout
 
 LAYOUTS = {
     "contiguous": lambda cu, P: contiguous_layout(cu[-1], P),

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from kdacp import precompile
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
-from kdacp.distributed import new_cp_group
-from kdacp.layers import ContextParallel
+from kdacp.cp import new_cp_group
+from kdacp.cp import ContextParallel
 from kdacp.models import parallelize
 
 

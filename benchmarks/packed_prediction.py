@@ -19,7 +19,7 @@ import json
 
 from kdacp.bench.scaling import STEP_LAYERS
 from kdacp.bench.scaling_model import route_path, route_step_path
-from kdacp.distributed.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, exchange_stage_times
+from kdacp.cp.cost_model import DEFAULT_LINK, ROLES, Link, RoleStages, exchange_stage_times
 
 # one message of Kimi Linear's states (32 heads of 128 x 128), the exchange's own products estimated
 TIMES = exchange_stage_times(1, 32, 128, 128)

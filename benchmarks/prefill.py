@@ -33,8 +33,8 @@ from train_curve import CPU_SIZE, GPU_SIZE, build_model
 
 from kdacp import shard_batch
 from kdacp.bench.trace import top_ops
-from kdacp.distributed import new_cp_group
-from kdacp.layers import ContextParallel
+from kdacp.cp import new_cp_group
+from kdacp.cp import ContextParallel
 from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
 from kdacp.models.prefill import cache_tensors
 from kdacp.bench.errors import rel_err

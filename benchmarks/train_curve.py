@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from kdacp import precompile
 from kdacp.demo import demo_step
-from kdacp.distributed import new_cp_group
-from kdacp.layers import ContextParallel
+from kdacp.cp import new_cp_group
+from kdacp.cp import ContextParallel
 from kdacp.models import load_kimi_linear, parallelize
 from kdacp.workers import RankContext, launch
 

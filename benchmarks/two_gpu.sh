@@ -16,7 +16,7 @@ out=${2:?output folder}
 mkdir -p "$out"
 source "$(dirname "$0")/step.sh"  # step NAME LIMIT_S COMMAND...
 if [ "$part" = 1 ]; then
-    step gpu_tests 120 python3 -m pytest -q -m gpu tests/distributed/test_cp_gpu.py tests/layers/test_kda_layer_cp_gpu.py
+    step gpu_tests 120 python3 -m pytest -q -m gpu tests/cp/test_cp_gpu.py tests/layers/test_kda_layer_cp_gpu.py
     tail -1 "$out/gpu_tests.log"
     step cp_kda 150 python3 -m kdacp.cli bench -v --suite cp --world-size 2 --seq-lens 16384 \
         --batches one_sequence,docs7 --trace "$out/trace" --out "$out/cp_kda"

@@ -82,9 +82,9 @@ def differentiable_inputs(args: dict) -> dict:
 
 @contextlib.contextmanager
 def count_signature_gathers():
-    """Count calls of the cross-rank check's all-gather (``kdacp.distributed.collectives``) inside the block;
+    """Count calls of the cross-rank check's all-gather (``kdacp.cp.collectives``) inside the block;
     yields the list that grows by one per call."""
-    from kdacp.distributed import collectives
+    from kdacp.cp import collectives
     gathers, real = [], collectives.all_gather_signatures
     collectives.all_gather_signatures = lambda *a: gathers.append(1) or real(*a)
     try:
@@ -122,9 +122,9 @@ def fake_cuda_clock(monkeypatch) -> dict:
 
 class ListIndexing(TorchFunctionMode):
     """Records (as ``file:line``) each tensor indexing by a Python list made by kdacp code whose path contains
-    ``where`` (default: ``kdacp/distributed/``)."""
+    ``where`` (default: ``kdacp/cp/``)."""
 
-    def __init__(self, where: str = os.path.join("kdacp", "distributed") + os.sep):
+    def __init__(self, where: str = os.path.join("kdacp", "cp") + os.sep):
         super().__init__()
         self.where, self.found = where, []
 

@@ -15,19 +15,19 @@ from tests.multiprocess import run_ranks
 
 def _worker(rank, world_size, results):
     from kdacp.demo import demo_config, demo_worker
-    from kdacp.layers import cp_context
+    from kdacp.cp import batch_context
     from kdacp.workers import RankContext
 
     cfg = demo_config(world_size, seq_lens=(100, 156), steps=2)
     ctx = RankContext(rank, world_size, torch.device("cpu"), lambda message: None)
     worst = {}
     worst["intact"] = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in demo_worker(ctx, cfg))
-    real = cp_context.CPContext.left_halos
-    cp_context.CPContext.left_halos = lambda self, xs, width: [None] * len(xs)
+    real = batch_context.CPContext.left_halos
+    batch_context.CPContext.left_halos = lambda self, xs, width: [None] * len(xs)
     try:
         worst["no halo"] = max(r["grad_err"] for r in demo_worker(ctx, cfg))
     finally:
-        cp_context.CPContext.left_halos = real
+        batch_context.CPContext.left_halos = real
     if rank == 0:
         results.update(worst, tolerance=cfg.tolerance)
 

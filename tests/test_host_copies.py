@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.bench.overhead import layout_role_plans
-from kdacp.distributed import RankRole, StandInExchange
+from kdacp.bench.rank_role import RankRole, StandInExchange
 from kdacp.host_copies import put_rows, take_rows
 from tests.helpers import ListIndexing, make_kda_inputs
 
@@ -35,7 +35,7 @@ def test_take_and_put_rows_are_list_indexing(rows):
 def test_the_detector_sees_list_indexing():
     t = torch.zeros(4)
     with ListIndexing() as mode:
-        exec(compile("t[[0, 2]]", os.path.join("src", "kdacp", "distributed", "probe.py"), "exec"), {"t": t})
+        exec(compile("t[[0, 2]]", os.path.join("src", "kdacp", "cp", "probe.py"), "exec"), {"t": t})
     assert len(mode.found) == 1
 
 

@@ -8,10 +8,11 @@ import kdacp
 ROOT = Path(kdacp.__file__).parent
 
 # Lowest first; a part may import only the parts before it (the package's own __init__ is the facade
-# above them all). The layering of STYLE.md: validation -> reference, kernels -> backends ->
-# distributed, ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
-ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "distributed", "kda", "gdn", "layers",
-         "models", "integrations", "precompilation", "workers", "demo", "bench", "tuning", "options", "commands", "cli")
+# above them all). The layering of STYLE.md: validation -> reference, kernels -> backends -> cp (context
+# parallelism) -> ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
+# ``distributed`` is the deprecated alias of ``cp`` (it names bench's rank role too), above bench.
+ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "kda", "gdn", "layers",
+         "models", "integrations", "precompilation", "workers", "demo", "bench", "distributed", "tuning", "options", "commands", "cli")
 
 
 def _module_name(path: Path) -> str:
@@ -134,7 +135,7 @@ def test_strategy_auto_does_not_load_the_benchmark_model():
     strategy leaves the scaling benchmark's simulator (shared cores, FLA's scheme) unloaded."""
     import subprocess
     import sys
-    code = ("import sys, kdacp; from kdacp.distributed.plan import rank_layouts, resolve_strategy; "
+    code = ("import sys, kdacp; from kdacp.cp.plan import rank_layouts, resolve_strategy; "
             "print(resolve_strategy('auto', rank_layouts(None, 1, (64,) * 4))[0], 'kdacp.bench.scaling_model' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[1] == "False", out.stdout + out.stderr

@@ -14,13 +14,13 @@ device sync on later calls; none holds a tensor a caller passed.
 | attention-gym's int32 boundaries and summary rows | ``backends.attn_gym_backend`` | boundaries of a batch, rows of its spans | :data:`ATTN_GYM_BOUNDARIES` (LRU) |
 | attention-gym's modules | ``backends.attn_gym_adapter`` | one | one |
 | FLA's modules, and whether its GDN backward runs here | ``backends.fla_adapter`` | one | one |
-| scan schedules | ``distributed.exchanges.scan`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
-| rank layouts of a batch | ``distributed.plan`` | ``(boundaries, batch size, rank lengths)`` | :data:`RANK_LAYOUTS` (LRU) |
-| a plan's forward and backward routes | ``distributed.orchestration`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
+| scan schedules | ``cp.exchanges.scan`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
+| rank layouts of a batch | ``cp.plan`` | ``(boundaries, batch size, rank lengths)`` | :data:`RANK_LAYOUTS` (LRU) |
+| a plan's forward and backward routes | ``cp.schedule`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
 | GDN's ``dt_bias`` stand-in for the KDA op's checks (a meta tensor) | ``gdn`` | ``(size, dtype)`` | :data:`META_STAND_INS` (LRU) |
-| call signatures every rank verified | ``distributed.checks`` | per live plan (:func:`~kdacp.distributed.checks.verified_plans`) | freed with its plan |
-| a layer context's per-batch contexts (:class:`~kdacp.layers.CPContext`: plan, boundaries, positions) | ``layers.context_parallel`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
-| convolution halo routes | ``layers.cp_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
+| call signatures every rank verified | ``cp.checks`` | per live plan (:func:`~kdacp.cp.checks.verified_plans`) | freed with its plan |
+| a layer context's per-batch contexts (:class:`~kdacp.cp.CPContext`: plan, boundaries, positions) | ``cp.context`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
+| convolution halo routes | ``cp.batch_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
 | boundaries of the convolution's input with its halos in line | ``layers.short_conv`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
 | the opaque regions a compiled graph names by id (their settings: a layer context, the op, head dims; an attention module and its keywords) | ``compile`` | per distinct settings | one per mixer kind and context and one per attention module (each holds its module), for the process (:func:`~kdacp.compile.region_count`) |
 """

@@ -22,11 +22,11 @@ VERSION = "0.1.0"
 BACKENDS = ("auto", "torch", "fla", "attn_gym")
 # the context-parallel modes of :class:`kdacp.ContextParallel`
 MODES = ("state", "ulysses", "hybrid")
-# kdacp's own state exchanges (:mod:`kdacp.distributed.exchanges` registers them; a plan takes any registered
-# name: :func:`kdacp.distributed.plan.strategy_choices`), and the choices with the cost model's pick
+# kdacp's own state exchanges (:mod:`kdacp.cp.exchanges` registers them; a plan takes any registered
+# name: :func:`kdacp.cp.plan.strategy_choices`), and the choices with the cost model's pick
 STRATEGIES = ("p2p", "allgather", "scan")
 STRATEGY_CHOICES = STRATEGIES + ("auto",)
-# the token layouts of :mod:`kdacp.distributed.layout`
+# the token layouts of :mod:`kdacp.cp.layout`
 LAYOUTS = ("contiguous", "zigzag", "document_zigzag", "balanced_documents")
 # the benchmark batches of :mod:`kdacp.bench.batches`
 BATCHES = ("one_sequence", "docs7", "lognormal")

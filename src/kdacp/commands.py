@@ -15,7 +15,7 @@ from .backends import needs_cuda, resolve_backend
 from .bench.layer import memory_bytes as layer_memory_bytes
 from .choices import CPU_SUITES, VIRTUAL_CHUNK
 from .demo import plural
-from .layers.context_parallel import hybrid_ulysses_size
+from .cp.context import hybrid_ulysses_size
 from .options import CPU_LAYER, CPU_T_LOCAL, LINK_OPTIONS
 from .workers import Stopped, WorkerError, check_launch, check_memory, launch, pick_backend, under_torchrun
 

@@ -1,7 +1,7 @@
 """``torch.compile`` of code that calls kdacp's context-parallel regions: a region runs as one opaque custom op.
 
 What ``torch.compile`` cannot trace in a context-parallel token mixer is the part that reads the batch's document
-boundaries on the host (plans, routes, local boundaries; :mod:`kdacp.distributed`) and exchanges states between
+boundaries on the host (plans, routes, local boundaries; :mod:`kdacp.cp`) and exchanges states between
 ranks. Traced, those host values would become constants of the graph (a new graph for every batch), and the
 exchanges would break it. :func:`run_opaque` hands such a part to the graph as one call of the custom op
 ``kdacp::opaque_region``: the graph holds the region's tensors (the boundaries among them, as a tensor, never their

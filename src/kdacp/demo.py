@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from .backends import needs_cuda, resolve_backend
 from .choices import DEMO_DTYPES as DTYPES
-from .distributed import build_cp_plan, new_cp_group
-from .layers import ContextParallel
-from .layers.context_parallel import MODES, hybrid_ulysses_size
+from .cp import build_cp_plan, new_cp_group
+from .cp import ContextParallel
+from .cp.context import MODES, hybrid_ulysses_size
 from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompilation import precompile
 from .workers import RankContext

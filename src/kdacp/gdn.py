@@ -17,7 +17,7 @@ import functools
 import torch
 
 from .caches import META_STAND_INS
-from .distributed.split import check_split
+from .cp.split import check_split
 from .kda import check_and_prepare, run_prepared
 from .reference.gdn import scalar_gate_as_kda
 from .validation import check_fla_only_options, check_tensor

@@ -1,7 +1,7 @@
 """``chunk_kda``: Kimi Delta Attention with FLA's arguments, differentiable, on a selectable local
-backend; on one device, or context-parallel over the ranks of a :class:`~kdacp.distributed.CPPlan`
+backend; on one device, or context-parallel over the ranks of a :class:`~kdacp.cp.CPPlan`
 (``cp=``). One device is the case without a plan: the call runs the same schedule
-(:mod:`kdacp.distributed.orchestration`) on a one-rank plan of its own batch, which exchanges nothing.
+(:mod:`kdacp.cp.schedule`) on a one-rank plan of its own batch, which exchanges nothing.
 
 Three tiers: :func:`chunk_kda` checks the arguments (across ranks under ``cp``) and prepares the call
 (:func:`check_and_prepare`); :func:`run_prepared` runs a prepared call (the entry GDN's op takes with
@@ -17,10 +17,10 @@ import torch
 from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
 from .backends.call import (PreparedCall, choose_call_backend, input_dtypes, input_gradients, prepare_call,
                            wants_gradient)
-from .distributed.checks import check_cp_call
-from .distributed.orchestration import cp_backward, cp_forward
-from .distributed.plan import CPPlan, one_rank_plan
-from .distributed.split import SplitPieces, check_split
+from .cp.checks import check_cp_call
+from .cp.schedule import cp_backward, cp_forward
+from .cp.plan import CPPlan, one_rank_plan
+from .cp.split import SplitPieces, check_split
 from .kernels.precision import resolve_precision
 from .reference.gates import compute_dtype
 from .validation import check_finite_inputs, check_fla_only_options, check_kda_inputs
@@ -38,7 +38,7 @@ class _Call:
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Saves and restores; the work is in :mod:`kdacp.distributed.orchestration`. Inputs are one packed row."""
+    """Saves and restores; the work is in :mod:`kdacp.cp.schedule`. Inputs are one packed row."""
 
     @staticmethod
     def forward(ctx, call: _Call, q, k, v, g, beta, A_log, dt_bias, initial_state):
@@ -164,7 +164,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             every rank. When off, non-finite values are not looked for: a NaN in one sequence of a
             packed batch reaches that sequence's outputs and gradients (and the shared
             A_log/dt_bias gradients), no other sequence's.
-        cp: the :class:`~kdacp.distributed.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
+        cp: the :class:`~kdacp.cp.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
             ``None`` for one device.
         summary_precision: how the ``fla`` backend's summary kernels (the state exchange of ``cp``) round
             their float32 state products with bf16 inputs: ``"exact"`` (float32-faithful), ``"two_piece"``,
@@ -172,7 +172,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             :class:`kdacp.kernels.SummaryPrecision`; ``None``: the default for the inputs' dtype (fp16 and
             float32 inputs always run float32 products; the ``torch`` backend computes summaries in float32).
             Under ``cp`` every rank must pass the same value.
-        split: the split inside the device (:mod:`kdacp.distributed.split`): each long sequence (under ``cp``:
+        split: the split inside the device (:mod:`kdacp.cp.split`): each long sequence (under ``cp``:
             each long local segment of a rank that runs its state pass whole) cut into pieces whose state passes
             run at once, from states carried between them by their summaries, forward and backward; exact to
             the summaries' precision (``summary_precision``). ``None`` (default): no split; ``"auto"``: on a GPU

@@ -54,8 +54,8 @@ def test_refusals_and_inference_only_specs(monkeypatch):
 
 
 def _run(rank: int, world_size: int) -> None:
-    from tests.distributed.test_cp_chunk_kda import _cases, _check_case
-    from tests.distributed.test_cp_gdn import _check
+    from tests.cp.test_cp_chunk_kda import _cases, _check_case
+    from tests.cp.test_cp_gdn import _check
     cases = {c["name"]: c for c in _cases(world_size)}
     for i, name in enumerate(("packed-long-middle-uneven", "batch-rows-uneven")):
         _check_case(rank, world_size, cases[name], "p2p", seed=500 + i, backend="recording")

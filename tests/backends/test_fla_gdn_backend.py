@@ -159,7 +159,7 @@ def _run(fn, args: dict, seed: int):
 def _one_rank_cp(**args):
     import torch.distributed as dist
 
-    from kdacp.distributed import build_cp_plan
+    from kdacp.cp import build_cp_plan
     from kdacp.gdn import chunk_gated_delta_rule
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0,

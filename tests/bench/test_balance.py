@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kdacp.bench import balance
-from kdacp.distributed.layout import document_zigzag_layout, zigzag_layout
+from kdacp.cp.layout import document_zigzag_layout, zigzag_layout
 
 
 def _dense(q_all, k, v, cu, T):

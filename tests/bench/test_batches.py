@@ -1,8 +1,7 @@
 """The benchmark batches: lengths add up, are deterministic, and shard at the rank edges."""
 import pytest
 
-from kdacp.bench.batches import DOCS_7, cu_seqlens_of, document_lengths
-from kdacp.distributed.plan import local_cu_seqlens
+from kdacp.bench.batches import DOCS_7, cu_seqlens_of, document_lengths, local_cu_seqlens
 
 
 def test_document_lengths():

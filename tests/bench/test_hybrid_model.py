@@ -8,8 +8,8 @@ import pytest
 
 from kdacp.bench.hybrid_model import (HYBRID_MODELS, SCHEMES, Calibrated, HybridShapes, attention_balance, causal_pairs,
                                       one_gpu_step, predict_hybrid)
-from kdacp.distributed.cost_model import Link, RoleStages, StageTimes
-from kdacp.distributed.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
+from kdacp.cp.cost_model import Link, RoleStages, StageTimes
+from kdacp.cp.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
 
 FREE = Link(0.0, 1e30, 0.0, 1e30)
 

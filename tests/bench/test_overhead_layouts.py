@@ -22,7 +22,7 @@ from kdacp.backends.base import KDAInputs
 from kdacp.bench.overhead import (ReadyExchange, _rank_roles, layout_batch, layout_role_plans, layout_role_ranks,
                                   rank_step, role_call, run)
 from kdacp.cli import main
-from kdacp.distributed.plan import layout_rank_layouts
+from kdacp.cp.plan import layout_rank_layouts
 
 
 @pytest.fixture

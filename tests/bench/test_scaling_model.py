@@ -1,15 +1,15 @@
 """``kdacp.bench.scaling_model``: FLA's scheme, whole-step predictions and ranks sharing cores, on the
-hand-computed cases of ``tests/distributed/test_cost_model.py``."""
+hand-computed cases of ``tests/cp/test_cost_model.py``."""
 import random
 
 import pytest
 
-from kdacp.bench.scaling_model import (fla_programs, predict, predict_step, route_path, route_step_path,
+from kdacp.bench.scaling_model import (chain_route, fla_programs, predict, predict_step, route_path, route_step_path,
                                        simulate_on_cores, simulate_shared, step_programs)
-from kdacp.distributed.cost_model import Link, RoleStages, StageTimes, chain_route, programs
-from kdacp.distributed.cost_model import simulate as simulate_dedicated
-from kdacp.distributed.plan import STRATEGIES
-from tests.distributed.test_cost_model import LINK, TIMES
+from kdacp.cp.cost_model import Link, RoleStages, StageTimes, programs
+from kdacp.cp.cost_model import simulate as simulate_dedicated
+from kdacp.cp.plan import STRATEGIES
+from tests.cp.test_cost_model import LINK, TIMES
 
 
 def test_fla_by_hand():
@@ -186,8 +186,8 @@ def test_layout_step_path_with_each_rank_doing_its_roles_work_is_the_layout_mode
     where each rank does its positions' shares of the contiguous roles (rank 0 half of first and half of last,
     the others through), for every strategy and with attention barriers."""
     from kdacp.bench.scaling_model import layout_step_path
-    from kdacp.distributed.layout import contiguous_layout, zigzag_layout
-    from kdacp.distributed.plan import layout_rank_layouts
+    from kdacp.cp.layout import contiguous_layout, zigzag_layout
+    from kdacp.cp.plan import layout_rank_layouts
 
     forward, backward = _random_roles(P)
     times = StageTimes(forward=forward, backward=backward, apply_s=0.03, compose_s=0.05, copy_s_per_byte=1e-4,
@@ -211,8 +211,8 @@ def test_layout_step_path_with_each_rank_doing_its_roles_work_is_the_layout_mode
 
 def test_layout_step_path_bad_arguments():
     from kdacp.bench.scaling_model import layout_step_path
-    from kdacp.distributed.layout import zigzag_layout
-    from kdacp.distributed.plan import layout_rank_layouts
+    from kdacp.cp.layout import zigzag_layout
+    from kdacp.cp.plan import layout_rank_layouts
 
     layouts = layout_rank_layouts(None, 1, zigzag_layout(16, 2))
     stages = [(RoleStages(1.0), RoleStages(1.0))] * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdacp.bench.stage_probe import StageProbe
-from kdacp.distributed.exchanges import Route
+from kdacp.cp.exchanges import Route
 
 from tests.helpers import fake_cuda_clock
 

@@ -145,9 +145,9 @@ def _layer_worker(rank, P, check_removal, results):
     _megatron_cpu()
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from kdacp.distributed.exchanges import P2PExchange
+    from kdacp.cp.exchanges import P2PExchange
     from kdacp.integrations import megatron as km
-    from kdacp.layers import cp_context
+    from kdacp.cp import batch_context
     megatron_reference_kernels()
     own = single_rank_groups()
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def _layer_worker(rank, P, check_removal, results):
         # Each mechanism removed in turn: the state exchange through the zigzag chain and the halo from whichever
         # rank holds the tokens before a chunk (messages still flow, their content zeroed). Each leaves the tolerance.
         removals = (("state exchange", P2PExchange, "receive", zeroed_outputs),
-                    ("halo", cp_context, "exchange_rows", zeroed_outputs))
+                    ("halo", batch_context, "exchange_rows", zeroed_outputs))
         for what, owner, attr, broken in removals:
             real = getattr(owner, attr)
             setattr(owner, attr, broken(real))

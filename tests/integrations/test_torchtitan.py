@@ -180,7 +180,7 @@ def test_balanced_layouts_are_torchs_balancers():
     (blocks of a document-causal mask over documents of 4, 8 and 4 blocks: rank 0 gets blocks 2, 3, 5, 6, 8,
     11, 12, 13); None is the contiguous split."""
     import kdacp.integrations.torchtitan as kt
-    from kdacp.distributed.layout import contiguous_layout, zigzag_layout
+    from kdacp.cp.layout import contiguous_layout, zigzag_layout
     for P in (2, 3):
         cu = (0, 40, 47, 98, 144)
         assert kt.BalancedLayout("headtail")(cu, P) == zigzag_layout(144, P)
@@ -303,8 +303,8 @@ def _parallel_model(ref, world_size: int, balancer):
 
 def _cp_worker(rank, world_size, balancer, ref, check_removal, results):
     import kdacp.integrations.torchtitan as kt
-    from kdacp.distributed.exchanges import P2PExchange
-    from kdacp.layers import cp_context
+    from kdacp.cp.exchanges import P2PExchange
+    from kdacp.cp import batch_context
     model, cp_mesh, layout = _parallel_model(ref, world_size, balancer)
     # kdacp deals out the tokens torchtitan's own cut would give this rank
     cu = (0, *torch.tensor(DOCUMENTS).cumsum(0).tolist())
@@ -323,7 +323,7 @@ def _cp_worker(rank, world_size, balancer, ref, check_removal, results):
     assert worst > 100 * TOL, f"the GDN layers ignoring the layout went unnoticed on {world_size} ranks"
     if rank == 0:
         results.append(("GDN assuming contiguous", name, worst))
-    for what, owner, attr in (("state exchange", P2PExchange, "receive"), ("halo", cp_context, "exchange_rows")):
+    for what, owner, attr in (("state exchange", P2PExchange, "receive"), ("halo", batch_context, "exchange_rows")):
         real = getattr(owner, attr)
         setattr(owner, attr, zeroed_outputs(real))
         try:

@@ -175,11 +175,11 @@ def test_parallelize_sets_every_layer_of_a_model_of_kdacp_layers():
 
 def _fresh_single_device(monkeypatch, built: list):
     """A single-device context whose per-batch contexts append their global boundaries to ``built``."""
-    from kdacp.layers import context_parallel
-    build = context_parallel.build_cp_context
-    monkeypatch.setattr(context_parallel, "build_cp_context",
+    from kdacp.cp import context
+    build = context.build_cp_context
+    monkeypatch.setattr(context, "build_cp_context",
                         lambda cu, **kw: built.append(None if cu is None else tuple(cu.tolist())) or build(cu, **kw))
-    return context_parallel._SingleDevice()
+    return context._SingleDevice()
 
 
 def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):

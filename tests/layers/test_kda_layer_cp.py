@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.distributed.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
-from kdacp.layers import GatedDeltaNet, ContextParallel, KimiDeltaAttention
+from kdacp.cp.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
+from kdacp.cp import ContextParallel
+from kdacp.layers import GatedDeltaNet, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
 from tests.multiprocess import run_ranks
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kdacp.layers import ContextParallel, KimiDeltaAttention
+from kdacp.cp import ContextParallel
+from kdacp.layers import KimiDeltaAttention
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks
 

@@ -156,10 +156,10 @@ def exchanges() -> dict:
     """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
     all-to-all, each faked away."""
     import kdacp
-    from kdacp.layers import autograd_collectives, context_parallel, cp_context
+    from kdacp.cp import autograd_collectives, batch_context, context
     return {
-        "convolution halo": (cp_context.CPContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
-        "state exchange": (context_parallel.ContextParallel, "recurrence", local_recurrence),
+        "convolution halo": (batch_context.CPContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
+        "state exchange": (context.ContextParallel, "recurrence", local_recurrence),
         "attention all-to-all": (autograd_collectives, "all_to_all", lambda x, group: x),
         "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),
     }

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdacp.layers.cp_context import _attention_pieces
+from kdacp.cp.batch_context import _attention_pieces
 from kdacp.models.attention import document_causal_mask, gathered_attention, sdpa_lower_right
 from tests.helpers import rel_err
 from tests.models.test_attention_layout import CASES, SCALE

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdacp.distributed.layout import ranges_layout
+from kdacp.cp.layout import ranges_layout
 from kdacp.models.batch import IGNORE_INDEX, LAYOUT_KWARG, shard_tokens
 
 VOCAB = 50

@@ -176,7 +176,7 @@ def _check_contract(rank: int) -> None:
     for m, layout in ((model, "zigzag"), (zigzag, "contiguous")):
         with pytest.raises(ValueError, match="sharded under another layout than the model's"):
             kdacp.models.prefill(m, kdacp.shard_batch(_prompt(40), layout=layout))
-    from kdacp.distributed.layout import ranges_layout
+    from kdacp.cp.layout import ranges_layout
     ranges = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel(
         "state", layout=ranges_layout([[(0, 10), (30, 40)], [(10, 30)]])))
     with pytest.raises(ValueError, match="prefill and generate run the layouts"):

@@ -4,7 +4,7 @@ A sequence cut into pieces ``0..c-1`` with summaries ``(A_j, M_j)`` carries its 
 ``x_{j+1} = M_j x_j + A_j`` (forward: ``A = S_ext``) or, reversed, ``x_j = M_{j+1}^T x_{j+1} + A_{j+1}``
 (backward: ``A = G``, ``x`` the gradient of each piece's final state). One program walks one ``[K, BV]``
 column tile of one sequence and head through its pieces, storing the state entering each, so the split
-inside one device (:mod:`kdacp.distributed.split`) pays one launch for what is otherwise ``c - 1`` small
+inside one device (:mod:`kdacp.cp.split`) pays one launch for what is otherwise ``c - 1`` small
 products in sequence. Products run in 3xTF32 (the summary kernels' float32 products,
 :data:`kdacp.kernels.precision.F32_DOT`) and add in float32, as :mod:`kdacp.affine.product`'s.
 """

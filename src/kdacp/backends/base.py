@@ -154,7 +154,7 @@ class LocalBackend(Protocol):
     # state kernel 0.311 -> 0.206 ms in two pieces; FLA's KDA kernel 0.421 -> 0.422 ms; benchmarks/RESULTS.md).
     parallel_pieces: bool
     # Whether ``state_summary`` can return the summaries of pieces (``parts``), which the split inside one
-    # device (:mod:`kdacp.distributed.split`) needs.
+    # device (:mod:`kdacp.cp.split`) needs.
     summary_pieces: bool
 
     def prepare(self, inputs: KDAInputs, span: Span): ...

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kdacp.distributed.layout import make_layout
+from kdacp.cp.layout import make_layout
 
 from .harness import PlotSpec, markdown_table
 from .hybrid_model import BACKWARD_FLOP_RATIO, causal_pairs

@@ -62,3 +62,9 @@ def cu_seqlens_of(lengths) -> list[int]:
     for n in lengths:
         cu.append(cu[-1] + n)
     return cu
+
+
+def local_cu_seqlens(cu_seqlens, start: int, end: int) -> list[int]:
+    """The boundaries of global tokens ``[start, end)`` of a packed batch (global ``cu_seqlens``) as a
+    batch of their own: sequences cut at the edges, offsets relative to ``start``."""
+    return [0] + [c - start for c in cu_seqlens if start < c < end] + [end - start]

@@ -1,5 +1,5 @@
 """Calibration of the scaling model on the machine at hand: every
-:class:`~kdacp.distributed.cost_model.StageTimes` field (rank roles' stages, one device, the exchange's
+:class:`~kdacp.cp.cost_model.StageTimes` field (rank roles' stages, one device, the exchange's
 products, FLA's kernels or kdacp's stand-ins) and the rows that record what predictions were made from."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from kdacp.affine import AffineMap, compose_state_summaries
-from kdacp.distributed import RankRole
-from kdacp.distributed.cost_model import Link, RoleStages, StageTimes
-from kdacp.distributed.plan import one_rank_plan, rank_layouts
+from kdacp.bench.rank_role import RankRole
+from kdacp.cp.cost_model import Link, RoleStages, StageTimes
+from kdacp.cp.plan import one_rank_plan, rank_layouts
 from kdacp.reference.gates import compute_dtype
 
 from .inputs import random_inputs
@@ -43,7 +43,7 @@ def op_times(n: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device: 
 
 
 def _one_device(backend: str, args: dict) -> RankRole:
-    """The :class:`~kdacp.distributed.RankRole` of :func:`~kdacp.bench.inputs.random_inputs`' ``args`` on one
+    """The :class:`~kdacp.bench.rank_role.RankRole` of :func:`~kdacp.bench.inputs.random_inputs`' ``args`` on one
     device with Kimi Linear's options (its ``backend`` and ``inputs`` run the stages timed here)."""
     return RankRole.prepare(one_rank_plan(None, 1, args["q"].shape[1]), **args, backend=backend, **OPTIONS)
 
@@ -97,7 +97,7 @@ def _time_fla(args: dict, device: torch.device, iters: int) -> dict:
 
 def measure_stages(t_local: int, heads: int, head_dim: int, backend: str, dtype: torch.dtype, device,
                    iters: int = 7) -> StageTimes:
-    """Every :class:`~kdacp.distributed.cost_model.StageTimes` field on this device (one process):
+    """Every :class:`~kdacp.cp.cost_model.StageTimes` field on this device (one process):
     ``heads`` q/k and value heads (H = HV), K = V = ``head_dim``, ``t_local`` tokens, Kimi Linear's options."""
     device = torch.device(device)
     args = random_inputs(t_local, heads, heads, head_dim, head_dim, dtype=dtype, device=device)

@@ -30,13 +30,12 @@ import torch
 import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
-from kdacp.distributed import build_cp_plan, new_cp_group
+from kdacp.cp import build_cp_plan, new_cp_group
 from kdacp.kda import chunk_kda
-from kdacp.distributed.plan import local_cu_seqlens
 from kdacp.gdn import chunk_gated_delta_rule
 
 from . import gdn
-from .batches import BATCHES, cu_seqlens_of, document_lengths
+from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
 from .harness import PlotSpec
 from .inputs import random_inputs
 from .steps import log, max_rel_diff, record_row, step_functions

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kdacp.distributed.cost_model import DEFAULT_LINK, Link
+from kdacp.cp.cost_model import DEFAULT_LINK, Link
 
 from .calibration import measure_stages, read_calibration
 from .harness import PlotSpec, markdown_table

@@ -1,6 +1,6 @@
 """The whole-model step of a hybrid model (linear-attention layers and softmax attention layers) under
 context parallelism, per token layout: a prediction composed event by event in
-:func:`kdacp.distributed.cost_model.simulate`, as :mod:`kdacp.bench.scaling_model` composes the mixer-only step.
+:func:`kdacp.cp.cost_model.simulate`, as :mod:`kdacp.bench.scaling_model` composes the mixer-only step.
 
 Four schemes (:data:`SCHEMES`), one sequence of ``T`` tokens over ``P`` ranks:
 
@@ -20,14 +20,14 @@ Four schemes (:data:`SCHEMES`), one sequence of ``T`` tokens over ``P`` ranks:
   contiguous owners (``T/(2P) * hidden * 2`` bytes each, point to point over the link); the linear layers
   then run the contiguous chain.
 
-Per layer and rank (programs of :mod:`kdacp.distributed.cost_model`'s ops, merged per rank):
+Per layer and rank (programs of :mod:`kdacp.cp.cost_model`'s ops, merged per rank):
 
 - linear attention: the calibrated stage times of each rank role (:class:`StageTimes`, measured by the
   scaling suite at ``t_cal`` tokens a rank with ``HV_cal`` heads of ``K_cal x V_cal``) scaled linearly to
   the range's tokens and to the model's ``HV * K * V`` (launch costs of small ranges are not scaled
   down: a prediction for few tokens a rank is optimistic), the exchange (``p2p``, ``allgather`` or ``scan``;
   the best of the three is reported) on the ``P`` or ``2P - 1`` positions of the chain, a rank of two
-  ranges running them as :func:`kdacp.distributed.cost_model.programs` does.
+  ranges running them as :func:`kdacp.cp.cost_model.programs` does.
 - softmax attention: the K/V all-gather (ring, ``(P-1)`` steps of the rank's K/V bytes; its backward a
   reduce-scatter of the same size), or Ulysses' two all-to-alls (``(P-1)`` steps of ``1/P`` of the rank's
   bytes each); the causal attention compute of the rank's queries from FLOPs:
@@ -47,9 +47,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kdacp.distributed.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, programs, simulate
-from kdacp.distributed.layout import TokenLayout, contiguous_layout, zigzag_layout
-from kdacp.distributed.layout import causal_pairs as ranges_causal_pairs
+from kdacp.cp.cost_model import DEFAULT_LINK, Link, RoleStages, StageTimes, programs, simulate
+from kdacp.cp.layout import TokenLayout, contiguous_layout, zigzag_layout
+from kdacp.cp.layout import causal_pairs as ranges_causal_pairs
+
+from .scaling_model import chain_route
 
 __all__ = ["ATTENTION_FLOPS", "BACKWARD_FLOP_RATIO", "HYBRID_MODELS", "MIXER_STRATEGIES", "SCHEMES", "Calibrated",
            "HybridPrediction", "HybridShapes", "attention_balance", "causal_pairs", "one_gpu_step", "predict_hybrid"]
@@ -101,7 +103,7 @@ HYBRID_MODELS = {s.name: s for s in (KIMI_LINEAR_48B, QWEN3_NEXT_80B)}
 
 def causal_pairs(layout: TokenLayout, rank: int, cu_seqlens=None) -> int:
     """Key-query pairs ``rank``'s queries attend under causal attention with the document mask of global
-    ``cu_seqlens`` (ints; None: one sequence): :func:`kdacp.distributed.layout.causal_pairs` of its ranges."""
+    ``cu_seqlens`` (ints; None: one sequence): :func:`kdacp.cp.layout.causal_pairs` of its ranges."""
     bounds = [0, layout.num_tokens] if cu_seqlens is None else [int(c) for c in cu_seqlens]
     return ranges_causal_pairs(layout.ranges[rank], bounds)
 
@@ -164,7 +166,7 @@ def _mixer_layer(strategy: str, layout: TokenLayout, times: StageTimes, base: fl
                  ) -> list[list[tuple]]:
     """One linear-attention layer's programs by rank: the chain over ``layout``'s ranges in the direction states
     flow, ``times`` scaled to ``base`` tokens (each range's stages scaled on to its own length), a rank of
-    several ranges running them as :func:`kdacp.distributed.cost_model.programs` does (``holders``)."""
+    several ranges running them as :func:`kdacp.cp.cost_model.programs` does (``holders``)."""
     n = len(layout.chain)
     order = list(range(n)) if direction == "forward" else list(reversed(range(n)))
     per_role = times.forward if direction == "forward" else times.backward

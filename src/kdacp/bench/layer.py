@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from kdacp.backends import backend_usable
-from kdacp.layers.context_parallel import hybrid_ulysses_size
-from kdacp.distributed import new_cp_group
-from kdacp.distributed.plan import local_cu_seqlens
-from kdacp.layers import ContextParallel, GatedDeltaNet, KimiDeltaAttention
+from kdacp.cp.context import hybrid_ulysses_size
+from kdacp.cp import new_cp_group
+from kdacp.cp import ContextParallel
+from kdacp.layers import GatedDeltaNet, KimiDeltaAttention
 
-from .batches import BATCHES, cu_seqlens_of, document_lengths
+from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens
 from .harness import PlotSpec
 from .timing import peak_gb, time_round_robin
 

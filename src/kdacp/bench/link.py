@@ -1,11 +1,11 @@
 """The link between ranks, measured: point-to-point (ping-pong) and all-gather times of a small and a
-large message, as the scaling model's :class:`~kdacp.distributed.cost_model.Link`."""
+large message, as the scaling model's :class:`~kdacp.cp.cost_model.Link`."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from kdacp.distributed.cost_model import Link
+from kdacp.cp.cost_model import Link
 
 from .timing import median_time
 

@@ -1,6 +1,6 @@
 """Per-rank compute overhead of context parallelism, measured on one device.
 
-Each rank role runs its real schedule (:class:`~kdacp.distributed.RankRole`) against an exchange that moves
+Each rank role runs its real schedule (:class:`~kdacp.bench.rank_role.RankRole`) against an exchange that moves
 nothing and hands back ready-made incoming messages (zeros; a position strictly inside a chain still forms its
 outgoing ``M x + S``, as ``p2p`` does). Its forward and backward times are divided by one device's forward and
 backward on the same tokens (a one-rank plan of the rank's own segments, the documents cut at its edges as
@@ -8,7 +8,7 @@ sequences of their own), all contenders round-robin in one run (:func:`~kdacp.be
 GPU device time, each contender's calls queued behind a
 sleep, as the host runs ahead in a training step; wall clock on the CPU).
 
-Roles, by token layout (:mod:`kdacp.distributed.layout`):
+Roles, by token layout (:mod:`kdacp.cp.layout`):
 
 - ``contiguous``: ``first``, ``through``, ``last``, ranks 0, 1, 2 of a 3-rank plan of ``3 * t_local`` tokens
   (at any ``P >= 3`` the ranks are of these three kinds, for one sequence).
@@ -43,7 +43,7 @@ positions do their shares of the contiguous roles' stages. The exchange's produc
 Families: ``kda`` (Kimi Linear's gate: in kernel, ``safe_gate``, ``lower_bound=-5``, L2 norm in
 kernel; ``H = HV = heads``) and ``gdn`` (gate in kernel, L2 norm in kernel; Qwen3-Next's shape
 ``H = heads / 2``, ``HV = heads``; the backend a training call would take, see
-:meth:`~kdacp.distributed.RankRole.prepare`). Batches: :mod:`kdacp.bench.batches`; ``lognormal`` with median
+:meth:`~kdacp.bench.rank_role.RankRole.prepare`). Batches: :mod:`kdacp.bench.batches`; ``lognormal`` with median
 ``min(2048, t_local / 4)``.
 
     kdacp bench --suite overhead [--seq-lens 16384] [--family kda] [--batches one_sequence,docs7]
@@ -59,15 +59,14 @@ from dataclasses import replace
 import torch
 
 from kdacp.kernels.precision import resolve_precision
-from kdacp.distributed import RankRole, StandInExchange
-from kdacp.distributed.cost_model import RoleStages, StageTimes
-from kdacp.distributed.layout import LAYOUTS, make_layout
-from kdacp.distributed.plan import (STRATEGIES, CPPlan, layout_rank_layouts, local_cu_seqlens, one_rank_plan,
-                                    rank_layouts, through_ranks)
+from kdacp.bench.rank_role import RankRole, StandInExchange
+from kdacp.cp.cost_model import RoleStages, StageTimes
+from kdacp.cp.layout import LAYOUTS, make_layout
+from kdacp.cp.plan import STRATEGIES, CPPlan, RankLayout, layout_rank_layouts, one_rank_plan, rank_layouts
 from kdacp.gdn import gdn_as_kda_arguments
 from kdacp.reference.gates import compute_dtype
 
-from .batches import cu_seqlens_of, document_lengths
+from .batches import cu_seqlens_of, document_lengths, local_cu_seqlens
 from .calibration import OPTIONS as KDA_OPTIONS
 from .calibration import op_times
 from .inputs import random_inputs
@@ -85,7 +84,7 @@ PLOTS = {"overhead": PlotSpec(x="label", y="ratio", bars=True, where=("source", 
 
 
 class ReadyExchange(StandInExchange):
-    """A :class:`~kdacp.distributed.StandInExchange` for timing: each of the rank's positions that has a source
+    """A :class:`~kdacp.bench.rank_role.StandInExchange` for timing: each of the rank's positions that has a source
     gets a ready-made value, ``incoming(route, i)`` for position ``i`` of ``route`` (default: the stand-in's
     zero state), and a position whose message is affine and goes on forms ``M x + S`` from it as ``p2p`` does
     (the products of one exchange timed together as one call of stage ``apply`` by ``timer``: a rank of many
@@ -213,7 +212,7 @@ def layout_role_ranks(P: int) -> dict:
 
 def layout_batch(layout: str, batch: str, T: int, P: int):
     """``(cu_seqlens or None, TokenLayout)``: the global batch of ``P * T`` tokens over ``P`` ranks under
-    ``layout`` (one of :data:`~kdacp.distributed.layout.LAYOUTS`), its documents ``batch``'s
+    ``layout`` (one of :data:`~kdacp.cp.layout.LAYOUTS`), its documents ``batch``'s
     (:func:`~kdacp.bench.batches.document_lengths`, the log-normal median as :func:`role_plans`'). Under
     ``document_zigzag`` each document's length is rounded to a multiple of ``2P`` (the last one takes the
     rest), as Megatron-Core's packed format pads them, so that every rank holds ``T`` tokens.
@@ -353,6 +352,12 @@ def _critical_stages(call, do, state_dtype, plans: dict, device: torch.device, w
             for role in plans for k, direction in enumerate(("forward", "backward"))}
 
 
+def through_ranks(layouts: tuple[RankLayout, ...]) -> tuple[bool, ...]:
+    """Per rank of a contiguous layout: strictly inside a chain, so its message is affine in what it
+    receives (it sends ``M``, forward, and ``M^T``, backward)."""
+    return tuple(lay.through and len(layouts) > 1 and lay.num_receive > 0 for lay in layouts)
+
+
 def _rows_of(family: str, batch: str, T: int, plans: dict, ms: dict, stages: dict, critical: dict,
              policy: str, backend: str) -> list[dict]:
     rows = []
@@ -462,7 +467,7 @@ def run(t_local: int | None = None, families=FAMILIES, batches=("one_sequence", 
     check of the suite, not a measurement) 64 tokens, 2 heads of 8, float32, ``torch``, 1 round of 1 call.
     ``summary_precision``: the summary kernels' policy (:class:`kdacp.kernels.SummaryPrecision`; ``None``:
     the dtype's default), named in every overhead row's ``policy``. ``layouts``: from
-    :data:`~kdacp.distributed.layout.LAYOUTS`, the others than ``contiguous`` at every ``P`` of
+    :data:`~kdacp.cp.layout.LAYOUTS`, the others than ``contiguous`` at every ``P`` of
     ``world_sizes``. ``report(row)`` is called as each row completes.
 
     Raises:

@@ -21,8 +21,8 @@ import torch
 from kdacp import reference
 from kdacp.affine import apply_state_gradient_summary, apply_state_summary
 from kdacp.backends.base import Span
-from kdacp.distributed import RankRole
-from kdacp.distributed.plan import one_rank_plan
+from kdacp.bench.rank_role import RankRole
+from kdacp.cp.plan import one_rank_plan
 from kdacp.gdn import chunk_gated_delta_rule, gdn_as_kda_arguments
 from kdacp.kda import chunk_kda
 from kdacp.kernels import SummaryPrecision
@@ -90,7 +90,7 @@ def fla_one_gpu(family: str, x: dict, want: dict) -> dict:
 
 
 def _segment_call(family: str, xs: dict, policy: str, backend: str) -> RankRole:
-    """``backend``'s :class:`~kdacp.distributed.RankRole` of one segment's leaves ``xs`` on one device (its
+    """``backend``'s :class:`~kdacp.bench.rank_role.RankRole` of one segment's leaves ``xs`` on one device (its
     ``backend`` and ``inputs`` run the stages)."""
     options = dict(FAMILIES[family]["options"])
     one = one_rank_plan(None, 1, xs["q"].shape[1])

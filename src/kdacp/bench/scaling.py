@@ -1,10 +1,10 @@
 """Scaling model: each strategy's per-rank step at 2 to 1024 ranks, predicted from measurements on the
-machine at hand by :mod:`kdacp.distributed.cost_model` (an event-level composition; read its docstring).
+machine at hand by :mod:`kdacp.cp.cost_model` (an event-level composition; read its docstring).
 
 Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per rank:
 
 - each rank role's stages (``first``, ``through``, ``last``; forward and backward): the real
-  schedule runs one role of a 3-rank plan (:class:`~kdacp.distributed.RankRole`) against a probe exchange that stamps where the message is posted, where the
+  schedule runs one role of a 3-rank plan (:class:`~kdacp.bench.rank_role.RankRole`) against a probe exchange that stamps where the message is posted, where the
   rank blocks and where the incoming value is handed back (on a GPU device time, the whole call queued
   before the device runs it, as the host runs ahead in a training step: see
   :class:`~kdacp.bench.stage_probe.StageProbe`);
@@ -16,7 +16,7 @@ Measured here, on rank 0 alone (the other ranks wait), at ``t_local`` tokens per
 - the link, with two or more ranks: one-way point-to-point time (ping-pong between ranks 0 and 1) of
   a 4-byte message (latency) and of a summary (bandwidth), all-gather of both sizes over the group
   (per ring step). Given figures (``link``) replace measured ones; with one rank and none given,
-  :data:`~kdacp.distributed.cost_model.DEFAULT_LINK`.
+  :data:`~kdacp.cp.cost_model.DEFAULT_LINK`.
 
 Rows: ``source="setup"`` and ``"stages"`` (the calibration), ``"model"`` per ``P`` of ``world_sizes``:
 each strategy's predicted step (forward + backward critical path) in ms and over one device's
@@ -53,9 +53,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kdacp.distributed import RankRole, build_cp_plan, new_cp_group
-from kdacp.distributed.cost_model import DEFAULT_LINK, Link, StageTimes
-from kdacp.distributed.plan import STRATEGIES
+from kdacp.bench.rank_role import RankRole
+from kdacp.cp import build_cp_plan, new_cp_group
+from kdacp.cp.cost_model import DEFAULT_LINK, Link, StageTimes
+from kdacp.cp.plan import STRATEGIES
 from kdacp.kda import chunk_kda
 
 from .calibration import OPTIONS, Calibration, calibration_rows, measure_stages, op_times

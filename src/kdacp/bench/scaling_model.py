@@ -1,4 +1,4 @@
-"""The scaling benchmark's side of the cost model (:mod:`kdacp.distributed.cost_model`): whole-step
+"""The scaling benchmark's side of the cost model (:mod:`kdacp.cp.cost_model`): whole-step
 predictions for one sequence over ``P`` ranks, FLA 0.6.0's scheme, and the simulation of ranks that
 share fewer cores than there are ranks (a CPU running ``P`` processes). Kept out of the runtime
 import path of ``strategy="auto"``, which needs neither.
@@ -15,7 +15,7 @@ model), not once per layer.
 ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P-1-r``: a chain of ``2P - 1`` positions (rank
 ``P-1``'s two chunks are one range) through every rank but the last twice (:func:`zigzag_chain`). A
 position does its role's work (first, through, last) scaled by its share of its rank's tokens; a rank of
-two positions runs their work together (:func:`kdacp.distributed.cost_model.programs`' ``holders``).
+two positions runs their work together (:func:`kdacp.cp.cost_model.programs`' ``holders``).
 :func:`layout_step_path` takes any layout's chain with each rank's own measured work instead (the overhead
 suite's roles of a rank holding several ranges, whose work is not its positions' shares of the contiguous
 roles': rank 0 under zigzag runs a state pass over its first range besides its whole pass)."""
@@ -25,12 +25,12 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from kdacp.distributed.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, chain_route, deadlock_error,
-                                         join_gather, programs)
-from kdacp.distributed.cost_model import simulate as simulate_dedicated
-from kdacp.distributed.plan import STRATEGIES, RankLayout, chain_routes
+from kdacp.cp.cost_model import (DEFAULT_LINK, Link, RoleStages, StageTimes, deadlock_error,
+                                 join_gather, programs)
+from kdacp.cp.cost_model import simulate as simulate_dedicated
+from kdacp.cp.plan import STRATEGIES, RankLayout, chain_routes
 
-__all__ = ["layout_step_path", "predict", "route_path", "route_step_path"]
+__all__ = ["chain_route", "layout_step_path", "predict", "route_path", "route_step_path"]
 
 MODEL_STRATEGIES = ("p2p", "allgather", "scan", "fla")
 MODEL_LAYOUTS = ("contiguous", "zigzag")
@@ -57,10 +57,17 @@ class Prediction:
         return self.step_s / self.one_device_s if self.one_device_s > 0 else math.inf
 
 
+def chain_route(P: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """``(emits, affine)`` by position of one sequence split over ``P`` ranks (either direction)."""
+    emits = (1,) * (P - 1) + (0,)
+    affine = tuple(0 < i < P - 1 for i in range(P))
+    return emits, affine
+
+
 def simulate_on_cores(programs: list[list[tuple]], link: Link, cores: float | None = None) -> list[float]:
     """The finish time of every position's program (ops as in the module docstring); ``cores``:
     ``None`` (or as many as positions) for a device per position (the runtime cost model's
-    :func:`~kdacp.distributed.cost_model.simulate`), else the positions share that many cores
+    :func:`~kdacp.cp.cost_model.simulate`), else the positions share that many cores
     (:func:`simulate_shared`, a global clock).
 
     Raises:
@@ -308,11 +315,11 @@ def route_step_path(strategy: str, forward, backward, forward_stages: list[RoleS
 def layout_step_path(strategy: str, layouts: tuple[RankLayout, ...], rank_stages, times: StageTimes, layers: int,
                      sync_every: int = 0, link: Link = DEFAULT_LINK, cores: float | None = None) -> float:
     """The step of :func:`step_programs` (seconds: the slowest rank's finish) over any layout's chain
-    (``layouts``: every rank's :class:`~kdacp.distributed.plan.RankLayout`; its routes as the orchestration
-    runs them, :func:`~kdacp.distributed.plan.chain_routes`), ``strategy`` one of ``p2p``, ``allgather``,
+    (``layouts``: every rank's :class:`~kdacp.cp.plan.RankLayout`; its routes as the orchestration
+    runs them, :func:`~kdacp.cp.plan.chain_routes`), ``strategy`` one of ``p2p``, ``allgather``,
     ``scan``. ``rank_stages[r]``: ``(forward, backward)`` :class:`RoleStages` of all of rank ``r``'s local work,
     as the stage probe measures a rank whatever the positions it holds; they sit on its first position in
-    flow order (:func:`~kdacp.distributed.cost_model.programs` runs a rank's positions' work together)."""
+    flow order (:func:`~kdacp.cp.cost_model.programs` runs a rank's positions' work together)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if len(rank_stages) != len(layouts):

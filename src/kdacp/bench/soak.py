@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
-from kdacp.distributed import checks, new_cp_group
-from kdacp.layers import ContextParallel
+from kdacp.cp import checks, new_cp_group
+from kdacp.cp import ContextParallel
 from kdacp.models import load_kimi_linear, parallelize
 
 from .harness import PlotSpec

@@ -3,7 +3,7 @@ nothing and stamps the time where the rank posts its message, blocks, and gets t
 (device time on a GPU: see :class:`StageProbe`).
 
 Each role (``first``, ``through``, ``last``) of a 3-rank plan of one sequence runs as a
-:class:`~kdacp.distributed.RankRole` in one process; a one-rank plan gives one device's forward and
+:class:`~kdacp.bench.rank_role.RankRole` in one process; a one-rank plan gives one device's forward and
 backward on the same tokens.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import statistics
 import torch
 
 from kdacp.backends.base import KDAInputs
-from kdacp.distributed import RankRole, StandInExchange
-from kdacp.distributed.cost_model import RoleStages
-from kdacp.distributed.plan import CPPlan, one_rank_plan, rank_layouts
+from kdacp.bench.rank_role import RankRole, StandInExchange
+from kdacp.cp.cost_model import RoleStages
+from kdacp.cp.plan import CPPlan, one_rank_plan, rank_layouts
 
 from .timing import Clock, check_queued_ahead, queue_ahead_for, sleep_then_mark, sync
 
@@ -23,7 +23,7 @@ ROLE_RANKS = {"first": 0, "through": 1, "last": 2}  # rank of each role in a 3-r
 
 
 class StageProbe(StandInExchange):
-    """A :class:`~kdacp.distributed.StandInExchange` (it moves nothing) that stamps where the rank posts its
+    """A :class:`~kdacp.bench.rank_role.StandInExchange` (it moves nothing) that stamps where the rank posts its
     message (``send``), where it blocks (``receive``) and where it gets the incoming value back
     (``received``: zeros; a through rank's ``M x + S`` runs between the last two, outside every stage: the
     cost model adds the exchange's products itself), between :meth:`start` and :meth:`finish`.
@@ -88,7 +88,7 @@ def _plan(rank: int, world: int, T: int) -> CPPlan:
 def probe_role(backend, inputs: KDAInputs, state_dtype: torch.dtype, plan: CPPlan, do: torch.Tensor,
                device: torch.device, queue_ahead_s: float = 0.0) -> tuple[RoleStages, RoleStages]:
     """``(forward, backward)`` :class:`RoleStages` (seconds) of one call of the role ``plan`` gives this
-    process: its :class:`~kdacp.distributed.RankRole` against a :class:`StageProbe` (``queue_ahead_s`` its sleep on a GPU, from
+    process: its :class:`~kdacp.bench.rank_role.RankRole` against a :class:`StageProbe` (``queue_ahead_s`` its sleep on a GPU, from
     :func:`queue_ahead`; 0 for warm-up calls), ``do`` the output gradient."""
     role = RankRole(plan, backend, inputs, state_dtype=state_dtype)
     probe = StageProbe(device, queue_ahead_s)

@@ -8,8 +8,8 @@ of operations, with its rounding:
 
 - ``p2p``: hop by hop, ``x_{r+1} = M_r x_r + S_r``, rounded to float32 at every hop (the message);
 - ``allgather``: each rank folds the whole chain before it from the float32 summaries;
-- ``scan``: the recursive-doubling rounds of :class:`~kdacp.distributed.exchanges.ScanExchange`,
-  payloads rounded to float32 every round (:func:`~kdacp.distributed.exchanges.simulate_scan`).
+- ``scan``: the recursive-doubling rounds of :class:`~kdacp.cp.exchanges.ScanExchange`,
+  payloads rounded to float32 every round (:func:`simulate_scan`).
 
 Every product follows :mod:`kdacp.affine`'s rule, as the strategies run it: float64 on the CPU, the
 float32 kernel on a GPU.
@@ -29,7 +29,7 @@ import torch
 from kdacp import reference
 from kdacp.affine import AffineMap
 from kdacp.choices import VIRTUAL_CHUNK as CHUNK  # a rank's tokens are a multiple of it
-from kdacp.distributed.exchanges import simulate_scan
+from kdacp.cp.exchanges import Route, ScanExchange
 
 from .harness import PlotSpec
 from .inputs import random_inputs
@@ -40,6 +40,24 @@ PLOTS = {"virtual_error": PlotSpec(x="P", y=("p2p_state_err", "allgather_state_e
 STRATEGY_ORDERS = ("p2p", "allgather", "scan")
 # Ranks by device: the CPU's stop at 64 (seconds; 1024 takes minutes, mostly the float64 reference).
 WORLD_SIZES = {"cpu": (2, 4, 8, 16, 64), "cuda": (2, 4, 8, 16, 64, 256, 1024)}
+
+
+def simulate_scan(messages: list[AffineMap | None], emits, affine, dtype: torch.dtype = torch.float64
+                  ) -> list[torch.Tensor | None]:
+    """Run :class:`ScanExchange` in one process (for tests and the virtual benchmark): every position's
+    incoming value, with payloads packed and rounded to ``dtype`` as the exchange sends them. ``messages``,
+    ``emits`` and ``affine`` are indexed by position in the route's order. All positions are held by one
+    rank, so every payload is handed over in memory: the same rounds as across ranks, no second copy."""
+    emits, affine = tuple(int(e) for e in emits), tuple(bool(a) for a in affine)
+    first = next((m for m in messages if m is not None), None)
+    if first is None:
+        return [None] * len(messages)
+    shape = (max(emits + (1,)),) + tuple(first.offset.shape[1:])
+    route = Route(0, None, (0,) * len(messages), emits, affine, shape, dtype, first.offset.device)
+    exchange = ScanExchange()
+    pending = exchange.begin(route)
+    exchange.send(pending, messages)
+    return exchange.receive(pending)
 
 
 def incoming_states(summaries: list[AffineMap], strategy: str, wire: torch.dtype) -> list[torch.Tensor]:

@@ -1,17 +1,23 @@
-"""Context parallelism for chunk KDA over ``torch.distributed``.
+"""Deprecated: context parallelism moved to :mod:`kdacp.cp` (and :class:`RankRole` and
+:class:`StandInExchange` to :mod:`kdacp.bench.rank_role`). This alias re-exports the names this package
+exported, with a :class:`DeprecationWarning`, for one release."""
+import importlib
+import warnings
 
-Build a :class:`CPPlan` once per batch with :func:`build_cp_plan`, then call :func:`kdacp.chunk_kda`
-with ``cp=plan`` on every rank with that rank's tokens. Give both a group from :func:`new_cp_group`
-(created once, at start-up): its NCCL streams have high priority, which keeps the state exchange off
-the compute kernels' queue, and it keeps kdacp's messages out of the queue of other collectives
-(gradient all-reduces) on the default group.
+# each name this package exported -> the module that now defines it
+_MOVED = {"CPPlan": "kdacp.cp", "STRATEGIES": "kdacp.cp", "build_cp_plan": "kdacp.cp",
+          "init_device_mesh": "kdacp.cp", "new_cp_group": "kdacp.cp",
+          "RankRole": "kdacp.bench.rank_role", "StandInExchange": "kdacp.bench.rank_role"}
 
-:class:`RankRole` runs one rank's part of a call in this process, against the plan's exchange or a
-:class:`StandInExchange` that moves nothing: how benchmarks time each rank's role and tests check its schedule.
-"""
-from .groups import init_device_mesh
-from .groups import new_group as new_cp_group
-from .plan import STRATEGIES, CPPlan, build_cp_plan
-from .rank_role import RankRole, StandInExchange
+__all__ = sorted(_MOVED)
 
-__all__ = ["CPPlan", "RankRole", "STRATEGIES", "StandInExchange", "build_cp_plan", "init_device_mesh", "new_cp_group"]
+warnings.warn("kdacp.distributed is deprecated; import from kdacp.cp instead", DeprecationWarning, stacklevel=2)
+
+
+def __getattr__(name: str):
+    """A name this package exported, from its new module."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"kdacp.distributed.{name} is deprecated; use {_MOVED[name]}.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -51,8 +51,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ..backends import backend_fuses
+from ..cp.context import SINGLE_DEVICE, ContextParallel
 from ..gdn import chunk_gated_delta_rule
-from ..layers.context_parallel import SINGLE_DEVICE, ContextParallel
 from ..layers.short_conv import causal_conv1d
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",

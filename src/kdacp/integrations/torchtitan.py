@@ -79,9 +79,9 @@ from torchtitan.trainer import Trainer
 
 from ..backends import backend_fuses
 from ..compile import hold_for_regions, run_opaque
-from ..distributed.layout import TokenLayout, contiguous_layout, ranges_layout
+from ..cp.batch_context import CPContext, build_cp_context
+from ..cp.layout import TokenLayout, contiguous_layout, ranges_layout
 from ..gdn import chunk_gated_delta_rule
-from ..layers.cp_context import CPContext, build_cp_context
 from ..layers.short_conv import causal_conv1d
 from ..models.batch import shard_tokens
 from ..sequences import sequence_positions
@@ -143,7 +143,7 @@ class BalancedLayout:
 
     Rank ``r``'s tokens are the ``r``-th of ``P`` equal parts of the balancer's rearranged order (torch's
     contract), each rank's in ascending global order. Calling it with the batch's global document offsets
-    gives its :class:`~kdacp.distributed.layout.TokenLayout` (the last :data:`CACHED_BATCHES` kept).
+    gives its :class:`~kdacp.cp.layout.TokenLayout` (the last :data:`CACHED_BATCHES` kept).
     """
 
     balancer: str | None = "headtail"
@@ -195,7 +195,7 @@ class GatedDeltaContext:
 
     torchtitan hands each GDN module the *global* document offsets of the batch (``cu_seqlens`` on
     the device, ``cu_seqlens_cpu`` on the host, int32, ``[N+1]``) and this rank's tokens. The host values
-    key the batch's :class:`~kdacp.layers.CPContext` (its layout, plan, local offsets and halo routes), built
+    key the batch's :class:`~kdacp.cp.CPContext` (its layout, plan, local offsets and halo routes), built
     by the first layer call of the batch and read by every later one (torchtitan clones ``cu_seqlens`` per call).
 
     Args:
@@ -219,7 +219,7 @@ class GatedDeltaContext:
 
     def batch_context(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
                       local_length: int) -> CPContext:
-        """The :class:`~kdacp.layers.CPContext` of the batch of global offsets ``cu_seqlens_cpu`` of which this
+        """The :class:`~kdacp.cp.CPContext` of the batch of global offsets ``cu_seqlens_cpu`` of which this
         rank holds ``local_length`` tokens (its device tensors on ``cu_seqlens``' device)."""
         _check_offsets(cu_seqlens, cu_seqlens_cpu)
         return self._contexts(tuple(cu_seqlens_cpu.tolist()), local_length, cu_seqlens.device)

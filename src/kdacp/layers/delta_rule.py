@@ -18,7 +18,7 @@ from ..backends import backend_fuses
 from ..compile import run_opaque
 from ..reference.gates import compute_dtype
 from ..validation import check_hidden_states, check_layer_sizes
-from .context_parallel import SINGLE_DEVICE, ContextParallel
+from ..cp.context import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution, causal_conv1d
 
@@ -91,7 +91,7 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
 
     Args:
         parts: the modules' parts (:class:`MixerParts`).
-        cp: the context-parallel hooks (:class:`~kdacp.layers.cp_hooks.CPHooks`: :class:`ContextParallel` or
+        cp: the context-parallel hooks (:class:`~kdacp.cp.hooks.CPHooks`: :class:`ContextParallel` or
             :data:`SINGLE_DEVICE`).
         x: ``[B, T, hidden]``, this rank's tokens of the global batch under ``cp`` (its layout's ranges, in
             global order).

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from ..kda import chunk_kda
-from .context_parallel import ContextParallel
+from ..cp.context import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
 

@@ -2,7 +2,7 @@
 transformers' attention registry as :data:`ATTENTION_NAME`.
 
 The module's own forward computes q, k, v (norms, rotary embedding of the global positions) on the local
-tokens, which are this rank's ranges of the context's token layout (:class:`kdacp.layers.CPContext`, the one
+tokens, which are this rank's ranges of the context's token layout (:class:`kdacp.cp.CPContext`, the one
 the linear-attention layers of the step use); the registered function exchanges them and attends with the
 layout's causal per-document mask: query at global position ``i`` sees keys ``j <= i`` of its own document.
 Two exchanges, chosen per call (:func:`kv_replication`):
@@ -15,7 +15,7 @@ Two exchanges, chosen per call (:func:`kv_replication`):
   FLOPs are equal whatever the layout.
 * K/V all-gather: every rank gathers the keys and values of the whole sequence (padded to the longest rank)
   and attends its own queries; backward reduce-scatters their gradients. Its per-rank FLOPs follow the
-  layout's causal work (:attr:`kdacp.layers.CPContext.attention_work`): ``(2r+1)/P^2`` of the total on rank
+  layout's causal work (:attr:`kdacp.cp.CPContext.attention_work`): ``(2r+1)/P^2`` of the total on rank
   ``r`` under the contiguous layout, equal to within a chunk's rounding under zigzag.
 
 Bytes each rank sends per local token and layer (forward; the backward moves the same), ``P`` ranks, head
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..compile import hold_for_regions, run_opaque
-from ..layers.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
+from ..cp.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
 from ..layers.short_conv import sequence_positions
 from .batch import LAYOUT_KWARG
 from .checks import global_cu_seqlens, refuse_cache_and_mask

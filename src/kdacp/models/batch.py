@@ -2,7 +2,7 @@
 contract.
 
 Model-independent: works for any causal LM whose context-parallel forward takes each rank's tokens in the
-order of a :class:`~kdacp.distributed.layout.TokenLayout` (a rank's ranges concatenated in ascending global
+order of a :class:`~kdacp.cp.layout.TokenLayout` (a rank's ranges concatenated in ascending global
 order; the contiguous layout: equal time shards in rank order).
 
 The loss-scaling contract (:func:`global_token_mean_loss`, and the ``.loss`` of a parallelised model): the
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.groups import process_group
-from ..distributed.layout import LAYOUTS, TokenLayout, make_layout
+from ..cp.groups import process_group
+from ..cp.layout import LAYOUTS, TokenLayout, make_layout
 from ..sequences import sequence_positions
 
 __all__ = ["LAYOUT_KWARG", "ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch", "shard_tokens"]
@@ -52,7 +52,7 @@ class ShardedBatch:
         cu_seqlens: ``[N+1]`` int64 global document boundaries, padding included (None: ``B`` unpacked
             sequences). The same tensor object must reach every layer of a step: the plans are built once
             per tensor.
-        layout: the :class:`~kdacp.distributed.layout.TokenLayout` of the global (padded) stream the shard
+        layout: the :class:`~kdacp.cp.layout.TokenLayout` of the global (padded) stream the shard
             was cut by; :meth:`model_kwargs` hands it to the model, which checks it against its own.
         rank: the rank whose share this is.
         padding: how many ``pad_id`` tokens :func:`shard_tokens` added to the global batch so that it splits
@@ -227,12 +227,12 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
             document, after its last real token (so no real token sees them), positions continuing, and
             ``cu_seqlens`` moved to include them (Megatron-Core's padded packed format). ``"balanced_documents"``
             of a packed batch: ``(-T) % P`` tokens as a document of their own at the end. None: refuse such a ``T``.
-        layout: one of :data:`~kdacp.distributed.layout.LAYOUTS` (``"contiguous"``: rank ``r`` holds the
+        layout: one of :data:`~kdacp.cp.layout.LAYOUTS` (``"contiguous"``: rank ``r`` holds the
             ``r``-th equal time shard; ``"zigzag"``: the stream cut into ``2P`` chunks, rank ``r`` holding chunks
             ``r`` and ``2P-1-r``; ``"document_zigzag"``: the same per document; ``"balanced_documents"``:
-            :func:`~kdacp.distributed.layout.balanced_document_layout`, the long documents cut per document, the
+            :func:`~kdacp.cp.layout.balanced_document_layout`, the long documents cut per document, the
             short ones whole, for level attention work), or a
-            :class:`~kdacp.distributed.layout.TokenLayout` of the ``T`` tokens (taken as is, uneven allowed).
+            :class:`~kdacp.cp.layout.TokenLayout` of the ``T`` tokens (taken as is, uneven allowed).
 
     Returns:
         A :class:`ShardedBatch`; pass ``batch.model_kwargs()`` to the parallelised model.

@@ -7,7 +7,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from ..layers.context_parallel import ContextParallel
+from ..cp.context import ContextParallel
 from .batch import LAYOUT_KWARG
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply

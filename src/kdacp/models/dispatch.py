@@ -7,7 +7,7 @@ import contextlib
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layers.context_parallel import ContextParallel
+from ..cp.context import ContextParallel
 from ..layers.delta_rule import DeltaRuleLayer
 from . import kimi_linear, qwen3_next
 from .loading import say_kernel_fallbacks_once
@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
         cp: a :class:`kdacp.ContextParallel`, or a ``DeviceMesh`` (:meth:`ContextParallel.from_mesh`:
             1-D: ``state`` mode; 2-D ``(state, ulysses)``: ``hybrid``).
         layout: the token layout every batch is sharded by (``"contiguous"``, ``"zigzag"``,
-            ``"document_zigzag"``, ``"balanced_documents"`` or a :class:`~kdacp.distributed.layout.TokenLayout`;
+            ``"document_zigzag"``, ``"balanced_documents"`` or a :class:`~kdacp.cp.layout.TokenLayout`;
             all but contiguous balance the softmax attention's causal work): with a mesh, the context's layout;
             with a ``ContextParallel``, it must be that context's (default: the context's, or contiguous for a
             mesh). Shard each batch with ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses

@@ -9,8 +9,8 @@ import torch.nn as nn
 
 import torch
 
-from ..distributed.groups import process_group
-from ..layers.context_parallel import ContextParallel
+from ..cp.groups import process_group
+from ..cp.context import ContextParallel
 from ..layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
 from .batch import causal_lm_loss

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..kda import chunk_kda
-from ..layers.context_parallel import ContextParallel
+from ..cp.context import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
 from .checks import SILU_NAMES, token_mixers

@@ -42,9 +42,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..distributed.groups import process_group
-from ..distributed.layout import make_layout
-from ..layers.cp_hooks import CPHooks
+from ..cp.groups import process_group
+from ..cp.layout import make_layout
+from ..cp.hooks import CPHooks
 from .attention import ATTENTION_NAME, cudnn_attend, split_lower_right
 from .batch import ShardedBatch, shard_batch
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..gdn import chunk_gated_delta_rule
-from ..layers.context_parallel import ContextParallel
+from ..cp.context import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import check_attention
 from .checks import SILU_NAMES, token_mixers
