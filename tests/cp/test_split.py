@@ -68,7 +68,7 @@ def _run(op: str, args: dict, do: torch.Tensor, dfinal: torch.Tensor, **kwargs):
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn"])
-# S = 2 and 7 (the fewest pieces, and pieces shorter than a chunk of the longest document); 3 and 5 with -m slow
+# S = 2 and 7 (the fewest pieces, and the most: the 11-chunk document in pieces of 2 chunks); 3 and 5 with -m slow
 @pytest.mark.parametrize("pieces", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow), 7])
 def test_one_device_split_matches_reference(op, pieces, chain_walks):
     args = _inputs(op, seed=10 * pieces + (op == "gdn"))
