@@ -100,7 +100,7 @@ def test_autograd_dtypes_bias_activation(dtype, bias, activation):
     inputs, dy = make(1, 70, 48, 4, bias=bias, halo=True, dtype=dtype, seed=1)
     cu = torch.tensor([0, 2, 40, 70], device=DEVICE)
     leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
-    y = sc.causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu,
+    y = sc.fused_causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu,
                          cu_seqlens_cpu=cu.cpu(), activation=activation)
     grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
     check(inputs, dy, cu, activation, y, grads)
@@ -122,7 +122,7 @@ def test_halo_gradient_only_when_asked():
     # a halo that needs no gradient still feeds dweight (its rows' terms)
     inputs, dy = make(1, 20, 16, 4, halo=True, seed=3)
     x, weight = inputs["x"].clone().requires_grad_(), inputs["weight"].clone().requires_grad_()
-    y = sc.causal_conv1d(x, weight, inputs["bias"], halo=inputs["halo"])
+    y = sc.fused_causal_conv1d(x, weight, inputs["bias"], halo=inputs["halo"])
     dx, dweight = torch.autograd.grad(y, [x, weight], dy)
     g_ref = truth(inputs, dy, None, "silu")[1]
     assert rel_err(dx, g_ref["x"]) < TOL[torch.float32] and rel_err(dweight, g_ref["weight"]) < TOL[torch.float32]
@@ -135,7 +135,7 @@ def test_nan_stays_in_its_document():
     inputs["x"][0, 10] = float("nan")
     cu = torch.tensor([0, 12, 60], device=DEVICE)
     x = inputs["x"].clone().requires_grad_()
-    y = sc.causal_conv1d(x, inputs["weight"], inputs["bias"], cu_seqlens=cu)
+    y = sc.fused_causal_conv1d(x, inputs["weight"], inputs["bias"], cu_seqlens=cu)
     (dx,) = torch.autograd.grad(y, [x], dy)
     assert y[0, 10:12].isnan().all() and y[0, 12:].isfinite().all()
     assert dx[0, 12:].isfinite().all() and dx[0, 7:10].isnan().all()
@@ -157,7 +157,7 @@ def test_bad_input_is_named(change, error, match):
                 activation="silu")
     args.update({n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in change.items()})
     with pytest.raises(error, match=match):
-        sc.causal_conv1d(**{n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in args.items()})
+        sc.fused_causal_conv1d(**{n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in args.items()})
 
 
 def test_bad_tiles_are_named():
@@ -187,7 +187,7 @@ def test_real_sizes_match_reference(D, bias, packed):
     inputs, dy = make(1, 16384, D, 4, bias=bias, halo=True, dtype=torch.bfloat16, seed=5)
     cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
     leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
-    y = sc.causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu)
+    y = sc.fused_causal_conv1d(leaves["x"], leaves["weight"], leaves.get("bias"), halo=leaves["halo"], cu_seqlens=cu)
     grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
     check(inputs, dy, cu, "silu", y, grads)
 
@@ -219,7 +219,7 @@ def test_real_sizes_within_bf16_rounding_of_fla(packed):
     cu = torch.tensor(REAL_CU, device=DEVICE) if packed else None
     names = ["x", "weight", "bias", "halo"]
     ours = {n: inputs[n].clone().requires_grad_() for n in names}
-    y = sc.causal_conv1d(ours["x"], ours["weight"], ours["bias"], halo=ours["halo"], cu_seqlens=cu)
+    y = sc.fused_causal_conv1d(ours["x"], ours["weight"], ours["bias"], halo=ours["halo"], cu_seqlens=cu)
     g = dict(zip(names, torch.autograd.grad(y, list(ours.values()), dy)))
     # FLA's cache holds the W tokens before each sequence ([N, D, W], newest last; it reads the last W-1)
     theirs = {n: inputs[n].clone().requires_grad_() for n in names}
@@ -249,8 +249,8 @@ def test_backward_is_deterministic():
 def test_partial_sums_over_many_programs(W, bias, monkeypatch):
     # the reduction made small: 2 x 5 programs of 4 rows give more partial-sum rows than one of its steps takes,
     # not a multiple of it, and channels over more than one of its programs (the last one masked)
-    monkeypatch.setattr(sc, "_SUM_BR", 4)
-    monkeypatch.setattr(sc, "_SUM_BD", 16)
+    monkeypatch.setattr(sc.launch, "SUM_BR", 4)
+    monkeypatch.setattr(sc.launch, "SUM_BD", 16)
     inputs, dy = make(2, 18, 40, W, bias=bias, halo=True, seed=9)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["halo"], None, "silu")
     y = sc.short_conv_fwd(*args)

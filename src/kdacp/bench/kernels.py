@@ -480,9 +480,9 @@ def _conv_contenders(x, with_fla) -> dict:
     leaves = {"x": x["x"].detach().requires_grad_(), "w": x["weight"].detach().requires_grad_()}
 
     def ours():
-        return short_conv.causal_conv1d(x["x"], x["weight"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+        return short_conv.fused_causal_conv1d(x["x"], x["weight"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
 
-    y_ours = short_conv.causal_conv1d(leaves["x"], leaves["w"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+    y_ours = short_conv.fused_causal_conv1d(leaves["x"], leaves["w"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
     found = {"kdacp": (ours, lambda: torch.autograd.grad(y_ours, [leaves["x"], leaves["w"]], x["dy"],
                                                          retain_graph=True))}
     if not with_fla:

@@ -10,7 +10,7 @@ Modules: ``state_summary`` / ``state_gradient`` (the kernels and their launchers
 ``compose`` (the fold kernel), ``tiles`` (shared Triton helpers), ``precision`` (:class:`SummaryPrecision`, the policy
 of their products, and the products themselves), ``checks`` (input checks), ``config``
 (:class:`SummaryConfig`); ``short_conv`` (the layers' depthwise short convolution, forward and
-backward, with its own launchers: :func:`kdacp.kernels.short_conv.causal_conv1d`).
+backward, with its own launchers: :func:`kdacp.kernels.short_conv.fused_causal_conv1d`).
 """
 from .state_gradient import state_gradient_summary
 from .state_summary import state_summary, transition

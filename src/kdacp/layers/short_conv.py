@@ -89,8 +89,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         else:
             return _with_halos_in_line(x, weight, bias, halo, cu_seqlens_cpu, fused, activation, range_starts)
     if fused and short_conv.MIN_WIDTH <= weight.shape[-1] <= short_conv.MAX_WIDTH:
-        return short_conv.causal_conv1d(x, weight, bias, halo=halo, cu_seqlens=cu_seqlens,
-                                        cu_seqlens_cpu=cu_seqlens_cpu, activation=activation)
+        return short_conv.fused_causal_conv1d(x, weight, bias, halo=halo, cu_seqlens=cu_seqlens,
+                                              cu_seqlens_cpu=cu_seqlens_cpu, activation=activation)
     return _eager(x, weight, bias, halo, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, activation)
 
 

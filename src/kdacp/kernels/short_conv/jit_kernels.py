@@ -1,89 +1,18 @@
-"""Depthwise causal short convolution (width 2..4) as Triton kernels, forward and backward.
-
-    y[b, t, d] = act(bias[d] + sum_{j < W} weight[d, W-1-j] * x[b, t-j, d])        act: SiLU or identity
-
-over each sequence: a tap reaching before its sequence's first token reads zero, except that the first
-sequence's taps before token 0 read ``halo`` (the previous rank's last ``W-1`` tokens) when one is given.
-Shapes are FLA's: ``x [B, T, D]`` (any strides), ``weight [D, W]``, ``bias [D]``, ``halo [B, W-1, D]``,
-``cu_seqlens [N+1]`` with ``B == 1``. The plain-PyTorch contract, the CPU path and the reference these
-kernels are tested against is :func:`kdacp.layers.short_conv.causal_conv1d`.
-
-The bytes moved are the floor: the forward reads ``x`` and writes ``y``; the backward reads ``x`` and ``dy``
-and writes ``dx``, recomputing the pre-activation in registers (nothing is saved but the inputs). Each program
-walks a strip of rows of ``BD`` channels one row at a time (the loads of ``UNROLL`` rows issued together),
-keeping the ``W-1`` previous rows of ``x`` (and, walking backward, the ``W-1`` next rows' gradient ``g`` at the
-pre-activation) in registers, so every row is read once: no shifted reloads, no shuffles across threads.
-``dweight`` and ``dbias`` are per-program float32 partial sums reduced once afterwards (no atomics: the
-results are deterministic). Sequence boundaries are found in the kernel (one binary search of ``cu_seqlens``
-per program, then scalar steps): no host sync, no index tensor. A group of four rows whose taps all lie in one
-sequence and in the program's rows (all but a few per sequence start and program edge) runs without the
-per-tap masks, and the sigmoid takes the hardware's approximate ``exp2`` and reciprocal: the backward was
-bound by instruction issue (offline SASS for sm_90: about 50 -> 33 per element, 0.155 -> 0.141 ms). A step may
-load two groups of four rows before computing them (``ConvTiles.groups``): the forward, bound by loads in
-flight, gains (0.086 -> 0.078 ms). The backward instead issues the next step's loads before computing its own
-(``ConvTiles.ahead``: kernel 129.7 -> 121.5 us), or Triton pipelines its loop (``ConvTiles.stages``, the loads
-staged through shared memory: 111 us, shipped). Both passes reach about three quarters of the memory
-bandwidth that torch's own copy and add reach (benchmarks/RESULTS.md, "Short convolution").
-"""
+"""The short convolution's Triton kernels: the forward, the backward and the reduction of its per-program
+partial sums (:mod:`kdacp.kernels.short_conv` has the math and the design; :mod:`.launch` launches them)."""
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..validation import check_cu_seqlens, check_tensor
-from .precision import INTERPRET
-
-__all__ = ["ConvTiles", "ShortConvGrads", "causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
-
-ACTIVATIONS = (None, "silu")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_WIDTH, MAX_WIDTH = 2, 4
-
-
-@dataclass(frozen=True)
-class ConvTiles:
-    """Launch shape: each program walks ``rows`` rows of ``BD`` channels, ``groups`` groups of ``UNROLL`` rows
-    per step (their loads issued together, 1 or 2); ``maxnreg`` caps the registers per thread (None: the
-    compiler's choice); ``ahead`` (the backward, one group per step): each step issues the next step's
-    loads before computing its own, in registers; ``stages`` (the backward): Triton's software pipelining of
-    the row loop (``tl.range(num_stages=stages)``: ``stages - 1`` steps' loads in flight through shared
-    memory; 1: none)."""
-
-    rows: int
-    BD: int
-    num_warps: int
-    maxnreg: int | None = None
-    groups: int = 1
-    ahead: bool = False
-    stages: int = 1
-
-    def __post_init__(self):
-        if self.groups not in (1, 2):
-            raise ValueError(f"groups must be 1 or 2, got {self.groups}")
-        if self.ahead and self.groups != 1:
-            raise ValueError(f"ahead loads the next step's one group: it needs groups=1, got groups={self.groups}")
-        if not 1 <= self.stages <= 4:
-            raise ValueError(f"stages must be 1 to 4, got {self.stages}")
-
-    def launch_options(self) -> dict:
-        return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
-
+from ..precision import INTERPRET
 
 UNROLL = 4
 # The sigmoid in inline PTX (see _sigmoid): on NVIDIA GPUs; the interpreter and ROCm builds take tl.sigmoid.
 FAST_SIGMOID = not INTERPRET and torch.version.hip is None
-# The fastest of kdacp.bench.kernels.sweep_conv's tilings (least time summed over one sequence and 13 documents
-# after a halo; T=16K, D=4096, bf16, W=4) on an H200; the backward's loop pipelined in 3 stages; 512 channels on
-# 2 warps tie 1024 on 4 at D=4096 and win at D=6144 (benchmarks/RESULTS.md, "Short convolution").
-FWD_TILES = ConvTiles(rows=32, BD=256, num_warps=2, groups=2)
-BWD_TILES = ConvTiles(rows=256, BD=512, num_warps=2, stages=3)
-# _sum_parts_kernel: rows of partial sums per step and channels per program
-_SUM_BR, _SUM_BD = 32, 32
+# sum_parts_kernel: rows of partial sums per step and channels per program
+SUM_BR, SUM_BD = 32, 32
 
 
 @triton.jit
@@ -262,7 +191,7 @@ def _fwd_group(u, x_a, x_b, x_c, x_d, x_1, x_2, x_3, n, start, end, y, cu_seqlen
 
 
 @triton.jit
-def _fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
+def fwd_kernel(x, halo, weight, bias, y, cu_seqlens, T, D, n_seqs, search_steps, rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
                 HAS_HALO: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, FAST: tl.constexpr,
@@ -431,7 +360,7 @@ def _bwd_group_f32(r_a, r_b, r_c, r_d, q_a, q_b, q_c, q_d, halo, u, cols, m_d, s
 
 
 @triton.jit
-def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, parts, cu_seqlens, T, D, n_seqs, search_steps,
+def bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, parts, cu_seqlens, T, D, n_seqs, search_steps,
                 rows_per_program,
                 s_xb, s_xt, s_xd, s_hb, s_ht, s_hd, s_wd, s_ww, s_yb, s_yt, s_yd, s_gb, s_gt, s_gd, s_qb, s_qt, s_qd,
                 W: tl.constexpr, BD: tl.constexpr, UNROLL_ROWS: tl.constexpr, SILU: tl.constexpr,
@@ -446,7 +375,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, parts, cu_seqlens, T, D, n
     them (``AHEAD``, with one group: each step issues the next step's loads before computing its own;
     ``STAGES``: the loop software-pipelined by Triton).
     ``dweight`` and ``dbias`` are per-program float32 partial sums, ``parts [B, programs, W + HAS_BIAS, D]``
-    (the bias's in row ``W``), reduced once afterwards by :func:`_sum_parts_kernel` (deterministic)."""
+    (the bias's in row ``W``), reduced once afterwards by :func:`sum_parts_kernel` (deterministic)."""
     tl.static_assert(UNROLL_ROWS == 4)
     tl.static_assert((GROUPS == 1) | (GROUPS == 2))
     tl.static_assert(not (AHEAD and GROUPS == 2))
@@ -515,7 +444,7 @@ def _bwd_kernel(x, halo, weight, bias, dy, dx, dhalo, parts, cu_seqlens, T, D, n
 
 
 @triton.jit
-def _sum_parts_kernel(parts, dweight, dbias, R, D, s_wd, s_ww, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+def sum_parts_kernel(parts, dweight, dbias, R, D, s_wd, s_ww, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                       C_PAD: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """``dweight[d, j] = sum_r parts[r, j, d]`` (and ``dbias[d] = sum_r parts[r, W, d]``) for ``BD`` channels,
     in float32, ``BR`` rows at a time in a fixed order (deterministic), cast to the outputs' dtypes on store.
@@ -536,158 +465,3 @@ def _sum_parts_kernel(parts, dweight, dbias, R, D, s_wd, s_ww, W: tl.constexpr, 
     if HAS_BIAS:
         db = tl.sum(tl.where((o_c == W)[:, None], acc, 0.), axis=0)
         tl.store(dbias + cols, db.to(dbias.dtype.element_ty), mask=m_d)
-
-
-class ShortConvGrads(NamedTuple):
-    """Gradients of :func:`causal_conv1d`: ``dx`` like ``x``; ``dweight [D, W]`` like ``weight``; ``dbias``
-    and ``dhalo`` like theirs, or None where there is none (or none was asked for)."""
-
-    dx: torch.Tensor
-    dweight: torch.Tensor
-    dbias: torch.Tensor | None
-    dhalo: torch.Tensor | None
-
-
-def _varlen_args(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> tuple:
-    """``(cu_seqlens or a dummy pointer, N, binary-search steps over [0, N-1])``."""
-    if cu_seqlens is None:
-        return x, 1, 0
-    n = cu_seqlens.numel() - 1
-    return cu_seqlens, n, (n - 1).bit_length()
-
-
-def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, activation: str | None,
-                   tiles: ConvTiles | None = None) -> torch.Tensor:
-    """``y [B, T, D]`` in ``x``'s dtype (contiguous), for checked inputs (see :func:`causal_conv1d`);
-    ``tiles`` default :data:`FWD_TILES`."""
-    tiles = tiles or FWD_TILES
-    if tiles.ahead or tiles.stages != 1:
-        raise ValueError("tiles.ahead and tiles.stages are the backward's options; the forward's steps take "
-                         "groups=2 instead")
-    B, T, D = x.shape
-    W = weight.shape[1]
-    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
-    h = x if halo is None else halo
-    grid = (triton.cdiv(D, tiles.BD), triton.cdiv(T, tiles.rows), B)
-    _fwd_kernel[grid](x, h, weight, x if bias is None else bias, y, cu, T, D, n_seqs, steps, tiles.rows,
-                      *x.stride(), *h.stride(), *weight.stride(), *y.stride(),
-                      W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu", HAS_HALO=halo is not None,
-                      HAS_BIAS=bias is not None, IS_VARLEN=cu_seqlens is not None, FAST=FAST_SIGMOID,
-                      GROUPS=tiles.groups, **tiles.launch_options())
-    return y
-
-
-def short_conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, activation: str | None, dy: torch.Tensor, want_dhalo: bool = True,
-                   tiles: ConvTiles | None = None) -> ShortConvGrads:
-    """The gradients for ``dy [B, T, D]`` (any strides), recomputing the pre-activation from ``x``;
-    ``want_dhalo=False`` skips ``dhalo``; ``tiles`` default :data:`BWD_TILES`."""
-    B, T, D = x.shape
-    tiles = tiles or BWD_TILES
-    W = weight.shape[1]
-    n_programs = triton.cdiv(T, tiles.rows)  # the first also owns the halo's rows
-    dx = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    dhalo = torch.empty(B, W - 1, D, dtype=halo.dtype, device=x.device) if halo is not None else None
-    # every program writes its slice of the partial sums: no zero fill needed
-    has_bias = bias is not None
-    parts = torch.empty(B, n_programs, W + has_bias, D, dtype=torch.float32, device=x.device)
-    cu, n_seqs, steps = _varlen_args(cu_seqlens, x)
-    h = x if halo is None else halo
-    q = dx if dhalo is None else dhalo
-    grid = (triton.cdiv(D, tiles.BD), n_programs, B)
-    _bwd_kernel[grid](x, h, weight, x if bias is None else bias, dy, dx, q, parts, cu, T, D, n_seqs, steps,
-                      tiles.rows,
-                      *x.stride(), *h.stride(), *weight.stride(), *dy.stride(), *dx.stride(), *q.stride(),
-                      W=W, BD=tiles.BD, UNROLL_ROWS=UNROLL, SILU=activation == "silu",
-                      HAS_HALO=halo is not None, HAS_BIAS=has_bias, IS_VARLEN=cu_seqlens is not None,
-                      FAST=FAST_SIGMOID, GROUPS=tiles.groups, AHEAD=tiles.ahead, STAGES=tiles.stages,
-                      **tiles.launch_options())
-    dweight = torch.empty(D, W, dtype=weight.dtype, device=x.device)
-    dbias = torch.empty(D, dtype=bias.dtype, device=x.device) if has_bias else None
-    _sum_parts_kernel[(triton.cdiv(D, _SUM_BD),)](parts, dweight, dweight if dbias is None else dbias,
-                                                   B * n_programs, D, *dweight.stride(), W=W, HAS_BIAS=has_bias,
-                                                   C_PAD=triton.next_power_of_2(W + has_bias), BR=_SUM_BR,
-                                                   BD=_SUM_BD, num_warps=4)
-    return ShortConvGrads(dx, dweight, dbias, dhalo if want_dhalo else None)
-
-
-class _ShortConvFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, halo, cu_seqlens, activation):
-        ctx.save_for_backward(x, weight, bias, halo, cu_seqlens)
-        ctx.activation = activation
-        return short_conv_fwd(x, weight, bias, halo, cu_seqlens, activation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, halo, cu_seqlens = ctx.saved_tensors
-        grads = short_conv_bwd(x, weight, bias, halo, cu_seqlens, ctx.activation, dy,
-                               want_dhalo=ctx.needs_input_grad[3])
-        return grads.dx, grads.dweight, grads.dbias, grads.dhalo, None, None
-
-
-def _check_inputs(x, weight, bias, halo, cu_seqlens, cu_seqlens_cpu, activation) -> None:
-    check_tensor("x", x, ndim=3)
-    check_tensor("weight", weight, ndim=2)
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x must have dtype bfloat16, float16 or float32, got {x.dtype}")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"x is on {x.device}; the kernels need a CUDA device (or TRITON_INTERPRET=1 set before "
-                         "triton is imported)")
-    B, T, D = x.shape
-    if T < 1 or D < 1:
-        raise ValueError(f"x must have at least one token and one channel, got shape {tuple(x.shape)}")
-    if weight.shape[0] != D or not MIN_WIDTH <= weight.shape[1] <= MAX_WIDTH:
-        raise ValueError(f"weight must have shape [D={D}, W] with {MIN_WIDTH} <= W <= {MAX_WIDTH}, "
-                         f"got {tuple(weight.shape)}")
-    W = weight.shape[1]
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != D:
-            raise ValueError(f"bias must have shape [D={D}], got {tuple(bias.shape)}")
-    if halo is not None:
-        check_tensor("halo", halo, ndim=3)
-        if tuple(halo.shape) != (B, W - 1, D):
-            raise ValueError(f"halo must have shape [B={B}, W-1={W - 1}, D={D}], got {tuple(halo.shape)}")
-        if halo.dtype != x.dtype:
-            raise TypeError(f"halo must have x's dtype ({x.dtype}), got {halo.dtype}")
-    for name, t in (("weight", weight), ("bias", bias), ("halo", halo), ("cu_seqlens", cu_seqlens)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; they must share a device")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, B, T)
-        if cu_seqlens_cpu is not None and cu_seqlens_cpu.shape != cu_seqlens.shape:
-            raise ValueError(f"cu_seqlens_cpu must be cu_seqlens' host copy, got shapes {tuple(cu_seqlens_cpu.shape)} "
-                             f"and {tuple(cu_seqlens.shape)}")
-    elif cu_seqlens_cpu is not None:
-        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens; pass cu_seqlens too")
-
-
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  halo: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                  cu_seqlens_cpu: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
-    """``act(sum_j weight[:, W-1-j] * x[t-j] + bias)`` over each sequence, differentiable in ``x``,
-    ``weight``, ``bias`` and ``halo`` (the module docstring has the math).
-
-    Args:
-        x: ``[B, T, D]`` bfloat16, float16 or float32, any strides (a q|k|v slice needs no copy).
-        weight: ``[D, W]``, ``2 <= W <= 4``, any float dtype (tap ``W-1`` multiplies the current token).
-        bias: ``[D]`` or None.
-        halo: ``[B, W-1, D]`` in ``x``'s dtype: the ``W-1`` tokens before ``x[:, 0]`` of the sequence that
-            continues into ``x[:, 0]``; None: ``x`` starts its sequences.
-        cu_seqlens: ``[N+1]`` int boundaries of packed sequences (``B == 1``), on ``x``'s device.
-        cu_seqlens_cpu: the same on the host, if at hand: the check then reads it instead of syncing.
-        activation: ``"silu"`` or None.
-
-    Returns:
-        ``[B, T, D]`` in ``x``'s dtype, contiguous.
-
-    Raises:
-        TypeError, ValueError: naming the argument, before any kernel runs.
-    """
-    _check_inputs(x, weight, bias, halo, cu_seqlens, cu_seqlens_cpu, activation)
-    return _ShortConvFunction.apply(x, weight, bias, halo, cu_seqlens, activation)
