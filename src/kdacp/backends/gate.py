@@ -49,7 +49,7 @@ class BroadcastGate:
         K, g_dtype, dt_dtype = self._dtypes
         dg = grads.dg.to(g_dtype).sum(-1)
         ddt_bias = None if grads.ddt_bias is None or dt_dtype is None else \
-            grads.ddt_bias.to(dt_dtype).view(-1, K).sum(-1)
+            grads.ddt_bias.to(dt_dtype).reshape(-1, K).sum(-1)
         return replace(grads, dg=dg, ddt_bias=ddt_bias)
 
 
