@@ -77,7 +77,8 @@ def _forward(call: _Call, inputs: KDAInputs, initial_state):
 
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
-                      output_final_state, cp, summary_precision=None, gate: str = "channel") -> tuple[PreparedCall, CPPlan]:
+                      output_final_state, cp, summary_precision=None,
+                      gate: str = "channel") -> tuple[PreparedCall, CPPlan]:
     """Check :func:`chunk_kda`'s arguments (on every rank of ``cp.group`` alike under ``cp``) and return
     the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``, or the one-rank
     plan of the call's own batch). ``gate``: the gate's kind, ``"scalar"`` for GDN's ``g [B, T, HV]`` and

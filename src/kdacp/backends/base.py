@@ -6,8 +6,9 @@ is separate from the state pass and output (forward) and from the gradient pass 
 distributed op can start it before the exchange completes.
 
 All tensors are one packed row: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``
-(``[1, T, HV]`` for a scalar gate, :attr:`KDAOptions.gate`), ``beta [1, T, HV]``; a :class:`Span` picks whole segments ``[start, end)`` of it. States and
-summaries are float32 (float64 for float64 inputs): ``[n, HV, K, V]`` with ``n`` the span's segments.
+(``[1, T, HV]`` for a scalar gate, :attr:`KDAOptions.gate`), ``beta [1, T, HV]``; a :class:`Span` picks
+whole segments ``[start, end)`` of it. States and summaries are float32 (float64 for float64 inputs):
+``[n, HV, K, V]`` with ``n`` the span's segments.
 """
 from __future__ import annotations
 
