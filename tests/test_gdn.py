@@ -74,33 +74,43 @@ def test_bad_gate_shapes_name_the_argument():
         chunk_gated_delta_rule(**dict(args, A_log=None), backend="torch")
 
 
-def test_dt_bias_is_broadcast_only_where_kda_kernels_run():
-    """The KDA op's checks get a meta stand-in of GDN's ``dt_bias`` over ``K`` (no kernel); the ``torch``
-    backend (the KDA reference) gets the broadcast itself, with its gradient reaching ``dt_bias [HV]``."""
-    from kdacp.backends.call import prepare_call
-    from kdacp.gdn import gdn_as_kda_arguments
+@pytest.mark.parametrize("B", [1, 2])
+def test_the_gdn_call_reaches_the_backend_with_its_scalar_gate(monkeypatch, B):
+    """GDN's call carries its own gate to the backend: the options' gate kind ``"scalar"``, ``g [1, B*T, HV]``
+    and ``dt_bias [HV]`` as passed (not broadcast over ``K``); the ``torch`` backend (the KDA reference)
+    broadcasts it inside (:class:`kdacp.backends.gate.BroadcastGate`), the only broadcast, with the gradients
+    reaching ``g [B, T, HV]`` and ``dt_bias [HV]`` as the recurrence's."""
+    import kdacp.gdn
 
-    args = gdn_inputs(1, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
-    gate = gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
-    assert gate["dt_bias"].is_meta and tuple(gate["dt_bias"].shape) == (16,)
-    assert gate["dt_bias"].dtype == args["dt_bias"].dtype and gate["scalar_gate"][1] is args["dt_bias"]
-    gate.pop("use_gate_in_kernel")
-    call = prepare_call("torch", args["q"], args["k"], args["v"], beta=args["beta"], scale=None,
-                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=None, safe_gate=False,
-                        **gate)
-    assert torch.equal(call.inputs.dt_bias, args["dt_bias"].repeat_interleave(8))
-    call.inputs.dt_bias.sum().backward()
-    assert torch.equal(args["dt_bias"].grad, torch.full((2,), 8.0, dtype=torch.float64))
+    seen = []
+    run_prepared = kdacp.gdn.run_prepared
+
+    def recording_run_prepared(prepared, *args, **kwargs):
+        seen.append(prepared)
+        return run_prepared(prepared, *args, **kwargs)
+
+    monkeypatch.setattr(kdacp.gdn, "run_prepared", recording_run_prepared)
+    args = gdn_inputs(B, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
+    _check(lambda **a: chunk_gated_delta_rule(**a, backend="torch"), args, 1e-10)
+    assert len(seen) == 1
+    backend, inputs = seen[0].backend, seen[0].inputs
+    assert getattr(backend.options, "gate", None) == "scalar"
+    assert tuple(inputs.g.shape) == (1, B * 10, 2) and torch.equal(inputs.g, args["g"].reshape(1, B * 10, 2))
+    assert inputs.dt_bias is args["dt_bias"]
+    from kdacp.backends.gate import BroadcastGate
+    from kdacp.backends.torch_backend import TorchBackend
+    assert isinstance(backend, BroadcastGate) and type(backend.inner) is TorchBackend
+    assert backend.inner.options.gate == "channel"
 
 
-def test_the_gdn_call_preparation_dispatches_only_the_gate_broadcast():
-    """Host time: every dispatched op costs microseconds per call on a GPU host. Preparing GDN's arguments for
-    the KDA op dispatches the broadcast view of the gate alone (its ``dt_bias`` stand-in is made once), the
-    state dtype needs no op, and an unbatched output is returned as it is."""
+def test_the_gdn_call_preparation_dispatches_no_op():
+    """Host time: every dispatched op costs microseconds per call on a GPU host. Preparing GDN's gate for the
+    KDA op dispatches nothing (the gate goes as it is, its kind in the options), the state dtype needs no op,
+    and an unbatched output is returned as it is."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kdacp.backends.call import PreparedCall
-    from kdacp.gdn import gdn_as_kda_arguments
+    from kdacp.gdn import gdn_gate_arguments
     from kdacp.reference.gates import compute_dtype
 
     class Ops(TorchDispatchMode):
@@ -113,11 +123,11 @@ def test_the_gdn_call_preparation_dispatches_only_the_gate_broadcast():
             return func(*args, **(kwargs or {}))
 
     args = gdn_inputs(1, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
-    gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])  # the stand-in
     o = torch.zeros(1, 10, 2, 8)
     o16 = o.bfloat16()
     with Ops() as ops:
-        gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
+        gate = gdn_gate_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
         assert compute_dtype(args["q"]) == torch.float64 and compute_dtype(o16) == torch.float32
         assert PreparedCall(None, None, 1, 10, 2, 8).unpack(o) is o
-    assert sorted(ops.names) == ["aten.expand.default", "aten.unsqueeze.default"]
+    assert ops.names == []
+    assert gate["g"] is args["g"] and gate["dt_bias"] is args["dt_bias"] and gate["gate"] == "scalar"

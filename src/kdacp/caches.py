@@ -17,7 +17,6 @@ device sync on later calls; none holds a tensor a caller passed.
 | scan schedules | ``cp.exchanges.scan`` | ``(emits, affine)`` of a route | :data:`SCAN_SCHEDULES` (LRU) |
 | rank layouts of a batch | ``cp.plan`` | ``(boundaries, batch size, rank lengths)`` | :data:`RANK_LAYOUTS` (LRU) |
 | a plan's forward and backward routes | ``cp.schedule`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
-| GDN's ``dt_bias`` stand-in for the KDA op's checks (a meta tensor) | ``gdn`` | ``(size, dtype)`` | :data:`META_STAND_INS` (LRU) |
 | call signatures every rank verified | ``cp.checks`` | per live plan (:func:`~kdacp.cp.checks.verified_plans`) | freed with its plan |
 | a layer context's per-batch contexts (:class:`~kdacp.cp.CPContext`: plan, boundaries, positions) | ``cp.context`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
 | convolution halo routes | ``cp.batch_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
@@ -41,7 +40,6 @@ HALO_ROUTES = 64          # (batch, width) pairs whose convolution halo route is
 HALO_BOUNDARIES = 64      # (batch, width) pairs whose in-line halo boundaries are kept
 RANK_LAYOUTS = 64         # batches whose rank layouts are kept (every layer of a step asks for the same)
 ROUTES = 64               # (plan, shape) pairs whose routes are kept
-META_STAND_INS = 16       # sizes and dtypes of GDN's dt_bias stand-in
 
 
 class TensorKey:

@@ -77,27 +77,28 @@ def _forward(call: _Call, inputs: KDAInputs, initial_state):
 
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
-                      output_final_state, cp, summary_precision=None, scalar_gate=None) -> tuple[PreparedCall, CPPlan]:
+                      output_final_state, cp, summary_precision=None,
+                      gate: str = "channel") -> tuple[PreparedCall, CPPlan]:
     """Check :func:`chunk_kda`'s arguments (on every rank of ``cp.group`` alike under ``cp``) and return
     the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``, or the one-rank
-    plan of the call's own batch). ``scalar_gate``: GDN's own gate, see
-    :func:`~kdacp.backends.call.prepare_call`. Raises as :func:`chunk_kda`."""
+    plan of the call's own batch). ``gate``: the gate's kind, ``"scalar"`` for GDN's ``g [B, T, HV]`` and
+    ``dt_bias [HV]`` (see :func:`~kdacp.backends.call.prepare_call`). Raises as :func:`chunk_kda`."""
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    safe_gate=safe_gate, summary_precision=summary_precision)
     # the backend, chosen once by the call's shapes, dtypes and options (auto: attention-gym's cores within
     # their limits); under cp inside the cross-rank check, so that every rank raises alike
-    choose = functools.partial(choose_call_backend, q=q, k=k, v=v, scalar_gate=scalar_gate is not None,
+    choose = functools.partial(choose_call_backend, q=q, k=k, v=v, scalar_gate=gate == "scalar",
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                                summary_precision=summary_precision,
-                               training=wants_gradient(q, k, v, g, beta, A_log, dt_bias, *(scalar_gate or ())))
+                               training=wants_gradient(q, k, v, g, beta, A_log, dt_bias))
     if cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
         dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                                lower_bound=lower_bound)
+                                lower_bound=lower_bound, gate=gate)
         if check_finite:
             check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                                      A_log=A_log if use_gate_in_kernel else None,
@@ -109,9 +110,10 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
         name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                              backend=backend, resolve_backend=lambda b, d: choose(b, d).name,
                              check_finite=check_finite,
-                             cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu, **options)
+                             cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu, gate=gate,
+                             **options)
         plan = cp
-    return prepare_call(name, q, k, v, g, beta, scalar_gate=scalar_gate, **options), plan
+    return prepare_call(name, q, k, v, g, beta, gate=gate, **options), plan
 
 
 def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_final_state: bool, split=None):

@@ -133,15 +133,18 @@ def check_kda_dtypes(q, k, v, g, beta) -> None:
 def check_kda_inputs(
     q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, use_gate_in_kernel: bool = False,
     A_log=None, dt_bias=None, lower_bound=None, chunk_size: int | None = None, dtypes: bool = True,
+    gate: str = "channel",
 ) -> KDADims:
     """Check the FLA-layout KDA arguments and return their sizes.
 
     Expected: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``,
     ``HV % H == 0``, ``initial_state [N, HV, K, V]``; with ``use_gate_in_kernel``, ``A_log [HV]``
     and ``dt_bias [HV*K]`` (optional); ``lower_bound`` in [-5, 0); the dtypes as
-    :func:`check_kda_dtypes` (unless ``dtypes=False``: the caller checks them itself).
+    :func:`check_kda_dtypes` (unless ``dtypes=False``: the caller checks them itself). ``gate="scalar"``
+    (GDN's gate, :data:`~kdacp.backends.base.GATE_KINDS`): ``g [B, T, HV]`` and ``dt_bias [HV]`` instead.
     """
-    for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
+    scalar = gate == "scalar"
+    for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3 if scalar else 4), ("beta", beta, 3)):
         check_tensor(name, x, nd)
     B, T, H, K = q.shape
     if tuple(k.shape) != (B, T, H, K):
@@ -153,7 +156,10 @@ def check_kda_inputs(
         raise ValueError(f"q and v must be non-empty, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     if HV % H != 0:
         raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a multiple of the q/k heads H={H}")
-    if tuple(g.shape) != (B, T, HV, K):
+    if scalar and tuple(g.shape) != (B, T, HV):
+        raise ValueError(f"g must have shape [B, T, HV] = {(B, T, HV)} (one decay per value head and token), "
+                         f"got {tuple(g.shape)}")
+    if not scalar and tuple(g.shape) != (B, T, HV, K):
         raise ValueError(f"g must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
@@ -178,7 +184,11 @@ def check_kda_inputs(
             check_tensor("A_log", A_log)
             if A_log.numel() != HV or A_log.dim() != 1:
                 raise ValueError(f"A_log must have shape [HV] = [{HV}], got {tuple(A_log.shape)}")
-        if dt_bias is not None:
+        if dt_bias is not None and scalar:
+            check_tensor("dt_bias", dt_bias)
+            if tuple(dt_bias.shape) != (HV,):
+                raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
+        elif dt_bias is not None:
             check_tensor("dt_bias", dt_bias)
             if dt_bias.numel() != HV * K or dt_bias.dim() != 1:
                 raise ValueError(f"dt_bias must have shape [HV*K] = [{HV * K}], got {tuple(dt_bias.shape)}")

@@ -64,23 +64,27 @@ def _reference(x: dict, cu, options: KDAOptions):
 
 @pytest.mark.parametrize("backend", ["torch", "fla"])
 def test_prepare_call_runs_gdn_on_the_scalar_gate_with_fla_only(backend):
-    """The torch backend gets the broadcast gate and ``dt_bias [HV*K]``; the fla backend GDN's own."""
+    """Both backends get GDN's own gate (``g [1, T, HV]``, ``dt_bias [HV]``, the kind ``"scalar"``): the fla
+    backend runs FLA's GDN kernels on it, the torch backend the KDA reference on its broadcast, formed inside
+    the backend (:class:`kdacp.backends.gate.BroadcastGate`)."""
     from kdacp.backends.call import prepare_call
-    from kdacp.gdn import gdn_as_kda_arguments
+    from kdacp.gdn import gdn_gate_arguments
     if backend == "fla":
         _fla()
     x = _gdn_case(20, 1, 2, 8, 8, gate_in_kernel=True, dtype=torch.float32, seed=4)
-    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
+    gate = gdn_gate_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     call = prepare_call(backend, x["q"], x["k"], x["v"], beta=x["beta"], scale=None, use_qk_l2norm_in_kernel=True,
                         use_gate_in_kernel=True, lower_bound=None, safe_gate=False, **gate)
-    g, dt_bias = scalar_gate_as_kda(x["g"], 8, x["dt_bias"])
-    want_g, want_dt = (g, dt_bias) if backend == "torch" else (x["g"], x["dt_bias"])
-    assert type(call.backend).__name__ == ("TorchBackend" if backend == "torch" else "FlaGDNBackend")
-    assert call.inputs.g.shape == want_g.shape and torch.equal(call.inputs.g, want_g)
-    assert torch.equal(call.inputs.dt_bias, want_dt)
-    if backend == "fla":
-        assert call.inputs.dt_bias is x["dt_bias"]  # no broadcast formed
+    assert type(call.backend).__name__ == ("BroadcastGate" if backend == "torch" else "FlaGDNBackend")
+    assert call.backend.options.gate == "scalar"
+    assert call.inputs.g is x["g"] and call.inputs.dt_bias is x["dt_bias"]  # no broadcast formed here
+    if backend == "torch":
+        assert type(call.backend.inner).__name__ == "TorchBackend" and call.backend.inner.options.gate == "channel"
+        from kdacp.backends.base import Span
+        chunks = call.backend.prepare(call.inputs, Span(0, 20, (0, 20)))  # the broadcast, inside the backend
+        g, dt_bias = scalar_gate_as_kda(x["g"], 8, x["dt_bias"])
+        assert torch.equal(chunks.g, g) and torch.equal(chunks.dt_bias, dt_bias)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",

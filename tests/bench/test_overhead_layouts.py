@@ -66,10 +66,19 @@ def test_roles_stand_for_every_rank(layout, batch, P):
         assert len(layouts[1].positions) == 2 * len(layouts[P - 1].positions)
 
 
+def _chunk_kda(args: dict, **options):
+    """The chunked reference on ``args``, a GDN call's scalar gate (``g [1, T, HV]``, ``dt_bias [HV]``, the
+    kind its backend gets) broadcast over ``K`` (its gradients summed back)."""
+    if args["g"].dim() == 3:
+        g, dt_bias = reference.scalar_gate_as_kda(args["g"], args["q"].shape[-1], args.get("dt_bias"))
+        args = dict(args, g=g, dt_bias=dt_bias)
+    return reference.chunk_kda(**args, **options)
+
+
 def _prefix_state(args: dict, options: dict, bos: int, t: int) -> torch.Tensor:
     """The reference's state after global tokens ``[bos, t)`` of one document, ``[1, HV, K, V]``."""
     sliced = {n: x[:, bos:t] if x.dim() > 2 else x for n, x in args.items()}
-    return reference.chunk_kda(**sliced, **options, output_final_state=True)[1]
+    return _chunk_kda(sliced, **options, output_final_state=True)[1]
 
 
 def _state_gradient(args: dict, options: dict, do: torch.Tensor, bos: int, t: int, eos: int) -> torch.Tensor:
@@ -77,7 +86,7 @@ def _state_gradient(args: dict, options: dict, do: torch.Tensor, bos: int, t: in
     token ``t``, ``[1, HV, K, V]``."""
     state = _prefix_state(args, options, bos, t).detach().requires_grad_()
     sliced = {n: x[:, t:eos] if x.dim() > 2 else x for n, x in args.items()}
-    o, _ = reference.chunk_kda(**sliced, **options, initial_state=state)
+    o, _ = _chunk_kda(sliced, **options, initial_state=state)
     return torch.autograd.grad((o * do[:, t:eos]).sum(), state)[0]
 
 
@@ -96,7 +105,7 @@ def test_every_rank_run_as_a_role_gives_the_reference(one_thread, family, layout
                    use_gate_in_kernel=opts.use_gate_in_kernel, lower_bound=opts.lower_bound, cu_seqlens=None)
     args = {n: x.detach() for n, x in vars(call.inputs).items()}
     leaves = {n: x.clone().requires_grad_() for n, x in args.items()}
-    ref_o, _ = reference.chunk_kda(**leaves, **{**options, "cu_seqlens": torch.tensor(cu)})
+    ref_o, _ = _chunk_kda(leaves, **{**options, "cu_seqlens": torch.tensor(cu)})
     ref_grads = dict(zip(leaves, torch.autograd.grad(ref_o, list(leaves.values()), do)))
 
     def document(t: int) -> tuple[int, int]:  # the document [bos, eos) a cut at token t lies inside

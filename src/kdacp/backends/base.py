@@ -5,9 +5,10 @@ sequence's incoming state (gates, intra-chunk WY work, state summaries, the stat
 is separate from the state pass and output (forward) and from the gradient pass (backward), so the
 distributed op can start it before the exchange completes.
 
-All tensors are one packed row: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``,
-``beta [1, T, HV]``; a :class:`Span` picks whole segments ``[start, end)`` of it. States and
-summaries are float32 (float64 for float64 inputs): ``[n, HV, K, V]`` with ``n`` the span's segments.
+All tensors are one packed row: ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g [1, T, HV, K]``
+(``[1, T, HV]`` for a scalar gate, :attr:`KDAOptions.gate`), ``beta [1, T, HV]``; a :class:`Span` picks
+whole segments ``[start, end)`` of it. States and summaries are float32 (float64 for float64 inputs):
+``[n, HV, K, V]`` with ``n`` the span's segments.
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ from ..host_copies import to_device
 class KDAOptions:
     """Per-call settings shared by all stages (FLA's argument names, and ``summary_precision``: the
     summary kernels' precision policy, a :class:`kdacp.kernels.SummaryPrecision` name or ``None`` for the
-    default of the inputs' dtype; read by the ``fla`` backends only)."""
+    default of the inputs' dtype; read by the ``fla`` backends only), and ``gate``: the gate's kind, of
+    :data:`GATE_KINDS`: ``"channel"`` (KDA: one decay per value head, channel and token, ``g [1, T, HV, K]``,
+    ``dt_bias [HV*K]``) or ``"scalar"`` (GDN: one per value head and token, ``g [1, T, HV]``, ``dt_bias [HV]``).
+    A backend runs the kind its options name; one whose kernels take only the per-channel gate runs a scalar
+    one through :class:`kdacp.backends.gate.BroadcastGate`."""
 
     scale: float
     use_qk_l2norm_in_kernel: bool = False
@@ -32,11 +37,22 @@ class KDAOptions:
     safe_gate: bool = False
     chunk_size: int = 64
     summary_precision: str | None = None
+    gate: str = "channel"
+
+    def __post_init__(self):
+        if self.gate not in GATE_KINDS:
+            raise ValueError(f"gate must be one of {GATE_KINDS}, got {self.gate!r}")
+
+
+# The kinds of gate (:attr:`KDAOptions.gate`): per channel (KDA) or one scalar per value head (GDN).
+GATE_KINDS = ("channel", "scalar")
 
 
 @dataclass
 class KDAInputs:
-    """The raw inputs of one packed row (``A_log [HV]`` and ``dt_bias [HV*K]`` only with the gate in kernel)."""
+    """The raw inputs of one packed row (``A_log [HV]`` and ``dt_bias`` only with the gate in kernel); ``g`` and
+    ``dt_bias`` of the call's gate kind (:attr:`KDAOptions.gate`): ``[1, T, HV, K]`` and ``[HV*K]`` per
+    channel, ``[1, T, HV]`` and ``[HV]`` scalar."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -123,7 +139,7 @@ class BackwardStates:
 @dataclass
 class LocalGrads:
     """Gradients of one span: token-wise ``[1, T_span, ...]`` like the inputs, ``dA_log [HV]`` and
-    ``ddt_bias [HV*K]`` summed over the span (or ``None``)."""
+    ``ddt_bias`` (``dt_bias``'s shape) summed over the span (or ``None``)."""
 
     dq: torch.Tensor
     dk: torch.Tensor

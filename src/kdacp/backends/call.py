@@ -1,7 +1,8 @@
 """One call's preparation, shared by the single-device op (``kdacp.chunk_kda``) and the
-context-parallel one (``kdacp.chunk_kda``): the backend chosen once (:func:`choose_call_backend`), options, the
-backend instance, the inputs packed into
-one row, and the casting of the gradients back to the inputs' dtypes."""
+context-parallel one (``kdacp.chunk_kda``), and by GDN's (``kdacp.chunk_gated_delta_rule``, with the scalar
+gate): the backend chosen once (:func:`choose_call_backend`), options (the gate's kind among them), the
+backend instance, the inputs packed into one row, and the casting of the gradients back to the inputs'
+dtypes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,14 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from .base import KDAInputs, KDAOptions, LocalBackend, LocalGrads
+from .gate import build_for_gate
 from .registry import BACKEND_SPECS, BackendSpec, CallFacts, choose_backend
 
 
 @dataclass(frozen=True)
 class PreparedCall:
-    """``backend`` (holding the call's :class:`KDAOptions`), ``inputs``: q, k, v, g, beta packed into one
-    row ``[1, B*T, ...]`` (views) with ``A_log``/``dt_bias`` only with the gate in kernel, and the
-    ``B, T, HV, V`` the output is shaped back with."""
+    """``backend`` (holding the call's :class:`KDAOptions`, the gate's kind among them), ``inputs``: q, k, v,
+    g, beta packed into one row ``[1, B*T, ...]`` (views) with ``A_log``/``dt_bias`` only with the gate in
+    kernel, and the ``B, T, HV, V`` the output is shaped back with."""
 
     backend: LocalBackend
     inputs: KDAInputs
@@ -31,35 +33,34 @@ class PreparedCall:
 
 
 def prepare_call(backend_name: str, q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 A_log, dt_bias, lower_bound, safe_gate, summary_precision=None, scalar_gate=None) -> PreparedCall:
+                 A_log, dt_bias, lower_bound, safe_gate, summary_precision=None, gate: str = "channel") -> PreparedCall:
     """The :class:`PreparedCall` of already validated FLA-style arguments (``backend_name``: the registered
     backend :func:`choose_call_backend` chose).
 
-    ``scalar_gate``: for GDN, its own ``(g [B, T, HV], dt_bias [HV] or None)``, of which ``g`` is the
-    per-channel broadcast (``dt_bias``: a meta stand-in, :func:`kdacp.gdn.gdn_as_kda_arguments`); a backend
-    whose spec runs the scalar gate (:attr:`~kdacp.backends.registry.BackendSpec.runs_scalar_gate`: ``fla``,
-    except for a training call where FLA refuses its GDN backward, and ``attn_gym``) gets it, the others the
-    broadcast (``dt_bias`` broadcast here). A call that wants no gradient runs on the spec's ``inference``
-    backend where it names one (``attn_gym``: FLA's kernels, see :mod:`kdacp.backends.attn_gym_backend`).
+    ``gate``: the gate's kind (:data:`~kdacp.backends.base.GATE_KINDS`), carried in the options:
+    ``"channel"`` (KDA: ``g [B, T, HV, K]``, ``dt_bias [HV*K]``) or ``"scalar"`` (GDN: ``g [B, T, HV]``,
+    ``dt_bias [HV]``), which every backend gets as it is: one whose spec runs the scalar gate
+    (:attr:`~kdacp.backends.registry.BackendSpec.runs_scalar_gate`: ``fla``, except for a training call where
+    FLA refuses its GDN backward, and ``attn_gym``) on kernels of its own, the others on their per-channel
+    kernels, through :class:`kdacp.backends.gate.BroadcastGate`, which broadcasts it
+    (:func:`kdacp.backends.gate.build_for_gate`). A call that wants no
+    gradient runs on the spec's ``inference`` backend where it names one (``attn_gym``: FLA's kernels, see
+    :mod:`kdacp.backends.attn_gym_backend`).
     """
     B, T, _, K = q.shape
     options = KDAOptions(scale=K ** -0.5 if scale is None else float(scale),
                          use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
                          use_gate_in_kernel=bool(use_gate_in_kernel), lower_bound=lower_bound,
-                         safe_gate=bool(safe_gate), summary_precision=summary_precision)
-    training = wants_gradient(q, k, v, g, beta, A_log, dt_bias, *(scalar_gate or ()))
+                         safe_gate=bool(safe_gate), summary_precision=summary_precision, gate=gate)
+    training = wants_gradient(q, k, v, g, beta, A_log, dt_bias)
     spec = BACKEND_SPECS[backend_name]
     if not training and spec.inference is not None:
         spec = BACKEND_SPECS[spec.inference]
-    gdn = scalar_gate is not None and spec.runs_scalar_gate(training)
-    if gdn:
-        g, dt_bias = scalar_gate
-    elif scalar_gate is not None and scalar_gate[1] is not None:
-        dt_bias = scalar_gate[1].repeat_interleave(K)  # GDN's [HV] over K, as the KDA kernels read it
     packed = [x if B == 1 else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    return PreparedCall(spec.build(options, gdn), KDAInputs(*packed, A_log, dt_bias), B, T, v.shape[2], v.shape[3])
+    backend = build_for_gate(spec, options, training)
+    return PreparedCall(backend, KDAInputs(*packed, A_log, dt_bias), B, T, v.shape[2], v.shape[3])
 
 
 def choose_call_backend(backend: str, device: torch.device, q, k, v, *, scalar_gate: bool,

@@ -47,7 +47,9 @@ class BackendSpec:
     Attributes:
         name: what ``backend=`` names it by.
         build: ``(options, scalar_gate) -> LocalBackend`` for one call; ``scalar_gate``: run GDN's kernels
-            on its gate ``g [1, T, HV]`` (only where :attr:`runs_scalar_gate` says so).
+            on its gate ``g [1, T, HV]`` (only where :attr:`runs_scalar_gate` says so, ``options.gate`` then
+            ``"scalar"``); a scalar gate it does not run is broadcast around the backend built for the per-channel
+            one (:func:`kdacp.backends.gate.build_for_gate`).
         families: the op families it serves, of :data:`FAMILIES`.
         devices: the device types it runs on (None: any).
         available: ``(device) -> bool``, cheap, for ``"auto"`` (its packages present, the device right).
@@ -61,7 +63,7 @@ class BackendSpec:
         summary_pieces: its ``state_summary`` returns the summaries of pieces (``parts=True``).
         refusal: ``(family, CallFacts) -> reason or None``: a call outside its limits.
         runs_scalar_gate: ``(training) -> bool``: a GDN call runs on its scalar gate (else on the per-channel
-            broadcast, KDA's kernels).
+            broadcast, KDA's kernels, :class:`kdacp.backends.gate.BroadcastGate`).
     """
 
     name: str

@@ -63,7 +63,7 @@ from kdacp.bench.rank_role import RankRole, StandInExchange
 from kdacp.cp.cost_model import RoleStages, StageTimes
 from kdacp.cp.layout import LAYOUTS, make_layout
 from kdacp.cp.plan import STRATEGIES, CPPlan, RankLayout, layout_rank_layouts, one_rank_plan, rank_layouts
-from kdacp.gdn import gdn_as_kda_arguments
+from kdacp.gdn import gdn_gate_arguments
 from kdacp.reference.gates import compute_dtype
 
 from .batches import cu_seqlens_of, document_lengths, local_cu_seqlens
@@ -166,7 +166,7 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
                                     **KDA_OPTIONS)
         return call, torch.randn_like(x["v"])
     # GDN: one gate logit per value head and token, dt_bias [HV]
-    gate = gdn_as_kda_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
+    gate = gdn_gate_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)

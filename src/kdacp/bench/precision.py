@@ -23,7 +23,7 @@ from kdacp.affine import apply_state_gradient_summary, apply_state_summary
 from kdacp.backends.base import Span
 from kdacp.bench.rank_role import RankRole
 from kdacp.cp.plan import one_rank_plan
-from kdacp.gdn import chunk_gated_delta_rule, gdn_as_kda_arguments
+from kdacp.gdn import chunk_gated_delta_rule, gdn_gate_arguments
 from kdacp.kda import chunk_kda
 from kdacp.kernels import SummaryPrecision
 
@@ -97,7 +97,7 @@ def _segment_call(family: str, xs: dict, policy: str, backend: str) -> RankRole:
     if family == "kda":
         return RankRole.prepare(one, **{n: xs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
                                 backend=backend, summary_precision=policy, **options)
-    gate = gdn_as_kda_arguments(xs["q"], xs["v"], xs["g"], True, xs["A_log"], xs["dt_bias"])
+    gate = gdn_gate_arguments(xs["q"], xs["v"], xs["g"], True, xs["A_log"], xs["dt_bias"])
     options.pop("use_gate_in_kernel")
     with torch.enable_grad():  # the backend a training call takes
         return RankRole.prepare(one, q=xs["q"], k=xs["k"], v=xs["v"], beta=xs["beta"], **gate, backend=backend,

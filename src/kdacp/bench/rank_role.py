@@ -97,29 +97,29 @@ class RankRole:
     def prepare(cls, plan: CPPlan, q, k, v, g, beta, *, backend: str = "auto", scale=None, initial_state=None,
                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                 use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, lower_bound=None, safe_gate: bool = False,
-                summary_precision=None, scalar_gate=None) -> RankRole:
+                summary_precision=None, gate: str = "channel") -> RankRole:
         """The role of ``plan.rank`` from :func:`kdacp.chunk_kda`'s arguments, checked on this rank alone (the
-        cross-rank agreement that :func:`kdacp.chunk_kda` checks needs every rank: none here). ``scalar_gate``:
-        GDN's own ``(g [B, T, HV], dt_bias [HV] or None)`` beside the broadcast ``g`` and a ``dt_bias`` stand-in,
-        as :func:`kdacp.gdn.gdn_as_kda_arguments` returns them.
+        cross-rank agreement that :func:`kdacp.chunk_kda` checks needs every rank: none here). ``gate``: the
+        gate's kind, ``"scalar"`` for GDN's own ``g [B, T, HV]`` and ``dt_bias [HV]``, as
+        :func:`kdacp.gdn.gdn_gate_arguments` returns them.
 
         Raises:
             ValueError, TypeError, ImportError: as :func:`kdacp.chunk_kda` for this rank's arguments (shapes
                 against the plan's ``T_local`` of this rank, dtypes, backend, ``summary_precision``).
         """
-        check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound, None)
+        check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound, None,
+                        gate)
         check_kda_dtypes(q, k, v, g, beta)
-        name = choose_call_backend(backend, q.device, q, k, v, scalar_gate=scalar_gate is not None,
+        name = choose_call_backend(backend, q.device, q, k, v, scalar_gate=gate == "scalar",
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                    use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                                    summary_precision=summary_precision,
-                                   training=wants_gradient(q, k, v, g, beta, A_log, dt_bias,
-                                                           *(scalar_gate or ()))).name
+                                   training=wants_gradient(q, k, v, g, beta, A_log, dt_bias)).name
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
         call = prepare_call(name, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                             lower_bound=lower_bound, safe_gate=safe_gate, summary_precision=summary_precision,
-                            scalar_gate=scalar_gate)
+                            gate=gate)
         return cls(plan, call.backend, call.inputs, initial_state, bool(output_final_state))
 
     def forward(self, exchange: StateExchange | None = None) -> CPForward:

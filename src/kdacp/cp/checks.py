@@ -103,7 +103,7 @@ def plan_difference(descriptions: list) -> str:
 
 
 def check_rank_call(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                    lower_bound, cu_seqlens):
+                    lower_bound, cu_seqlens, gate: str = "channel"):
     """This rank's own part of :func:`check_cp_call` (no collective, dtypes aside): shapes, ``T_local`` against
     the plan's layout, ``initial_state [N, HV, K, V]``, no ``cu_seqlens``; returns the sizes
     (:class:`~kdacp.validation.KDADims`). Raises ``ValueError`` naming the argument."""
@@ -113,7 +113,7 @@ def check_rank_call(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_k
     # The dtypes are checked once the ranks agree on them (they are in the signature), so a mix
     # that one rank passes shows as a disagreement on every rank.
     dims = check_kda_inputs(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                            dt_bias=dt_bias, lower_bound=lower_bound, dtypes=False)
+                            dt_bias=dt_bias, lower_bound=lower_bound, dtypes=False, gate=gate)
     if plan.cu_seqlens is not None and dims.B != 1:
         raise ValueError(f"the plan packs sequences (cu_seqlens), so q must have B=1, got q {tuple(q.shape)}")
     if plan.cu_seqlens is None and dims.B != plan.batch_size:
@@ -134,7 +134,7 @@ def check_rank_call(plan: CPPlan, q, k, v, g, beta, initial_state, use_gate_in_k
 def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                   backend: str, resolve_backend, check_finite: bool = False, cu_seqlens=None,
-                  summary_precision=None) -> str:
+                  summary_precision=None, gate: str = "channel") -> str:
     """Validate one ``chunk_kda`` call on every rank; return the resolved backend name.
 
     ``resolve_backend(backend, device)`` maps the requested backend to a concrete one and may raise.
@@ -142,7 +142,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     ``check_finite``: also raise (on every rank) when any rank's q, k, v, g, beta, initial_state,
     A_log or dt_bias holds a NaN or Inf; the flag travels in the same all-gather, which then runs
     on every call. ``summary_precision``: a :class:`~kdacp.kernels.SummaryPrecision` name or None,
-    resolved for q's dtype; the ranks must agree on the result.
+    resolved for q's dtype; the ranks must agree on the result. ``gate``: the gate's kind
+    (:data:`~kdacp.backends.base.GATE_KINDS`), ``"scalar"`` for GDN's ``g [B, T, HV]``.
 
     Raises:
         ValueError (on every rank): a rank rejected its inputs, the ranks disagree, or (with
@@ -154,7 +155,7 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
     error, dims, name, precision = None, None, "", ""
     try:
         dims = check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                               cu_seqlens)
+                               cu_seqlens, gate)
         name = resolve_backend(backend, q.device)
         precision = resolve_precision(summary_precision, q.dtype, name="summary_precision").value
     except (TypeError, ValueError, ImportError) as e:

@@ -17,9 +17,9 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     (the rest as :class:`~kdacp.layers.delta_rule.DeltaRuleLayer`). Parameter names and shapes follow
     FLA's ``fla.layers.GatedDeltaNet`` with ``use_gate=True`` (``head_k_dim`` is FLA's ``head_dim``,
-    ``head_v_dim`` its ``head_dim * expand_v``). The recurrence runs as KDA with the gate broadcast over
-    ``K`` (FLA's GDN kernels with the ``fla`` backend, :mod:`kdacp.gdn`), so every context-parallel mode
-    applies unchanged.
+    ``head_v_dim`` its ``head_dim * expand_v``). The recurrence is KDA's with the gate broadcast over
+    ``K``, run on GDN's own scalar gate (FLA's GDN kernels with the ``fla`` backend; the per-channel backends
+    broadcast it inside, :mod:`kdacp.gdn`), so every context-parallel mode applies unchanged.
 
     Args:
         hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias, norm_eps,
