@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdacp.gdn import chunk_gated_delta_rule
+from kdacp.ops.gdn import chunk_gated_delta_rule
 from kdacp.reference import gdn
 from tests.helpers import rel_err
 
@@ -78,7 +78,7 @@ def test_dt_bias_is_broadcast_only_where_kda_kernels_run():
     """The KDA op's checks get a meta stand-in of GDN's ``dt_bias`` over ``K`` (no kernel); the ``torch``
     backend (the KDA reference) gets the broadcast itself, with its gradient reaching ``dt_bias [HV]``."""
     from kdacp.backends.call import prepare_call
-    from kdacp.gdn import gdn_as_kda_arguments
+    from kdacp.ops.gdn import gdn_as_kda_arguments
 
     args = gdn_inputs(1, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
     gate = gdn_as_kda_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
@@ -100,7 +100,7 @@ def test_the_gdn_call_preparation_dispatches_only_the_gate_broadcast():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kdacp.backends.call import PreparedCall
-    from kdacp.gdn import gdn_as_kda_arguments
+    from kdacp.ops.gdn import gdn_as_kda_arguments
     from kdacp.reference.gates import compute_dtype
 
     class Ops(TorchDispatchMode):

@@ -101,7 +101,7 @@ class RankRole:
         """The role of ``plan.rank`` from :func:`kdacp.chunk_kda`'s arguments, checked on this rank alone (the
         cross-rank agreement that :func:`kdacp.chunk_kda` checks needs every rank: none here). ``scalar_gate``:
         GDN's own ``(g [B, T, HV], dt_bias [HV] or None)`` beside the broadcast ``g`` and a ``dt_bias`` stand-in,
-        as :func:`kdacp.gdn.gdn_as_kda_arguments` returns them.
+        as :func:`kdacp.ops.gdn.gdn_as_kda_arguments` returns them.
 
         Raises:
             ValueError, TypeError, ImportError: as :func:`kdacp.chunk_kda` for this rank's arguments (shapes

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..gdn import chunk_gated_delta_rule
+from ..ops.gdn import chunk_gated_delta_rule
 from ..cp.context import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
@@ -18,7 +18,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     (the rest as :class:`~kdacp.layers.delta_rule.DeltaRuleLayer`). Parameter names and shapes follow
     FLA's ``fla.layers.GatedDeltaNet`` with ``use_gate=True`` (``head_k_dim`` is FLA's ``head_dim``,
     ``head_v_dim`` its ``head_dim * expand_v``). The recurrence runs as KDA with the gate broadcast over
-    ``K`` (FLA's GDN kernels with the ``fla`` backend, :mod:`kdacp.gdn`), so every context-parallel mode
+    ``K`` (FLA's GDN kernels with the ``fla`` backend, :mod:`kdacp.ops.gdn`), so every context-parallel mode
     applies unchanged.
 
     Args:

@@ -16,11 +16,11 @@ import functools
 
 import torch
 
-from .caches import META_STAND_INS
-from .cp.split import check_split
+from ..caches import META_STAND_INS
+from ..cp.split import check_split
 from .kda import check_and_prepare, run_prepared
-from .reference.gdn import scalar_gate_as_kda
-from .validation import check_fla_only_options, check_tensor
+from ..reference.gdn import scalar_gate_as_kda
+from ..validation import check_fla_only_options, check_tensor
 
 
 def gdn_as_kda_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
