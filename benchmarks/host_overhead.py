@@ -74,7 +74,7 @@ def install_stubs() -> None:
             setattr(chunk, name, stub)
     original = backends.resolve_backend
     backends.resolve_backend = lambda backend, device: "fla" if backend == "fla" else original(backend, device)
-    importlib.import_module("kdacp.kda").resolve_backend = backends.resolve_backend
+    importlib.import_module("kdacp.ops.kda").resolve_backend = backends.resolve_backend
     # On a GPU a zero fill is one kernel launch; on the CPU it would be a memset of the whole tensor (2 MB
     # of initial states), which is not host overhead: allocations stay unfilled here, for both contenders.
     torch.zeros = torch.empty

@@ -6,7 +6,7 @@ import torch
 
 from kdacp.kernels import state_gradient_summary, state_summary
 from kdacp.layers import KimiDeltaAttention
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

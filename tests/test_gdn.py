@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdacp.gdn import chunk_gated_delta_rule
+from kdacp.ops.gdn import chunk_gated_delta_rule
 from kdacp.reference import gdn
 from tests.helpers import rel_err
 
@@ -80,16 +80,16 @@ def test_the_gdn_call_reaches_the_backend_with_its_scalar_gate(monkeypatch, B):
     and ``dt_bias [HV]`` as passed (not broadcast over ``K``); the ``torch`` backend (the KDA reference)
     broadcasts it inside (:class:`kdacp.backends.gate.BroadcastGate`), the only broadcast, with the gradients
     reaching ``g [B, T, HV]`` and ``dt_bias [HV]`` as the recurrence's."""
-    import kdacp.gdn
+    import kdacp.ops.gdn
 
     seen = []
-    run_prepared = kdacp.gdn.run_prepared
+    run_prepared = kdacp.ops.gdn.run_prepared
 
     def recording_run_prepared(prepared, *args, **kwargs):
         seen.append(prepared)
         return run_prepared(prepared, *args, **kwargs)
 
-    monkeypatch.setattr(kdacp.gdn, "run_prepared", recording_run_prepared)
+    monkeypatch.setattr(kdacp.ops.gdn, "run_prepared", recording_run_prepared)
     args = gdn_inputs(B, 10, 1, 2, 8, 8, gate_in_kernel=True, init=False)
     _check(lambda **a: chunk_gated_delta_rule(**a, backend="torch"), args, 1e-10)
     assert len(seen) == 1
@@ -110,7 +110,7 @@ def test_the_gdn_call_preparation_dispatches_no_op():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kdacp.backends.call import PreparedCall
-    from kdacp.gdn import gdn_gate_arguments
+    from kdacp.ops.gdn import gdn_gate_arguments
     from kdacp.reference.gates import compute_dtype
 
     class Ops(TorchDispatchMode):

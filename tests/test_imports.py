@@ -11,7 +11,7 @@ ROOT = Path(kdacp.__file__).parent
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends -> cp (context
 # parallelism) -> ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
 # ``distributed`` is the deprecated alias of ``cp`` (it names bench's rank role too), above bench.
-ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "kda", "gdn", "layers",
+ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "ops", "layers",
          "models", "integrations", "precompilation", "workers", "demo", "bench", "distributed", "tuning", "options", "commands", "cli")
 
 

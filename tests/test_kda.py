@@ -1,9 +1,9 @@
-"""``kdacp.kda.chunk_kda`` (torch backend) against the token-by-token reference."""
+"""``kdacp.ops.kda.chunk_kda`` (torch backend) against the token-by-token reference."""
 import pytest
 import torch
 
 from kdacp import reference
-from kdacp.kda import ChunkKDAFunction, chunk_kda
+from kdacp.ops.kda import ChunkKDAFunction, chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 
@@ -84,7 +84,7 @@ def test_float32_gate_with_bfloat16_inputs(op):
     """FLA's ops take a float32 g with bfloat16 q, k, v (its gate kernels return float32): the gate is used as
     given (every backend accumulates it in float32), so the result is within the bf16 tolerance of the float64
     reference, as the same call with g rounded to bfloat16 is; dg comes back float32."""
-    from kdacp.gdn import chunk_gated_delta_rule
+    from kdacp.ops.gdn import chunk_gated_delta_rule
     args = make_kda_inputs(1, 70, 2, 2, 16, 16, initial_state=True, requires_grad=False, seed=7)
     if op == "gdn":
         args["g"] = torch.nn.functional.logsigmoid(torch.randn(1, 70, 2, dtype=torch.float64) + 2.0)

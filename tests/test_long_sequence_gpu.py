@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdacp.backends.base import KDAInputs, KDAOptions, Span
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

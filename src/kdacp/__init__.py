@@ -22,9 +22,9 @@ from .choices import VERSION as __version__
 # each exported name -> the module that defines it (None: the name is a submodule)
 _EXPORTS = {
     "CPPlan": ".cp", "build_cp_plan": ".cp", "init_device_mesh": ".cp", "new_cp_group": ".cp",
-    "chunk_gated_delta_rule": ".gdn", "CPContext": ".cp", "ContextParallel": ".cp", "GatedDeltaNet": ".layers",
+    "chunk_gated_delta_rule": ".ops", "CPContext": ".cp", "ContextParallel": ".cp", "GatedDeltaNet": ".layers",
     "KimiDeltaAttention": ".layers", "build_cp_context": ".cp", "global_token_mean_loss": ".models",
-    "parallelize": ".models", "shard_batch": ".models", "precompile": ".precompilation", "chunk_kda": ".kda",
+    "parallelize": ".models", "shard_batch": ".models", "precompile": ".precompilation", "chunk_kda": ".ops",
     "reference": None,
 }
 

@@ -274,8 +274,8 @@ def stand_in(monkeypatch):
     """The backend on :mod:`tests.backends.stand_in_attn_gym`, and the ops resolving ``"attn_gym"`` to it."""
     monkeypatch.setattr(attn_gym_backend, "load_attn_gym", stand_in_attn_gym.attn_gym)
     monkeypatch.setattr(fla_backend, "load_fla", stand_in_attn_gym.fla)
-    import kdacp.kda
-    monkeypatch.setattr(kdacp.kda, "choose_call_backend", lambda backend, device, **call: BACKEND_SPECS[backend])
+    import kdacp.ops.kda
+    monkeypatch.setattr(kdacp.ops.kda, "choose_call_backend", lambda backend, device, **call: BACKEND_SPECS[backend])
 
 
 K8 = 8

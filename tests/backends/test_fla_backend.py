@@ -1,11 +1,11 @@
-"""The ``fla`` backend's stages against the ``torch`` backend, and ``kdacp.kda.chunk_kda`` against
+"""The ``fla`` backend's stages against the ``torch`` backend, and ``kdacp.ops.kda.chunk_kda`` against
 FLA's own ``chunk_kda`` (CUDA only)."""
 import pytest
 import torch
 
 from kdacp.backends.base import KDAInputs, KDAOptions, Span
 from kdacp.backends.torch_backend import TorchBackend
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import differentiable_inputs, make_kda_inputs, rel_err
 
 pytestmark = pytest.mark.gpu

@@ -68,7 +68,7 @@ def test_prepare_call_runs_gdn_on_the_scalar_gate_with_fla_only(backend):
     backend runs FLA's GDN kernels on it, the torch backend the KDA reference on its broadcast, formed inside
     the backend (:class:`kdacp.backends.gate.BroadcastGate`)."""
     from kdacp.backends.call import prepare_call
-    from kdacp.gdn import gdn_gate_arguments
+    from kdacp.ops.gdn import gdn_gate_arguments
     if backend == "fla":
         _fla()
     x = _gdn_case(20, 1, 2, 8, 8, gate_in_kernel=True, dtype=torch.float32, seed=4)
@@ -164,7 +164,7 @@ def _one_rank_cp(**args):
     import torch.distributed as dist
 
     from kdacp.cp import build_cp_plan
-    from kdacp.gdn import chunk_gated_delta_rule
+    from kdacp.ops.gdn import chunk_gated_delta_rule
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0,
                                 device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -181,7 +181,7 @@ def test_fla_gdn_matches_fla_chunk_gated_delta_rule(case, entry):
     of the extra summands (outputs, final states, every gradient)."""
     fla = _fla()
     _fla_gdn_backward()
-    from kdacp.gdn import chunk_gated_delta_rule
+    from kdacp.ops.gdn import chunk_gated_delta_rule
     T, cu = (4096, None) if case != "packed" else (4096, [0, 1, 700, 765, 3000, 4096])
     args = _gpu_inputs(T, cu, gate_in_kernel=case == "gate-in-kernel", seed=7)
     ours = (lambda **a: chunk_gated_delta_rule(**a, backend="fla")) if entry == "chunk" else _one_rank_cp
@@ -234,7 +234,7 @@ def test_fla_gdn_where_fla_refuses_its_backward_trains_on_kda_kernels():
     ``torch`` backend's within bf16 rounding."""
     _fla()
     from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported
-    from kdacp.gdn import chunk_gated_delta_rule
+    from kdacp.ops.gdn import chunk_gated_delta_rule
     if fla_gated_gdn_backward_supported():
         pytest.skip("FLA's GDN backward runs on this GPU")
     args = _gpu_inputs(1024, [0, 300, 1024], gate_in_kernel=True, seed=13)
@@ -268,7 +268,7 @@ def test_fla_gdn_forward_launches_flas_kernels_and_no_others(cu):
     """A forward without initial states on FLA's GDN kernels (no gradient wanted) launches the kernels of
     FLA's own op and nothing of kdacp's: no zero initial state, no broadcast ``dt_bias``."""
     fla = _fla()
-    from kdacp.gdn import chunk_gated_delta_rule
+    from kdacp.ops.gdn import chunk_gated_delta_rule
     args = _gpu_inputs(4096, cu, gate_in_kernel=True, seed=15)
     args = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in args.items() if n != "initial_state"}
     args["output_final_state"] = False

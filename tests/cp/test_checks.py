@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kdacp.cp import build_cp_plan
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.cp import build_cp_plan
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from kdacp.cp.cost_model import (Link, RoleStages, StageTimes, choose_strategy,
                                  exchange_stage_times, programs, simulate)
 from kdacp.cp.plan import AUTO_STATE_SHAPE, STRATEGIES, rank_layouts, resolve_strategy

@@ -12,13 +12,13 @@ from tests.multiprocess import run_ranks
 
 def _use_stand_in() -> None:
     """This rank's ``attn_gym`` backend on the stand-in, and ``backend="attn_gym"`` resolved to it on the CPU."""
-    import kdacp.kda
+    import kdacp.ops.kda
     from kdacp.backends import attn_gym_backend, fla_backend
     from tests.backends import stand_in_attn_gym
     attn_gym_backend.load_attn_gym = stand_in_attn_gym.attn_gym
     fla_backend.load_fla = stand_in_attn_gym.fla
     from kdacp.backends import BACKEND_SPECS
-    kdacp.kda.choose_call_backend = lambda backend, device, **call: BACKEND_SPECS[backend]
+    kdacp.ops.kda.choose_call_backend = lambda backend, device, **call: BACKEND_SPECS[backend]
 
 
 def _run(rank: int, world_size: int) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.cp import build_cp_plan, new_cp_group
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.multiprocess import run_ranks
 from tests.helpers import count_signature_gathers, make_kda_inputs, rel_err
 

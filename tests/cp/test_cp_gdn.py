@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from kdacp.cp import STRATEGIES, build_cp_plan
-from kdacp.gdn import chunk_gated_delta_rule
+from kdacp.ops.gdn import chunk_gated_delta_rule
 from kdacp.reference.gdn import recurrent_gated_delta_rule
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks

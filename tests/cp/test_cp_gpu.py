@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.cp import build_cp_plan
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import make_kda_inputs, rel_err
 
 pytestmark = pytest.mark.gpu

@@ -18,8 +18,8 @@ from kdacp import reference
 from kdacp.cp import STRATEGIES, build_cp_plan
 from kdacp.cp.layout import (TokenLayout, balanced_document_layout, contiguous_layout, make_layout,
                              ranges_layout)
-from kdacp.gdn import chunk_gated_delta_rule
-from kdacp.kda import chunk_kda
+from kdacp.ops.gdn import chunk_gated_delta_rule
+from kdacp.ops.kda import chunk_kda
 from kdacp.reference.gdn import recurrent_gated_delta_rule
 from tests.helpers import make_kda_inputs, rel_err
 from tests.multiprocess import run_ranks

@@ -12,9 +12,9 @@ import pytest
 import torch.distributed as dist
 
 import kdacp
-from kdacp import kda
+from kdacp.ops import kda
 from kdacp.cp import STRATEGIES, build_cp_plan, groups, new_cp_group
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import make_kda_inputs
 from tests.multiprocess import run_ranks
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from kdacp import reference
 from kdacp.cp import STRATEGIES, build_cp_plan
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 from kdacp.cp import ContextParallel
 from kdacp.layers import KimiDeltaAttention
 from kdacp.validation import FINITE_CHECKED

@@ -16,8 +16,8 @@ from kdacp.affine import AffineMap, chain_states
 from kdacp.backends.base import KDAOptions, Span
 from kdacp.backends.torch_backend import TorchBackend
 from kdacp.cp.split import check_split, chunks_per_piece
-from kdacp.gdn import chunk_gated_delta_rule
-from kdacp.kda import chunk_kda
+from kdacp.ops.gdn import chunk_gated_delta_rule
+from kdacp.ops.kda import chunk_kda
 from kdacp.reference.gdn import recurrent_gated_delta_rule
 from tests.cp.test_cp_layouts import check_layout_case
 from tests.helpers import make_kda_inputs, rel_err

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from kdacp import reference
 from kdacp.bench.inputs import random_inputs
-from kdacp.gdn import chunk_gated_delta_rule
-from kdacp.kda import chunk_kda
+from kdacp.ops.gdn import chunk_gated_delta_rule
+from kdacp.ops.kda import chunk_kda
 from kdacp.reference.gdn import chunk_gated_delta_rule as reference_gdn
 from tests.helpers import rel_err
 

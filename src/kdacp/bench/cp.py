@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported, load_fla
 from kdacp.cp import build_cp_plan, new_cp_group
-from kdacp.kda import chunk_kda
-from kdacp.gdn import chunk_gated_delta_rule
+from kdacp.ops.kda import chunk_kda
+from kdacp.ops.gdn import chunk_gated_delta_rule
 
 from . import gdn
 from .batches import BATCHES, cu_seqlens_of, document_lengths, local_cu_seqlens

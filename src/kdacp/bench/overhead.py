@@ -63,7 +63,7 @@ from kdacp.bench.rank_role import RankRole, StandInExchange
 from kdacp.cp.cost_model import RoleStages, StageTimes
 from kdacp.cp.layout import LAYOUTS, make_layout
 from kdacp.cp.plan import STRATEGIES, CPPlan, RankLayout, layout_rank_layouts, one_rank_plan, rank_layouts
-from kdacp.gdn import gdn_gate_arguments
+from kdacp.ops.gdn import gdn_gate_arguments
 from kdacp.reference.gates import compute_dtype
 
 from .batches import cu_seqlens_of, document_lengths, local_cu_seqlens

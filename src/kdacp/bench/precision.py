@@ -23,8 +23,8 @@ from kdacp.affine import apply_state_gradient_summary, apply_state_summary
 from kdacp.backends.base import Span
 from kdacp.bench.rank_role import RankRole
 from kdacp.cp.plan import one_rank_plan
-from kdacp.gdn import chunk_gated_delta_rule, gdn_gate_arguments
-from kdacp.kda import chunk_kda
+from kdacp.ops.gdn import chunk_gated_delta_rule, gdn_gate_arguments
+from kdacp.ops.kda import chunk_kda
 from kdacp.kernels import SummaryPrecision
 
 QUANTITIES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")

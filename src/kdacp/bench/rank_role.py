@@ -101,7 +101,7 @@ class RankRole:
         """The role of ``plan.rank`` from :func:`kdacp.chunk_kda`'s arguments, checked on this rank alone (the
         cross-rank agreement that :func:`kdacp.chunk_kda` checks needs every rank: none here). ``gate``: the
         gate's kind, ``"scalar"`` for GDN's own ``g [B, T, HV]`` and ``dt_bias [HV]``, as
-        :func:`kdacp.gdn.gdn_gate_arguments` returns them.
+        :func:`kdacp.ops.gdn.gdn_gate_arguments` returns them.
 
         Raises:
             ValueError, TypeError, ImportError: as :func:`kdacp.chunk_kda` for this rank's arguments (shapes

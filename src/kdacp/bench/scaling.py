@@ -57,7 +57,7 @@ from kdacp.bench.rank_role import RankRole
 from kdacp.cp import build_cp_plan, new_cp_group
 from kdacp.cp.cost_model import DEFAULT_LINK, Link, StageTimes
 from kdacp.cp.plan import STRATEGIES
-from kdacp.kda import chunk_kda
+from kdacp.ops.kda import chunk_kda
 
 from .calibration import OPTIONS, Calibration, calibration_rows, measure_stages, op_times
 from .harness import PlotSpec, markdown_table

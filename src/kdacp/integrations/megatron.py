@@ -3,7 +3,7 @@
 :class:`KdacpGatedDeltaNet` subclasses Megatron's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet``: the
 same constructor, parameters, state-dict and ``sharded_state_dict`` keys (its projections, norm and
 checkpointing are Megatron's own code), and a forward that runs kdacp's halo'd short convolution and
-kdacp's :func:`~kdacp.gdn.chunk_gated_delta_rule` with state passing over ``pg_collection.cp``. Megatron's
+kdacp's :func:`~kdacp.ops.gdn.chunk_gated_delta_rule` with state passing over ``pg_collection.cp``. Megatron's
 own forward turns the sequence shards into head shards (an all-to-all, so ``cp`` must divide the key and
 value head counts); kdacp's needs no head split, so any ``cp`` degree runs, on unpacked ``[s, b, h]``
 batches and on packed ones (``PackedSeqParams``, ``qkv_format="thd"``, documents cut across ranks).
@@ -26,7 +26,7 @@ FP8, THD batches with ``b > 1`` or documents whose length does not divide by ``2
 
 On CPU (tests, the example), Megatron-Core needs :func:`cpu_stand_ins` around model construction.
 Megatron-Core 0.19.2 has no Kimi Delta Attention layer; a KDA twin would subclass the same way with
-:func:`~kdacp.kda.chunk_kda` as :attr:`KdacpGatedDeltaNet.op` and a ``[HV, K]`` gate.
+:func:`~kdacp.ops.kda.chunk_kda` as :attr:`KdacpGatedDeltaNet.op` and a ``[HV, K]`` gate.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from ..backends import backend_fuses
 from ..cp.context import SINGLE_DEVICE, ContextParallel
-from ..gdn import chunk_gated_delta_rule
+from ..ops.gdn import chunk_gated_delta_rule
 from ..layers.short_conv import causal_conv1d
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",

@@ -81,7 +81,7 @@ from ..backends import backend_fuses
 from ..compile import hold_for_regions, run_opaque
 from ..cp.batch_context import CPContext, build_cp_context
 from ..cp.layout import TokenLayout, contiguous_layout, ranges_layout
-from ..gdn import chunk_gated_delta_rule
+from ..ops.gdn import chunk_gated_delta_rule
 from ..layers.short_conv import causal_conv1d
 from ..models.batch import shard_tokens
 from ..sequences import sequence_positions

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..gdn import chunk_gated_delta_rule
+from ..ops.gdn import chunk_gated_delta_rule
 from ..cp.context import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 
@@ -19,7 +19,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     FLA's ``fla.layers.GatedDeltaNet`` with ``use_gate=True`` (``head_k_dim`` is FLA's ``head_dim``,
     ``head_v_dim`` its ``head_dim * expand_v``). The recurrence is KDA's with the gate broadcast over
     ``K``, run on GDN's own scalar gate (FLA's GDN kernels with the ``fla`` backend; the per-channel backends
-    broadcast it inside, :mod:`kdacp.gdn`), so every context-parallel mode applies unchanged.
+    broadcast it inside, :mod:`kdacp.ops.gdn`), so every context-parallel mode applies unchanged.
 
     Args:
         hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias, norm_eps,

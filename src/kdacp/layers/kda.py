@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kda import chunk_kda
+from ..ops.kda import chunk_kda
 from ..cp.context import ContextParallel
 from .delta_rule import DeltaRuleLayer, initial_dt_bias
 

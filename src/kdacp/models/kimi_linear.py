@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kda import chunk_kda
+from ..ops.kda import chunk_kda
 from ..cp.context import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..gdn import chunk_gated_delta_rule
+from ..ops.gdn import chunk_gated_delta_rule
 from ..cp.context import ContextParallel
 from ..layers.delta_rule import Projected
 from .attention import check_attention

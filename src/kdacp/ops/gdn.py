@@ -2,7 +2,7 @@
 
 GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` instead of
 ``[B, T, HV, K]``. The op checks the GDN shapes and runs the KDA op's prepared call
-(:func:`kdacp.kda.check_and_prepare`, :func:`kdacp.kda.run_prepared`) on its own ``g [B, T, HV]`` and
+(:func:`kdacp.ops.kda.check_and_prepare`, :func:`kdacp.ops.kda.run_prepared`) on its own ``g [B, T, HV]`` and
 ``dt_bias [HV]`` with the gate's kind ``"scalar"`` (:attr:`kdacp.backends.base.KDAOptions.gate`), so
 plans, strategies and summaries are shared and no KDA argument is made up. The backends dispatch on the
 kind: the ``fla`` backend runs FLA's GDN kernels on the scalar gate itself
@@ -13,16 +13,16 @@ wanted (:func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), on
 """
 from __future__ import annotations
 
-from .cp.split import check_split
+from ..cp.split import check_split
+from ..validation import check_fla_only_options, check_tensor
 from .kda import check_and_prepare, run_prepared
-from .validation import check_fla_only_options, check_tensor
 
 
 def gdn_gate_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
     """The KDA op's gate keywords for GDN's own gate, after checking GDN's shapes: ``g [B, T, HV]``
     (natural-log decay, or logits with ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``) and ``dt_bias``
     as they are, ``A_log``, ``use_gate_in_kernel``, and ``gate="scalar"``, the gate's kind
-    (:func:`kdacp.kda.check_and_prepare`'s keyword), which the checks and the backends read."""
+    (:func:`kdacp.ops.kda.check_and_prepare`'s keyword), which the checks and the backends read."""
     for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
         check_tensor(name, x, nd)
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
-from .backends.call import (PreparedCall, choose_call_backend, input_dtypes, input_gradients, prepare_call,
-                           wants_gradient)
-from .cp.checks import check_cp_call
-from .cp.schedule import cp_backward, cp_forward
-from .cp.plan import CPPlan, one_rank_plan
-from .cp.split import SplitPieces, check_split
-from .kernels.precision import resolve_precision
-from .reference.gates import compute_dtype
-from .validation import check_finite_inputs, check_fla_only_options, check_kda_inputs
+from ..backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
+from ..backends.call import (PreparedCall, choose_call_backend, input_dtypes, input_gradients, prepare_call,
+                            wants_gradient)
+from ..cp.checks import check_cp_call
+from ..cp.schedule import cp_backward, cp_forward
+from ..cp.plan import CPPlan, one_rank_plan
+from ..cp.split import SplitPieces, check_split
+from ..kernels.precision import resolve_precision
+from ..reference.gates import compute_dtype
+from ..validation import check_finite_inputs, check_fla_only_options, check_kda_inputs
 
 
 @dataclass(frozen=True)
