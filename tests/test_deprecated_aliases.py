@@ -1,6 +1,7 @@
 """The old import paths of context parallelism (``kdacp.distributed``, ``kdacp.layers.context_parallel``,
-``ContextParallel`` and the per-batch context from ``kdacp.layers``) still work for one release: each warns
-with the new path and gives the very objects of :mod:`kdacp.cp`."""
+``ContextParallel`` and the per-batch context from ``kdacp.layers``) and of the ops (``kdacp.kda``,
+``kdacp.gdn``) still work for one release: each warns with the new path and gives the very objects of
+:mod:`kdacp.cp` and :mod:`kdacp.ops`."""
 import importlib
 import sys
 
@@ -8,6 +9,9 @@ import pytest
 
 import kdacp.bench.rank_role
 import kdacp.cp
+import kdacp.ops
+import kdacp.ops.gdn
+import kdacp.ops.kda
 
 
 def _import_fresh(name: str):
@@ -59,4 +63,37 @@ def test_the_top_level_names_come_from_cp_without_a_warning(recwarn):
     import kdacp
     assert kdacp.ContextParallel is kdacp.cp.ContextParallel and kdacp.build_cp_plan is kdacp.cp.build_cp_plan
     assert kdacp.CPContext is kdacp.cp.CPContext and kdacp.new_cp_group is kdacp.cp.new_cp_group
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "kdacp" in str(w.message)]
+
+
+def test_kda_warns_and_gives_the_ops_objects():
+    with pytest.warns(DeprecationWarning, match="kdacp.ops.kda"):
+        old = _import_fresh("kdacp.kda")
+    for name in ("ChunkKDAFunction", "check_and_prepare", "chunk_kda", "run_prepared"):
+        assert getattr(old, name) is getattr(kdacp.ops.kda, name)
+    assert old.chunk_kda is kdacp.ops.chunk_kda
+
+
+def test_gdn_warns_and_gives_the_ops_objects():
+    with pytest.warns(DeprecationWarning, match="kdacp.ops.gdn"):
+        old = _import_fresh("kdacp.gdn")
+    for name in ("chunk_gated_delta_rule", "gdn_as_kda_arguments"):
+        assert getattr(old, name) is getattr(kdacp.ops.gdn, name)
+    assert old.chunk_gated_delta_rule is kdacp.ops.chunk_gated_delta_rule
+
+
+def test_ops_from_import_warns():
+    sys.modules.pop("kdacp.kda", None)
+    sys.modules.pop("kdacp.gdn", None)
+    with pytest.warns(DeprecationWarning, match="kdacp.ops.kda"):
+        from kdacp.kda import chunk_kda
+    with pytest.warns(DeprecationWarning, match="kdacp.ops.gdn"):
+        from kdacp.gdn import chunk_gated_delta_rule
+    assert (chunk_kda, chunk_gated_delta_rule) == (kdacp.ops.chunk_kda, kdacp.ops.chunk_gated_delta_rule)
+
+
+def test_the_top_level_ops_come_from_ops_without_a_warning(recwarn):
+    import kdacp
+    assert kdacp.chunk_kda is kdacp.ops.chunk_kda is kdacp.ops.kda.chunk_kda
+    assert kdacp.chunk_gated_delta_rule is kdacp.ops.chunk_gated_delta_rule is kdacp.ops.gdn.chunk_gated_delta_rule
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "kdacp" in str(w.message)]

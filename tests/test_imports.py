@@ -10,8 +10,9 @@ ROOT = Path(kdacp.__file__).parent
 # Lowest first; a part may import only the parts before it (the package's own __init__ is the facade
 # above them all). The layering of STYLE.md: validation -> reference, kernels -> backends -> cp (context
 # parallelism) -> ops -> layers -> bench, demo -> cli; the names of choices (torch-free) under all.
-# ``distributed`` is the deprecated alias of ``cp`` (it names bench's rank role too), above bench.
-ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "ops", "layers",
+# ``distributed`` is the deprecated alias of ``cp`` (it names bench's rank role too), above bench; ``kda`` and
+# ``gdn`` are the deprecated aliases of ``ops.kda`` and ``ops.gdn``, above ops (nothing may import an alias).
+ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "ops", "kda", "gdn", "layers",
          "models", "integrations", "precompilation", "workers", "demo", "bench", "distributed", "tuning", "options", "commands", "cli")
 
 
@@ -86,6 +87,16 @@ def test_no_module_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+# the deprecated aliases (one release): users' old paths, which no module of kdacp imports
+ALIASES = ("kdacp.distributed", "kdacp.layers.context_parallel", "kdacp.kda", "kdacp.gdn")
+
+
+def test_no_module_imports_a_deprecated_alias():
+    users = sorted(f"{module} -> {target}" for module, targets in _graph().items() for target in targets
+                   if target in ALIASES and module not in ALIASES)
+    assert not users, "modules that import a deprecated alias: " + ", ".join(users)
 
 
 def _private(name: str) -> bool:

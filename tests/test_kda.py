@@ -46,6 +46,25 @@ def test_chunk_kda_bad_backend_and_inputs():
         chunk_kda(**dict(args, beta=args["beta"][:, :4]), backend="torch")
 
 
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+@pytest.mark.parametrize("mode", ["ContextParallel", "CPContext"])
+def test_the_ops_refuse_a_layer_mode_as_cp(op, mode):
+    """``cp`` of the ops is a :class:`~kdacp.cp.CPPlan`; the layers' ``ContextParallel`` (or its per-batch
+    ``CPContext``) is refused before any work, in one line that says what to pass instead."""
+    import kdacp.cp
+    from kdacp.ops.gdn import chunk_gated_delta_rule
+    args = make_kda_inputs(1, 8, 1, 1, 16, 16, requires_grad=False, seed=0)
+    if op == "gdn":
+        args["g"] = args["g"][..., 0]
+    cls = getattr(kdacp.cp, mode)
+    cp = cls.__new__(cls)  # the type is what is checked; a real one needs a process group
+    with pytest.raises(TypeError) as raised:
+        (chunk_kda if op == "kda" else chunk_gated_delta_rule)(**args, backend="torch", cp=cp)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("cp must be a CPPlan")
+    assert "kdacp.build_cp_plan" in message and mode in message and "layer" in message
+
+
 def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():
     """With ``cu_seqlens_cpu`` (FLA's argument) the boundaries are taken from the host copy."""
     cu = torch.tensor([0, 3, 70, 100])

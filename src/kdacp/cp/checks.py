@@ -151,7 +151,8 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         TypeError (on every rank): the ranks agree on dtypes that :func:`check_kda_dtypes` rejects.
     """
     if not isinstance(plan, CPPlan):
-        raise TypeError(f"cp must be a CPPlan from build_cp_plan, got {type(plan).__name__}")
+        raise TypeError(f"cp must be a CPPlan from kdacp.build_cp_plan, got {type(plan).__name__} (a ContextParallel "
+                        "is the layers' mode: pass it to a layer's cp, e.g. KimiDeltaAttention(..., cp=...))")
     error, dims, name, precision = None, None, "", ""
     try:
         dims = check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
