@@ -77,7 +77,7 @@ def test_kda_warns_and_gives_the_ops_objects():
 def test_gdn_warns_and_gives_the_ops_objects():
     with pytest.warns(DeprecationWarning, match="kdacp.ops.gdn"):
         old = _import_fresh("kdacp.gdn")
-    for name in ("chunk_gated_delta_rule", "gdn_as_kda_arguments"):
+    for name in ("chunk_gated_delta_rule", "gdn_gate_arguments"):
         assert getattr(old, name) is getattr(kdacp.ops.gdn, name)
     assert old.chunk_gated_delta_rule is kdacp.ops.chunk_gated_delta_rule
 
