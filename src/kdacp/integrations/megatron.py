@@ -35,7 +35,6 @@ import dataclasses
 import functools
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt import experimental_attention_variant_module_specs as mcore_specs
