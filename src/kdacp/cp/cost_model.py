@@ -247,10 +247,13 @@ def exchange_stage_times(n: int, HV: int, K: int, V: int, wire_bytes: int = 4) -
     return StageTimes(apply_s=apply_s, compose_s=compose_s, copy_s_per_byte=1 / 1e12,
                       state_bytes=n * HV * K * V * wire_bytes, summary_bytes=n * HV * K * (K + V) * wire_bytes)
 
-Route = tuple  # (emits, affine) by position, or (emits, affine, holders): the rank holding each position
+# a chain as the cost model reads it (not :class:`~.exchanges.Route`, the exchanges' dataclass): (emits, affine) by
+# position, or (emits, affine, holders): the rank holding each position
+ChainShape = tuple
 
 
-def choose_strategy(forward: Route, backward: Route, times: StageTimes, link: Link = DEFAULT_LINK) -> tuple[str, str]:
+def choose_strategy(forward: ChainShape, backward: ChainShape, times: StageTimes,
+                    link: Link = DEFAULT_LINK) -> tuple[str, str]:
     """``(strategy, reason)``: the candidate exchange (:func:`~.exchanges.auto_candidates`: kdacp's ``p2p``,
     ``scan``, ``allgather``) whose exchange the model predicts fastest (forward plus backward, local work left
     out: it is the same for all but for what overlaps), for routes ``forward``/``backward`` given as
