@@ -27,13 +27,10 @@ class BroadcastGate:
         if inner.options.gate != "channel":
             raise ValueError(f"BroadcastGate wraps a backend of the per-channel gate, got gate={inner.options.gate!r}")
         self.inner = inner
-        self.name = inner.name
         self.options = replace(inner.options, gate="scalar")
-        self.parallel_pieces = inner.parallel_pieces
-        self.summary_pieces = inner.summary_pieces
         self._dtypes = None  # (K, g's dtype, dt_bias's dtype), from prepare
 
-    def __getattr__(self, name):  # the stages that see no gate input or gradient: inner's own
+    def __getattr__(self, name):  # its name, settings and the stages that see no gate input or gradient: inner's
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

@@ -4,8 +4,7 @@ Each backend is a :class:`BackendSpec` (FLA's ``fla/ops/backends`` registry is t
 serves (``"kda"``, ``"gdn"``), whether it can run on a device and, if not, why (``require`` raises naming
 what is missing), its place among ``backend="auto"``'s candidates per family, whether it serves training
 calls (autograd) or hands calls that want no gradient to another backend, what it fuses in the layers
-(FLA's short convolution and gated norm), whether its summaries come in pieces (``summary_pieces``, what
-the split inside one device needs), the limits of one call (``refusal``: the reason, or None) and a
+(FLA's short convolution and gated norm), the limits of one call (``refusal``: the reason, or None) and a
 factory. :func:`choose_backend` resolves ``"auto"`` or a name once per call and returns the spec, or raises
 the refusal with its reason. Adding a backend: a module with its :class:`~kdacp.backends.base.LocalBackend`
 and one :func:`register_backend` line (docs/ARCHITECTURE.md, "How to add a backend").
@@ -60,7 +59,6 @@ class BackendSpec:
         training: it serves calls that want gradients.
         inference: the backend that runs its calls that want no gradient (None: itself).
         fuses: what it fuses in the layers (of :data:`LAYER_FUSIONS`).
-        summary_pieces: its ``state_summary`` returns the summaries of pieces (``parts=True``).
         refusal: ``(family, CallFacts) -> reason or None``: a call outside its limits.
         runs_scalar_gate: ``(training) -> bool``: a GDN call runs on its scalar gate (else on the per-channel
             broadcast, KDA's kernels, :class:`kdacp.backends.gate.BroadcastGate`).
@@ -76,7 +74,6 @@ class BackendSpec:
     training: bool = True
     inference: str | None = None
     fuses: frozenset = frozenset()
-    summary_pieces: bool = True
     refusal: Callable[[str, CallFacts], str | None] | None = None
     runs_scalar_gate: Callable[[bool], bool] = lambda training: False
 
@@ -229,4 +226,4 @@ register_backend(BackendSpec(
     available=lambda device: (attn_gym_adapter.attn_gym_device_supported(device) and fla_adapter.fla_available()
                               and attn_gym_adapter.attn_gym_available()),
     require=_require_attn_gym, auto_priority={"gdn": 0}, training=True, inference="fla", fuses=LAYER_FUSIONS,
-    summary_pieces=False, refusal=_attn_gym_refusal, runs_scalar_gate=lambda training: True))
+    refusal=_attn_gym_refusal, runs_scalar_gate=lambda training: True))
