@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..backends.base import Span
 from ..caches import RANK_LAYOUTS
-from ..choices import STRATEGIES, STRATEGY_CHOICES
+from ..choices import STRATEGIES
 from ..validation import check_cu_seqlens
 from . import cost_model
 from .exchanges import EXCHANGES
@@ -33,6 +33,12 @@ from .layout import LAYOUTS, TokenLayout, contiguous_layout, make_layout
 def strategy_choices() -> tuple[str, ...]:
     """Every registered exchange's name (:data:`~kdacp.cp.exchanges.EXCHANGES`), and ``"auto"``."""
     return tuple(EXCHANGES) + ("auto",)
+
+
+def check_strategy(strategy: str) -> None:
+    """Raise ``ValueError`` unless ``strategy`` is one of :func:`strategy_choices`."""
+    if strategy not in strategy_choices():
+        raise ValueError(f"strategy must be one of {strategy_choices()}, got {strategy!r}")
 
 
 # (HV, K, V) that "auto" sizes messages with when not told: Kimi Linear's (H=HV=32, K=V=128)
@@ -242,8 +248,7 @@ def resolve_strategy(strategy: str, layouts: tuple[RankLayout, ...], state_shape
     Raises:
         ValueError: unknown strategy, or a ``state_shape`` that is not three positive ints.
     """
-    if strategy not in strategy_choices():
-        raise ValueError(f"strategy must be one of {strategy_choices()}, got {strategy!r}")
+    check_strategy(strategy)
     if strategy != "auto":
         return strategy, "given"
     shape = AUTO_STATE_SHAPE if state_shape is None else tuple(state_shape)
@@ -387,8 +392,7 @@ def build_cp_plan(cu_seqlens=None, *, layout=None, local_lengths=None, batch_siz
             rank without tokens or does not match the batch, bad ``state_shape``, invalid ``cu_seqlens``,
             lengths that do not add up.
     """
-    if strategy not in strategy_choices():
-        raise ValueError(f"strategy must be one of {strategy_choices()}, got {strategy!r}")
+    check_strategy(strategy)
     if layout is not None and local_lengths is not None:
         raise ValueError("pass layout or local_lengths, not both: local_lengths are the contiguous layout's "
                          "lengths; give any other split as layout=kdacp.cp.layout.ranges_layout(...)")
