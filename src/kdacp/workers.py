@@ -15,10 +15,10 @@ import contextlib
 import ctypes
 import logging
 import os
-import sys
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
