@@ -126,7 +126,7 @@ def test_the_gdn_call_preparation_dispatches_no_op():
     o = torch.zeros(1, 10, 2, 8)
     o16 = o.bfloat16()
     with Ops() as ops:
-        gate = gdn_gate_arguments(args["q"], args["v"], args["g"], True, args["A_log"], args["dt_bias"])
+        gate = gdn_gate_arguments(args["g"], True, args["A_log"], args["dt_bias"])
         assert compute_dtype(args["q"]) == torch.float64 and compute_dtype(o16) == torch.float32
         assert PreparedCall(None, None, 1, 10, 2, 8).unpack(o) is o
     assert ops.names == []

@@ -72,7 +72,7 @@ def test_prepare_call_runs_gdn_on_the_scalar_gate_with_fla_only(backend):
     if backend == "fla":
         _fla()
     x = _gdn_case(20, 1, 2, 8, 8, gate_in_kernel=True, dtype=torch.float32, seed=4)
-    gate = gdn_gate_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
+    gate = gdn_gate_arguments(x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     call = prepare_call(backend, x["q"], x["k"], x["v"], beta=x["beta"], scale=None, use_qk_l2norm_in_kernel=True,
                         use_gate_in_kernel=True, lower_bound=None, safe_gate=False, **gate)

@@ -166,7 +166,7 @@ def role_call(family: str, backend: str, T: int, heads: int, head_dim: int, dtyp
                                     **KDA_OPTIONS)
         return call, torch.randn_like(x["v"])
     # GDN: one gate logit per value head and token, dt_bias [HV]
-    gate = gdn_gate_arguments(x["q"], x["v"], x["g"], True, x["A_log"], x["dt_bias"])
+    gate = gdn_gate_arguments(x["g"], True, x["A_log"], x["dt_bias"])
     gate.pop("use_gate_in_kernel")
     leaves = {n: t.detach().requires_grad_() for n, t in dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]).items()}
     with torch.enable_grad():  # the backend a training call takes (FLA's GDN backward may be refused)

@@ -97,7 +97,7 @@ def _segment_call(family: str, xs: dict, policy: str, backend: str) -> RankRole:
     if family == "kda":
         return RankRole.prepare(one, **{n: xs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
                                 backend=backend, summary_precision=policy, **options)
-    gate = gdn_gate_arguments(xs["q"], xs["v"], xs["g"], True, xs["A_log"], xs["dt_bias"])
+    gate = gdn_gate_arguments(xs["g"], True, xs["A_log"], xs["dt_bias"])
     options.pop("use_gate_in_kernel")
     with torch.enable_grad():  # the backend a training call takes
         return RankRole.prepare(one, q=xs["q"], k=xs["k"], v=xs["v"], beta=xs["beta"], **gate, backend=backend,

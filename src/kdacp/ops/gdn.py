@@ -1,7 +1,7 @@
 """Gated DeltaNet (GDN; Qwen3-Next, Qwen3.5) with FLA's names, on one device and context-parallel.
 
 GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` instead of
-``[B, T, HV, K]``. The op checks the GDN shapes and runs the KDA op's prepared call
+``[B, T, HV, K]``. The op runs the KDA op's checks and prepared call
 (:func:`kdacp.ops.kda.check_and_prepare`, :func:`kdacp.ops.kda.run_prepared`) on its own ``g [B, T, HV]`` and
 ``dt_bias [HV]`` with the gate's kind ``"scalar"`` (:attr:`kdacp.backends.base.KDAOptions.gate`), so
 plans, strategies and summaries are shared and no KDA argument is made up. The backends dispatch on the
@@ -14,28 +14,19 @@ wanted (:func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), on
 from __future__ import annotations
 
 from ..cp.split import check_split
-from ..validation import check_fla_only_options, check_tensor
+from ..validation import check_fla_only_options
 from .kda import check_and_prepare, run_prepared
 
 
-def gdn_gate_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias) -> dict:
-    """The KDA op's gate keywords for GDN's own gate, after checking GDN's shapes: ``g [B, T, HV]``
-    (natural-log decay, or logits with ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``) and ``dt_bias``
-    as they are, ``A_log``, ``use_gate_in_kernel``, and ``gate="scalar"``, the gate's kind
-    (:func:`kdacp.ops.kda.check_and_prepare`'s keyword), which the checks and the backends read."""
-    for name, x, nd in (("q", q, 4), ("v", v, 4), ("g", g, 3)):
-        check_tensor(name, x, nd)
-    B, T, HV = v.shape[0], v.shape[1], v.shape[2]
-    if tuple(g.shape) != (B, T, HV):
-        raise ValueError(f"g must have shape [B, T, HV] = {(B, T, HV)} (one decay per value head and token), "
-                         f"got {tuple(g.shape)}")
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("use_gate_in_kernel=True needs A_log of shape [HV]")
-        if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias)
-            if tuple(dt_bias.shape) != (HV,):
-                raise ValueError(f"dt_bias must have shape [HV] = [{HV}], got {tuple(dt_bias.shape)}")
+def gdn_gate_arguments(g, use_gate_in_kernel, A_log, dt_bias) -> dict:
+    """The KDA op's gate keywords for GDN's own gate: ``g [B, T, HV]`` (natural-log decay, or logits with
+    ``use_gate_in_kernel`` and ``A_log, dt_bias [HV]``) and ``dt_bias`` as they are, ``A_log``,
+    ``use_gate_in_kernel``, and ``gate="scalar"``, the gate's kind (:func:`kdacp.ops.kda.check_and_prepare`'s
+    keyword), whose checks (:func:`kdacp.validation.check_kda_inputs` with ``gate="scalar"``, under ``cp`` on
+    every rank alike) take the shapes. Raises ``ValueError`` for ``use_gate_in_kernel`` without ``A_log``
+    (GDN's gate has no ``lower_bound`` form)."""
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log of shape [HV]")
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     return dict(g=g, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel, gate="scalar")
@@ -61,7 +52,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     check_fla_only_options(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     check_split(split)
-    gate = gdn_gate_arguments(q, v, g, use_gate_in_kernel, A_log, dt_bias)
+    gate = gdn_gate_arguments(g, use_gate_in_kernel, A_log, dt_bias)
     prepared, plan = check_and_prepare(
         q, k, v, beta=beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         lower_bound=None, safe_gate=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
