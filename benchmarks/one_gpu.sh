@@ -41,6 +41,9 @@
 #                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
+#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: its GPU tests with the kernels' and backends',
+#                                             # then KDA and GDN against FLA's ops at 2..32 heads and 64K tokens, one
+#                                             # sequence, each split setting (benchmarks/split_heads.py)
 #   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
@@ -51,7 +54,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo or first_run"
+PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split or first_run"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -171,6 +174,13 @@ demo)
     tail -2 "$out/demo.log"
     step gpu_tests 400 python3 -m pytest -q -m gpu tests/test_determinism_gpu.py tests/test_long_sequence_gpu.py \
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
+    ;;
+split)
+    step split_tests 240 python3 -m pytest -q -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
+    tail -3 "$out/split_tests.log"
+    step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \
+        --out "$out/split_heads.json"
+    grep -h " ms |" "$out/split_heads.log"
     ;;
 first_run)
     nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
