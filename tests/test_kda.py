@@ -47,22 +47,45 @@ def test_chunk_kda_bad_backend_and_inputs():
 
 
 @pytest.mark.parametrize("op", ["kda", "gdn"])
-@pytest.mark.parametrize("mode", ["ContextParallel", "CPContext"])
-def test_the_ops_refuse_a_layer_mode_as_cp(op, mode):
-    """``cp`` of the ops is a :class:`~kdacp.cp.CPPlan`; the layers' ``ContextParallel`` (or its per-batch
-    ``CPContext``) is refused before any work, in one line that says what to pass instead."""
+def test_the_ops_refuse_a_layer_mode_as_cp(op):
+    """``cp`` of the ops is a per-batch :class:`~kdacp.cp.CPContext` or its :class:`~kdacp.cp.CPPlan`; the layers'
+    ``ContextParallel`` is refused before any work, in one line that says what to pass instead."""
     import kdacp.cp
     from kdacp.ops.gdn import chunk_gated_delta_rule
     args = make_kda_inputs(1, 8, 1, 1, 16, 16, requires_grad=False, seed=0)
     if op == "gdn":
         args["g"] = args["g"][..., 0]
-    cls = getattr(kdacp.cp, mode)
-    cp = cls.__new__(cls)  # the type is what is checked; a real one needs a process group
+    cp = kdacp.cp.ContextParallel.__new__(kdacp.cp.ContextParallel)  # the type is what is checked
     with pytest.raises(TypeError) as raised:
         (chunk_kda if op == "kda" else chunk_gated_delta_rule)(**args, backend="torch", cp=cp)
     message = str(raised.value)
-    assert "\n" not in message and message.startswith("cp must be a CPPlan")
-    assert "kdacp.build_cp_plan" in message and mode in message and "layer" in message
+    assert "\n" not in message and message.startswith("cp must be a CPContext")
+    assert "kdacp.build_cp_plan" in message and "ContextParallel" in message and "layer" in message
+
+
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_the_ops_run_on_a_one_device_context(op):
+    """``cp=`` a one-device :class:`~kdacp.cp.CPContext` (no plan) runs the op over the context's local boundaries:
+    outputs, final states and gradients equal those of the call given the same ``cu_seqlens``; boundaries given
+    beside the context are refused."""
+    import kdacp.cp
+    from kdacp.ops.gdn import chunk_gated_delta_rule
+    fn = chunk_kda if op == "kda" else chunk_gated_delta_rule
+    args = make_kda_inputs(1, 40, 2, 2, 16, 16, seed=3)
+    if op == "gdn":
+        args["g"] = args["g"][..., 0].detach().requires_grad_()
+    cu = torch.tensor([0, 7, 29, 40])
+    context = kdacp.cp.build_cp_context(cu, local_length=40)
+    results = []
+    for where in (dict(cp=context), dict(cu_seqlens=cu)):
+        leaves = differentiable_inputs(args)
+        o, final = fn(**leaves, backend="torch", output_final_state=True, **where)
+        (o.square().sum() + final.sum()).backward()
+        results.append([o, final] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta")])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pass neither cu_seqlens nor cu_seqlens_cpu"):
+        fn(**args, backend="torch", cp=context, cu_seqlens=cu)
 
 
 def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():

@@ -20,7 +20,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | call signatures every rank verified | ``cp.checks`` | per live plan (:func:`~kdacp.cp.checks.verified_plans`) | freed with its plan |
 | a layer context's per-batch contexts (:class:`~kdacp.cp.CPContext`: plan, boundaries, positions) | ``cp.context`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
 | convolution halo routes | ``cp.batch_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
-| boundaries of the convolution's input with its halos in line | ``layers.short_conv`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
+| boundaries of the convolution's input with its halos in line | ``kernels.short_conv.convolution`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
 | the opaque regions a compiled graph names by id (their settings: a layer context, the op, head dims; an attention module and its keywords) | ``compile`` | per distinct settings | one per mixer kind and context and one per attention module (each holds its module), for the process (:func:`~kdacp.compile.region_count`) |
 """
 from __future__ import annotations

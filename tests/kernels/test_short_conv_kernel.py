@@ -1,7 +1,7 @@
 """The short-convolution Triton kernels against the PyTorch reference (CPU: Triton interpreter, small
 sizes; GPU: `gpu` marker, real sizes, and beside FLA's ``causal_conv1d``).
 
-The reference (:func:`kdacp.layers.short_conv.causal_conv1d`'s PyTorch path) runs in float64 on exactly
+The reference (:func:`kdacp.kernels.short_conv.causal_conv1d`'s PyTorch path) runs in float64 on exactly
 the inputs the kernels get (rounded to their dtype), so any gap is the kernels' own rounding.
 """
 from __future__ import annotations

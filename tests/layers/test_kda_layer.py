@@ -202,10 +202,10 @@ def test_packed_batch_is_read_to_the_host_once_per_tensor(monkeypatch):
 def test_convolutions_check_the_batch_host_copy(monkeypatch):
     """The short convolutions get the batch's one host copy of its local boundaries: their kernels' check then
     reads it instead of copying the device tensor to the host (a sync per convolution on a GPU)."""
-    from kdacp.layers import delta_rule
+    from kdacp.cp import batch_context
     seen = []
-    conv = delta_rule.causal_conv1d
-    monkeypatch.setattr(delta_rule, "causal_conv1d",
+    conv = batch_context.causal_conv1d
+    monkeypatch.setattr(batch_context, "causal_conv1d",
                         lambda *a, **kw: seen.append(kw["cu_seqlens_cpu"]) or conv(*a, **kw))
     layer = small_layer()
     layer.cp = _fresh_single_device(monkeypatch, [])

@@ -146,20 +146,19 @@ def check_parallelize_contract(model_type, make_model):
     return cp
 
 
-def local_recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-    """``ContextParallel.recurrence`` without the state exchange: each rank's pieces start from zero."""
-    return op(q, k, v, g, beta, cu_seqlens=self.context(*q.shape[:2], cu_seqlens).local_cu_seqlens_cpu,
-              backend=backend, **kwargs)
+def local_recurrence(self, op, q, k, v, g, beta, **kwargs):
+    """``CPContext.recurrence`` without the state exchange: each rank's pieces start from zero."""
+    return op(q, k, v, g, beta, cu_seqlens=self.local_cu_seqlens_cpu, **kwargs)
 
 
 def exchanges() -> dict:
     """For :func:`check_each_matters`: the convolution halo, the recurrence's state exchange and the attention
     all-to-all, each faked away."""
     import kdacp
-    from kdacp.cp import autograd_collectives, batch_context, context
+    from kdacp.cp import autograd_collectives, batch_context
     return {
         "convolution halo": (batch_context.CPContext, "left_halos", lambda self, xs, width: [None] * len(xs)),
-        "state exchange": (context.ContextParallel, "recurrence", local_recurrence),
+        "state exchange": (batch_context.CPContext, "recurrence", local_recurrence),
         "attention all-to-all": (autograd_collectives, "all_to_all", lambda x, group: x),
         "global label shift": (kdacp, "shard_batch", shifted_in_shard(kdacp.shard_batch)),
     }

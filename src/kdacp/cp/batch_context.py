@@ -4,7 +4,9 @@ the global boundaries and the token layout, read by every layer call of the step
 :func:`build_cp_context` makes a :class:`CPContext`: the recurrence's plan, this rank's local boundaries on
 the host and on the device (the only two forms they take on the way down), each local token's global
 position and document (what softmax attention masks with), and, per convolution width, the route of the
-short convolution's halos (:meth:`CPContext.left_halos`). A layout is any :class:`~kdacp.cp.layout.TokenLayout`
+short convolution's halos (:meth:`CPContext.left_halos`). Its two calls are what every token mixer (the layers,
+the torchtitan and Megatron-Core modules) runs: :meth:`CPContext.short_convolution` and
+:meth:`CPContext.recurrence`. A layout is any :class:`~kdacp.cp.layout.TokenLayout`
 or the name of a built-in one; a rank's local tokens are its ranges concatenated in global order, and every
 range edge is a local sequence boundary.
 """
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from ..caches import HALO_ROUTES
 from ..host_copies import to_device
+from ..kernels.short_conv import causal_conv1d
 from ..validation import check_boundaries
 from .autograd_collectives import exchange_rows
 from .layout import TokenLayout, make_layout
@@ -173,6 +176,28 @@ class CPContext:
         halo = recv.new_zeros(recv.shape[0], route.num_ranges * width, recv.shape[-1])
         halo = halo.index_copy(1, route.recv_slots, recv).unflatten(1, (route.num_ranges, width))
         return list(halo.split([x.shape[-1] for x in xs], dim=-1))
+
+    def short_convolution(self, xs: list[torch.Tensor], weights: list[torch.Tensor],
+                          biases: list[torch.Tensor | None], *, fused: bool,
+                          activation: str | None = "silu") -> list[torch.Tensor]:
+        """The depthwise causal convolution of each of this rank's ``x [B, T_local, D_i]`` with ``weights[i]
+        [D_i, W]`` (one ``W``) and ``biases[i] [D_i]`` (or None), then ``activation``: each of the rank's ranges
+        continuing the ``W - 1`` tokens before it in its document, fetched from whichever rank holds them in one
+        exchange for all ``xs`` (:meth:`left_halos`), each local sequence starting from zeros otherwise.
+        ``fused``: kdacp's Triton kernels (:func:`~kdacp.kernels.short_conv.causal_conv1d`). A collective under
+        context parallelism: every rank of ``group`` calls it with one ``W``."""
+        halos = self.left_halos(xs, weights[0].shape[-1] - 1)
+        return [causal_conv1d(x, weight, bias, halo=halo, cu_seqlens=self.local_cu_seqlens,
+                              cu_seqlens_cpu=self.local_cu_seqlens_cpu, fused=fused, activation=activation,
+                              range_starts=self.range_starts)
+                for x, weight, bias, halo in zip(xs, weights, biases, halos)]
+
+    def recurrence(self, op, q, k, v, g, beta, **kwargs):
+        """``op`` (:func:`kdacp.chunk_kda` or :func:`kdacp.chunk_gated_delta_rule`, with its own keyword
+        arguments but ``cu_seqlens``, ``cu_seqlens_cpu`` and ``cp``) on this rank's tokens of the batch, with
+        this context as ``cp`` (the plan under context parallelism, else the local boundaries): ``op``'s
+        ``(o, final_state)``. A collective under context parallelism."""
+        return op(q, k, v, g, beta, cp=self, **kwargs)
 
 
 def _global_pieces(layout: TokenLayout, cu_seqlens, rank: int) -> list[tuple[int, int, int, int]]:

@@ -151,8 +151,9 @@ def check_cp_call(plan: CPPlan, q, k, v, g, beta, *, scale, initial_state, outpu
         TypeError (on every rank): the ranks agree on dtypes that :func:`check_kda_dtypes` rejects.
     """
     if not isinstance(plan, CPPlan):
-        raise TypeError(f"cp must be a CPPlan from kdacp.build_cp_plan, got {type(plan).__name__} (a ContextParallel "
-                        "is the layers' mode: pass it to a layer's cp, e.g. KimiDeltaAttention(..., cp=...))")
+        raise TypeError(f"cp must be a CPContext (kdacp.build_cp_context) or a CPPlan (kdacp.build_cp_plan), got "
+                        f"{type(plan).__name__} (a ContextParallel is the layers' mode: pass it to a layer's cp, "
+                        "e.g. KimiDeltaAttention(..., cp=...), or take its batch's context: cp.context(...))")
     error, dims, name, precision = None, None, "", ""
     try:
         dims = check_rank_call(plan, q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,

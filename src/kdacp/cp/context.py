@@ -75,13 +75,6 @@ class _SingleDevice(CPHooks):
         """Entries now in this context's memo: ``contexts`` (at most :data:`~kdacp.caches.CP_CONTEXTS`)."""
         return {"contexts": self._contexts.cache_info().currsize}
 
-    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        """``op`` (:func:`kdacp.chunk_kda` or :func:`kdacp.chunk_gated_delta_rule`, with its own arguments)
-        on this rank's tokens: ``cu_seqlens`` the batch's global ``[N+1]`` boundaries or None; under
-        context parallelism with the batch's plan (``cp=``), built once per batch."""
-        cu_cpu = None if cu_seqlens is None else self.context(1, q.shape[1], cu_seqlens).local_cu_seqlens_cpu
-        return op(q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, backend=backend, **kwargs)
-
     def _build_context(self, key: TensorKey | None, B: int, T: int, device: torch.device) -> CPContext:
         return build_cp_context(None if key is None else key.tensor, local_length=T, batch_size=B, device=device)
 
@@ -238,13 +231,6 @@ class ContextParallel(_SingleDevice):
         if self.ulysses_size == 1:
             return o, final_state
         return heads_to_time(o, self.ulysses_group, final_state)
-
-    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        backend = self.backend or backend
-        if self.state_size == 1:
-            return super().recurrence(op, q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
-        return op(q, k, v, g, beta, backend=backend, cp=self.context(*q.shape[:2], cu_seqlens, q.device).plan,
-                  **kwargs)
 
     def attention_context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None) -> CPContext:
         """The batch's :class:`~kdacp.cp.CPContext` over the whole group (``T``: this rank's tokens before

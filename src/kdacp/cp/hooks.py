@@ -2,7 +2,8 @@
 
 :func:`kdacp.layers.delta_rule.mix_tokens` runs the same code on one device and under context parallelism;
 what differs is behind these hooks, called in this order: :meth:`CPHooks.to_heads`, :meth:`CPHooks.head_slice`,
-:meth:`CPHooks.context`, :meth:`CPHooks.recurrence`, :meth:`CPHooks.to_sequence` (and
+:meth:`CPHooks.context` (whose :meth:`~kdacp.cp.CPContext.short_convolution` and
+:meth:`~kdacp.cp.CPContext.recurrence` run the mixer's exchanges), :meth:`CPHooks.to_sequence` (and
 :meth:`CPHooks.validate_heads` when a layer is given the mode). Implementations:
 :data:`~kdacp.cp.context.SINGLE_DEVICE`, :class:`~kdacp.cp.ContextParallel` and the prefill's
 :class:`kdacp.models.prefill.LayerPrefill`; each subclasses :class:`CPHooks` and defines every hook.
@@ -41,14 +42,9 @@ class CPHooks(Protocol):
         ...
 
     def context(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device=None) -> CPContext:
-        """The batch's :class:`~kdacp.cp.CPContext` (its ``left_halos``, ``local_cu_seqlens``,
-        ``local_cu_seqlens_cpu`` and ``range_starts`` are what the convolution reads), ``B`` rows of ``T``
-        tokens after :meth:`to_heads` or the packed row of global ``cu_seqlens``."""
-        ...
-
-    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        """``op`` (:func:`kdacp.chunk_kda` or :func:`kdacp.chunk_gated_delta_rule`) on this rank's tokens, with
-        the batch's global ``cu_seqlens``; returns ``op``'s ``(o, final_state)``."""
+        """The batch's :class:`~kdacp.cp.CPContext` (the mixer runs its ``short_convolution`` and
+        ``recurrence``), ``B`` rows of ``T`` tokens after :meth:`to_heads` or the packed row of global
+        ``cu_seqlens``."""
         ...
 
     def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):

@@ -52,7 +52,6 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ..backends import backend_fuses
 from ..cp.context import SINGLE_DEVICE, ContextParallel
 from ..ops.gdn import chunk_gated_delta_rule
-from ..layers.short_conv import causal_conv1d
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",
            "get_gated_delta_net_module_spec", "get_hybrid_block_spec", "get_hybrid_layer_specs"]
@@ -215,31 +214,23 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         cu = self._global_cu_seqlens(packed_seq_params, B, T * self.cp_size)
         if self.cp_size > 1 and cu is None and T % 2:
             raise ValueError(f"Megatron's zigzag layout gives each rank two equal chunks: s={T} must be even")
-        context = self.contexts[cu is not None]
         qkvzba, _ = self.in_proj(hidden_states)                                                    # [T, B, C / tp]
         qkv, gate, beta, alpha = torch.split(qkvzba.transpose(0, 1), self.feat_dim_split, dim=-1)
-        qkv = self._causal_conv(context, qkv, cu)
+        batch = self.contexts[cu is not None].context(*qkv.shape[:2], cu, qkv.device)
+        # the taps of each of this rank's zigzag chunks reach back to whichever rank holds the tokens before it
+        weight = self.conv1d.weight  # looked up per call: wrappers may replace parameters after build
+        qkv, = batch.short_convolution([qkv], [weight[:, 0]], [self.conv1d.bias],
+                                       fused=bool(backend_fuses(self.backend, qkv.device, scalar_gate=True)))
         q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         q, k = (t.unflatten(-1, (-1, self.key_head_dim)) for t in (q, k))               # [B, T, H / tp, K]
         v = v.unflatten(-1, (-1, self.value_head_dim))                                  # [B, T, HV / tp, V]
         # g: raw logits, turned into -exp(A_log) softplus(g + dt_bias) inside kdacp's op (in float32)
-        o, _ = context.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
-                                       cu_seqlens=cu, backend=self.backend, use_gate_in_kernel=True,
-                                       A_log=self.A_log, dt_bias=self.dt_bias,
-                                       use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+        o, _ = batch.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
+                                backend=self.backend, use_gate_in_kernel=True, A_log=self.A_log,
+                                dt_bias=self.dt_bias, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
         norm = self._apply_gated_norm(o, gate.reshape(B, T, -1, self.value_head_dim))  # [B T HV / tp, V]
         out, out_bias = self.out_proj(norm.reshape(B, T, -1).transpose(0, 1).contiguous())
         return out, out_bias
-
-    def _causal_conv(self, context, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """``silu(depthwise causal conv)`` of this rank's tokens ``x [B, T, D]`` (its zigzag chunks), each chunk's
-        taps reaching back to whichever rank holds the tokens before it, within the document."""
-        batch = context.context(*x.shape[:2], cu_seqlens, x.device)
-        weight = self.conv1d.weight  # looked up per call: wrappers may replace parameters after build
-        halo = batch.left_halos([x], weight.shape[-1] - 1)[0]
-        return causal_conv1d(x, weight[:, 0], self.conv1d.bias, halo=halo, cu_seqlens=batch.local_cu_seqlens,
-                             cu_seqlens_cpu=batch.local_cu_seqlens_cpu, range_starts=batch.range_starts,
-                             fused=bool(backend_fuses(self.backend, x.device, scalar_gate=True)))
 
 
 # --- specs --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Qwen3.5 and parallelizes it with :func:`parallelize_qwen3_5_kdacp`:
    (:func:`apply_kdacp_to_gated_deltanet`): its ``kernel`` module becomes a
    :class:`KdacpGatedDeltaKernel` (state exchange between the ranks' ranges by kdacp's GDN op, with one
    plan per batch built from the global ``cu_seqlens`` and the layout) and its ``_causal_conv`` runs
-   :func:`kdacp.layers.short_conv.causal_conv1d` with a left halo from whichever rank holds the tokens before
+   :meth:`kdacp.cp.CPContext.short_convolution`: a left halo from whichever rank holds the tokens before
    each range;
    parameters and state-dict keys do not change;
 2. the attention layers (one in four) run under torchtitan's own context parallelism for
@@ -82,7 +82,6 @@ from ..compile import hold_for_regions, run_opaque
 from ..cp.batch_context import CPContext, build_cp_context
 from ..cp.layout import TokenLayout, contiguous_layout, ranges_layout
 from ..ops.gdn import chunk_gated_delta_rule
-from ..layers.short_conv import causal_conv1d
 from ..models.batch import shard_tokens
 from ..sequences import sequence_positions
 
@@ -270,11 +269,10 @@ class _HaloConvolution:
 
     def __call__(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """``x [1, T, D]``, ``weight [D, 1, W]``, the global offsets -> ``(silu(conv(x)) [1, T, D],)``."""
-        context = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
-        halo = context.left_halos([x], weight.shape[-1] - 1)[0]
-        return (causal_conv1d(x, weight[:, 0], halo=halo, cu_seqlens=context.local_cu_seqlens,
-                              cu_seqlens_cpu=context.local_cu_seqlens_cpu, range_starts=context.range_starts,
-                              fused=bool(backend_fuses(self.context.backend, x.device, scalar_gate=True))),)
+        batch = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
+        return tuple(batch.short_convolution([x], [weight[:, 0]], [None],
+                                             fused=bool(backend_fuses(self.context.backend, x.device,
+                                                                      scalar_gate=True))))
 
     def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         return (x.new_empty(x.shape),)
@@ -289,12 +287,9 @@ class _GatedDeltaRecurrence:
 
     def __call__(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """:meth:`GatedDeltaContext.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
-        context = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
-        # One device: the local sequences; under context parallelism the batch's plan holds them.
-        where = (dict(cu_seqlens=context.local_cu_seqlens, cu_seqlens_cpu=context.local_cu_seqlens_cpu)
-                 if context.plan is None else dict(cp=context.plan))
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, backend=self.context.backend, use_qk_l2norm_in_kernel=True,
-                                      **where)
+        batch = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        o, _ = batch.recurrence(chunk_gated_delta_rule, q, k, v, g, beta, backend=self.context.backend,
+                                use_qk_l2norm_in_kernel=True)
         return (o,)
 
     def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:

@@ -20,7 +20,7 @@ from ..reference.gates import compute_dtype
 from ..validation import check_hidden_states, check_layer_sizes
 from ..cp.context import SINGLE_DEVICE, ContextParallel
 from .norm import RMSNormGated, rms_norm_gated
-from .short_conv import ShortConvolution, causal_conv1d
+from .short_conv import ShortConvolution
 
 
 def initial_dt_bias(n: int, device=None) -> torch.Tensor:
@@ -153,15 +153,11 @@ class _ConvolveAndRecur:
         and the gate's tensors -> ``(o [B, T, HV, V],)``, and ``final_state`` second where asked for."""
         K, V, cp = self.K, self.V, self.cp
         context = cp.context(*q.shape[:2], cu_seqlens, q.device)
-        weights = ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias))
-        halos = context.left_halos([q, k, v], q_weight.shape[-1] - 1)
-        q, k, v = (causal_conv1d(y, weight, bias, halo=halo, cu_seqlens=context.local_cu_seqlens,
-                                 cu_seqlens_cpu=context.local_cu_seqlens_cpu, fused=self.fused,
-                                 range_starts=context.range_starts)
-                   for y, (weight, bias), halo in zip((q, k, v), weights, halos))
-        o, final_state = cp.recurrence(
+        q, k, v = context.short_convolution([q, k, v], [q_weight, k_weight, v_weight], [q_bias, k_bias, v_bias],
+                                            fused=self.fused)
+        o, final_state = context.recurrence(
             self.op, q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
-            cu_seqlens=cu_seqlens, backend=self.backend, initial_state=initial_state,
+            backend=cp.backend or self.backend, initial_state=initial_state,
             output_final_state=self.output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             **dict(zip(self.gate_names, gate_tensors)), **dict(self.gate_options))
         return (o, final_state) if self.output_final_state else (o,)

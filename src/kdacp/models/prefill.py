@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..cp.batch_context import CPContext
 from ..cp.groups import process_group
 from ..cp.layout import make_layout
 from ..cp.hooks import CPHooks
@@ -175,10 +176,17 @@ class _PrefillConv:
     before the prompt's first token (of the ranges starting within ``W - 1`` tokens of it) continue the cached
     convolution input, and the layer's last ``W`` input tokens recorded."""
 
-    def __init__(self, base, view: PrefillCache, layer_idx: int):
+    # the context's convolution, run on these halos (it reads the boundaries and range starts below)
+    short_convolution = CPContext.short_convolution
+
+    def __init__(self, base: CPContext, view: PrefillCache, layer_idx: int):
         self.base, self.view, self.layer_idx = base, view, layer_idx
         self.local_cu_seqlens, self.local_cu_seqlens_cpu = base.local_cu_seqlens, base.local_cu_seqlens_cpu
         self.range_starts = base.range_starts
+
+    def recurrence(self, *args, **kwargs):
+        """The context-parallel context's :meth:`~kdacp.cp.CPContext.recurrence`."""
+        return self.base.recurrence(*args, **kwargs)
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
         halos = self.base.left_halos(xs, width)  # each [B, R, W-1, C] (None on one device)
@@ -225,9 +233,6 @@ class LayerPrefill(CPHooks):
 
     def head_slice(self, num_heads: int) -> slice:
         return self.cp.head_slice(num_heads)
-
-    def recurrence(self, op, q, k, v, g, beta, *, cu_seqlens, backend, **kwargs):
-        return self.cp.recurrence(op, q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
 
     def to_sequence(self, o: torch.Tensor, final_state: torch.Tensor | None):
         return self.cp.to_sequence(o, final_state)

@@ -17,6 +17,7 @@ import torch
 from ..backends.base import KDAInputs, LocalBackend, LocalStates, tensor_fields
 from ..backends.call import (PreparedCall, choose_call_backend, input_dtypes, input_gradients, prepare_call,
                             wants_gradient)
+from ..cp.batch_context import CPContext
 from ..cp.checks import check_cp_call
 from ..cp.schedule import cp_backward, cp_forward
 from ..cp.plan import CPPlan, one_rank_plan
@@ -75,6 +76,23 @@ def _forward(call: _Call, inputs: KDAInputs, initial_state):
                       split=call.split)
 
 
+def _from_context(cp, cu_seqlens, cu_seqlens_cpu):
+    """``(plan, cu_seqlens, cu_seqlens_cpu)`` of a call given ``cp``: a :class:`~kdacp.cp.CPContext` gives its plan,
+    or on one device (no plan) its local boundaries on the device and the host (the call's own must then be None:
+    the context holds them); a :class:`~kdacp.cp.CPPlan` or None is passed through."""
+    if not isinstance(cp, CPContext):
+        return cp, cu_seqlens, cu_seqlens_cpu
+    if cu_seqlens is not None or cu_seqlens_cpu is not None:
+        raise ValueError("with cp a CPContext, pass neither cu_seqlens nor cu_seqlens_cpu: the context holds the "
+                         "batch's boundaries")
+    if cp.plan is not None:
+        return cp.plan, None, None
+    if cp.group is not None:
+        raise ValueError("cp is a CPContext built without a plan (with_plan=False, for softmax attention); build it "
+                         "with with_plan=True for the recurrence")
+    return None, cp.local_cu_seqlens, cp.local_cu_seqlens_cpu
+
+
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       A_log, dt_bias, lower_bound, safe_gate, cu_seqlens, cu_seqlens_cpu, backend, check_finite,
                       output_final_state, cp, summary_precision=None,
@@ -93,6 +111,7 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                                summary_precision=summary_precision,
                                training=wants_gradient(q, k, v, g, beta, A_log, dt_bias))
+    cp, cu_seqlens, cu_seqlens_cpu = _from_context(cp, cu_seqlens, cu_seqlens_cpu)
     if cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
@@ -166,8 +185,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             every rank. When off, non-finite values are not looked for: a NaN in one sequence of a
             packed batch reaches that sequence's outputs and gradients (and the shared
             A_log/dt_bias gradients), no other sequence's.
-        cp: the :class:`~kdacp.cp.CPPlan` of this batch (:func:`kdacp.build_cp_plan`), or
-            ``None`` for one device.
+        cp: this batch's :class:`~kdacp.cp.CPContext` (:func:`kdacp.cp.build_cp_context`: its plan, or on one
+            device its local boundaries, host and device, read without a sync; ``cu_seqlens`` and
+            ``cu_seqlens_cpu`` then stay None), or its :class:`~kdacp.cp.CPPlan` alone
+            (:func:`kdacp.build_cp_plan`), or ``None`` for one device.
         summary_precision: how the ``fla`` backend's summary kernels (the state exchange of ``cp``) round
             their float32 state products with bf16 inputs: ``"exact"`` (float32-faithful), ``"two_piece"``,
             ``"mixed"`` or ``"one_piece"`` (FLA's own state pass's precision), see

@@ -5,10 +5,11 @@
 over each sequence: a tap reaching before its sequence's first token reads zero, except that the first
 sequence's taps before token 0 read ``halo`` (the previous rank's last ``W-1`` tokens) when one is given.
 Shapes are FLA's: ``x [B, T, D]`` (any strides), ``weight [D, W]``, ``bias [D]``, ``halo [B, W-1, D]``,
-``cu_seqlens [N+1]`` with ``B == 1``. The plain-PyTorch contract, the CPU path and the reference these
-kernels are tested against is :func:`kdacp.layers.short_conv.causal_conv1d`; the fused op here is
-:func:`fused_causal_conv1d`. Modules: :mod:`.jit_kernels` (Triton), :mod:`.launch` (grids and tiles),
-:mod:`.autograd` (the checked, differentiable op).
+``cu_seqlens [N+1]`` with ``B == 1``. The contract every caller uses is :func:`causal_conv1d`
+(:mod:`.convolution`: these kernels, or the plain-PyTorch path that is the CPU path and the reference they are
+tested against; halos of several ranges put in line). Modules: :mod:`.jit_kernels` (Triton), :mod:`.launch` (grids
+and tiles), :mod:`.autograd` (the checked, differentiable fused op :func:`fused_causal_conv1d`),
+:mod:`.convolution`.
 
 The bytes moved are the floor: the forward reads ``x`` and writes ``y``; the backward reads ``x`` and ``dy``
 and writes ``dx``, recomputing the pre-activation in registers (nothing is saved but the inputs). Each program
@@ -30,7 +31,8 @@ bandwidth that torch's own copy and add reach (benchmarks/RESULTS.md, "Short con
 from __future__ import annotations
 
 from .autograd import ACTIVATIONS, DTYPES, MAX_WIDTH, MIN_WIDTH, fused_causal_conv1d
+from .convolution import causal_conv1d
 from .launch import BWD_TILES, FWD_TILES, ConvTiles, ShortConvGrads, short_conv_bwd, short_conv_fwd
 
 __all__ = ["ACTIVATIONS", "BWD_TILES", "DTYPES", "FWD_TILES", "MAX_WIDTH", "MIN_WIDTH", "ConvTiles",
-           "ShortConvGrads", "fused_causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
+           "ShortConvGrads", "causal_conv1d", "fused_causal_conv1d", "short_conv_bwd", "short_conv_fwd"]
