@@ -33,9 +33,12 @@ summaries. The programs (``[...]``: only where it applies):
 ``p2p`` (wavefront)::
 
     compute(ready); [map constant: send(i+1, state)]; compute(between);
-    [i > 0: recv(i-1)]; [through: compute(apply); send(i+1, state)]; compute(after)
+    per chain depth of the rank's positions: [i > 0: recv(i-1)] each;
+        [any through: compute(apply) once; send(i+1, state) each]
+    compute(after)
 
-so after the through ranks' ``ready`` the chain is one hop (link + apply) per through rank.
+so after the through ranks' ``ready`` the chain is one hop (link + apply) per through rank; a rank of many
+positions (a packed batch cut per document) pays one apply a depth, as the exchange runs one product.
 
 ``allgather``::
 
