@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -149,3 +150,47 @@ def _first_kdacp_frame() -> str | None:
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+# Tensor methods and functions that bring a tensor's values to the host (a device sync for a CUDA tensor).
+_VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+                          torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu,
+                          torch.Tensor.equal, torch.equal, torch.Tensor.allclose, torch.allclose})
+
+
+class HostReads(TorchFunctionMode):
+    """Records (as ``kdacp file:line`` stacks) every read of device values to the host that kdacp code makes: the
+    host syncs a CUDA run would have, seen on the CPU. Device tensors are those given to :meth:`on_device` (a
+    layer's inputs and parameters), the copies :func:`kdacp.host_copies.to_device` makes (on the CPU a copy of
+    its own, apart from the host tensor), and everything computed from them; a read is :data:`_VALUE_READS` or
+    ``.to("cpu")`` of one. Host tensors (boundaries a context keeps on the host) read freely."""
+
+    def __init__(self):
+        super().__init__()
+        self.found, self._device, self._kept = [], set(), []
+
+    def on_device(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._device.add(id(t))
+            self._kept.append(t)  # alive while recorded: no id is reused
+
+    def _touches_device(self, args, kwargs) -> bool:
+        flat = list(args) + list((kwargs or {}).values())
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        return any(isinstance(a, torch.Tensor) and id(a) in self._device for a in flat)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_host = func is torch.Tensor.to and any(str(a) == "cpu" for a in [*args[1:], *kwargs.values()])
+        made_by_to_device = func is torch.Tensor.to and "host_copies" in sys._getframe(1).f_code.co_filename
+        device_input = self._touches_device(args, kwargs)
+        if device_input and (func in _VALUE_READS or to_host and not made_by_to_device):
+            stack = [f"{f.filename.split(os.sep + 'kdacp' + os.sep)[-1]}:{f.lineno}" for f in traceback.extract_stack()
+                     if os.sep + "kdacp" + os.sep in f.filename]
+            if stack:
+                self.found.append(" < ".join(reversed(stack[-4:])))
+        out = func(*args, **kwargs)
+        if device_input or made_by_to_device:
+            outs = out if isinstance(out, (list, tuple)) else (out,)
+            self.on_device(*(o for o in outs if isinstance(o, torch.Tensor)))
+        return out

@@ -21,10 +21,11 @@ __all__ = ["to_device", "take_rows", "put_rows"]
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``; on a GPU copied from pinned memory without a device sync (the
-    caller must not change ``host`` afterwards). On the CPU, ``host`` itself."""
+    caller must not change ``host`` afterwards). On the CPU, a copy: the device tensor is apart from the host one
+    on every device (what the host-read checks of the tests tell apart)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return host.to(device)
+        return host.to(device, copy=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 

@@ -3,6 +3,7 @@
 Runs on any device and dtype (float64 included). It recomputes the chunked form inside each
 stage rather than caching intermediates: it exists to be obviously right, not fast. Backward
 differentiates the reference chunked form with autograd (in :meth:`TorchBackend.backward_states`).
+The reference reads a span's boundaries on the host: they are handed over as host tensors (no device sync).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class TorchBackend:
 
     def _kwargs(self, x: KDAInputs, span: Span) -> dict:
         o = self.options
-        return dict(scale=o.scale, cu_seqlens=span.cu_seqlens_tensor(x.q.device),
+        return dict(scale=o.scale, cu_seqlens=span.cu_seqlens_host(),
                     use_qk_l2norm_in_kernel=o.use_qk_l2norm_in_kernel, use_gate_in_kernel=o.use_gate_in_kernel,
                     A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=o.lower_bound, chunk_size=o.chunk_size)
 
@@ -66,7 +67,7 @@ class TorchBackend:
         def summarise(cu):
             return reference.state_summary(inter.kg, inter.w, inter.u, inter.gc, C, cu)
 
-        summary = summarise(span.cu_seqlens_tensor(chunks.q.device))
+        summary = summarise(span.cu_seqlens_host())
         if not parts:
             return summary if with_transition else summary._replace(transition=None)
         # pieces of chunks_per_piece chunks; by default each segment in two, cut at a chunk boundary near its
@@ -78,7 +79,7 @@ class TorchBackend:
             cuts = tuple(range(bos, eos, C * step))
             starts += cuts
             counts.append(len(cuts))
-        pieces = summarise(torch.tensor((*starts, span.cu_seqlens[-1]), dtype=torch.int64, device=chunks.q.device))
+        pieces = summarise(torch.tensor((*starts, span.cu_seqlens[-1]), dtype=torch.int64))
         return SummaryParts(summary, pieces, tuple(starts), tuple(counts))
 
     def state_pass(self, chunks: KDAInputs, span: Span, initial_state: torch.Tensor,
@@ -98,7 +99,7 @@ class TorchBackend:
                                        **self._kwargs(x, span))[0]
         inter = self._intermediates(chunks, span)
         o = reference.chunk_output(inter.qg, inter.Aqk, states.v_new, states.h, self.options.scale,
-                                   self.options.chunk_size, span.cu_seqlens_tensor(chunks.q.device))
+                                   self.options.chunk_size, span.cu_seqlens_host())
         return o.to(chunks.v.dtype)
 
     def to_saved(self, chunks: KDAInputs) -> KDAInputs:
@@ -120,7 +121,7 @@ class TorchBackend:
         if segments is not None:
             local = self._segments(local, *segments)
         inter = self._intermediates(local.saved, local.span)
-        cu, C, scale = local.span.cu_seqlens_tensor(local.do.device), self.options.chunk_size, self.options.scale
+        cu, C, scale = local.span.cu_seqlens_host(), self.options.chunk_size, self.options.scale
         dv_local = reference.chunk_dv_local(inter.Aqk, local.do, scale, C, cu)
         return reference.state_gradient_summary(inter.qg, inter.kg, inter.w, inter.gc, local.do, dv_local, scale, C, cu)
 

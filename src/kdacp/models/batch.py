@@ -57,6 +57,8 @@ class ShardedBatch:
         rank: the rank whose share this is.
         padding: how many ``pad_id`` tokens :func:`shard_tokens` added to the global batch so that it splits
             evenly (see its ``pad_id``), all labelled ``-100``.
+        max_length: the longest document's length (read on the host once, when the batch is sharded; None
+            without ``cu_seqlens``).
     """
 
     input_ids: torch.Tensor
@@ -66,6 +68,7 @@ class ShardedBatch:
     layout: TokenLayout
     rank: int
     padding: int = 0
+    max_length: int | None = None
 
     def model_kwargs(self) -> dict:
         """Keyword arguments for a parallelised Hugging Face model's forward: the tokens, positions, the
@@ -75,9 +78,8 @@ class ShardedBatch:
         model refuses a batch of another layout than its own)."""
         kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, labels=self.labels)
         if self.cu_seqlens is not None:
-            longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
-            kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=longest,
-                          max_length_k=longest)
+            kwargs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=self.max_length,
+                          max_length_k=self.max_length)
         kwargs[LAYOUT_KWARG] = self.layout
         return kwargs
 
@@ -172,8 +174,9 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
         if cu_seqlens is not None:
             shifted[:, cu_seqlens[1:-1] - 1] = IGNORE_INDEX  # a document's last token has no next token
     own = layout.local_token_index(rank).to(input_ids.device)
+    longest = None if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return ShardedBatch(input_ids[:, own].contiguous(), shifted[:, own].contiguous(), position_ids[:, own].contiguous(),
-                        cu_seqlens, layout, rank, padding)
+                        cu_seqlens, layout, rank, padding, longest)
 
 
 def _padded(input_ids, labels, position_ids, cu_seqlens, pads, pad_id: int, own_document: bool):
