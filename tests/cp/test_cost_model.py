@@ -177,37 +177,20 @@ def test_auto_matches_the_chosen_strategy_on_gloo():
     run_ranks(_auto_ranks, 3)
 
 
-def _document_zigzag(P: int, docs: int) -> tuple:
-    """``(emits, affine, holders)`` of the forward route of ``docs`` documents (``2P`` to ``6P`` tokens) packed
-    under ``document_zigzag`` over ``P`` ranks."""
+@pytest.mark.parametrize("P, docs", ((3, 4), (8, 10)))
+def test_p2p_model_advances_side_by_side_chains_together(P, docs):
+    """The model's ``p2p`` handles a rank's positions as the exchange does: under ``document_zigzag`` with free
+    compute and a link of unit latency, the exchange takes one document's chain (``2P - 2`` hops), not one
+    chain after another (122 hops at P = 8 over 10 documents in flow order)."""
     from kdacp.cp.layout import document_zigzag_layout
     from kdacp.cp.plan import chain_links, layout_rank_layouts
     cu = [0]
     for d in range(docs):
         cu.append(cu[-1] + 2 * P * (d % 3 + 1))
     links = chain_links(layout_rank_layouts(tuple(cu), 1, document_zigzag_layout(cu, P)))
-    return (tuple(link.num_send for link in links), tuple(link.through for link in links),
-            tuple(link.rank for link in links))
-
-
-@pytest.mark.parametrize("P, docs", ((3, 4), (8, 10)))
-def test_p2p_model_advances_side_by_side_chains_together(P, docs):
-    """The model's ``p2p`` handles a rank's positions as the exchange does: under ``document_zigzag`` with free
-    compute and a link of unit latency, the exchange takes one document's chain (``2P - 2`` hops), not one
-    chain after another (122 hops at P = 8 over 10 documents in flow order)."""
-    emits, affine, holders = _document_zigzag(P, docs)
+    holders = tuple(link.rank for link in links)
+    emits, affine = tuple(link.num_send for link in links), tuple(link.through for link in links)
     times = StageTimes(forward={}, backward={}, apply_s=0.0)
     link = Link(latency_s=1.0, bandwidth=1e30, gather_latency_s=1.0, gather_bandwidth=1e30)
     finish = simulate(programs("p2p", emits, affine, [RoleStages()] * len(holders), times, holders=holders), link)
     assert max(finish) == 2 * P - 2
-
-
-def test_p2p_model_applies_a_depth_once():
-    """As the exchange makes a rank's affine messages of one chain depth in one product, the model counts one
-    apply per rank and depth: under ``document_zigzag`` at P = 3 over 4 documents, rank 1 applies at depths 1 and
-    3, rank 2 at depth 2; with a free link the exchange takes 3 applies (counted one a position: 8)."""
-    emits, affine, holders = _document_zigzag(3, 4)
-    times = StageTimes(forward={}, backward={}, apply_s=1.0)
-    progs = programs("p2p", emits, affine, [RoleStages()] * len(holders), times, holders=holders)
-    assert [prog.count(("compute", 1.0)) for prog in progs] == [0, 2, 1]
-    assert max(simulate(progs, Link(latency_s=0.0, bandwidth=1e30, gather_latency_s=0.0, gather_bandwidth=1e30))) == 3

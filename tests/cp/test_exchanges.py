@@ -219,38 +219,3 @@ def test_p2p_advances_side_by_side_chains_together(P, docs, monkeypatch):
         wire = _Wire(P)
         run_exchange("p2p", h, e, a, _random_messages(e, a, gen), monkeypatch, wire=wire)
         assert wire.hops == 2 * P - 2
-
-
-@pytest.mark.parametrize("P, docs", ((3, 4), (4, 5)))
-def test_p2p_applies_a_depth_in_one_product(P, docs, monkeypatch):
-    """Under ``document_zigzag`` a rank holds one position per document piece. ``p2p`` makes the values of a
-    rank's affine messages of one chain depth in one product (the backward's with transposed ``M``, as the
-    schedule builds them): as many products as (rank, depth) pairs among the positions whose affine message
-    goes on, each over all of that pair's rows, not one product a position; every incoming value equal to
-    the fold of one product a position."""
-    from kdacp import affine
-    holders, sends, receives, through = _document_zigzag_route(P, [2 * P * (d % 3 + 1) for d in range(docs)])
-    gen = torch.Generator().manual_seed(P)
-    for backward, (h, e, a) in enumerate(((holders, sends, through), (holders[::-1], receives[::-1], through[::-1]))):
-        messages = _random_messages(e, a, gen)
-        if backward:
-            messages = [m if m is None or m.constant else affine.AffineMap(m.offset, m.transition.transpose(-1, -2))
-                        for m in messages]
-        want = _sequential(messages, e)
-        rows, product = [], affine.apply_state_summary
-
-        def counted(S_ext, M, S_in):
-            rows.append(M.shape[0])
-            return product(S_ext, M, S_in)
-        monkeypatch.setattr(affine, "apply_state_summary", counted)
-        got = run_exchange("p2p", h, e, a, messages, monkeypatch)
-        monkeypatch.setattr(affine, "apply_state_summary", product)
-        goes_on = [i for i in range(len(h)) if e[i] and i + 1 < len(h) and a[i]]
-        runs = [[i for i in run if i in goes_on]
-                for r in range(P) for run in exchanges.handling_groups([i for i in range(len(h)) if h[i] == r], e, a)]
-        runs = [run for run in runs if run]
-        assert len(runs) < len(goes_on)
-        assert sorted(rows) == sorted(sum(e[i] for i in run) for run in runs)
-        for g, w in zip(got, want):
-            assert (g is None) == (w is None)
-            assert w is None or torch.equal(g, w)

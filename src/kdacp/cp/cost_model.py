@@ -33,12 +33,9 @@ summaries. The programs (``[...]``: only where it applies):
 ``p2p`` (wavefront)::
 
     compute(ready); [map constant: send(i+1, state)]; compute(between);
-    per chain depth of the rank's positions: [i > 0: recv(i-1)] each;
-        [any through: compute(apply) once; send(i+1, state) each]
-    compute(after)
+    [i > 0: recv(i-1)]; [through: compute(apply); send(i+1, state)]; compute(after)
 
-so after the through ranks' ``ready`` the chain is one hop (link + apply) per through rank; a rank of many
-positions (a packed batch cut per document) pays one apply a depth, as the exchange runs one product.
+so after the through ranks' ``ready`` the chain is one hop (link + apply) per through rank.
 
 ``allgather``::
 

@@ -4,8 +4,7 @@
 each module also supplies its exchange's cost-model program. Adding one: a module with a class decorated by
 ``@register_exchange(name)`` (docs/ARCHITECTURE.md, "How to add an exchange")."""
 from .base import (AUTO_PRIORITY, EXCHANGES, ModelOutbox, ModelRoute, OrderedSends, Pending, Route, StateExchange,
-                   auto_candidates, chain_depths, handling_groups, handling_order, make_exchange,
-                   register_exchange)
+                   auto_candidates, chain_depths, handling_order, make_exchange, register_exchange)
 # kdacp's own exchanges, registered on import in this order
 from .p2p import P2PExchange
 from .allgather import AllGatherExchange
@@ -13,4 +12,4 @@ from .scan import ScanExchange, ScanSchedule, scan_schedule
 
 __all__ = ["AUTO_PRIORITY", "AllGatherExchange", "EXCHANGES", "ModelOutbox", "ModelRoute", "OrderedSends",
            "P2PExchange", "Pending", "Route", "ScanExchange", "ScanSchedule", "StateExchange", "auto_candidates",
-           "chain_depths", "handling_groups", "handling_order", "make_exchange", "register_exchange", "scan_schedule"]
+           "chain_depths", "handling_order", "make_exchange", "register_exchange", "scan_schedule"]

@@ -21,7 +21,6 @@ order (:class:`OrderedSends`), however early each one's value is known.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Protocol
@@ -60,11 +59,6 @@ class Route:
     def handling(self) -> tuple[int, ...]:
         """This rank's positions in the order ``p2p`` handles them: :func:`handling_order`."""
         return handling_order(self.positions, self.emits, self.affine)
-
-    @cached_property
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        """:attr:`handling` cut into runs of one chain depth: :func:`handling_groups`."""
-        return handling_groups(self.positions, self.emits, self.affine)
 
     @cached_property
     def outgoing(self) -> tuple[tuple[int, int], ...]:
@@ -129,17 +123,6 @@ def handling_order(positions, emits, affine) -> tuple[int, ...]:
     return tuple(sorted(positions, key=lambda i: (depths[i], i)))
 
 
-def handling_groups(positions, emits, affine) -> tuple[tuple[int, ...], ...]:
-    """:func:`handling_order` of ``positions`` cut into runs of one :func:`chain_depths` value, shallowest
-    first. ``p2p`` takes every input of a run (in that order), then makes the values of the run's affine
-    messages in one product and posts them: no input of a run is made by a position of the same run (a
-    position's input is made one depth shallower), so a run's inputs are all known once the shallower runs
-    of every rank are posted."""
-    depths = chain_depths(emits, affine)
-    ordered = handling_order(positions, emits, affine)
-    return tuple(tuple(run) for _, run in itertools.groupby(ordered, key=depths.__getitem__))
-
-
 class OrderedSends:
     """The sends of one rank, each released to its peer in a fixed order per peer (the order the peer posted
     its receives in), as soon as it and every earlier one to that peer are known. ``keys``: every send's
@@ -162,16 +145,14 @@ class OrderedSends:
 @dataclass
 class Pending:
     """An exchange in flight: the posted receives (``receives``: key -> ``(buffer, work)``; or a gather:
-    its buffer ``recv_buffer``, ``recv_work`` and ``gathered``), this rank's messages by position (or, for
-    ``p2p``, ``batches``: per run of :attr:`Route.groups`, its affine messages stacked), values handed over
-    between its own positions (``local``), the sends (``outbox``)."""
+    its buffer ``recv_buffer``, ``recv_work`` and ``gathered``), this rank's messages by position, values
+    handed over between its own positions (``local``), the sends (``outbox``)."""
 
     route: Route
     recv_buffer: torch.Tensor | None = None
     recv_work: object = None
     messages: dict = field(default_factory=dict)
     gathered: list | None = None
-    batches: list = field(default_factory=list)
     receives: dict = field(default_factory=dict)
     local: dict = field(default_factory=dict)
     outbox: OrderedSends | None = None
