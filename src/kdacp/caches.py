@@ -19,6 +19,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | a plan's forward and backward routes | ``cp.schedule`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
 | call signatures every rank verified | ``cp.checks`` | per live plan (:func:`~kdacp.cp.checks.verified_plans`) | freed with its plan |
 | a layer context's per-batch contexts (:class:`~kdacp.cp.CPContext`: plan, boundaries, positions) | ``cp.context`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
+| Megatron THD boundaries checked against the zigzag layout | ``integrations.megatron`` | ``(boundaries tensor, tokens, cp)`` | ``CACHED_LAYOUTS`` there (LRU) |
 | convolution halo routes | ``cp.batch_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
 | boundaries of the convolution's input with its halos in line | ``kernels.short_conv.convolution`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
 | the opaque regions a compiled graph names by id (their settings: a layer context, the op, head dims; an attention module and its keywords) | ``compile`` | per distinct settings | one per mixer kind and context and one per attention module (each holds its module), for the process (:func:`~kdacp.compile.region_count`) |

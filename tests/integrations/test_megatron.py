@@ -329,6 +329,38 @@ def test_refusals_name_the_setting():
         km.KdacpGatedDeltaNet._global_cu_seqlens(module, psp, 1, 64)
 
 
+def test_thd_boundaries_are_read_once_per_tensor(monkeypatch):
+    """Every layer of a step gets one boundaries tensor: its values are read on the host (a device sync on a GPU)
+    by the first layer's check only; a new tensor, or the same one changed in place, is read again, and a bad one
+    is refused on every call."""
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from kdacp.integrations import megatron as km
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
+    module = SimpleNamespace(cp_size=2)
+
+    def check(cu):
+        return km.KdacpGatedDeltaNet._global_cu_seqlens(
+            module, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu), 1, 32)
+
+    cu = torch.tensor([0, 8, 32], dtype=torch.int32)
+    for _ in range(3):
+        assert check(cu) is cu
+    assert len(reads) == 1
+    cu[1] = 12
+    check(cu)
+    check(torch.tensor([0, 8, 32], dtype=torch.int32))
+    assert len(reads) == 3
+    bad = torch.tensor([0, 6, 32], dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="do not divide by 4"):
+            check(bad)
+
+
 def test_hybrid_specs_swap_the_gdn_mixers():
     """Megatron's hybrid layer specs with kdacp's GDN mixers, with an input norm where the backend fuses none
     (Megatron's local one). With attention layers (Qwen3-Next: one in four) Megatron's hybrid stack needs

@@ -50,6 +50,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ..backends import backend_fuses
+from ..caches import TensorKey
 from ..cp.context import SINGLE_DEVICE, ContextParallel
 from ..ops.gdn import chunk_gated_delta_rule
 
@@ -193,15 +194,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         cu = padded if padded is not None else packed_seq_params.cu_seqlens_q
         if cu is None:
             raise ValueError("packed_seq_params.qkv_format='thd' needs cu_seqlens_q (or cu_seqlens_q_padded)")
-        values = cu.tolist()
-        if values[0] != 0 or values[-1] != total:
-            raise ValueError(f"packed_seq_params' cu_seqlens must run from 0 to the global token count {total} "
-                             f"(this rank's s={total // self.cp_size} x cp={self.cp_size}), got {values}")
-        step = 2 * self.cp_size if self.cp_size > 1 else 1
-        bad = [e - s for s, e in zip(values, values[1:]) if (e - s) % step]
-        if bad:
-            raise ValueError(f"Megatron's zigzag layout cuts each document into 2 x cp={step} chunks: document "
-                             f"lengths {bad} do not divide by {step} (pad them: cu_seqlens_q_padded)")
+        _check_thd_boundaries(TensorKey(cu), total, self.cp_size)
         return cu
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, inference_context=None,
@@ -231,6 +224,22 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         norm = self._apply_gated_norm(o, gate.reshape(B, T, -1, self.value_head_dim))  # [B T HV / tp, V]
         out, out_bias = self.out_proj(norm.reshape(B, T, -1).transpose(0, 1).contiguous())
         return out, out_bias
+
+
+@functools.lru_cache(maxsize=CACHED_LAYOUTS)
+def _check_thd_boundaries(key: TensorKey, total: int, cp_size: int) -> None:
+    """Raise ``ValueError`` unless the global boundaries ``key.tensor`` run from 0 to ``total`` in documents that
+    Megatron's zigzag layout cuts into ``2 x cp_size`` equal chunks. Read on the host once per tensor (every layer
+    of a step gets the same one): later layer calls of the step pass without a device sync."""
+    values = key.tensor.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"packed_seq_params' cu_seqlens must run from 0 to the global token count {total} "
+                         f"(this rank's s={total // cp_size} x cp={cp_size}), got {values}")
+    step = 2 * cp_size if cp_size > 1 else 1
+    bad = [e - s for s, e in zip(values, values[1:]) if (e - s) % step]
+    if bad:
+        raise ValueError(f"Megatron's zigzag layout cuts each document into 2 x cp={step} chunks: document "
+                         f"lengths {bad} do not divide by {step} (pad them: cu_seqlens_q_padded)")
 
 
 # --- specs --------------------------------------------------------------------------------------------------
