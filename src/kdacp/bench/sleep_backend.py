@@ -23,7 +23,7 @@ CHAIN_STAGES = dict(prepare=0.002, state_summary=0.004, state_pass=0.010, output
 class SleepBackend:
     """A :class:`~kdacp.backends.base.LocalBackend` whose stages sleep (``stages``, default
     :data:`SLEEP_STAGES`: seconds for the whole rank's ``tokens``, times the span's share of them) and
-    return zeros of the right shapes. Ranks that sleep use no core, so on a CPU shared by more ranks
+    return zeros of the right shapes (the same tensors each call: read them, never write into them). Ranks that sleep use no core, so on a CPU shared by more ranks
     than cores (and by other jobs) they behave as if each had its own device: the orchestration, the
     exchanges and the link are real, the compute is not."""
 
@@ -33,7 +33,7 @@ class SleepBackend:
     dtype = torch.float32
 
     def __init__(self, tokens: int, stages: dict | None = None):
-        self.tokens = tokens
+        self.tokens, self._made = tokens, {}
         self.stages = SLEEP_STAGES if stages is None else stages
         if set(self.stages) != set(SLEEP_STAGES):
             raise ValueError(f"stages must give seconds for exactly {sorted(SLEEP_STAGES)}, got {sorted(self.stages)}")
@@ -42,7 +42,12 @@ class SleepBackend:
         time.sleep(self.stages[stage] * (span.end - span.start) / self.tokens)
 
     def _zeros(self, n: int, *shape):
-        return torch.zeros(n, *shape, dtype=self.dtype)
+        """Zeros ``[n, *shape]``: one tensor per shape, made once and handed out again (a caller must not write
+        into it), so that a host-time measurement times the caller's work, not this stand-in's allocations."""
+        key = (n, *shape)
+        if key not in self._made:
+            self._made[key] = torch.zeros(key, dtype=self.dtype)
+        return self._made[key]
 
     def prepare(self, inputs: KDAInputs, span):
         self._sleep("prepare", span)
