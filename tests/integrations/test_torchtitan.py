@@ -113,11 +113,11 @@ def test_refusals_name_the_setting():
     """What kdacp's spec does not run is refused before any collective, naming the setting."""
     from types import SimpleNamespace
 
-    import kdacp.integrations.torchtitan as kt
+    from kdacp.integrations.torchtitan.parallelize import _check_supported
     dims = SimpleNamespace(tp=1, pp=1, ep=1, cp_enabled=True)
     training = SimpleNamespace(disable_cuda_graphs=True)
     parallelism = SimpleNamespace(spmd_backend="partial_dtensor")
-    kt._check_supported(dims, training, parallelism)
+    _check_supported(dims, training, parallelism)
     cases = [(dict(dims=SimpleNamespace(tp=2, pp=1, ep=1, cp_enabled=True)), "tensor_parallel_degree=2"),
              (dict(dims=SimpleNamespace(tp=1, pp=1, ep=4, cp_enabled=True)), "expert_parallel_degree=4"),
              (dict(training=SimpleNamespace(disable_cuda_graphs=False)), "disable_cuda_graphs"),
@@ -125,7 +125,7 @@ def test_refusals_name_the_setting():
     for change, message in cases:
         args = {**dict(dims=dims, training=training, parallelism=parallelism), **change}
         with pytest.raises(NotImplementedError, match=message):
-            kt._check_supported(args["dims"], args["training"], args["parallelism"])
+            _check_supported(args["dims"], args["training"], args["parallelism"])
 
 
 class _Mesh:
@@ -164,14 +164,15 @@ def test_trainer_settings_pick_the_layout():
     from types import SimpleNamespace
 
     import kdacp.integrations.torchtitan as kt
+    from kdacp.integrations.torchtitan.parallelize import _balanced_layout
     model = build_model()
     block = model.config.first_attention.inner_attention.block_size
     for balancer in kt.LOAD_BALANCERS:
         parallelism = SimpleNamespace(context_parallel_load_balancer=balancer, context_parallel_ptrr_mask_key=None)
-        assert kt._balanced_layout(model, parallelism) == kt.BalancedLayout(balancer, block)
+        assert _balanced_layout(model, parallelism) == kt.BalancedLayout(balancer, block)
     parallelism = SimpleNamespace(context_parallel_load_balancer="ptrr", context_parallel_ptrr_mask_key="deltanet")
     with pytest.raises(ValueError, match="context_parallel_ptrr_mask_key='deltanet'"):
-        kt._balanced_layout(model, parallelism)
+        _balanced_layout(model, parallelism)
 
 
 def test_balanced_layouts_are_torchs_balancers():
