@@ -18,35 +18,16 @@ set -euo pipefail
 WHEELS=(attn-gym==0.0.17 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
         nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2
         cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2)
-PART_BYTES=$((55 * 1024 * 1024))
-python=${PYTHON:-python3}
+source "$(dirname "$0")/wheels.sh"  # download_wheels, install_wheels
 
 case "${1:?usage: attn_gym_prep.sh download [DIR] | install DIR TARGET}" in
 download)
-    dir=${2:-.whl/attn_gym}
-    mkdir -p "$dir"
-    # the GPU machine's tags: CPython 3.12 on glibc >= 2.28 x86_64 (pure-Python wheels match any platform)
-    "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 -d "$dir" "${WHEELS[@]}"
-    (cd "$dir" && sha256sum ./*.whl > SHA256SUMS)
-    for whl in "$dir"/*.whl; do
-        if [ "$(stat -c %s "$whl")" -gt "$PART_BYTES" ]; then
-            split -b "$PART_BYTES" "$whl" "$whl.part-"
-            rm "$whl"
-        fi
-    done
-    ls -l "$dir"
+    download_wheels "${2:-.whl/attn_gym}" "${WHEELS[@]}"
     ;;
 install)
     dir=${2:?install DIR TARGET: the folder of the wheels and parts}
     target=${3:?install DIR TARGET: where to install}
-    for first in "$dir"/*.whl.part-aa; do
-        [ -e "$first" ] || continue
-        whl=${first%.part-aa}
-        cat "$whl".part-* > "$whl"
-    done
-    if [ -e "$dir/SHA256SUMS" ]; then (cd "$dir" && sha256sum --check --quiet SHA256SUMS); fi
-    "$python" -m pip install --quiet --no-deps --no-index --target "$target" "$dir"/*.whl
+    install_wheels "$dir" "$target"
     export PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
     "$python" - <<'EOF'
 import importlib.util

@@ -43,7 +43,9 @@
 #                                             # of determinism, 1M tokens, the models and prefill
 #   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: its GPU tests with the kernels' and backends',
 #                                             # then KDA and GDN against FLA's ops at 2..32 heads and 64K tokens, one
-#                                             # sequence, each split setting (benchmarks/split_heads.py)
+#                                             # sequence, each split setting (benchmarks/split_heads.py), FlashQLA
+#                                             # beside GDN where .whl/flashqla holds its wheels
+#                                             # (benchmarks/flashqla_prep.sh download)
 #   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
@@ -176,6 +178,9 @@ demo)
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
 split)
+    if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
+        eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
+    fi
     step split_tests 240 python3 -m pytest -q -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
     tail -3 "$out/split_tests.log"
     step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \

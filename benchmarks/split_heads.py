@@ -4,8 +4,10 @@ For each family (KDA with Kimi Linear's gate: in kernel, safe, lower bound -5, q
 Qwen3-Next's log-decay gate given, q/k L2 norm in kernel), head count (``H = HV``, K = V = 128, bf16), token count
 and batch (one sequence, or log-normal packed documents of median 2,048 tokens), times forward and forward +
 backward of FLA's op beside kdacp's with each ``split`` setting (``none``, ``auto``, or pieces of the longest
-sequence), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one
-table (ms, and each kdacp setting over FLA) and writes every row to ``--out`` as JSON.
+sequence) and, for GDN where it is installed (``benchmarks/flashqla_prep.sh``), FlashQLA's op with its own
+intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), the
+contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one table (ms, and
+each contender over FLA) and writes every row to ``--out`` as JSON.
 
     python benchmarks/split_heads.py --heads 2,4,8,32 --tokens 65536 --out split.json
 """
@@ -58,6 +60,20 @@ def _calls(op, tensors: dict, options: dict, backward: bool):
     return call
 
 
+def _flashqla():
+    """FlashQLA's ``chunk_gated_delta_rule`` (FLA's GDN signature, and ``auto_cp``), or None (said once) where it is
+    not installed or the GPU is not a Hopper or Blackwell one."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except ImportError as error:
+        print(f"# FlashQLA left out: {error}")
+        return None
+    if torch.cuda.get_device_capability()[0] < 9:
+        print(f"# FlashQLA left out: it runs on Hopper and Blackwell, this is {torch.cuda.get_device_name()}")
+        return None
+    return chunk_gated_delta_rule
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="kda,gdn")
@@ -73,6 +89,7 @@ def main() -> None:
     import kdacp  # first: it points FLA at its kernel configurations, which FLA reads at import
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     from fla.ops.kda import chunk_kda as fla_kda
+    flashqla = _flashqla()
     rows = []
     card = torch.cuda.get_device_name()
     print(f"# {card}, torch {torch.__version__}")
@@ -88,6 +105,9 @@ def main() -> None:
                         fns = {"fla": _calls(fla_op, tensors, options, backward)}
                         for name in args.splits.split(","):
                             fns[f"split={name}"] = _calls(ours, tensors, dict(options, split=_split(name)), backward)
+                        if family == "gdn" and flashqla is not None:
+                            for name, auto_cp in (("flashqla", True), ("flashqla_nocp", False)):
+                                fns[name] = _calls(flashqla, tensors, dict(options, auto_cp=auto_cp), backward)
                         start = time.perf_counter()
                         seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
                         row = dict(card=card, family=family, tokens=T, batch=batch, heads=H, mode=mode,

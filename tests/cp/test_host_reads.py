@@ -62,6 +62,6 @@ def _zigzag_rank(rank: int, world_size: int, family: str) -> None:
     assert found == [], f"rank {rank} read device values on the host: {found}"
 
 
-@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("family", ["kda", pytest.param("gdn", marks=pytest.mark.slow)])
 def test_a_zigzag_rank_layer_call_reads_nothing_on_the_host(family):
     run_ranks(_zigzag_rank, 2, family)

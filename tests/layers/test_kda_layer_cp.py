@@ -2,12 +2,14 @@
 global batch: outputs, final states, input gradients and all-reduced parameter gradients (float64)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from kdacp.cp.layout import contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
+from kdacp.cp.layout import TokenLayout, contiguous_layout, document_zigzag_layout, ranges_layout, zigzag_layout
 from kdacp.cp import ContextParallel
 from kdacp.layers import GatedDeltaNet, KimiDeltaAttention
 from tests.helpers import count_signature_gathers, rel_err
@@ -142,23 +144,41 @@ def _check_bad_arguments():
         ContextParallel("hybrid", ulysses_size=2)
     with pytest.raises(ValueError, match="needs layout='contiguous'"):
         ContextParallel("ulysses", layout="zigzag")
-    with pytest.raises(ValueError, match="layout must be a TokenLayout or one of"):
+    with pytest.raises(ValueError, match="layout must be a TokenLayout, one of .* or a layout rule"):
         ContextParallel("state", layout="striped")
     # Raised before any exchange, on every rank: the layout gives each rank 10 tokens.
     layer = KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16,
                                cp=ContextParallel("state", layout=contiguous_layout(20, 2)))
     with pytest.raises(ValueError, match="local_length=12"):
         layer(torch.randn(1, 12, 32), cu_seqlens=torch.tensor([0, 20]))
+    with pytest.raises(ValueError, match="mode='ulysses'.*needs layout='contiguous'"):
+        ContextParallel("ulysses", layout=DocumentZigzagRule())
+    layer.cp = ContextParallel("state", layout=lambda cu, world_size, device: "zigzag")
+    with pytest.raises(TypeError, match="must return a TokenLayout, got str"):
+        layer(torch.randn(1, 10, 32), cu_seqlens=torch.tensor([0, 20]))
 
 
-# Under other layouts, mode "state": (name, layout, B, cu_seqlens or None, layer). Per-document zigzag with
+@dataclass(frozen=True)
+class DocumentZigzagRule:
+    """A layout rule, as torchtitan's load balancers are: each batch's layout made from its boundaries."""
+
+    def __call__(self, cu_seqlens, world_size: int, device) -> TokenLayout:
+        return document_zigzag_layout(cu_seqlens, world_size)
+
+
+def _resolved(layout, cu, world_size: int) -> TokenLayout:
+    return layout if isinstance(layout, TokenLayout) else layout(tuple(cu), world_size, None)
+
+
+# Under other layouts, mode "state": (name, layout or layout rule, B, cu_seqlens or None, layer). Per-document zigzag with
 # documents shorter than W (1 and 2 tokens) and longer than a rank's range; random uneven ranges with a range of
 # one token.
 LAYOUT_CASES = {
     2: [("zigzag rows", zigzag_layout(44, 2), 2, None, "kda"),
         ("document zigzag", document_zigzag_layout([0, 1, 3, 30, 48], 2), 1, [0, 1, 3, 30, 48], "gdn"),
         ("random ranges", ranges_layout([[(0, 13), (14, 15), (29, 40)], [(13, 14), (15, 29), (40, 45)]]), 1,
-         [0, 14, 16, 45], "kda")],
+         [0, 14, 16, 45], "kda"),
+        ("document zigzag by a rule", DocumentZigzagRule(), 1, [0, 4, 10, 40], "kda")],
     3: [("zigzag packed", zigzag_layout(48, 3), 1, [0, 5, 20, 21, 48], "kda"),
         ("random ranges rows", ranges_layout([[(0, 9), (20, 21), (30, 36)], [(9, 17), (21, 22), (36, 41)],
                                               [(17, 20), (22, 30)]]), 2, None, "gdn")],
@@ -170,15 +190,17 @@ def _check_layout_cases(rank, world_size, cases, refs):
         cu = None if cu is None else torch.tensor(cu)
         layer = _layer(2, 4, kind=kind)
         layer.cp = ContextParallel("state", layout=layout)
-        _check_rank(layer, ref, layout.local_token_index(rank), cu, rank, world_size,
+        own = _resolved(layout, cu.tolist() if cu is not None else None, world_size).local_token_index(rank)
+        _check_rank(layer, ref, own, cu, rank, world_size,
                     f"{kind} {name} rank {rank} of {world_size}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_layer_cp_layouts(world_size):
     cases = LAYOUT_CASES[world_size]
+    layouts = [_resolved(layout, cu, world_size) for _, layout, _, cu, _ in cases]
     refs = [_single_process(("state", None, 2, 4, B, layout.num_tokens // world_size, cu, kind), world_size,
-                            T=layout.num_tokens) for _, layout, B, cu, kind in cases]
+                            T=layout.num_tokens) for layout, (_, _, B, cu, kind) in zip(layouts, cases)]
     run_ranks(_check_layout_cases, world_size, cases, refs)
 
 

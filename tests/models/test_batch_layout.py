@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdacp.cp.layout import ranges_layout
+from kdacp.cp.layout import document_zigzag_layout, ranges_layout, zigzag_layout
 from kdacp.models.batch import IGNORE_INDEX, LAYOUT_KWARG, shard_tokens
 
 VOCAB = 50
@@ -214,12 +214,34 @@ def test_bad_arguments_are_named():
         shard_tokens(ids, rank=0, world_size=4, layout="zigzag")  # 30 % 8 != 0 (30 % 4 too)
     with pytest.raises(ValueError, match="multiple of 2P"):
         shard_tokens(_tokens(28), rank=0, world_size=2, cu_seqlens=torch.tensor([0, 5, 28]), layout="document_zigzag")
-    with pytest.raises(ValueError, match="layout must be a TokenLayout or one of"):
+    with pytest.raises(ValueError, match="layout must be a TokenLayout, one of .* or a layout rule"):
         shard_tokens(ids, rank=0, world_size=2, layout="spiral")
     with pytest.raises(ValueError, match="layout must cover 30 tokens over 2 ranks"):
         shard_tokens(ids, rank=0, world_size=2, layout=ranges_layout([[(0, 10)], [(10, 31)]]))
     with pytest.raises(ValueError, match="pad_id pads for a named layout"):
         shard_tokens(ids, rank=0, world_size=2, layout=ranges_layout([[(0, 10)], [(10, 30)]]), pad_id=0)
+    with pytest.raises(ValueError, match="layout must cover 30 tokens over 2 ranks"):
+        shard_tokens(ids, rank=0, world_size=2, layout=lambda cu, world_size, device: zigzag_layout(32, world_size))
+
+
+def test_a_layout_rule_shards_as_its_layout():
+    """A layout rule (a callable from the batch's boundaries, P and device to a layout) deals the tokens out as the
+    layout it returns for this batch, called with the global boundaries as host ints."""
+    cu = torch.tensor([0, 6, 14, 30])
+    seen = []
+
+    def rule(boundaries, world_size, device):
+        seen.append((boundaries, world_size, device))
+        return document_zigzag_layout(boundaries, world_size)
+
+    ids = _tokens(30)
+    for rank in range(2):
+        by_rule = shard_tokens(ids, rank=rank, world_size=2, cu_seqlens=cu, layout=rule)
+        given = shard_tokens(ids, rank=rank, world_size=2, cu_seqlens=cu,
+                             layout=document_zigzag_layout([0, 6, 14, 30], 2))
+        assert by_rule.layout == given.layout and torch.equal(by_rule.input_ids, given.input_ids)
+        assert torch.equal(by_rule.labels, given.labels)
+    assert seen == [((0, 6, 14, 30), 2, torch.device("cpu"))] * 2
     with pytest.raises(ValueError, match="rank must be < world_size=2"):
         shard_tokens(ids, rank=2, world_size=2)
     with pytest.raises(ValueError, match="pad_id= pads only batches of B == 1"):

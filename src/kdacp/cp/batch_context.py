@@ -241,8 +241,9 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
             ``batch_size`` rows. Read on the host once (a device sync for a CUDA tensor).
         local_length: the tokens this rank holds (per row).
         batch_size: rows ``B`` without ``cu_seqlens`` (1 with them).
-        layout: a :class:`~kdacp.cp.layout.TokenLayout`, or one of
-            :data:`~kdacp.cp.layout.LAYOUTS` (built-in layouts need every rank to hold ``local_length`` tokens).
+        layout: a :class:`~kdacp.cp.layout.TokenLayout`, one of :data:`~kdacp.cp.layout.LAYOUTS` (built-in
+            layouts need every rank to hold ``local_length`` tokens) or a layout rule
+            (:func:`~kdacp.cp.layout.is_layout_rule`: called with the batch's boundaries, ``P`` and ``device``).
         group: the context-parallel process group; None: one device (the whole batch here).
         strategy: the recurrence's state exchange (see :func:`kdacp.build_cp_plan`).
         with_plan: build the recurrence's plan (False: for softmax attention alone).
@@ -263,7 +264,7 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
         batch_size = 1
         if P == 1 and not isinstance(layout, TokenLayout):  # the whole batch here: the op's own message
             check_boundaries(cu, local_length)
-    layout = make_layout(layout, P, _global_tokens(layout, cu, local_length, P), cu)
+    layout = make_layout(layout, P, _global_tokens(layout, cu, local_length, P), cu, device)
     if layout.local_lengths[rank] != local_length:
         raise ValueError(f"the layout gives rank {rank} {layout.local_lengths[rank]} tokens, but it holds "
                          f"local_length={local_length} (tokens per rank: {list(layout.local_lengths)})")

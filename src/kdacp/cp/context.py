@@ -25,7 +25,7 @@ from ..caches import CP_CONTEXTS, TensorKey
 from ..choices import MODES
 from ..compile import hold_for_regions
 from .groups import new_group as new_cp_group
-from .layout import LAYOUTS, TokenLayout
+from .layout import TokenLayout, check_layout
 from .autograd_collectives import heads_to_time, time_to_heads
 from .batch_context import CPContext, build_cp_context
 from .hooks import CPHooks
@@ -83,8 +83,7 @@ SINGLE_DEVICE = _SingleDevice()
 
 
 def _check_layout(layout, mode: str) -> None:
-    if not isinstance(layout, TokenLayout) and layout not in LAYOUTS:
-        raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     if mode != "state" and not (layout == "contiguous" or isinstance(layout, TokenLayout) and layout.is_contiguous):
         raise ValueError(f"mode={mode!r} moves whole sequences of head shards in rank order: it needs "
                          f"layout='contiguous', got {layout!r} (only mode='state' follows another layout)")
@@ -115,8 +114,10 @@ class ContextParallel(_SingleDevice):
         layout: how the global batch is split over the ranks: ``"contiguous"``, ``"zigzag"`` (rank ``r``
             holds chunks ``r`` and ``2P-1-r`` of ``2P``), ``"document_zigzag"`` (the same per document of a
             packed row), ``"balanced_documents"`` (a packed row's long documents so, its short ones whole:
-            :func:`~kdacp.cp.layout.balanced_document_layout`) or a :class:`~kdacp.cp.layout.TokenLayout` (any ranges). Every layer call and
-            softmax attention follow it; only ``"state"`` mode takes another than contiguous.
+            :func:`~kdacp.cp.layout.balanced_document_layout`), a :class:`~kdacp.cp.layout.TokenLayout` (any ranges)
+            or a layout rule (a callable ``(cu_seqlens, P, device) -> TokenLayout``, called once per batch:
+            :func:`~kdacp.cp.layout.is_layout_rule`). Every layer call and softmax attention follow it; only
+            ``"state"`` mode takes another than contiguous.
 
     Raises:
         ValueError: unknown mode, a Ulysses size that does not fit the group, or an unknown layout (or one
@@ -200,7 +201,7 @@ class ContextParallel(_SingleDevice):
         self.state_group = group if U == 1 else state_group if U < P else None
 
     def __repr__(self) -> str:
-        layout = self.layout if isinstance(self.layout, str) else "TokenLayout(...)"
+        layout = self.layout if not isinstance(self.layout, TokenLayout) else "TokenLayout(...)"
         return (f"ContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
                 f"state_size={self.state_size}, strategy={self.strategy!r}, layout={layout!r})")
 

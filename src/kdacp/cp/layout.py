@@ -22,7 +22,9 @@ Built-ins:
   where per-document zigzag has it pass one per document piece.
 - :func:`ranges_layout`: any ranges a caller gives (uneven, several per rank, cut anywhere).
 
-:func:`make_layout` turns a name or a layout into a layout for one batch.
+:func:`make_layout` turns a name, a layout or a layout rule (a callable from a batch's boundaries and ``P`` to a
+layout: :func:`is_layout_rule`) into a layout for one batch; :func:`check_layout` is the one check of a layout
+argument.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 from ..choices import LAYOUTS
 
 __all__ = ["TokenLayout", "Position", "LAYOUTS", "contiguous_layout", "zigzag_layout", "document_zigzag_layout",
-           "balanced_document_layout", "ranges_layout", "make_layout", "causal_pairs"]
+           "balanced_document_layout", "ranges_layout", "make_layout", "check_layout", "is_layout_rule", "causal_pairs"]
 
 
 
@@ -315,11 +317,37 @@ def balanced_document_layout(cu_seqlens, world_size: int, whole_below: int | Non
     return _normalised([sorted(rs) for rs in ranges], T)
 
 
-def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> TokenLayout:
+def is_layout_rule(layout) -> bool:
+    """Whether ``layout`` is a layout rule: a callable ``rule(cu_seqlens, world_size, device) -> TokenLayout``
+    (``cu_seqlens`` the global boundaries as host ints, or None for rows), called once per batch: a layout that
+    depends on the batch (torchtitan's load balancers, :class:`kdacp.integrations.torchtitan.BalancedLayout`)."""
+    return callable(layout) and not isinstance(layout, (str, TokenLayout))
+
+
+def check_layout(layout, *, rules: bool = True) -> None:
+    """Raise ``ValueError`` unless ``layout`` is a :class:`TokenLayout`, one of :data:`LAYOUTS` or (with
+    ``rules``) a layout rule (:func:`is_layout_rule`)."""
+    if isinstance(layout, TokenLayout) or (rules and is_layout_rule(layout)) or (isinstance(layout, str) and
+                                                                                  layout in LAYOUTS):
+        return
+    rule = " or a layout rule (a callable (cu_seqlens, world_size, device) -> TokenLayout)" if rules else ""
+    raise ValueError(f"layout must be a TokenLayout, one of {LAYOUTS}{rule}, got {layout!r}")
+
+
+def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None, device=None) -> TokenLayout:
     """The :class:`TokenLayout` of one batch of ``num_tokens`` tokens over ``world_size`` ranks: ``layout`` is a
-    :class:`TokenLayout` (checked against both), or one of :data:`LAYOUTS` (``"document_zigzag"`` and
+    :class:`TokenLayout` (checked against both), one of :data:`LAYOUTS` (``"document_zigzag"`` and
     ``"balanced_documents"``, :func:`balanced_document_layout` at its default, read the global ``cu_seqlens``;
-    without them each is ``"zigzag"``)."""
+    without them each is ``"zigzag"``) or a layout rule (:func:`is_layout_rule`), called with the boundaries as
+    host ints, ``world_size`` and ``device`` (where it may build what it needs; default the CPU), its layout
+    checked as a given one's."""
+    if is_layout_rule(layout):
+        cu = None if cu_seqlens is None else tuple(int(c) for c in (
+            cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
+        made = layout(cu, world_size, torch.device("cpu") if device is None else torch.device(device))
+        if not isinstance(made, TokenLayout):
+            raise TypeError(f"the layout rule {layout!r} must return a TokenLayout, got {type(made).__name__}")
+        layout = made
     if isinstance(layout, TokenLayout):
         if layout.world_size != world_size or layout.num_tokens != num_tokens:
             raise ValueError(f"layout must cover {num_tokens} tokens over {world_size} ranks, got one of "
@@ -333,4 +361,5 @@ def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None) -> To
         return document_zigzag_layout(cu_seqlens, world_size)
     if layout == "balanced_documents":
         return balanced_document_layout(cu_seqlens, world_size)
-    raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
+    raise AssertionError("unreachable: check_layout accepts only the cases above")

@@ -27,7 +27,7 @@ from ..choices import STRATEGIES
 from ..validation import check_cu_seqlens
 from . import cost_model
 from .exchanges import EXCHANGES
-from .layout import LAYOUTS, TokenLayout, contiguous_layout, make_layout
+from .layout import TokenLayout, check_layout, contiguous_layout, make_layout
 
 
 def strategy_choices() -> tuple[str, ...]:
@@ -396,8 +396,8 @@ def build_cp_plan(cu_seqlens=None, *, layout=None, local_lengths=None, batch_siz
     if layout is not None and local_lengths is not None:
         raise ValueError("pass layout or local_lengths, not both: local_lengths are the contiguous layout's "
                          "lengths; give any other split as layout=kdacp.cp.layout.ranges_layout(...)")
-    if layout is not None and not isinstance(layout, TokenLayout) and layout not in LAYOUTS:
-        raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")
+    if layout is not None:
+        check_layout(layout, rules=False)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_cp_plan needs an initialised torch.distributed process group")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)

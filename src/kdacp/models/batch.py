@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..cp.groups import process_group
-from ..cp.layout import LAYOUTS, TokenLayout, make_layout
+from ..cp.layout import TokenLayout, check_layout, make_layout
 from ..sequences import sequence_positions
 
 __all__ = ["LAYOUT_KWARG", "ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch", "shard_tokens"]
@@ -124,8 +124,7 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
-    if not isinstance(layout, TokenLayout) and layout not in LAYOUTS:
-        raise ValueError(f"layout must be a TokenLayout or one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -148,9 +147,10 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
                          f"got {tuple(position_ids.shape)}")
 
     padding = 0
-    if isinstance(layout, TokenLayout):
+    if not isinstance(layout, str):
         if pad_id is not None:
-            raise ValueError("pad_id pads for a named layout; a TokenLayout must cover the batch's T tokens as given")
+            raise ValueError("pad_id pads for a named layout; a TokenLayout (or a layout rule's) must cover the "
+                             "batch's T tokens as given")
     else:
         pads, own_document = _padding_plan(layout, world_size, T, cu_seqlens)
         if pads and (pad_id is None or B != 1):
@@ -163,7 +163,7 @@ def shard_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None = None, po
                                                                   pad_id, own_document)
             padding = sum(n for _, n in pads)
             T += padding
-    layout = make_layout(layout, world_size, T, cu_seqlens)
+    layout = make_layout(layout, world_size, T, cu_seqlens, input_ids.device)
 
     # Shift over the global stream before dealing the tokens out, so a token at the end of one of a rank's
     # ranges still learns the first token of the next range, wherever that lies.

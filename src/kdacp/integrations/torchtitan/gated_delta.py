@@ -57,7 +57,7 @@ class GatedDeltaContext:
         return self._contexts(tuple(cu_seqlens_cpu.tolist()), local_length, cu_seqlens.device)
 
     def _build_context(self, cu: tuple[int, ...], local_length: int, device: torch.device) -> CPContext:
-        return build_cp_context(cu, local_length=local_length, layout=self.layout(cu, self.world_size, device),
+        return build_cp_context(cu, local_length=local_length, layout=self.layout,
                                 group=self.group, strategy=self.strategy, device=device)
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None,
