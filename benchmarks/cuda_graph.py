@@ -6,8 +6,8 @@ Two captures, each of one fixed batch shape (the document boundaries are part of
   ``safe_gate``, ``lower_bound=-5``) under ``ContextParallel("state")`` over every rank of the launch, forward
   and backward (gradients of the input and of every parameter), ``--tokens`` tokens a rank, one sequence or
   packed log-normal documents. New inputs are copied into the captured input before each replay.
-- ``prefill``: chunked prefill's pieces through the layer, the hooks ``kdacp.models.prefill`` runs a layer on
-  (:class:`kdacp.models.prefill.LayerPrefill`), over static buffers: each piece of ``--tokens`` tokens starts
+- ``prefill``: chunked prefill's pieces through the layer, the hooks ``kdacp.integrations.transformers.prefill`` runs a layer on
+  (:class:`kdacp.integrations.transformers.prefill.LayerPrefill`), over static buffers: each piece of ``--tokens`` tokens starts
   from the previous piece's recurrent state and convolution input and leaves its own there, so one captured
   piece, replayed piece after piece, runs a whole prompt. One rank only (a model's pieces under CP also
   gather the attention layers' keys, which grow from piece to piece).
@@ -36,7 +36,7 @@ from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
 from kdacp.layers import KimiDeltaAttention
 from kdacp.layers.delta_rule import mix_tokens
-from kdacp.models.prefill import LayerPrefill
+from kdacp.integrations.transformers.prefill import LayerPrefill
 from kdacp.workers import free_port
 
 CAPTURES = ("step", "prefill")
@@ -111,7 +111,7 @@ def step_rows(args, group, device) -> list[dict]:
 
 
 class StaticPieceCache:
-    """The cache view :class:`LayerPrefill` reads and writes (:class:`kdacp.models.prefill.PrefillCache`'s
+    """The cache view :class:`LayerPrefill` reads and writes (:class:`kdacp.integrations.transformers.prefill.PrefillCache`'s
     ``conv_state``, ``recurrent_state``, ``record_conv_input``, ``record_state``) over fixed buffers, for one
     rank holding a whole piece: ``conv [1, C, W]`` the last ``W`` convolution inputs, ``state [1, HV, K, V]``
     float32."""

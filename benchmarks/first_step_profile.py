@@ -24,7 +24,7 @@ from kdacp import precompile
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
 from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
-from kdacp.models import parallelize
+from kdacp.integrations.transformers import parallelize
 
 
 def main(out_dir: str, ahead: bool, profiled: bool) -> None:

@@ -107,7 +107,7 @@ def main() -> None:
     size, dtype = (GPU_SIZE, torch.bfloat16) if cuda else (CPU_SIZE, torch.float32)
     token_counts = args.tokens if cuda else [min(t, 256) for t in args.tokens]
 
-    kdacp.models.load_kimi_linear()  # before the process group (README: the gloo abort at exit)
+    kdacp.integrations.transformers.load_kimi_linear()  # before the process group (README: the gloo abort at exit)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     device = torch.device("cuda" if cuda else "cpu")

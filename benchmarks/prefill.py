@@ -1,4 +1,4 @@
-"""Prefill of one long prompt: ``kdacp.models.prefill`` of the 346M Kimi Linear of
+"""Prefill of one long prompt: ``kdacp.integrations.transformers.prefill`` of the 346M Kimi Linear of
 benchmarks/train_curve.py on P GPUs, against transformers' own forward with FLA's kernels on one GPU.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/prefill.py OUT_DIR \\
@@ -9,7 +9,7 @@ gradients; the cache of the whole prompt on every rank, the last token's logits)
 (``torch.cuda.max_memory_allocated``, the weights included), over ``--repeats`` runs (the first and the best
 time). With ``--pieces-of N``, prompts longer than ``N`` tokens are also prefilled in pieces of ``N`` (chunked
 prefill: each piece under CP, continuing the cache of the ones before; the run ``kdacp pieces``), which bounds the
-activations by one piece's. Then, at ``--world-size 1``, transformers' own model with the same weights (``kdacp.models.own_forwards``:
+activations by one piece's. Then, at ``--world-size 1``, transformers' own model with the same weights (``kdacp.integrations.transformers.own_forwards``:
 its own code, FLA's kernels where FLA imports) as ``generate`` prefills: ``model(prompt, use_cache=True,
 logits_to_keep=1)`` under ``torch.no_grad``; an out-of-memory error is caught and reported as ``OOM``. Where
 both ran, the relative (2-norm) difference of their last-token logits and of every cache tensor (bf16).
@@ -35,8 +35,8 @@ from kdacp import shard_batch
 from kdacp.bench.trace import top_ops
 from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
-from kdacp.models import load_kimi_linear, own_forwards, parallelize, prefill
-from kdacp.models.prefill import cache_tensors
+from kdacp.integrations.transformers import load_kimi_linear, own_forwards, parallelize, prefill
+from kdacp.integrations.transformers.prefill import cache_tensors
 from kdacp.bench.errors import rel_err
 from kdacp.bench.timing import Clock, sync
 from kdacp.workers import RankContext, launch

@@ -33,7 +33,7 @@ from kdacp import precompile
 from kdacp.demo import demo_step
 from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
-from kdacp.models import load_kimi_linear, parallelize
+from kdacp.integrations.transformers import load_kimi_linear, parallelize
 from kdacp.workers import RankContext, launch
 
 # A few hundred million parameters: Kimi Linear's 3:1 KDA:MLA pattern over 12 layers; KDA with Kimi Linear's

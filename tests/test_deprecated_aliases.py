@@ -1,7 +1,8 @@
 """The old import paths of context parallelism (``kdacp.distributed``, ``kdacp.layers.context_parallel``,
 ``ContextParallel`` and the per-batch context from ``kdacp.layers``) and of the ops (``kdacp.kda``,
-``kdacp.gdn``) still work for one release: each warns with the new path and gives the very objects of
-:mod:`kdacp.cp` and :mod:`kdacp.ops`."""
+``kdacp.gdn``) and of the Hugging Face integration (``kdacp.models``) still work for one release: each warns with
+the new path and gives the very objects of :mod:`kdacp.cp`, :mod:`kdacp.ops` and
+:mod:`kdacp.integrations.transformers`."""
 import importlib
 import sys
 
@@ -97,3 +98,18 @@ def test_the_top_level_ops_come_from_ops_without_a_warning(recwarn):
     assert kdacp.chunk_kda is kdacp.ops.chunk_kda is kdacp.ops.kda.chunk_kda
     assert kdacp.chunk_gated_delta_rule is kdacp.ops.chunk_gated_delta_rule is kdacp.ops.gdn.chunk_gated_delta_rule
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "kdacp" in str(w.message)]
+
+
+def test_models_warns_and_gives_the_new_objects():
+    import kdacp.cp.sharding
+    import kdacp.integrations.transformers
+    with pytest.warns(DeprecationWarning, match="kdacp.integrations.transformers"):
+        old = _import_fresh("kdacp.models")
+    for name in ("shard_batch", "shard_tokens", "ShardedBatch", "global_token_mean_loss"):
+        with pytest.warns(DeprecationWarning, match=f"kdacp.cp.sharding.{name}"):
+            assert getattr(old, name) is getattr(kdacp.cp.sharding, name)
+    for name in ("parallelize", "prefill", "generate", "own_forwards", "load_kimi_linear", "torch_fallbacks"):
+        with pytest.warns(DeprecationWarning, match=f"kdacp.integrations.transformers.{name}"):
+            assert getattr(old, name) is getattr(kdacp.integrations.transformers, name)
+    with pytest.raises(AttributeError):
+        old.no_such_name

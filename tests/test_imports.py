@@ -13,7 +13,7 @@ ROOT = Path(kdacp.__file__).parent
 # ``distributed`` is the deprecated alias of ``cp`` (it names bench's rank role too), above bench; ``kda`` and
 # ``gdn`` are the deprecated aliases of ``ops.kda`` and ``ops.gdn``, above ops (nothing may import an alias).
 ORDER = ("choices", "caches", "host_copies", "compile", "affine", "validation", "sequences", "reference", "kernels", "backends", "cp", "ops", "kda", "gdn", "layers",
-         "models", "integrations", "precompilation", "workers", "demo", "bench", "distributed", "tuning", "options", "commands", "cli")
+         "integrations", "precompilation", "workers", "demo", "bench", "models", "distributed", "tuning", "options", "commands", "cli")
 
 
 def _module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ def test_install_steps():
 
 
 def test_transformers_minimum_agrees_with_prefill():
-    from kdacp.models.prefill import MIN_TRANSFORMERS
+    from kdacp.integrations.transformers.prefill import MIN_TRANSFORMERS
     pyproject = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11's; kdacp takes 3.10)
     for extra in ("models", "test"):
         (line,) = [line for line in pyproject.splitlines() if line.startswith(f"{extra} = [")]

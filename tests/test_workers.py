@@ -126,8 +126,8 @@ def test_a_rank_that_dies_after_its_result_fails_the_run():
 # The launcher of the signal tests: `kdacp demo`'s own code path, its rank function a sleep (as a training
 # run that takes long) and no transformers import, so that each test takes seconds.
 _LAUNCHER = """
-import sys, kdacp.demo, kdacp.models, tests.test_workers as t
-kdacp.demo.demo_worker, kdacp.models.load_kimi_linear = t._sleep_ranks, t._no_prepare
+import sys, kdacp.demo, kdacp.integrations.transformers, tests.test_workers as t
+kdacp.demo.demo_worker, kdacp.integrations.transformers.load_kimi_linear = t._sleep_ranks, t._no_prepare
 from kdacp.cli import main
 sys.exit(main(["demo", "--world-size", "2", "--seq-lens", "64,64", "--timeout", "120"]))
 """

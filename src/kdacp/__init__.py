@@ -5,7 +5,7 @@ What users call: the op :func:`chunk_kda` (one device; with ``cp=`` a :class:`CP
 ``torch.distributed``) and Gated DeltaNet's :func:`chunk_gated_delta_rule` (the same ``cp=``); the
 layers :class:`KimiDeltaAttention` and :class:`GatedDeltaNet` with their context-parallel mode
 :class:`ContextParallel`; for Hugging Face models :func:`parallelize` (Kimi Linear, Qwen3-Next),
-:func:`shard_batch` and :func:`global_token_mean_loss` (see :mod:`kdacp.models`); :func:`precompile`,
+:func:`shard_batch` and :func:`global_token_mean_loss` (see :mod:`kdacp.integrations.transformers`); :func:`precompile`,
 which compiles a step's Triton kernels in parallel before its first run; and :mod:`kdacp.reference`,
 the plain-PyTorch oracle. The summary algebra (:mod:`kdacp.affine`) and the Triton launchers
 (:mod:`kdacp.kernels`) stay in their modules.
@@ -23,8 +23,8 @@ from .choices import VERSION as __version__
 _EXPORTS = {
     "CPPlan": ".cp", "build_cp_plan": ".cp", "init_device_mesh": ".cp", "new_cp_group": ".cp",
     "chunk_gated_delta_rule": ".ops", "CPContext": ".cp", "ContextParallel": ".cp", "GatedDeltaNet": ".layers",
-    "KimiDeltaAttention": ".layers", "build_cp_context": ".cp", "global_token_mean_loss": ".models",
-    "parallelize": ".models", "shard_batch": ".models", "precompile": ".precompilation", "chunk_kda": ".ops",
+    "KimiDeltaAttention": ".layers", "build_cp_context": ".cp", "global_token_mean_loss": ".cp.sharding",
+    "parallelize": ".integrations.transformers", "shard_batch": ".cp.sharding", "precompile": ".precompilation", "chunk_kda": ".ops",
     "reference": None,
 }
 

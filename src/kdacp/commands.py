@@ -128,7 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .demo import demo_config, demo_worker
-    from .models import load_kimi_linear
+    from .integrations.transformers import load_kimi_linear
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _machine_check(pick_backend, device, 1)  # a GPU, before the world size counts them

@@ -18,7 +18,7 @@ Outside ``torch.compile`` :func:`run_opaque` calls the region directly (its own 
 
 Use: ``torch.compile(kdacp.parallelize(model, cp), fullgraph=True)`` traces a Hugging Face model's whole forward,
 its loss included, in one graph (:func:`kdacp.layers.delta_rule.mix_tokens` runs its convolutions and recurrence
-as one region, the softmax attention of :mod:`kdacp.models.attention` its exchanges and inner attention as
+as one region, the softmax attention of :mod:`kdacp.integrations.transformers.attention` its exchanges and inner attention as
 another: both look the batch's one context up and read it on the host). A batch with other boundaries replays the
 graph; the number of documents is a shape (``cu_seqlens [N+1]``): mark it dynamic,
 ``torch._dynamo.mark_dynamic(batch.cu_seqlens, 0)``, or the first batch with another count compiles once more

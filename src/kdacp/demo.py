@@ -3,13 +3,13 @@
 
 Every rank holds the whole model and an equal time shard of one long packed batch
 (:func:`kdacp.shard_batch`; documents are cut across ranks at arbitrary points). Each step runs forward
-and backward on the shards with the global token-mean loss (:func:`kdacp.models.global_token_mean_loss`),
+and backward on the shards with the global token-mean loss (:func:`kdacp.integrations.transformers.global_token_mean_loss`),
 sums the parameter gradients over the ranks and takes an SGD step. Rank 0 also runs the reference: the
 unmodified model (a float32 copy of the same initial weights), one document at a time (transformers'
 CPU fallbacks ignore packed-sequence boundaries, so one document at a time is the model's meaning),
 and broadcasts its logits, loss and gradients; every rank compares its own logits and the summed
 gradients with them. The reference runs transformers' own PyTorch code on every device
-(:func:`kdacp.models.torch_fallbacks`): an implementation independent of the kernels under test, and on
+(:func:`kdacp.integrations.transformers.torch_fallbacks`): an implementation independent of the kernels under test, and on
 CUDA no Triton compiling or FLA autotuning of float32 shapes (which took most of a first run's 115 s on
 one H200).
 
@@ -33,7 +33,7 @@ from .choices import DEMO_DTYPES as DTYPES
 from .cp import build_cp_plan, new_cp_group
 from .cp import ContextParallel
 from .cp.context import MODES, hybrid_ulysses_size
-from .models import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
+from .integrations.transformers import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompilation import precompile
 from .workers import RankContext
 

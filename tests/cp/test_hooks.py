@@ -23,7 +23,7 @@ def test_the_mixer_calls_only_declared_hooks():
 def _modes():
     modes = [context._SingleDevice, context.ContextParallel]
     try:
-        from kdacp.models.prefill import LayerPrefill
+        from kdacp.integrations.transformers.prefill import LayerPrefill
     except ImportError:  # transformers absent
         return modes
     return modes + [LayerPrefill]

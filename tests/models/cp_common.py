@@ -51,10 +51,10 @@ def original_index(batch) -> torch.Tensor:
 def step(model, world_size, layout="contiguous"):
     """One parallel step on this rank's shard (``layout``: the token layout it is sharded by, padded with token
     0 where the layout needs it): its logits, the model's own loss, the gradients averaged over the ranks (the
-    loss-scaling contract of ``kdacp.models.batch``: what DDP or FSDP2 would do) and, for each of its tokens,
+    loss-scaling contract of ``kdacp.cp.sharding``: what DDP or FSDP2 would do) and, for each of its tokens,
     the token of the unpadded batch (``-1`` on padding)."""
     import kdacp
-    from kdacp.models import global_token_mean_loss
+    from kdacp.integrations.transformers import global_token_mean_loss
     device = next(model.parameters()).device
     batch = kdacp.shard_batch(tokens().to(device), cu_seqlens=torch.tensor(CU_SEQLENS, device=device), layout=layout,
                               pad_id=0)
@@ -127,7 +127,7 @@ def check_shared_config(model_type, config, cp) -> None:
     parallel = kdacp.parallelize(model_type(config), cp)
     assert config._attn_implementation == "sdpa" and twin.config is config
     assert parallel.config is not config and parallel.config._attn_implementation == "kdacp_ulysses"
-    with kdacp.models.torch_fallbacks():  # the unmodified model on CPU
+    with kdacp.integrations.transformers.torch_fallbacks():  # the unmodified model on CPU
         twin(input_ids=tokens()[:, :16], use_cache=False)  # not routed to the Ulysses function
 
 
@@ -141,7 +141,7 @@ def check_parallelize_contract(model_type, make_model):
     check_shared_config(model_type, make_model().config, cp)
     # An explicit cache request is refused before any exchange (the default builds none: see step()).
     batch = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
-    with pytest.raises(ValueError, match="runs without a cache.*kdacp.models.generate"):
+    with pytest.raises(ValueError, match="runs without a cache.*kdacp.integrations.transformers.generate"):
         model(**batch.model_kwargs(), use_cache=True)
     return cp
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from kdacp.cp.layout import ranges_layout, zigzag_layout
 from kdacp.cp import ContextParallel, build_cp_context
-from kdacp.models.attention import (_ContextParallelAttention, document_causal_mask, gathered_attention, kv_replication,
+from kdacp.integrations.transformers.attention import (_ContextParallelAttention, document_causal_mask, gathered_attention, kv_replication,
                                     sdpa_lower_right)
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks

@@ -1,4 +1,4 @@
-"""The GPU's attention path under token layouts (:func:`kdacp.models.attention.gathered_attention` over SDPA with a
+"""The GPU's attention path under token layouts (:func:`kdacp.integrations.transformers.attention.gathered_attention` over SDPA with a
 lower-right causal bias, no mask tensor) on a CUDA device in bf16, against the float64 masked softmax of the whole
 sequence, outputs and query gradients: zigzag and random uneven ranges, packed documents, every rank of 2 and 3
 (one process: the path reads only the rank's attention pieces)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdacp.cp.batch_context import _attention_pieces
-from kdacp.models.attention import document_causal_mask, gathered_attention, sdpa_lower_right
+from kdacp.integrations.transformers.attention import document_causal_mask, gathered_attention, sdpa_lower_right
 from tests.helpers import rel_err
 from tests.models.test_attention_layout import CASES, SCALE
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kdacp.cp.layout import document_zigzag_layout, ranges_layout, zigzag_layout
-from kdacp.models.batch import IGNORE_INDEX, LAYOUT_KWARG, shard_tokens
+from kdacp.cp.sharding import IGNORE_INDEX, LAYOUT_KWARG, shard_tokens
 
 VOCAB = 50
 # Documents of every size class at P = 2, 3, 4: shorter than a zigzag chunk, one token, longer than a rank's share.

@@ -18,8 +18,8 @@ from tests.multiprocess import run_ranks
 
 def _worker(rank, world_size):
     import kdacp
-    import kdacp.models
-    from kdacp.models import install
+    import kdacp.integrations.transformers
+    from kdacp.integrations.transformers import install
 
     model = kdacp.parallelize(_model(), kdacp.ContextParallel("state"))
     batch = kdacp.shard_batch(tokens(), cu_seqlens=torch.tensor(CU_SEQLENS))
@@ -53,10 +53,10 @@ def _worker(rank, world_size):
     assert not calls
 
     # The cache refusal names the ways to decode, and they exist.
-    with pytest.raises(ValueError, match=r"kdacp\.models\.generate.*kdacp\.models\.own_forwards"):
+    with pytest.raises(ValueError, match=r"kdacp\.integrations\.transformers\.generate.*kdacp\.integrations\.transformers\.own_forwards"):
         model(**batch.model_kwargs(), use_cache=True)
-    assert callable(kdacp.models.generate) and callable(kdacp.models.own_forwards)
-    with kdacp.models.own_forwards(model), kdacp.models.torch_fallbacks(), torch.no_grad():
+    assert callable(kdacp.integrations.transformers.generate) and callable(kdacp.integrations.transformers.own_forwards)
+    with kdacp.integrations.transformers.own_forwards(model), kdacp.integrations.transformers.torch_fallbacks(), torch.no_grad():
         model(input_ids=tokens()[:, :16], seq_idx=None, use_cache=True)  # no refusal: the check is off
 
 

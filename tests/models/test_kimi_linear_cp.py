@@ -51,13 +51,13 @@ def _model(**overrides):
 
 def _reference() -> dict:
     """The unmodified model, one document at a time."""
-    from kdacp.models import torch_fallbacks
+    from kdacp.integrations.transformers import torch_fallbacks
     # torch_fallbacks: where FLA imports, transformers would call its GPU-only kernels on these CPU tensors
     return one_document_at_a_time(_model(), torch_fallbacks())
 
 
 def _worker(rank, world_size, ref, results):
-    from kdacp.models import attention
+    from kdacp.integrations.transformers import attention
 
     if world_size == 2:
         _check_contract(rank, world_size)

@@ -22,7 +22,7 @@ class _Records(logging.Handler):
 def test_kernel_fallback_notice_is_said_at_most_once():
     import transformers.utils.logging as hf_logging
 
-    from kdacp.models import load_kimi_linear
+    from kdacp.integrations.transformers import load_kimi_linear
     kimi = load_kimi_linear()
     hf_logging.warning_once.cache_clear()  # notices an earlier test printed would hide those of this one
     records = _Records()

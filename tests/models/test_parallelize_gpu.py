@@ -33,7 +33,7 @@ def _family(name: str):
     kdacp's shipped tuning and autotuned: the likely cause of this test's time-outs on the H200
     (2026-12-01), where it autotuned ``l2norm_bwd_kernel`` for a key the shipped file holds. (kdacp now
     also hands FLA the mode when FLA came first: tests/test_tuning.py.)"""
-    from kdacp.models import load_kimi_linear, load_qwen3_next, torch_fallbacks
+    from kdacp.integrations.transformers import load_kimi_linear, load_qwen3_next, torch_fallbacks
     if name == "kimi_linear":
         load_kimi_linear()
         from tests.models.test_kimi_linear_cp import _model
@@ -45,7 +45,7 @@ def _family(name: str):
 
 def _worker(ctx, name: str) -> dict:
     import kdacp
-    from kdacp.models import install  # the linear-attention layers' forward reads the documents there
+    from kdacp.integrations.transformers import install  # the linear-attention layers' forward reads the documents there
     make_model, context = _family(name)
     ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(ctx.device), context())
     model = make_model(**HEAD_SHAPES[name]).to(ctx.device, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""``kdacp.models.prefill`` and ``generate`` on tiny random Hugging Face Kimi Linear (sdpa) and Qwen3-Next (eager)
+"""``kdacp.integrations.transformers.prefill`` and ``generate`` on tiny random Hugging Face Kimi Linear (sdpa) and Qwen3-Next (eager)
 models over 2 and 4 gloo ranks against the unmodified one-process model, float32.
 
 For prompts of 40 tokens (split evenly over 2 and 4 ranks) and 37 (over neither: ``shard_batch(pad_id=...)``
@@ -58,7 +58,7 @@ def _prompt(T: int) -> torch.Tensor:
 @contextlib.contextmanager
 def _transformers_code(name: str):
     """transformers' own PyTorch code; Qwen3-Next's GDN in its recurrent form."""
-    from kdacp.models import load_qwen3_next, torch_fallbacks
+    from kdacp.integrations.transformers import load_qwen3_next, torch_fallbacks
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch_fallbacks())
         if name == "qwen3_next":
@@ -70,7 +70,7 @@ def _transformers_code(name: str):
 
 def cache_tensors(cache) -> dict:
     """Every tensor of a transformers cache by name (layer, kind), and its position."""
-    from kdacp.models.prefill import cache_tensors as tensors
+    from kdacp.integrations.transformers.prefill import cache_tensors as tensors
     return {"position": torch.tensor(float(cache.get_seq_length())), **tensors(cache)}
 
 
@@ -114,14 +114,14 @@ def _prefill_tensors(model, T: int, pieces=None, layout="contiguous") -> dict:
     prompt, cache, start = _prompt(T), None, 0
     for n in pieces or (T,):
         batch = kdacp.shard_batch(prompt[:, start:start + n], pad_id=0, layout=layout)
-        cache, logits = kdacp.models.prefill(model, batch, cache=cache)
+        cache, logits = kdacp.integrations.transformers.prefill(model, batch, cache=cache)
         start += n
     return dict(**cache_tensors(cache), logits=logits)
 
 
 def _broken() -> dict:
     """What to drop -> (owner, attribute, fake), and the prefill (pieces) whose cache must then leave TOL."""
-    from kdacp.models.prefill import PrefillCache  # (kdacp.models.prefill is the function)
+    from kdacp.integrations.transformers.prefill import PrefillCache  # (kdacp.integrations.transformers.prefill is the function)
 
     def no_initial_state(self, layer_idx):
         return None
@@ -149,7 +149,7 @@ def _broken() -> dict:
 def _check_contract(rank: int) -> None:
     """On 2 ranks: shard_batch's padding, and what prefill and generate refuse, with the argument named."""
     import kdacp
-    from kdacp.models.batch import IGNORE_INDEX
+    from kdacp.cp.sharding import IGNORE_INDEX
     prompt = _prompt(37)
     batch = kdacp.shard_batch(prompt, pad_id=0)  # 38 tokens: the padding is the last rank's last token
     assert batch.padding == 1 and batch.cu_seqlens.tolist() == [0, 37, 38] and batch.input_ids.shape == (1, 19)
@@ -162,32 +162,32 @@ def _check_contract(rank: int) -> None:
         kdacp.shard_batch(prompt)
     model = MODELS["kimi_linear"]()
     with pytest.raises(ValueError, match="runs a kdacp.parallelize'd model"):
-        kdacp.models.prefill(model, batch)
+        kdacp.integrations.transformers.prefill(model, batch)
     kdacp.parallelize(model, kdacp.ContextParallel("state"))
     with pytest.raises(ValueError, match="batch must be a kdacp.ShardedBatch"):
-        kdacp.models.prefill(model, prompt)
+        kdacp.integrations.transformers.prefill(model, prompt)
     with pytest.raises(ValueError, match="one prompt: batch size 1 and one document"):
-        kdacp.models.prefill(model, kdacp.shard_batch(_prompt(40), cu_seqlens=torch.tensor([0, 20, 40])))
+        kdacp.integrations.transformers.prefill(model, kdacp.shard_batch(_prompt(40), cu_seqlens=torch.tensor([0, 20, 40])))
     with pytest.raises(ValueError, match="drop cache="):
-        kdacp.models.generate(model, batch, 4, cache=None)
+        kdacp.integrations.transformers.generate(model, batch, 4, cache=None)
     # A prompt sharded under another layout than the model's, or a model under a layout prefill does not run, is
     # refused by name before any exchange.
     zigzag = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel("state", layout="zigzag"))
     for m, layout in ((model, "zigzag"), (zigzag, "contiguous")):
         with pytest.raises(ValueError, match="sharded under another layout than the model's"):
-            kdacp.models.prefill(m, kdacp.shard_batch(_prompt(40), layout=layout))
+            kdacp.integrations.transformers.prefill(m, kdacp.shard_batch(_prompt(40), layout=layout))
     from kdacp.cp.layout import ranges_layout
     ranges = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel(
         "state", layout=ranges_layout([[(0, 10), (30, 40)], [(10, 30)]])))
     with pytest.raises(ValueError, match="prefill and generate run the layouts"):
-        kdacp.models.generate(ranges, kdacp.shard_batch(_prompt(40)), 4)
+        kdacp.integrations.transformers.generate(ranges, kdacp.shard_batch(_prompt(40)), 4)
     spec = next(m._kdacp_ulysses for m in model.modules() if hasattr(m, "_kdacp_ulysses"))
     spec.inner_name = "flash_attention_2"
     with pytest.raises(ValueError, match=r"runs the model's \('eager', 'sdpa'\) implementations"):
-        kdacp.models.prefill(model, batch)
+        kdacp.integrations.transformers.prefill(model, batch)
     ulysses = kdacp.parallelize(MODELS["kimi_linear"](), kdacp.ContextParallel("ulysses"))
     with pytest.raises(ValueError, match="mode 'state', layer 0 has ContextParallel\\(mode='ulysses'"):
-        kdacp.models.prefill(ulysses, batch)
+        kdacp.integrations.transformers.prefill(ulysses, batch)
 
 
 def _worker(rank, world_size, ref, results):
@@ -212,11 +212,11 @@ def _worker(rank, world_size, ref, results):
             worst[f"{name} without {what}"] = (key, err)
         with _transformers_code(name):
             for T in LENGTHS:
-                ids = kdacp.models.generate(model, kdacp.shard_batch(_prompt(T), pad_id=0), NEW_TOKENS,
+                ids = kdacp.integrations.transformers.generate(model, kdacp.shard_batch(_prompt(T), pad_id=0), NEW_TOKENS,
                                             do_sample=False)
                 assert torch.equal(ids, ref[name, T]["tokens"]), f"{name} T={T}: {ids} != {ref[name, T]['tokens']}"
             torch.manual_seed(7)  # every rank alike; generate checks that the ranks agree
-            sampled = kdacp.models.generate(model, kdacp.shard_batch(_prompt(37), pad_id=0), NEW_TOKENS,
+            sampled = kdacp.integrations.transformers.generate(model, kdacp.shard_batch(_prompt(37), pad_id=0), NEW_TOKENS,
                                             do_sample=True, top_k=0, temperature=2.0)
             _same_on_every_rank({"sampled": sampled})
         # generate (own_forwards) put parallelize's forwards back
@@ -232,7 +232,7 @@ def _broken_zigzag(world_size: int) -> dict:
     halo (the pieces of 13, 14 and 10 tokens end a token or two into rank 0's second range); on 4 ranks (chunks
     of 2 tokens, shorter than the convolution's halo) the cached convolution input in the halos of the ranges
     that start within ``W - 1`` tokens of the piece's first token, not only rank 0's."""
-    from kdacp.models.prefill import PrefillCache
+    from kdacp.integrations.transformers.prefill import PrefillCache
 
     def rank_0_only(self, layer_idx, real=PrefillCache.conv_state):
         return real(self, layer_idx) if self.rank == 0 else None
@@ -270,7 +270,7 @@ def _zigzag_worker(rank, world_size, ref, results):
             worst[f"{name} zigzag without {what}"] = (key, err)
         with _transformers_code(name):
             for T in LENGTHS:
-                ids = kdacp.models.generate(model, kdacp.shard_batch(_prompt(T), pad_id=0, layout="zigzag"),
+                ids = kdacp.integrations.transformers.generate(model, kdacp.shard_batch(_prompt(T), pad_id=0, layout="zigzag"),
                                             NEW_TOKENS, do_sample=False)
                 results[f"{name} zigzag generate {T}"] = ids
     if rank == 0:
@@ -316,7 +316,7 @@ def _attend_float64(q, k, v, causal):
 def test_split_lower_right_matches_the_masked_softmax(n, Tk):
     """The GPU prefill's attention of a piece (or a later rank) against all earlier keys: two calls merged by
     their log-sum-exps equal one lower-right masked softmax (float64); the earlier keys' part matters."""
-    from kdacp.models.prefill import split_lower_right
+    from kdacp.integrations.transformers.prefill import split_lower_right
     gen = torch.Generator().manual_seed(n * 100 + Tk)
     q, k = torch.randn(2, 3, n, 8, generator=gen), torch.randn(2, 3, Tk, 8, generator=gen)
     v = torch.randn(2, 3, Tk, 6, generator=gen)

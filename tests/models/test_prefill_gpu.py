@@ -1,4 +1,4 @@
-"""``kdacp.models.prefill`` and ``generate`` on one GPU (one NCCL rank): the GPU models of
+"""``kdacp.integrations.transformers.prefill`` and ``generate`` on one GPU (one NCCL rank): the GPU models of
 tests/models/test_parallelize_gpu.py (the models' own linear-attention head shapes, sdpa attention) in bf16,
 against a float32 copy of the unmodified model run by transformers' PyTorch code on the same GPU.
 
@@ -24,7 +24,7 @@ def _transformers_too_old() -> bool:
     import transformers
     from packaging.version import Version
 
-    from kdacp.models.prefill import MIN_TRANSFORMERS
+    from kdacp.integrations.transformers.prefill import MIN_TRANSFORMERS
     return Version(transformers.__version__) < Version(MIN_TRANSFORMERS)
 
 
@@ -36,7 +36,7 @@ T, PIECES = 200, (70, 64, 66)
 
 
 def _tensors(cache, logits) -> dict:
-    from kdacp.models.prefill import cache_tensors
+    from kdacp.integrations.transformers.prefill import cache_tensors
     return {"logits": logits.float(), **cache_tensors(cache)}
 
 
@@ -53,7 +53,7 @@ def _make(name: str, make_model):
 
 def _worker(ctx, name: str) -> dict:
     import kdacp
-    from kdacp.models.prefill import PrefillCache
+    from kdacp.integrations.transformers.prefill import PrefillCache
     make_model, context = _family(name)
     prompt = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     reference = _make(name, make_model).to(ctx.device)
@@ -66,7 +66,7 @@ def _worker(ctx, name: str) -> dict:
     def prefill(pieces):
         cache, start = None, 0
         for n in pieces:
-            cache, logits = kdacp.models.prefill(model, kdacp.shard_batch(prompt[:, start:start + n]), cache=cache)
+            cache, logits = kdacp.integrations.transformers.prefill(model, kdacp.shard_batch(prompt[:, start:start + n]), cache=cache)
             start += n
         got = _tensors(cache, logits)
         assert {k: (v.shape, v.dtype) for k, v in got.items() if k != "logits"} == \
@@ -79,7 +79,7 @@ def _worker(ctx, name: str) -> dict:
     result["slow_path_calls"] = slow_path.call_count
     with mock.patch.object(PrefillCache, "recurrent_state", lambda self, layer_idx: None):
         result["broken"] = prefill(PIECES)
-    ids = [kdacp.models.generate(model, kdacp.shard_batch(prompt), 16, do_sample=False) for _ in range(2)]
+    ids = [kdacp.integrations.transformers.generate(model, kdacp.shard_batch(prompt), 16, do_sample=False) for _ in range(2)]
     assert ids[0].shape == (1, T + 16) and torch.equal(ids[0][:, :T], prompt) and torch.equal(ids[0], ids[1])
     return result
 

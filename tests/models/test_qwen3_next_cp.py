@@ -67,7 +67,7 @@ def _model(**overrides):
 def _transformers_recurrent_gdn():
     """transformers' PyTorch code (torch_fallbacks: where FLA imports, transformers would call its GPU-only
     kernels on these CPU tensors), its GDN in the recurrent form (see the module docstring)."""
-    from kdacp.models import load_qwen3_next, torch_fallbacks
+    from kdacp.integrations.transformers import load_qwen3_next, torch_fallbacks
     qn = load_qwen3_next()
     recurrent = inspect.unwrap(qn.torch_recurrent_gated_delta_rule)
     with torch_fallbacks(), mock.patch.object(qn, "torch_chunk_gated_delta_rule", recurrent):
@@ -80,7 +80,7 @@ def _reference() -> dict:
 
 
 def _worker(rank, world_size, ref, results):
-    from kdacp.models import attention, install
+    from kdacp.integrations.transformers import attention, install
 
     if world_size == 2:
         _check_contract()

@@ -46,7 +46,7 @@ def _tokens(step: int, replica: int) -> torch.Tensor:
 def _family(name: str):
     """``(make_model, reference context)`` of a model family."""
     if name == "kimi_linear":
-        from kdacp.models import torch_fallbacks
+        from kdacp.integrations.transformers import torch_fallbacks
         from tests.models.test_kimi_linear_cp import _model
         return _model, torch_fallbacks
     from tests.models.test_qwen3_next_cp import _model, _transformers_recurrent_gdn
@@ -167,7 +167,7 @@ def _worker(rank, world_size, name, ref, results, checkpoint_dir):
     # The loss group matters: the loss over the cp group alone (each replica's own mean) is another gradient.
     from functools import partial
 
-    from kdacp.models.batch import causal_lm_loss
+    from kdacp.cp.sharding import causal_lm_loss
     model, wrapped, optimizer, mesh = _setup(name, "fsdp")
     model.loss_function = partial(causal_lm_loss, group=mesh["cp"].get_group())
     _step(wrapped, optimizer, mesh, 0)

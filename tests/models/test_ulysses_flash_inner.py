@@ -31,7 +31,7 @@ def _flash_stand_in(module, q, k, v, mask, cu_seq_lens_q, cu_seq_lens_k, max_len
 
 def _worker(rank, world_size):
     from kdacp.cp import ContextParallel
-    from kdacp.models.attention import _ContextParallelAttention
+    from kdacp.integrations.transformers.attention import _ContextParallelAttention
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, CU[-1], D, generator=g, dtype=torch.float64) for _ in range(3))
     T = CU[-1] // world_size

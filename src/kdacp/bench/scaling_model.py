@@ -291,7 +291,7 @@ def step_programs(strategy: str, P: int, times: StageTimes, layers: int, sync_ev
                   layout: str = "contiguous") -> list[list[tuple]]:
     """Every rank's program of one training step (rank order), one sequence over ``P`` ranks: the
     ``layers`` token-mixer layers' forwards in order, a barrier for the loss (every rank joins it: the
-    global token count, as :func:`kdacp.models.batch.global_token_mean_loss` all-reduces), the backwards in
+    global token count, as :func:`kdacp.cp.sharding.global_token_mean_loss` all-reduces), the backwards in
     reverse order. With ``sync_every``: a barrier after every ``sync_every``-th mixer layer (before it,
     backward), for a hybrid model's softmax-attention layer, whose exchange every rank joins (Kimi Linear
     and Qwen3-Next: 3 mixer layers to 1 attention layer, ``sync_every=3``); its work is not modelled.

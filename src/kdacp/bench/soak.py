@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kdacp.demo import demo_batch, demo_config, demo_model, demo_step
 from kdacp.cp import checks, new_cp_group
 from kdacp.cp import ContextParallel
-from kdacp.models import load_kimi_linear, parallelize
+from kdacp.integrations.transformers import load_kimi_linear, parallelize
 
 from .harness import PlotSpec
 

@@ -6,7 +6,7 @@ what differs is behind these hooks, called in this order: :meth:`CPHooks.to_head
 :meth:`~kdacp.cp.CPContext.recurrence` run the mixer's exchanges), :meth:`CPHooks.to_sequence` (and
 :meth:`CPHooks.validate_heads` when a layer is given the mode). Implementations:
 :data:`~kdacp.cp.context.SINGLE_DEVICE`, :class:`~kdacp.cp.ContextParallel` and the prefill's
-:class:`kdacp.models.prefill.LayerPrefill`; each subclasses :class:`CPHooks` and defines every hook.
+:class:`kdacp.integrations.transformers.prefill.LayerPrefill`; each subclasses :class:`CPHooks` and defines every hook.
 """
 from __future__ import annotations
 

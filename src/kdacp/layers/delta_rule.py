@@ -3,7 +3,7 @@ context-parallel halo, the recurrence through the context-parallel hooks, gated 
 
 :func:`mix_tokens` runs that sequence on any modules that supply its parts (:class:`MixerParts`): kdacp's own
 layers (:class:`DeltaRuleLayer`; a subclass adds its gate's parameters and says how its gate reaches the
-recurrence) and the Hugging Face adapters (:mod:`kdacp.models`), each on its own modules.
+recurrence) and the Hugging Face adapters (:mod:`kdacp.integrations.transformers`), each on its own modules.
 """
 from __future__ import annotations
 

@@ -1,18 +1,26 @@
-"""Context parallelism for Hugging Face transformers models, applied from outside the model code.
+"""Deprecated: the Hugging Face integration moved to :mod:`kdacp.integrations.transformers`, and the batch
+sharding and its loss (``ShardedBatch``, ``shard_batch``, ``shard_tokens``, ``global_token_mean_loss``), which
+no framework owns, to :mod:`kdacp.cp.sharding`. This alias re-exports the names this package exported, with a
+:class:`DeprecationWarning`, for one release."""
+import importlib
+import warnings
 
-:func:`parallelize` (Kimi Linear, Qwen3-Next; dispatched on ``config.model_type``), :func:`load_kimi_linear`
-and :func:`load_qwen3_next` need the ``models`` extra (``transformers``), imported only when called;
-:func:`shard_batch` (any token layout; :func:`shard_tokens` without a process group) and
-:func:`global_token_mean_loss` need only ``torch.distributed``. :func:`prefill` and
-:func:`generate` run a long prompt under context parallelism into the model's own cache, then decode from it.
-"""
-from .attention import document_causal_mask
-from .batch import ShardedBatch, global_token_mean_loss, shard_batch, shard_tokens
-from .dispatch import SUPPORTED_MODELS, parallelize, torch_fallbacks
-from .kimi_linear import load_kimi_linear
-from .prefill import PrefillOutput, generate, own_forwards, prefill
-from .qwen3_next import load_qwen3_next
+_SHARDING = ("ShardedBatch", "global_token_mean_loss", "shard_batch", "shard_tokens")
+_TRANSFORMERS = ("SUPPORTED_MODELS", "PrefillOutput", "document_causal_mask", "generate", "load_kimi_linear",
+                 "load_qwen3_next", "own_forwards", "parallelize", "prefill", "torch_fallbacks")
+# each name this package exported -> the module that now defines it
+_MOVED = {**dict.fromkeys(_SHARDING, "kdacp.cp.sharding"),
+          **dict.fromkeys(_TRANSFORMERS, "kdacp.integrations.transformers")}
 
-__all__ = ["SUPPORTED_MODELS", "PrefillOutput", "ShardedBatch", "document_causal_mask", "generate",
-           "global_token_mean_loss", "load_kimi_linear", "load_qwen3_next", "own_forwards", "parallelize", "prefill",
-           "shard_batch", "shard_tokens", "torch_fallbacks"]
+__all__ = sorted(_MOVED)
+
+warnings.warn("kdacp.models is deprecated; import from kdacp.integrations.transformers (and kdacp.cp.sharding) "
+              "instead", DeprecationWarning, stacklevel=2)
+
+
+def __getattr__(name: str):
+    """A name this package exported, from its new module."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"kdacp.models.{name} is deprecated; use {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

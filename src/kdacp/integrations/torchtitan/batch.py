@@ -13,7 +13,7 @@ from torchtitan.models.common.attention import (FlexAttention, create_attention_
                                                  create_varlen_metadata_for_document)
 
 from ...cp.layout import TokenLayout
-from ...models.batch import shard_tokens
+from ...cp.sharding import shard_tokens
 from .gated_delta import GatedDeltaContext, KdacpGatedDeltaKernel
 from .layout import document_mask_mod
 
@@ -50,7 +50,7 @@ def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mes
 
     The tokens are dealt out by the layout the model's GDN layers follow (:class:`BalancedLayout`, set by
     :func:`apply_kdacp_to_gated_deltanet`), so the attention layers and the GDN layers see one token order,
-    with no relayout between them; the cut itself is :func:`kdacp.models.batch.shard_tokens`'s.
+    with no relayout between them; the cut itself is :func:`kdacp.cp.sharding.shard_tokens`'s.
 
     Args:
         model: the torchtitan Qwen3.5 with kdacp's GDN modules (its config gives the attention kind and

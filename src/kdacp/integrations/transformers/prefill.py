@@ -23,7 +23,7 @@ first rank's convolution reads the cached convolution input as its left halo, an
 
 How the token mixers take part: the cache handed to the model is a :class:`PrefillCache`, a view of the
 model's cache for this rank's shard. A linear-attention forward installed by ``parallelize``
-(:func:`kdacp.models.install.mixer_forward`) that receives it asks it for the layer's hooks
+(:func:`kdacp.integrations.transformers.install.mixer_forward`) that receives it asks it for the layer's hooks
 (:meth:`PrefillCache.layer`, a :class:`LayerPrefill`): ``mix_tokens`` runs on them from the cached state, its
 convolution continuing the cached input and recording its last input tokens, and the final state is recorded.
 The attention modules' function is swapped, for the pass, for :class:`_GatheredAttention`; their own forwards
@@ -42,12 +42,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..cp.batch_context import CPContext
-from ..cp.groups import process_group
-from ..cp.layout import make_layout
-from ..cp.hooks import CPHooks
+from ...cp.batch_context import CPContext
+from ...cp.groups import process_group
+from ...cp.hooks import CPHooks
+from ...cp.layout import make_layout
+from ...cp.sharding import ShardedBatch, shard_batch
 from .attention import ATTENTION_NAME, cudnn_attend, split_lower_right
-from .batch import ShardedBatch, shard_batch
 
 __all__ = ["PREFILL_ATTENTIONS", "PREFILL_LAYOUTS", "LayerPrefill", "PrefillCache", "PrefillOutput", "cache_tensors", "generate",
            "own_forwards", "prefill", "split_lower_right"]
@@ -214,7 +214,7 @@ class LayerPrefill(CPHooks):
 
     def __init__(self, cp, view: PrefillCache, layer_idx: int):
         if getattr(cp, "mode", None) != "state":
-            raise ValueError(f"kdacp.models.prefill runs the linear-attention layers in ContextParallel mode "
+            raise ValueError(f"kdacp.integrations.transformers.prefill runs the linear-attention layers in ContextParallel mode "
                              f"'state', layer {layer_idx} has {cp!r}")
         if dist.get_process_group_ranks(cp.group) != dist.get_process_group_ranks(view.group):
             raise ValueError(f"prefill's group (ranks {dist.get_process_group_ranks(view.group)}) is not layer "
@@ -377,16 +377,16 @@ def _check_call(model, batch: ShardedBatch, group) -> None:
     import transformers
     from packaging.version import Version
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
-        raise ImportError(f"kdacp.models.prefill and generate need transformers >= {MIN_TRANSFORMERS} (the cache "
+        raise ImportError(f"kdacp.integrations.transformers.prefill and generate need transformers >= {MIN_TRANSFORMERS} (the cache "
                           f"as the models' cache= argument); found {transformers.__version__}")
     if not isinstance(batch, ShardedBatch):
         raise ValueError(f"batch must be a kdacp.ShardedBatch (kdacp.shard_batch), got {type(batch).__name__}")
     linear, attention = _parallel_modules(model)
     if not linear and not attention:
-        raise ValueError(f"kdacp.models.prefill runs a kdacp.parallelize'd model; {type(model).__name__} is not")
+        raise ValueError(f"kdacp.integrations.transformers.prefill runs a kdacp.parallelize'd model; {type(model).__name__} is not")
     layout = _model_layout(linear, attention)
     if layout not in PREFILL_LAYOUTS:
-        raise ValueError(f"kdacp.models.prefill and generate run the layouts {PREFILL_LAYOUTS}; the model runs "
+        raise ValueError(f"kdacp.integrations.transformers.prefill and generate run the layouts {PREFILL_LAYOUTS}; the model runs "
                          f"{layout!r}")
     expected = make_layout(layout, dist.get_world_size(group), batch.layout.num_tokens, batch.cu_seqlens)
     if batch.layout != expected:
@@ -397,7 +397,7 @@ def _check_call(model, batch: ShardedBatch, group) -> None:
     cu = batch.cu_seqlens
     one_document = cu is None or cu.numel() == (3 if batch.padding else 2)
     if B != 1 or not one_document:
-        raise ValueError(f"kdacp.models.prefill takes one prompt: batch size 1 and one document, got B={B} and "
+        raise ValueError(f"kdacp.integrations.transformers.prefill takes one prompt: batch size 1 and one document, got B={B} and "
                          f"cu_seqlens={None if cu is None else cu.tolist()}")
     for m in attention:
         spec = m._kdacp_ulysses
@@ -528,7 +528,7 @@ def generate(model, batch: ShardedBatch, max_new_tokens: int, group=None, **gene
     group = process_group(group, "group")
     for name in ("cache", "past_key_values", "use_cache"):
         if name in generate_kwargs:
-            raise ValueError(f"kdacp.models.generate makes the cache itself: drop {name}=")
+            raise ValueError(f"kdacp.integrations.transformers.generate makes the cache itself: drop {name}=")
     _check_call(model, batch, group)
     prompt = _prompt(batch, group)
     cache = None

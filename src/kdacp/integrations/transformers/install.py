@@ -9,11 +9,11 @@ import torch.nn as nn
 
 import torch
 
-from ..cp.groups import process_group
-from ..cp.context import ContextParallel
-from ..layers.delta_rule import mix_tokens
+from ...cp.context import ContextParallel
+from ...cp.groups import process_group
+from ...cp.sharding import causal_lm_loss
+from ...layers.delta_rule import mix_tokens
 from .attention import ATTENTION_NAME, install_attention
-from .batch import causal_lm_loss
 from .checks import CallCheck, check_batch_layout, check_training_call, global_cu_seqlens
 from .prefill import PrefillCache
 
@@ -27,7 +27,7 @@ def mixer_forward(parts: type, module: nn.Module, cp: ContextParallel, hidden_st
     ``kwargs['kdacp_layout']`` the layout the batch was sharded by (checked against ``cp``'s). Returns
     ``[B, L, hidden]``.
 
-    Under :func:`kdacp.models.prefill` (``cache`` its :class:`PrefillCache`) the layer runs on the pass's hooks
+    Under :func:`kdacp.integrations.transformers.prefill` (``cache`` its :class:`PrefillCache`) the layer runs on the pass's hooks
     (:meth:`PrefillCache.layer`): from the cached states, recording its final ones."""
     cu_seqlens = global_cu_seqlens(kwargs)
     check_batch_layout(cp, kwargs, *hidden_states.shape[:2], cu_seqlens, hidden_states.device)
@@ -50,8 +50,8 @@ def install(model: nn.Module, cp: ContextParallel, linear: list[nn.Module], part
     ``parts`` (its :class:`kdacp.layers.delta_rule.MixerParts` class), route
     the ``attention`` modules through kdacp's attention over ``cp``'s group and layout (``eager``: the model's own eager
     function), give the model its own config with ``use_cache=False``, set its ``loss_function`` to
-    :func:`kdacp.models.batch.causal_lm_loss` over ``loss_group`` (default ``cp.group``) and check each call's
-    keyword arguments (:class:`kdacp.models.checks.CallCheck`, as ``model._kdacp_call_check``).
+    :func:`kdacp.cp.sharding.causal_lm_loss` over ``loss_group`` (default ``cp.group``) and check each call's
+    keyword arguments (:class:`kdacp.integrations.transformers.checks.CallCheck`, as ``model._kdacp_call_check``).
 
     Nothing made here holds a module's parameter: the forwards look them up on the module at each call, so
     wrappers applied afterwards (FSDP2's ``fully_shard``, DDP) that replace parameters keep working."""

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..cp.groups import process_group
-from ..cp.layout import TokenLayout, check_layout, make_layout
+from .groups import process_group
+from .layout import TokenLayout, check_layout, make_layout
 from ..sequences import sequence_positions
 
 __all__ = ["LAYOUT_KWARG", "ShardedBatch", "causal_lm_loss", "global_token_mean_loss", "shard_batch", "shard_tokens"]
@@ -252,7 +252,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
 def global_token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group=None,
                            ignore_index: int = IGNORE_INDEX, *, averaged: bool = False) -> torch.Tensor:
     """Cross-entropy averaged over every labelled token of the loss group, from this rank's shard: the
-    loss-scaling contract of :mod:`kdacp.models.batch`.
+    loss-scaling contract of :mod:`kdacp.cp.sharding`.
 
     Args:
         logits: ``[B, T/P, vocab]`` this rank's logits.

@@ -43,10 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..compile import hold_for_regions, run_opaque
-from ..cp.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
-from ..layers.short_conv import sequence_positions
-from .batch import LAYOUT_KWARG
+from ...compile import hold_for_regions, run_opaque
+from ...cp.autograd_collectives import all_gather_along, heads_to_time, time_to_heads
+from ...cp.sharding import LAYOUT_KWARG
+from ...layers.short_conv import sequence_positions
 from .checks import global_cu_seqlens, refuse_cache_and_mask
 
 ATTENTION_NAME = "kdacp_ulysses"

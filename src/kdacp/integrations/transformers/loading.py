@@ -50,7 +50,7 @@ def load_model_module(module_path: str, what: str):
     Raises:
         ImportError: transformers missing or without the model (the ``models`` extra).
     """
-    from ..backends.fla_adapter import fla_available
+    from ...backends.fla_adapter import fla_available
     fla_available()
     try:
         module = importlib.import_module(module_path)

@@ -1,4 +1,4 @@
-"""``kdacp.parallelize`` and ``kdacp.models.torch_fallbacks`` over every supported transformers model,
+"""``kdacp.parallelize`` and ``kdacp.integrations.transformers.torch_fallbacks`` over every supported transformers model,
 dispatched on ``model.config.model_type``."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import contextlib
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..cp.context import ContextParallel
-from ..layers.delta_rule import DeltaRuleLayer
+from ...cp.context import ContextParallel
+from ...layers.delta_rule import DeltaRuleLayer
 from . import kimi_linear, qwen3_next
 from .loading import say_kernel_fallbacks_once
 
@@ -19,8 +19,8 @@ _ADAPTERS = {"kimi_linear": kimi_linear, "qwen3_next": qwen3_next}
 
 def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Module:
     """Apply context parallelism to a model in place, from outside its code: transformers'
-    ``KimiLinearForCausalLM`` (:func:`kdacp.models.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
-    (:func:`kdacp.models.qwen3_next.parallelize`), or their base models; or any other module built of kdacp's
+    ``KimiLinearForCausalLM`` (:func:`kdacp.integrations.transformers.kimi_linear.parallelize`) or ``Qwen3NextForCausalLM``
+    (:func:`kdacp.integrations.transformers.qwen3_next.parallelize`), or their base models; or any other module built of kdacp's
     own layers (:class:`kdacp.KimiDeltaAttention`, :class:`kdacp.GatedDeltaNet`), whose ``cp`` it sets (None
     turns context parallelism off there; the caller shards the tokens). The model's own parameters are
     used in place (``model.state_dict()`` unchanged). Call it on every rank, before FSDP2's ``fully_shard``,
@@ -37,7 +37,7 @@ def parallelize(model: nn.Module, cp, *, layout=None, loss_group=None) -> nn.Mod
             mesh). Shard each batch with ``kdacp.shard_batch(..., layout=)`` of the same layout; the model refuses
             one of another.
         loss_group: the ranks of the model's ``.loss`` (the loss-scaling contract of
-            :mod:`kdacp.models.batch`): a process group or 1-D mesh, the flattened dp x cp mesh under
+            :mod:`kdacp.cp.sharding`): a process group or 1-D mesh, the flattened dp x cp mesh under
             FSDP2/DDP; default: the context-parallel group.
 
     Returns:

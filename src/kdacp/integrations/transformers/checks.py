@@ -7,8 +7,8 @@ import inspect
 import torch
 import torch.nn as nn
 
-from ..cp.context import ContextParallel
-from .batch import LAYOUT_KWARG
+from ...cp.context import ContextParallel
+from ...cp.sharding import LAYOUT_KWARG
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
@@ -30,7 +30,7 @@ class CallCheck:
     """A parallelised model's forward pre-hook (``with_kwargs``): refuses, by name and before any layer runs, a
     keyword argument the forward would not honour, and takes ``cu_seqlens`` (kdacp's name for the global
     ``[N+1]`` boundaries) as ``cu_seq_lens_q`` / ``cu_seq_lens_k``. ``enabled`` is False while the model runs
-    its own code (:func:`kdacp.models.own_forwards`), which honours them all."""
+    its own code (:func:`kdacp.integrations.transformers.own_forwards`), which honours them all."""
 
     def __init__(self, forward):
         parameters = inspect.signature(forward).parameters.values()
@@ -97,9 +97,9 @@ def refuse_cache_and_mask(uses_cache: bool, attention_mask) -> None:
     """Raise ``ValueError`` for what ``parallelize`` does not run: a cache or a padding mask."""
     if uses_cache:
         raise ValueError("kdacp.parallelize runs without a cache: leave use_cache unset (the parallelised model's "
-                         "default is False) or pass use_cache=False. To decode, call kdacp.models.generate (the "
+                         "default is False) or pass use_cache=False. To decode, call kdacp.integrations.transformers.generate (the "
                          "prompt prefilled under context parallelism, then transformers' generate), or run the "
-                         "model's own code inside `with kdacp.models.own_forwards(model):`")
+                         "model's own code inside `with kdacp.integrations.transformers.own_forwards(model):`")
     if attention_mask is not None:
         raise ValueError("kdacp.parallelize takes packed batches (cu_seq_lens_q), not padding masks")
 

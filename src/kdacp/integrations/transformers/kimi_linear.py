@@ -7,14 +7,14 @@ layout (:func:`kdacp.shard_batch`: equal time shards in rank order, zigzag, ...)
 mixers works per token and needs nothing else.
 
 * KDA layers (``KimiLinearDeltaAttention``): their ``forward`` is replaced, on the instance, by
-  :func:`kdacp.models.install.mixer_forward`, which runs the token mixer kdacp's own layers run
+  :func:`kdacp.integrations.transformers.install.mixer_forward`, which runs the token mixer kdacp's own layers run
   (:func:`kdacp.layers.delta_rule.mix_tokens`) on the module's parts (:class:`KimiDeltaParts`, which looks
   each parameter up on the module at each call, so FSDP2 may replace them): the projections, the fused
   q|k|v short convolution sliced per part with the left halo from the previous rank, the gate inside the
   KDA kernel (``A_log``, ``dt_bias`` of ``forget_gate``), ``cp.chunk_kda`` (state exchange, Ulysses or both,
   as ``cp`` says), the gated RMSNorm and the output projection. ``del module.forward`` restores the model's own.
 * MLA layers (``KimiLinearAttention``): kdacp's attention through transformers' attention registry (the
-  function shared with Qwen3-Next, :mod:`kdacp.models.attention`). The module's own forward still computes
+  function shared with Qwen3-Next, :mod:`kdacp.integrations.transformers.attention`). The module's own forward still computes
   q, k, v on the local tokens; the registered function ``"kdacp_ulysses"`` runs Ulysses where
   ``num_attention_heads % P == 0`` (all-to-all to head shards, the model's previous attention implementation,
   ``eager``, ``sdpa`` or ``flash_attention_*``, on the whole global sequence of ``H/P`` heads with a
@@ -36,8 +36,8 @@ block-diagonal causal mask (``eager``/``sdpa``) or hands them to flash attention
 global positions derived from them. Without ``cu_seq_lens_q`` the batch is ``B`` unpacked sequences.
 
 Not supported under ``parallelize``: caches (the parallelised model's ``use_cache`` defaults to False; an
-explicit request raises ``ValueError``; decode with :func:`kdacp.models.generate` or inside
-:func:`kdacp.models.own_forwards`), padding masks, returned attention weights, ``flex_attention``, and any
+explicit request raises ``ValueError``; decode with :func:`kdacp.integrations.transformers.generate` or inside
+:func:`kdacp.integrations.transformers.own_forwards`), padding masks, returned attention weights, ``flex_attention``, and any
 keyword argument the forward would drop (refused by name; ``cu_seqlens=`` is taken as ``cu_seq_lens_q/k``).
 """
 from __future__ import annotations
@@ -45,9 +45,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..ops.kda import chunk_kda
-from ..cp.context import ContextParallel
-from ..layers.delta_rule import Projected
+from ...cp.context import ContextParallel
+from ...layers.delta_rule import Projected
+from ...ops.kda import chunk_kda
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
 from .checks import SILU_NAMES, token_mixers
 from .install import install
@@ -129,12 +129,12 @@ def parallelize(model: nn.Module, cp: ContextParallel, loss_group=None) -> nn.Mo
     KDA layers run :func:`kdacp.layers.delta_rule.mix_tokens` (kdacp's halo'd short convolution and
     ``cp.chunk_kda``) on the module's own parameters, looked up at each call; MLA layers run kdacp's attention
     over ``cp.group`` around the model's attention implementation (Ulysses, or a K/V all-gather where the
-    heads do not split: :mod:`kdacp.models.attention`). Parameters are used in place: no copies, and
+    heads do not split: :mod:`kdacp.integrations.transformers.attention`). Parameters are used in place: no copies, and
     ``model.state_dict()`` is unchanged. Call it on every rank, after moving the model to its device; FSDP2,
     DDP and activation checkpointing go on afterwards.
 
     Feed each rank its shard from :func:`kdacp.shard_batch`: ``model(**batch.model_kwargs()).loss`` follows
-    the loss-scaling contract of :mod:`kdacp.models.batch` over ``loss_group``.
+    the loss-scaling contract of :mod:`kdacp.cp.sharding` over ``loss_group``.
 
     Args:
         model: a transformers Kimi Linear model; its attention implementation (``eager``, ``sdpa``,

@@ -1,11 +1,11 @@
 """Context parallelism for Hugging Face transformers' ``Qwen3NextForCausalLM``, applied from outside.
 
-As for Kimi Linear (:mod:`kdacp.models.kimi_linear`): the model's own parameters are used in place
+As for Kimi Linear (:mod:`kdacp.integrations.transformers.kimi_linear`): the model's own parameters are used in place
 (``model.state_dict()`` keeps its keys and tensors), the model code is not forked, and every rank holds
 the whole model and its share of the global batch under the context's token layout (:func:`kdacp.shard_batch`).
 
 * Gated DeltaNet layers (``Qwen3NextGatedDeltaNet``): their ``forward`` is replaced, on the instance, by
-  :func:`kdacp.models.install.mixer_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's
+  :func:`kdacp.integrations.transformers.install.mixer_forward`: :func:`kdacp.layers.delta_rule.mix_tokens` on the module's
   parts (:class:`GatedDeltaNetParts`, parameters looked up at each call): the projections ``in_proj_qkvz`` /
   ``in_proj_ba`` (split per key-head group by the module's own ``fix_query_key_value_ordering``), the fused
   q|k|v depthwise convolution sliced per part with the left halo from the previous rank, the gate
@@ -14,7 +14,7 @@ the whole model and its share of the global batch under the context's token layo
   grouped value heads), the gated RMSNorm on ``z`` and ``out_proj``. ``del module.forward`` restores the
   model's own.
 * Gated softmax attention layers (``Qwen3NextAttention``): kdacp's attention through transformers' attention
-  registry, the function shared with Kimi Linear (:mod:`kdacp.models.attention`). The module's own forward
+  registry, the function shared with Kimi Linear (:mod:`kdacp.integrations.transformers.attention`). The module's own forward
   computes q (with its output gate), k, v, the q/k norms and the partial rotary embedding on the local
   tokens from the global positions of :func:`kdacp.shard_batch`'s ``position_ids`` slice, so the rotary
   embedding stays the one-process one. Any ``P``: Ulysses where the key/value heads split too, else Ulysses
@@ -28,7 +28,7 @@ from the model's ``forward``) to the linear-attention module as well as to the a
 installed version: a packed batch would fail its tolerance otherwise).
 
 Not supported under ``parallelize``: caches (``use_cache`` defaults to False; an explicit request raises
-``ValueError``; decode with :func:`kdacp.models.generate` or inside :func:`kdacp.models.own_forwards`), padding
+``ValueError``; decode with :func:`kdacp.integrations.transformers.generate` or inside :func:`kdacp.integrations.transformers.own_forwards`), padding
 masks, returned attention weights, ``flex_attention``, and any keyword argument the forward would drop (refused
 by name; ``cu_seqlens=`` is taken as ``cu_seq_lens_q/k``).
 """
@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..ops.gdn import chunk_gated_delta_rule
-from ..cp.context import ContextParallel
-from ..layers.delta_rule import Projected
+from ...cp.context import ContextParallel
+from ...layers.delta_rule import Projected
+from ...ops.gdn import chunk_gated_delta_rule
 from .attention import check_attention
 from .checks import SILU_NAMES, token_mixers
 from .install import install
@@ -54,7 +54,7 @@ _KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delt
 
 def load_qwen3_next():
     """transformers' ``modeling_qwen3_next`` module (``Qwen3NextForCausalLM``, ...), with FLA loaded first by
-    kdacp (see :func:`kdacp.models.load_kimi_linear`: the same reason).
+    kdacp (see :func:`kdacp.integrations.transformers.load_kimi_linear`: the same reason).
 
     Raises:
         ImportError: transformers missing or without Qwen3-Next (the ``models`` extra).
@@ -64,7 +64,7 @@ def load_qwen3_next():
 
 def torch_fallbacks():
     """Inside the block, transformers' unmodified Qwen3-Next models run its own PyTorch code (GDN and the
-    short convolution) instead of FLA's GPU-only kernels, as :func:`kdacp.models.kimi_linear.torch_fallbacks`.
+    short convolution) instead of FLA's GPU-only kernels, as :func:`kdacp.integrations.transformers.kimi_linear.torch_fallbacks`.
     That code ignores packed-sequence boundaries: one sequence per row."""
     return kernel_fallbacks(load_qwen3_next(), _KERNEL_FUNCTIONS)
 
@@ -110,9 +110,9 @@ def parallelize(model: nn.Module, cp: ContextParallel, loss_group=None) -> nn.Mo
 
     Gated DeltaNet layers run :func:`kdacp.layers.delta_rule.mix_tokens` (halo'd short convolution and
     context-parallel GDN) on the module's own parameters; attention layers run kdacp's attention over
-    ``cp.group`` around the model's attention implementation (:mod:`kdacp.models.attention`: Ulysses, with
+    ``cp.group`` around the model's attention implementation (:mod:`kdacp.integrations.transformers.attention`: Ulysses, with
     key/value heads replicated where they do not split, or a K/V all-gather). Same contract as
-    :func:`kdacp.models.kimi_linear.parallelize` (call on every rank after moving the model to its device;
+    :func:`kdacp.integrations.transformers.kimi_linear.parallelize` (call on every rank after moving the model to its device;
     feed :func:`kdacp.shard_batch`'s ``batch.model_kwargs()``; ``.loss`` over ``loss_group``).
 
     Raises:
