@@ -18,16 +18,10 @@ set -euo pipefail
 WHEELS=(attn-gym==0.0.17 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
         nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2
         cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2)
-source "$(dirname "$0")/wheels.sh"  # download_wheels, install_wheels
+source "$(dirname "$0")/wheels.sh"  # wheel_prep, download_wheels, install_wheels
 
-case "${1:?usage: attn_gym_prep.sh download [DIR] | install DIR TARGET}" in
-download)
-    download_wheels "${2:-.whl/attn_gym}" "${WHEELS[@]}"
-    ;;
-install)
-    dir=${2:?install DIR TARGET: the folder of the wheels and parts}
-    target=${3:?install DIR TARGET: where to install}
-    install_wheels "$dir" "$target"
+after_install() {
+    local target=$1
     export PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
     "$python" - <<'EOF'
 import importlib.util
@@ -36,9 +30,6 @@ print(("missing requirements of the CuTe DSL: " + ", ".join(missing)) if missing
       else "the CuTe DSL's requirements are here")
 EOF
     echo "export PYTHONPATH=$target:$target/nvidia_cutlass_dsl/dsl_packages:\${PYTHONPATH:-}"
-    ;;
-*)
-    echo "usage: attn_gym_prep.sh download [DIR] | install DIR TARGET" >&2
-    exit 2
-    ;;
-esac
+}
+
+wheel_prep attn_gym "$@"

@@ -12,21 +12,12 @@
 set -euo pipefail
 WHEELS=(flash-qla==0.1.3 tilelang==0.1.15 "apache-tvm-ffi>=0.1.11,<0.1.13" "z3-solver>=4.13.0,<4.15.5"
         torch-c-dlpack-ext cloudpickle ml-dtypes)
-source "$(dirname "$0")/wheels.sh"  # download_wheels, install_wheels
+source "$(dirname "$0")/wheels.sh"  # wheel_prep, download_wheels, install_wheels
 
-case "${1:?usage: flashqla_prep.sh download [DIR] | install DIR TARGET}" in
-download)
-    download_wheels "${2:-.whl/flashqla}" "${WHEELS[@]}"
-    ;;
-install)
-    dir=${2:?install DIR TARGET: the folder of the wheels and parts}
-    target=${3:?install DIR TARGET: where to install}
-    install_wheels "$dir" "$target"
+after_install() {
+    local target=$1
     PYTHONPATH="$target:${PYTHONPATH:-}" "$python" -c "import flash_qla; print('flash_qla', flash_qla.__version__)"
     echo "export PYTHONPATH=$target:\${PYTHONPATH:-}"
-    ;;
-*)
-    echo "usage: flashqla_prep.sh download [DIR] | install DIR TARGET" >&2
-    exit 2
-    ;;
-esac
+}
+
+wheel_prep flashqla "$@"

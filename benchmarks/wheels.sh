@@ -5,6 +5,9 @@
 #                                 NAME.part-ab ... (a call to the device machine carries at most 64 MiB)
 #   install_wheels DIR TARGET     on the GPU machine: join the parts, check the sums (where SHA256SUMS is there) and
 #                                 install every wheel of DIR into TARGET (pip --target, no index, no dependencies)
+#   wheel_prep NAME ARG...        a *_prep.sh script's command line, "download [DIR]" (default .whl/NAME) or
+#                                 "install DIR TARGET", for the wheels of the caller's WHEELS array; after an install
+#                                 it calls the caller's after_install TARGET (checks, and the PYTHONPATH line to use)
 PART_BYTES=$((55 * 1024 * 1024))
 python=${PYTHON:-python3}
 
@@ -35,4 +38,23 @@ install_wheels() {
     done
     if [ -e "$dir/SHA256SUMS" ]; then (cd "$dir" && sha256sum --check --quiet SHA256SUMS); fi
     "$python" -m pip install --quiet --no-deps --no-index --target "$target" "$dir"/*.whl
+}
+
+wheel_prep() {
+    local name=$1
+    case "${2:?usage: ${name}_prep.sh download [DIR] | install DIR TARGET}" in
+    download)
+        download_wheels "${3:-.whl/$name}" "${WHEELS[@]}"
+        ;;
+    install)
+        local dir=${3:?install DIR TARGET: the folder of the wheels and parts}
+        local target=${4:?install DIR TARGET: where to install}
+        install_wheels "$dir" "$target"
+        after_install "$target"
+        ;;
+    *)
+        echo "usage: ${name}_prep.sh download [DIR] | install DIR TARGET" >&2
+        exit 2
+        ;;
+    esac
 }
