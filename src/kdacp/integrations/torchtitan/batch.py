@@ -85,12 +85,11 @@ def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mes
     if positions is None:
         positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
     deltanet = create_varlen_metadata_for_document(positions, include_host_offsets=True)
-    layout = _gated_delta_context(model).layout(deltanet.cu_seq_q_host, P, inputs.device)
     batch = shard_tokens(inputs, labels, positions, torch.tensor(deltanet.cu_seq_q_host), rank=rank, world_size=P,
-                         layout=layout, labels_shifted=True)
+                         layout=_gated_delta_context(model).layout, labels_shifted=True)
     kwargs = {key: value for key, value in input_dict.items() if key != "input"}
     kwargs["positions"] = batch.position_ids
     kwargs["attention_masks"] = {
-        "quadratic_attention": None if attention is None else local_document_mask(model, positions, layout, rank),
+        "quadratic_attention": None if attention is None else local_document_mask(model, positions, batch.layout, rank),
         "deltanet": deltanet}
     return batch.input_ids, batch.labels, kwargs
