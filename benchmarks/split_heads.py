@@ -5,8 +5,8 @@ Qwen3-Next's log-decay gate given, q/k L2 norm in kernel), head count (``H = HV`
 and batch (one sequence, or log-normal packed documents of median 2,048 tokens), times forward and forward +
 backward of FLA's op beside kdacp's with each ``split`` setting (``none``, ``auto``, or pieces of the longest
 sequence) and, for GDN where it is installed (``benchmarks/flashqla_prep.sh``), FlashQLA's op with its own
-intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), the
-contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one table (ms, and
+intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), and
+kdacp's op on it (``kdacp_flashqla``: ``backend="flashqla"``, no split), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one table (ms, and
 each contender over FLA) and writes every row to ``--out`` as JSON.
 
     python benchmarks/split_heads.py --heads 2,4,8,32 --tokens 65536 --out split.json
@@ -108,6 +108,7 @@ def main() -> None:
                         if family == "gdn" and flashqla is not None:
                             for name, auto_cp in (("flashqla", True), ("flashqla_nocp", False)):
                                 fns[name] = _calls(flashqla, tensors, dict(options, auto_cp=auto_cp), backward)
+                            fns["kdacp_flashqla"] = _calls(ours, tensors, dict(options, backend="flashqla"), backward)
                         start = time.perf_counter()
                         seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
                         row = dict(card=card, family=family, tokens=T, batch=batch, heads=H, mode=mode,

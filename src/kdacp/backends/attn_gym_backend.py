@@ -40,7 +40,7 @@ from ..affine import AffineMap
 from ..caches import ATTN_GYM_BOUNDARIES
 from ..host_copies import to_device
 from .attn_gym_adapter import load_attn_gym
-from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span
+from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span, tma_aligned
 from .fla_backend import FlaBackend
 from .fla_gdn_backend import FlaGDNBackend
 
@@ -97,13 +97,6 @@ def gradient_map_of(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # The fields of the saved records that are not token-first: attention-gym's boundaries, the gate's parameters.
 _BOUNDARY_FIELDS = ("cu_seqlens", "chunk_offsets")
 _PARAMETER_FIELDS = ("A_log", "dt_bias")
-ALIGNMENT = 128  # bytes: attention-gym's kernels read tensors whose first element is so aligned (TMA)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (a cut of a token-first tensor), copied where its first element is not :data:`ALIGNMENT`-aligned:
-    only narrow per-token tensors (``beta``, GDN's gate scan, ``[1, T, HV]`` float32) can be."""
-    return t if t.storage_offset() * t.element_size() % ALIGNMENT == 0 else t.clone()
 
 
 @dataclass
@@ -241,7 +234,7 @@ class AttnGymBackend(FlaBackend):
         metadata = self.ag.prepare_ragged_chunk_metadata(_int32_on(span.cu_seqlens, device), span.end - span.start,
                                                          CHUNK_SIZE)
         fields = record._asdict() if hasattr(record, "_asdict") else vars(record)
-        cut = {name: _aligned(span.take(t)) for name, t in fields.items()
+        cut = {name: tma_aligned(span.take(t)) for name, t in fields.items()
                if t is not None and name not in _BOUNDARY_FIELDS + _PARAMETER_FIELDS}
         cut.update(cu_seqlens=metadata.cu_seqlens, chunk_offsets=metadata.chunk_offsets)
         return (record._replace(**cut) if hasattr(record, "_replace") else dataclasses.replace(record, **cut)), metadata
@@ -254,7 +247,7 @@ class AttnGymBackend(FlaBackend):
         inner = Span(span.start - whole.start, span.end - whole.start, span.cu_seqlens)
         p = chunks.prepared
         saved, metadata = self._cut(p.saved, inner, p.saved.q.device)
-        factors = p.factors._replace(**{name: _aligned(inner.take(t)) for name, t in p.factors._asdict().items()})
+        factors = p.factors._replace(**{name: tma_aligned(inner.take(t)) for name, t in p.factors._asdict().items()})
         return dataclasses.replace(p, saved=saved, factors=factors, metadata=metadata)
 
     # forward

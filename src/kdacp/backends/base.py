@@ -211,6 +211,16 @@ class LocalBackend(Protocol):
         """The input gradients of ``states.span``, from :meth:`backward_states`'s result."""
 
 
+TMA_ALIGNMENT = 128  # bytes: kernels that load through the TMA (attention-gym's, FlashQLA's) need it
+
+
+def tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a cut of a token-first tensor), copied where its first element is not :data:`TMA_ALIGNMENT`-aligned:
+    only narrow per-token tensors (``beta``, a scalar gate ``[1, T, HV]``) cut at a token that is not a multiple of
+    the chunk can be."""
+    return t if t.storage_offset() * t.element_size() % TMA_ALIGNMENT == 0 else t.clone()
+
+
 def tensor_fields(obj) -> list:
     """The field values of a dataclass of tensors, in order (for ``save_for_backward``)."""
     return [getattr(obj, f.name) for f in fields(obj)]

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from . import attn_gym_adapter, fla_adapter
+from . import attn_gym_adapter, fla_adapter, flashqla_adapter
 from .base import KDAOptions, LocalBackend
 
 FAMILIES = ("kda", "gdn")
@@ -98,7 +98,7 @@ class BackendSpec:
         return True, None
 
 
-# name -> spec, in registration order (kdacp's own: torch, fla, attn_gym)
+# name -> spec, in registration order (kdacp's own: torch, fla, attn_gym, flashqla)
 BACKEND_SPECS: dict[str, BackendSpec] = {}
 
 
@@ -227,3 +227,28 @@ register_backend(BackendSpec(
                               and attn_gym_adapter.attn_gym_available()),
     require=_require_attn_gym, auto_priority={"gdn": 0}, training=True, inference="fla", fuses=LAYER_FUSIONS,
     refusal=_attn_gym_refusal, runs_scalar_gate=lambda training: True))
+
+
+def _build_flashqla(options: KDAOptions, scalar_gate: bool) -> LocalBackend:
+    from .flashqla_backend import FlashQLAGDNBackend
+    return FlashQLAGDNBackend(options)
+
+
+def _require_flashqla(device: torch.device) -> None:
+    fla_adapter.require_fla()
+    flashqla_adapter.require_flashqla()
+    if not flashqla_adapter.flashqla_device_supported(device):
+        raise ValueError(f"backend='flashqla' runs on GPUs of capability {flashqla_adapter.SUPPORTED_CAPABILITIES} "
+                         f"(Hopper, Blackwell), got {torch.cuda.get_device_capability(device)} on {device}; use "
+                         "backend='fla'")
+
+
+register_backend(BackendSpec(
+    # GDN only; not among auto's candidates until measured against FLA's and attention-gym's on a GPU
+    # (benchmarks/split_heads.py)
+    "flashqla", _build_flashqla, families=frozenset({"gdn"}), devices=("cuda",),
+    available=lambda device: (flashqla_adapter.flashqla_device_supported(device) and fla_adapter.fla_available()
+                              and flashqla_adapter.flashqla_available()),
+    require=_require_flashqla, fuses=LAYER_FUSIONS,
+    refusal=lambda family, call: flashqla_adapter.flashqla_refusal(call.q, call.k, call.v),
+    runs_scalar_gate=lambda training: True))
