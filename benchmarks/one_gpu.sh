@@ -46,6 +46,10 @@
 #                                             # sequence, each split setting (benchmarks/split_heads.py), FlashQLA
 #                                             # beside GDN where .whl/flashqla holds its wheels
 #                                             # (benchmarks/flashqla_prep.sh download)
+#   bash benchmarks/one_gpu.sh flashqla OUT [WHEELS]  # backend="flashqla" (FlashQLA's wheels in WHEELS, default
+#                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error,
+#                                             # then GDN at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
+#                                             # FlashQLA's op with and without its own split, kdacp on FlashQLA
 #   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
@@ -56,7 +60,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split or first_run"
+PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, flashqla or first_run"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -186,6 +190,15 @@ split)
     step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \
         --out "$out/split_heads.json"
     grep -h " ms |" "$out/split_heads.log"
+    ;;
+flashqla)
+    wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here
+    eval "$(bash benchmarks/flashqla_prep.sh install "$wheels" /tmp/flashqla | tail -1)"
+    step flashqla_tests 300 python3 -m pytest -q -s -m gpu tests/backends/test_flashqla_backend_gpu.py
+    grep -h "error vs float64\|passed\|failed" "$out/flashqla_tests.log"
+    step flashqla_heads 280 python3 benchmarks/split_heads.py --families gdn --heads 2,4,8,32 --tokens 65536 \
+        --splits none,auto,8 --out "$out/flashqla_heads.json"
+    grep -h " ms |" "$out/flashqla_heads.log"
     ;;
 first_run)
     nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader

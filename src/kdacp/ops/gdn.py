@@ -6,7 +6,7 @@ GDN is KDA with one scalar decay per value head and token: ``g [B, T, HV]`` inst
 ``dt_bias [HV]`` with the gate's kind ``"scalar"`` (:attr:`kdacp.backends.base.KDAOptions.gate`), so
 plans, strategies and summaries are shared and no KDA argument is made up. The backends dispatch on the
 kind: the ``fla`` backend runs FLA's GDN kernels on the scalar gate itself
-(:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`), and so does ``attn_gym``; the ``torch`` backend
+(:class:`kdacp.backends.fla_gdn_backend.FlaGDNBackend`), and so do ``attn_gym`` and ``flashqla``; the ``torch`` backend
 runs the KDA reference, and ``fla`` FLA's KDA kernels where FLA refuses its GDN backward and a gradient is
 wanted (:func:`kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), on the gate broadcast over
 ``K`` inside the backend (:class:`kdacp.backends.gate.BroadcastGate`, the one place it is broadcast).
@@ -45,7 +45,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             ``A_log``, ``dt_bias`` ``[HV]``); beta ``[B, T, HV]``.
         scale, initial_state ``[N, HV, K, V]``, output_final_state, use_qk_l2norm_in_kernel,
             cu_seqlens, cu_seqlens_cpu, backend, cp, summary_precision, split, use_beta_sigmoid_in_kernel,
-            allow_neg_eigval: as :func:`kdacp.chunk_kda` (same contract for states, gradients and errors under ``cp``).
+            allow_neg_eigval: as :func:`kdacp.chunk_kda` (same contract for states, gradients and errors under ``cp``);
+            ``backend`` also ``"flashqla"``, GDN only (FlashQLA's fused kernels, K = V = 128, bf16 or fp16:
+            :mod:`kdacp.backends.flashqla_backend`).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64) or None)``.
