@@ -62,3 +62,25 @@ def _worker(rank, world_size):
 
 def test_parallelized_model_takes_cu_seqlens_and_refuses_what_it_would_drop():
     run_ranks(_worker, 1)
+
+
+def test_cu_seqlens_is_read_on_the_host_once_per_tensor():
+    """The hook reads the longest document of a ``cu_seqlens=`` tensor on the host (a device sync) on the first
+    forward that passes it, not on every one; a second set of boundaries is read once too."""
+    from kdacp.integrations.transformers.checks import CallCheck
+    from tests.helpers import HostReads
+
+    def forward(input_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None):
+        pass
+
+    check = CallCheck(forward)
+    cu, other = torch.tensor([0, 5, 40, 64]), torch.tensor([0, 30, 64])
+    counts = []
+    with HostReads() as mode:
+        mode.on_device(cu, other)
+        for boundaries in (cu, cu, cu, other, other):
+            before = len(mode.found)
+            _, kwargs = check(None, (), dict(cu_seqlens=boundaries, cu_seq_lens_q=boundaries))
+            counts.append(len(mode.found) - before)
+            assert kwargs["max_length_q"] == int((boundaries[1:] - boundaries[:-1]).max())
+    assert counts == [1, 0, 0, 1, 0], counts

@@ -3,10 +3,12 @@ mask, one set of global boundaries, and which modules ``parallelize`` takes."""
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
+from ...caches import CALL_BOUNDARIES, TensorKey
 from ...cp.context import ContextParallel
 from ...cp.sharding import LAYOUT_KWARG
 
@@ -57,12 +59,20 @@ class CallCheck:
         cu = kwargs.pop("cu_seqlens")
         if cu is not None:
             for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-                given = kwargs.get(name)
-                if given is not None and not torch.equal(given, cu):
+                given = kwargs.get(name)  # the same tensor needs no comparison (a device sync)
+                if given is not None and given is not cu and not torch.equal(given, cu):
                     raise ValueError(f"cu_seqlens and {name} are the same global boundaries; they differ")
-            longest = int((cu[1:] - cu[:-1]).max())
+            longest = _longest_document(TensorKey(cu))
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return args, kwargs
+
+
+@lru_cache(maxsize=CALL_BOUNDARIES)
+def _longest_document(key: TensorKey) -> int:
+    """The longest document of the boundaries ``key`` stands for, read on the host once per tensor (a device sync)
+    rather than on every forward that passes it."""
+    cu = key.tensor
+    return int((cu[1:] - cu[:-1]).max())
 
 
 def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
