@@ -307,12 +307,12 @@ def test_kda_stages_over_the_stand_in_match_torch_stages(stand_in):
     compare(got, ref, 1e-10)
 
 
-@pytest.mark.parametrize("gate_in_kernel", [True, False])
-def test_gdn_stages_over_the_stand_in_match_torch_stages(stand_in, gate_in_kernel):
-    T, H, HV = 150, 1, 2
-    gen = torch.Generator().manual_seed(7)
-    q, k = torch.randn(1, T, H, K8, dtype=torch.float64, generator=gen), torch.randn(1, T, H, K8, dtype=torch.float64,
-                                                                                       generator=gen)
+def gdn_stage_case(seed: int, gate_in_kernel: bool, T: int = 150, H: int = 1, HV: int = 2):
+    """``(inputs, broadcast, options)``: GDN's stage inputs (scalar gate ``[1, T, HV]``, ``dt_bias [HV]``), the same
+    with the gate broadcast over ``K`` for the ``torch`` backend's KDA stages, and the options (q/k L2 norm in kernel,
+    the gate in kernel or a natural-log one)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, T, H, K8, dtype=torch.float64, generator=gen) for _ in range(2))
     v = torch.randn(1, T, HV, K8, dtype=torch.float64, generator=gen)
     beta = torch.sigmoid(torch.randn(1, T, HV, dtype=torch.float64, generator=gen))
     g = torch.randn(1, T, HV, dtype=torch.float64, generator=gen) - 4.0
@@ -321,19 +321,30 @@ def test_gdn_stages_over_the_stand_in_match_torch_stages(stand_in, gate_in_kerne
         g, A_log, dt_bias = torch.nn.functional.logsigmoid(g + 8.0), None, None
     options = KDAOptions(scale=K8 ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel)
     g_kda, dt_kda = scalar_gate_as_kda(g, K8, dt_bias)
+    return KDAInputs(q, k, v, g, beta, A_log, dt_bias), KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda), options
+
+
+def scalar_gate_gradients(ref: dict, HV: int) -> dict:
+    """``ref`` (stage results of the ``torch`` backend on the broadcast gate) with its gate gradients summed over
+    ``K``, as GDN's scalar gate receives them."""
+    ref = dict(ref)
+    for name in [n for n in ref if n.startswith(("dg", "ddt_bias")) and ref[n] is not None]:
+        ref[name] = ref[name].view(HV, K8).sum(-1) if name.startswith("ddt_bias") else ref[name].sum(-1)
+    return ref
+
+
+@pytest.mark.parametrize("gate_in_kernel", [True, False])
+def test_gdn_stages_over_the_stand_in_match_torch_stages(stand_in, gate_in_kernel):
+    x, broadcast, options = gdn_stage_case(7, gate_in_kernel)
+    T = x.q.shape[1]
     span, head, rest = Span(0, T, (0, 50, T)), Span(0, 50, (0, 50)), Span(50, T, (0, T - 50))
     h0, do, dht = _stage_inputs(8, T)
-    ref = _stage_results(TorchBackend(options), KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda), span, h0, do, dht,
-                         head)
-    ref.update(sub_span_pass(TorchBackend(options), KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda), span, rest, h0))
-    for suffix in ("", "_kept"):  # the reference's gate gradients are per channel: GDN's sum them over K
-        ref["dg" + suffix] = ref["dg" + suffix].sum(-1)
-        if ref["ddt_bias" + suffix] is not None:
-            ref["ddt_bias" + suffix] = ref["ddt_bias" + suffix].view(HV, K8).sum(-1)
+    ref = _stage_results(TorchBackend(options), broadcast, span, h0, do, dht, head)
+    ref.update(sub_span_pass(TorchBackend(options), broadcast, span, rest, h0))
     ours = AttnGymGDNBackend(options)
-    got = _stage_results(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, h0, do, dht, head)
-    got.update(sub_span_pass(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, rest, h0))
-    compare(got, ref, 1e-10)
+    got = _stage_results(ours, x, span, h0, do, dht, head)
+    got.update(sub_span_pass(ours, x, span, rest, h0))
+    compare(got, scalar_gate_gradients(ref, x.v.shape[2]), 1e-10)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])

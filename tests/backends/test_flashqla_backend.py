@@ -17,9 +17,9 @@ from kdacp.backends.flashqla_backend import FlashQLAGDNBackend
 from kdacp.backends.gate import BroadcastGate
 from kdacp.backends.registry import choose_backend
 from kdacp.backends.torch_backend import TorchBackend
-from kdacp.reference.gdn import scalar_gate_as_kda
 from tests.backends import stand_in_attn_gym, stand_in_flashqla
-from tests.backends.test_attn_gym_backend import _stage_inputs, compare, sub_span_pass
+from tests.backends.test_attn_gym_backend import (_stage_inputs, compare, gdn_stage_case, scalar_gate_gradients,
+                                                   sub_span_pass)
 from tests.backends.test_fla_backend import _stage_results
 from tests.helpers import rel_err
 from tests.multiprocess import run_ranks
@@ -119,34 +119,20 @@ K8 = 8
 
 @pytest.mark.parametrize("gate_in_kernel", [True, False])
 def test_stages_over_the_stand_in_match_torch_stages(stand_in, gate_in_kernel):
-    T, H, HV = 150, 1, 2
-    gen = torch.Generator().manual_seed(7)
-    q, k = (torch.randn(1, T, H, K8, dtype=torch.float64, generator=gen) for _ in range(2))
-    v = torch.randn(1, T, HV, K8, dtype=torch.float64, generator=gen)
-    beta = torch.sigmoid(torch.randn(1, T, HV, dtype=torch.float64, generator=gen))
-    g = torch.randn(1, T, HV, dtype=torch.float64, generator=gen) - 4.0
-    A_log, dt_bias = (torch.randn(HV, dtype=torch.float64, generator=gen) for _ in range(2))
-    if not gate_in_kernel:
-        g, A_log, dt_bias = torch.nn.functional.logsigmoid(g + 8.0), None, None
-    options = KDAOptions(scale=K8 ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel)
-    g_kda, dt_kda = scalar_gate_as_kda(g, K8, dt_bias)
+    x, broadcast, options = gdn_stage_case(7, gate_in_kernel)
+    T = x.q.shape[1]
     # a segment boundary off the chunk grid: the second segment's rows are cut where they are not aligned
     span, head, rest = Span(0, T, (0, 50, T)), Span(0, 50, (0, 50)), Span(50, T, (0, T - 50))
     h0, do, dht = _stage_inputs(18, T)
-    reference_inputs = KDAInputs(q, k, v, g_kda, beta, A_log, dt_kda)
-    ref = _stage_results(TorchBackend(options), reference_inputs, span, h0, do, dht, head)
-    ref.update(sub_span_pass(TorchBackend(options), reference_inputs, span, rest, h0))
-    ref.update(_rest_backward(TorchBackend(options), reference_inputs, span, rest, h0, do, dht))
-    for suffix in ("", "_kept"):  # the reference's gate gradients are per channel: GDN's sum them over K
-        ref["dg" + suffix] = ref["dg" + suffix].sum(-1)
-        if ref["ddt_bias" + suffix] is not None:
-            ref["ddt_bias" + suffix] = ref["ddt_bias" + suffix].view(HV, K8).sum(-1)
+    ref = _stage_results(TorchBackend(options), broadcast, span, h0, do, dht, head)
+    ref.update(sub_span_pass(TorchBackend(options), broadcast, span, rest, h0))
+    ref.update(_rest_backward(TorchBackend(options), broadcast, span, rest, h0, do, dht))
     ours = FlashQLAGDNBackend(replace(options, gate="scalar"))
-    got = _stage_results(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, h0, do, dht, head)
-    got.update(sub_span_pass(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, rest, h0))
-    got.update(_rest_backward(ours, KDAInputs(q, k, v, g, beta, A_log, dt_bias), span, rest, h0, do, dht))
+    got = _stage_results(ours, x, span, h0, do, dht, head)
+    got.update(sub_span_pass(ours, x, span, rest, h0))
+    got.update(_rest_backward(ours, x, span, rest, h0, do, dht))
     assert rel_err(ref["M"], torch.zeros_like(ref["M"])) > 0  # what crosses the cut weighs on the result
-    compare(got, ref, 1e-10)
+    compare(got, scalar_gate_gradients(ref, x.v.shape[2]), 1e-10)
 
 
 def _rest_backward(backend, x: KDAInputs, span: Span, rest: Span, h0, do, dht) -> dict:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .pinned_stages import PinnedStages, import_stages
+from .pinned_stages import PinnedStages, installed_version, load_pinned
 
 __all__ = ["REQUIRED_ATTN_GYM_VERSION", "SUPPORTED_CAPABILITY", "MAX_GATE_MAGNITUDE", "attn_gym_available",
            "require_attn_gym", "load_attn_gym", "attn_gym_device_supported", "attn_gym_refusal"]
@@ -46,12 +46,7 @@ _STAGES = {name: (module, name) for module, names in {
 
 
 def _installed_version() -> str | None:
-    """The installed ``attn-gym``'s version, or None."""
-    from importlib import metadata
-    try:
-        return metadata.version("attn-gym")
-    except metadata.PackageNotFoundError:
-        return None
+    return installed_version("attn-gym")
 
 
 def _import_module(name: str):
@@ -60,19 +55,11 @@ def _import_module(name: str):
 
 @functools.cache
 def _load() -> tuple[SimpleNamespace | None, str | None]:
-    version = _installed_version()
-    if version is None:
-        return None, f"attn-gym is not installed; {INSTALL_HINT}"
-    if version != REQUIRED_ATTN_GYM_VERSION:
-        return None, (f"kdacp needs attn-gym=={REQUIRED_ATTN_GYM_VERSION} (it rebuilds its stage handles), "
-                      f"found {version}")
-    found, missing = import_stages(_STAGES, _import_module)
-    if missing:
-        return None, (f"attn-gym {version}'s GPU kernels are not importable: " + "; ".join(missing)
-                      + f". They need its [linear] extra (nvidia-cutlass-dsl, apache-tvm-ffi) and a CUDA machine; "
-                      f"{INSTALL_HINT}; with pip install --target, put <target>/nvidia_cutlass_dsl/dsl_packages "
-                      "on PYTHONPATH")
-    return SimpleNamespace(**found), None
+    return load_pinned(
+        "attn-gym", REQUIRED_ATTN_GYM_VERSION, _STAGES, version=_installed_version(), import_module=_import_module,
+        install_hint=INSTALL_HINT, why_pinned="it rebuilds its stage handles",
+        kernels_hint="They need its [linear] extra (nvidia-cutlass-dsl, apache-tvm-ffi) and a CUDA machine; with pip "
+                     "install --target, put <target>/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH")
 
 
 _ATTN_GYM = PinnedStages(_load)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .pinned_stages import PinnedStages, import_stages
+from .pinned_stages import PinnedStages, installed_version, load_pinned
 
 __all__ = ["REQUIRED_FLASHQLA_VERSION", "SUPPORTED_CAPABILITIES", "flashqla_available", "require_flashqla",
            "load_flashqla", "flashqla_device_supported", "flashqla_refusal"]
@@ -45,12 +45,7 @@ _STAGES = {
 
 
 def _installed_version() -> str | None:
-    """The installed ``flash-qla``'s version, or None."""
-    from importlib import metadata
-    try:
-        return metadata.version("flash-qla")
-    except metadata.PackageNotFoundError:
-        return None
+    return installed_version("flash-qla")
 
 
 def _import_module(name: str):
@@ -59,17 +54,10 @@ def _import_module(name: str):
 
 @functools.cache
 def _load() -> tuple[SimpleNamespace | None, str | None]:
-    version = _installed_version()
-    if version is None:
-        return None, f"flash-qla is not installed; {INSTALL_HINT}"
-    if version != REQUIRED_FLASHQLA_VERSION:
-        return None, (f"kdacp needs flash-qla=={REQUIRED_FLASHQLA_VERSION} (it calls its driver functions), "
-                      f"found {version}")
-    found, missing = import_stages(_STAGES, _import_module)
-    if missing:
-        return None, (f"flash-qla {version}'s GPU kernels are not importable: " + "; ".join(missing)
-                      + f". They need TileLang, nvcc and a Hopper or Blackwell GPU; {INSTALL_HINT}")
-    return SimpleNamespace(**found), None
+    return load_pinned(
+        "flash-qla", REQUIRED_FLASHQLA_VERSION, _STAGES, version=_installed_version(), import_module=_import_module,
+        install_hint=INSTALL_HINT, why_pinned="it calls its driver functions",
+        kernels_hint="They need TileLang, nvcc and a Hopper or Blackwell GPU")
 
 
 _FLASHQLA = PinnedStages(_load)

@@ -10,9 +10,40 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 
-__all__ = ["PinnedStages", "import_stages"]
+__all__ = ["PinnedStages", "import_stages", "installed_version", "load_pinned"]
 
 Loaded = tuple[SimpleNamespace | None, str | None]
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of the package ``distribution`` (its name on the index), or None."""
+    from importlib import metadata
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def load_pinned(distribution: str, required: str, stages: dict[str, tuple[str, str]], *, version: str | None,
+                import_module: Callable[[str], ModuleType], install_hint: str, why_pinned: str,
+                kernels_hint: str) -> Loaded:
+    """An adapter's ``load``: ``(namespace of stages, None)`` where ``distribution`` is installed at exactly
+    ``required`` and every stage imports, else ``(None, reason)`` naming what is missing.
+
+    Args:
+        version: the installed version (None: not installed); import_module: as :func:`import_stages`'.
+        install_hint: how to install it; why_pinned: why kdacp needs that exact version; kernels_hint: what its
+            kernels need where they do not import.
+    """
+    if version is None:
+        return None, f"{distribution} is not installed; {install_hint}"
+    if version != required:
+        return None, f"kdacp needs {distribution}=={required} ({why_pinned}), found {version}"
+    found, missing = import_stages(stages, import_module)
+    if missing:
+        return None, (f"{distribution} {version}'s GPU kernels are not importable: " + "; ".join(missing)
+                      + f". {kernels_hint}; {install_hint}")
+    return SimpleNamespace(**found), None
 
 
 def import_stages(stages: dict[str, tuple[str, str]],
