@@ -188,7 +188,7 @@ split)
     step split_tests 300 python3 -m pytest -q -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
     tail -3 "$out/split_tests.log"
     step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \
-        --out "$out/split_heads.json"
+        --out "$out"
     grep -h " ms |" "$out/split_heads.log"
     ;;
 flashqla)
@@ -197,7 +197,7 @@ flashqla)
     step flashqla_tests 300 python3 -m pytest -q -s -m gpu tests/backends/test_flashqla_backend_gpu.py
     grep -h "error vs float64\|passed\|failed" "$out/flashqla_tests.log"
     step flashqla_heads 280 python3 benchmarks/split_heads.py --families gdn --heads 2,4,8,32 --tokens 65536 \
-        --splits none,auto,8 --out "$out/flashqla_heads.json"
+        --splits none,auto,8 --out "$out/flashqla_heads"
     grep -h " ms |" "$out/flashqla_heads.log"
     ;;
 first_run)

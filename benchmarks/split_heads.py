@@ -6,21 +6,24 @@ and batch (one sequence, or log-normal packed documents of median 2,048 tokens),
 backward of FLA's op beside kdacp's with each ``split`` setting (``none``, ``auto``, or pieces of the longest
 sequence) and, for GDN where it is installed (``benchmarks/flashqla_prep.sh``), FlashQLA's op with its own
 intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), and
-kdacp's op on it (``kdacp_flashqla``: ``backend="flashqla"``, no split), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`). Prints one table (ms, and
-each contender over FLA) and writes every row to ``--out`` as JSON.
+kdacp's op on it (``kdacp_flashqla``: ``backend="flashqla"``, no split), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`); and kdacp's op on
+attention-gym's cores (``kdacp_attn_gym``: ``backend="attn_gym"``, no split) where they are installed on a Hopper
+GPU (its forward-only calls run FLA's kernels). Prints one line per case (ms, and each contender over FLA) and,
+with ``--out DIR``, writes ``split_heads.json`` and ``.md`` (one row per case and contender, the card named) and one
+plot per family and mode (time against heads, one line per contender, one panel per token count and batch).
 
-    python benchmarks/split_heads.py --heads 2,4,8,32 --tokens 65536 --out split.json
+    python benchmarks/split_heads.py --heads 2,4,8,16,32 --tokens 16384,65536,262144 \
+        --batches one_sequence,lognormal --out DIR
 """
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
+from kdacp.bench.harness import PlotSpec, write_results
 from kdacp.bench.inputs import random_inputs
 from kdacp.bench.timing import median_times
 
@@ -74,6 +77,27 @@ def _flashqla():
     return chunk_gated_delta_rule
 
 
+def _attn_gym_runs() -> bool:
+    """Whether kdacp's ``attn_gym`` backend runs here (said once where it does not)."""
+    from kdacp.backends import resolve_backend
+    try:
+        resolve_backend("attn_gym", torch.device("cuda"))
+    except (ImportError, ValueError) as error:
+        print(f"# attention-gym left out: {error}")
+        return False
+    return True
+
+
+def plots(rows: list[dict]) -> dict[str, PlotSpec]:
+    """One plot per family and mode of ``rows``: milliseconds against heads, a line per contender, a panel per
+    token count and batch."""
+    return {f"split_heads_{family}_{mode}": PlotSpec(
+        x="heads", y="ms", series="contender", panel="tokens_batch", where=("family_mode", f"{family} {mode}"),
+        title=f"{family.upper()} {mode.replace('_', ' + ')}: kdacp's split, FLA and the peers against heads",
+        ylabel="ms", logy=True)
+        for family, mode in dict.fromkeys((r["family"], r["mode"]) for r in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="kda,gdn")
@@ -83,13 +107,14 @@ def main() -> None:
     parser.add_argument("--splits", default="none,auto,8,16,32")
     parser.add_argument("--modes", default="forward,forward_backward")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="folder for split_heads.json, .md and the plots")
     args = parser.parse_args()
 
     import kdacp  # first: it points FLA at its kernel configurations, which FLA reads at import
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     from fla.ops.kda import chunk_kda as fla_kda
     flashqla = _flashqla()
+    attn_gym = _attn_gym_runs()
     rows = []
     card = torch.cuda.get_device_name()
     print(f"# {card}, torch {torch.__version__}")
@@ -109,20 +134,20 @@ def main() -> None:
                             for name, auto_cp in (("flashqla", True), ("flashqla_nocp", False)):
                                 fns[name] = _calls(flashqla, tensors, dict(options, auto_cp=auto_cp), backward)
                             fns["kdacp_flashqla"] = _calls(ours, tensors, dict(options, backend="flashqla"), backward)
-                        start = time.perf_counter()
+                        if attn_gym:
+                            fns["kdacp_attn_gym"] = _calls(ours, tensors, dict(options, backend="attn_gym"), backward)
                         seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
-                        row = dict(card=card, family=family, tokens=T, batch=batch, heads=H, mode=mode,
-                                   ms={n: s * 1e3 for n, s in seconds.items()}, wall_s=time.perf_counter() - start)
-                        rows.append(row)
-                        ratios = " ".join(f"{n} {ms:.3f} ({ms / row['ms']['fla']:.2f}x)"
-                                          for n, ms in row["ms"].items() if n != "fla")
-                        print(f"{family} T={T} {batch} H={H} {mode}: fla {row['ms']['fla']:.3f} ms | {ratios}",
-                              flush=True)
+                        ms = {n: s * 1e3 for n, s in seconds.items()}
+                        rows += [dict(card=card, family=family, tokens=T, batch=batch, heads=H, mode=mode,
+                                      contender=n, ms=t, over_fla=t / ms["fla"], family_mode=f"{family} {mode}",
+                                      tokens_batch=f"{T} {batch}") for n, t in ms.items()]
+                        ratios = " ".join(f"{n} {t:.3f} ({t / ms['fla']:.2f}x)" for n, t in ms.items() if n != "fla")
+                        print(f"{family} T={T} {batch} H={H} {mode}: fla {ms['fla']:.3f} ms | {ratios}", flush=True)
                     del tensors
                     torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        for path in write_results("split_heads", rows, args.out, plots=plots(rows)):
+            print(f"# wrote {path}")
 
 
 if __name__ == "__main__":
