@@ -88,6 +88,39 @@ def test_the_ops_run_on_a_one_device_context(op):
         fn(**args, backend="torch", cp=context, cu_seqlens=cu)
 
 
+def test_a_one_device_context_is_not_validated_again_per_call(monkeypatch):
+    """The boundaries a one-device context checked when it was built are not checked again, nor its plan built, on
+    each op call given it (per-call host work); the inputs are still checked against it, by name."""
+    import kdacp.cp.batch_context
+    import kdacp.ops.kda
+    counts = {"boundaries_checked": 0, "plans_built": 0}
+    real_check, real_plan = kdacp.ops.kda.check_kda_inputs, kdacp.ops.kda.one_rank_plan
+
+    def check(*a, **k):
+        counts["boundaries_checked"] += k.get("cu_seqlens") is not None
+        return real_check(*a, **k)
+
+    def plan(*a, **k):
+        counts["plans_built"] += 1
+        return real_plan(*a, **k)
+    monkeypatch.setattr(kdacp.ops.kda, "check_kda_inputs", check)
+    for module in (kdacp.ops.kda, kdacp.cp.batch_context):
+        monkeypatch.setattr(module, "one_rank_plan", plan, raising=False)
+    args = make_kda_inputs(1, 40, 1, 2, 8, 8, gate="safe", requires_grad=False, seed=4)
+    cu = torch.tensor([0, 7, 29, 40])
+    context = kdacp.cp.batch_context.build_cp_context(cu, local_length=40)
+    results = [chunk_kda(**args, backend="torch", cp=context)[0] for _ in range(3)]
+    assert counts == {"boundaries_checked": 0, "plans_built": 1}, counts  # the context's plan, built once
+    chunk_kda(**args, backend="torch", cu_seqlens=cu)
+    assert counts == {"boundaries_checked": 1, "plans_built": 2}, counts  # the call's own boundaries, checked
+    assert all(torch.equal(o, results[0]) for o in results)
+    short = {n: t[:, :30] if isinstance(t, torch.Tensor) and t.dim() > 1 else t for n, t in args.items()}
+    with pytest.raises(ValueError, match="q has B=1, T=30, but the context cp holds 3 sequence"):
+        chunk_kda(**short, backend="torch", cp=context)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[N, HV, K, V\] = \(3, 2, 8, 8\)"):
+        chunk_kda(**args, backend="torch", cp=context, initial_state=torch.zeros(1, 2, 8, 8))
+
+
 def test_chunk_kda_reads_cu_seqlens_cpu_instead_of_the_device_copy():
     """With ``cu_seqlens_cpu`` (FLA's argument) the boundaries are taken from the host copy."""
     cu = torch.tensor([0, 3, 70, 100])

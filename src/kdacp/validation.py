@@ -133,7 +133,7 @@ def check_kda_dtypes(q, k, v, g, beta) -> None:
 def check_kda_inputs(
     q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, use_gate_in_kernel: bool = False,
     A_log=None, dt_bias=None, lower_bound=None, chunk_size: int | None = None, dtypes: bool = True,
-    gate: str = "channel",
+    gate: str = "channel", sequences: int | None = None,
 ) -> KDADims:
     """Check the FLA-layout KDA arguments and return their sizes.
 
@@ -142,6 +142,8 @@ def check_kda_inputs(
     and ``dt_bias [HV*K]`` (optional); ``lower_bound`` in [-5, 0); the dtypes as
     :func:`check_kda_dtypes` (unless ``dtypes=False``: the caller checks them itself). ``gate="scalar"``
     (GDN's gate, :data:`~kdacp.backends.base.GATE_KINDS`): ``g [B, T, HV]`` and ``dt_bias [HV]`` instead.
+    ``sequences``: the number ``N`` of packed sequences whose boundaries were checked already (a per-batch
+    context's; ``cu_seqlens`` then None), for ``initial_state``'s shape.
     """
     scalar = gate == "scalar"
     for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3 if scalar else 4), ("beta", beta, 3)):
@@ -168,7 +170,7 @@ def check_kda_inputs(
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
     if dtypes:
         check_kda_dtypes(q, k, v, g, beta)
-    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    N = check_cu_seqlens(cu_seqlens, B, T) if cu_seqlens is not None else B if sequences is None else sequences
     if initial_state is not None:
         check_tensor("initial_state", initial_state, 4)
         if tuple(initial_state.shape) != (N, HV, K, V):

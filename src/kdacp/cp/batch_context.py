@@ -25,7 +25,7 @@ from ..kernels.short_conv import causal_conv1d
 from ..validation import check_boundaries
 from .autograd_collectives import exchange_rows
 from .layout import TokenLayout, make_layout
-from .plan import build_cp_plan
+from .plan import build_cp_plan, one_rank_plan
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,16 @@ class CPContext:
     local_cu_seqlens: torch.Tensor | None
     token_index: torch.Tensor
     document: torch.Tensor | None
+
+    @cached_property
+    def local_plan(self):
+        """On one device (``group`` None): the one-rank :class:`~kdacp.cp.CPPlan` of this rank's rows or packed
+        sequences, which the ops run on when given this context (built once; the boundaries were checked when the
+        context was built). None under context parallelism (see :attr:`plan`)."""
+        if self.group is not None:
+            return None
+        cu = None if self.local_cu_seqlens_cpu is None else tuple(self.local_cu_seqlens_cpu.tolist())
+        return one_rank_plan(cu, self.batch_size if cu is None else 1, self.layout.local_lengths[self.rank])
 
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:

@@ -77,20 +77,21 @@ def _forward(call: _Call, inputs: KDAInputs, initial_state):
 
 
 def _from_context(cp, cu_seqlens, cu_seqlens_cpu):
-    """``(plan, cu_seqlens, cu_seqlens_cpu)`` of a call given ``cp``: a :class:`~kdacp.cp.CPContext` gives its plan,
-    or on one device (no plan) its local boundaries on the device and the host (the call's own must then be None:
-    the context holds them); a :class:`~kdacp.cp.CPPlan` or None is passed through."""
+    """``(plan, context)`` of a call given ``cp``: a :class:`~kdacp.cp.CPContext` gives its plan, or on one device its
+    one-rank plan of the local batch and itself (``context``: the call's inputs are then checked against it, not its
+    boundaries again); a :class:`~kdacp.cp.CPPlan` or None is passed through (``context`` None). With a context the
+    call's own ``cu_seqlens`` and ``cu_seqlens_cpu`` must be None: the context holds the boundaries."""
     if not isinstance(cp, CPContext):
-        return cp, cu_seqlens, cu_seqlens_cpu
+        return cp, None
     if cu_seqlens is not None or cu_seqlens_cpu is not None:
         raise ValueError("with cp a CPContext, pass neither cu_seqlens nor cu_seqlens_cpu: the context holds the "
                          "batch's boundaries")
     if cp.plan is not None:
-        return cp.plan, None, None
+        return cp.plan, None
     if cp.group is not None:
         raise ValueError("cp is a CPContext built without a plan (with_plan=False, for softmax attention); build it "
                          "with with_plan=True for the recurrence")
-    return None, cp.local_cu_seqlens, cp.local_cu_seqlens_cpu
+    return cp.local_plan, cp
 
 
 def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -98,7 +99,7 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
                       output_final_state, cp, summary_precision=None,
                       gate: str = "channel") -> tuple[PreparedCall, CPPlan]:
     """Check :func:`chunk_kda`'s arguments (on every rank of ``cp.group`` alike under ``cp``) and return
-    the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``, or the one-rank
+    the :class:`~kdacp.backends.call.PreparedCall` and the plan to run it on (``cp``'s, or the one-rank
     plan of the call's own batch). ``gate``: the gate's kind, ``"scalar"`` for GDN's ``g [B, T, HV]`` and
     ``dt_bias [HV]`` (see :func:`~kdacp.backends.call.prepare_call`). Raises as :func:`chunk_kda`."""
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -111,20 +112,26 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
                                use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                                summary_precision=summary_precision,
                                training=wants_gradient(q, k, v, g, beta, A_log, dt_bias))
-    cp, cu_seqlens, cu_seqlens_cpu = _from_context(cp, cu_seqlens, cu_seqlens_cpu)
-    if cp is None:
+    cp, context = _from_context(cp, cu_seqlens, cu_seqlens_cpu)
+    if context is not None or cp is None:
         if cu_seqlens_cpu is not None:
             cu_seqlens = cu_seqlens_cpu  # validated and read on the host; the backends move what they need
         dims = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                                lower_bound=lower_bound, gate=gate)
+                                lower_bound=lower_bound, gate=gate,
+                                sequences=None if context is None else cp.num_sequences)
         if check_finite:
             check_finite_inputs(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                                      A_log=A_log if use_gate_in_kernel else None,
                                      dt_bias=dt_bias if use_gate_in_kernel else None))
+        if context is not None and (dims.B, dims.T) != (cp.batch_size, cp.local_lengths[0]):
+            raise ValueError(f"q has B={dims.B}, T={dims.T}, but the context cp holds {cp.num_sequences} "
+                             f"sequence(s) of {cp.local_lengths[0]} local tokens in B={cp.batch_size} row(s): pass "
+                             "this batch's context")
         name = choose(backend, q.device).name
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
-        plan = one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
+        plan = cp if context is not None else \
+            one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
     else:
         name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                              backend=backend, resolve_backend=lambda b, d: choose(b, d).name,
