@@ -26,7 +26,7 @@ def flashqla_here():
         pytest.skip("needs CUDA")
     from kdacp.backends import resolve_backend
     try:
-        resolve_backend("flashqla", torch.device("cuda"))
+        resolve_backend("flashqla", torch.device("cuda"), scalar_gate=True)
     except (ImportError, ValueError) as e:
         pytest.skip(f"the flashqla backend is not usable here: {e}")
 
