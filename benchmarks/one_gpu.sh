@@ -185,7 +185,7 @@ split)
     if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
         eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
     fi
-    step split_tests 300 python3 -m pytest -q -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
+    step split_tests 300 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
     tail -3 "$out/split_tests.log"
     step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \
         --out "$out"
