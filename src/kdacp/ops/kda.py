@@ -207,8 +207,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             run at once, from states carried between them by their summaries, forward and backward; exact to
             the summaries' precision (``summary_precision``). ``None`` (default): no split; ``"auto"``: on a GPU
             where the pieces that fill it cut the longest sequence at least 4 times (few heads, long sequences);
-            an int ``S``: the longest sequence in ``S`` pieces (1: none). Ranks may differ. The default stays
-            off until ``"auto"`` is measured on a GPU (benchmarks/split_heads.py).
+            an int ``S``: the longest sequence in ``S`` pieces (1: none). Ranks may differ. On one H100 at 64K
+            tokens and 2-8 heads ``"auto"`` runs KDA in 0.68-0.81x of FLA's op (benchmarks/RESULTS.md); the
+            default stays off until the split's bf16 error is measured on a GPU (tests/cp/test_split_gpu.py).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's names, taken at FLA's default only (False; True
             raises ``ValueError``): ``beta`` is the write strength in ``[0, 1]``, after its sigmoid.
 
