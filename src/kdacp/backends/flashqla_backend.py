@@ -135,8 +135,10 @@ class FlashQLAGDNBackend(FlaBackend):
         return FlaGDNBackend(options)
 
     def _boundaries(self, span: Span, device) -> torch.Tensor | None:
-        """FlashQLA's ``cu_seqlens`` of ``span`` (int64, relative to its first token), None for one segment."""
-        return span.cu_seqlens_tensor(device)
+        """FlashQLA's ``cu_seqlens`` of ``span`` (int64, relative to its first token; None for one segment): the
+        tensor FLA's arguments keep per batch, so that FlashQLA's own caches keyed by it (its split's plan, read on
+        the host) hit on every later call of the batch."""
+        return self._varlen(span, device)["cu_seqlens"]
 
     # forward
 
