@@ -41,11 +41,11 @@
 #                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
-#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: its GPU tests with the kernels' and backends',
-#                                             # then KDA and GDN against FLA's ops at 2..32 heads and 64K tokens, one
-#                                             # sequence, each split setting (benchmarks/split_heads.py), FlashQLA
-#                                             # beside GDN where .whl/flashqla holds its wheels
-#                                             # (benchmarks/flashqla_prep.sh download)
+#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: KDA and GDN against FLA's ops at 2..32 heads
+#                                             # and 64K tokens, one sequence, each split setting
+#                                             # (benchmarks/split_heads.py), FlashQLA beside GDN where .whl/flashqla
+#                                             # holds its wheels (benchmarks/flashqla_prep.sh download); then the
+#                                             # split's GPU error tests
 #   bash benchmarks/one_gpu.sh flashqla OUT [WHEELS]  # backend="flashqla" (FlashQLA's wheels in WHEELS, default
 #                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error,
 #                                             # then GDN at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
@@ -185,11 +185,13 @@ split)
     if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
         eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
     fi
-    step split_tests 300 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py tests/kernels tests/backends
-    tail -3 "$out/split_tests.log"
-    step split_heads 300 python3 benchmarks/split_heads.py --families gdn,kda --heads 2,4,8,32 --tokens 65536 \
-        --out "$out"
+    # the figures first (FLA leaves GDN's forward + backward out
+    # where it refuses its GDN backward, unless FlashQLA's wheels brought tilelang), then the split's error tests
+    step split_heads 330 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,32 --tokens 65536 \
+        --splits none,auto,8,16 --rounds 5 --out "$out"
     grep -h " ms |" "$out/split_heads.log"
+    step split_tests 240 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
+    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
     ;;
 flashqla)
     wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here
