@@ -155,6 +155,29 @@ def test_checkpointing_and_calls_in_flight():
             assert rel_err(a, b) < 1e-13
 
 
+def test_the_layers_split_reaches_the_recurrence(monkeypatch):
+    """``split=`` on a layer runs its recurrence cut inside the device: the same outputs, final states and
+    gradients as uncut (float64), the split seen by the op's schedule; a bad value is refused at construction."""
+    import kdacp.cp.schedule
+    seen = []
+    real = kdacp.cp.schedule.chunks_per_piece
+    monkeypatch.setattr(kdacp.cp.schedule, "chunks_per_piece", lambda split, *a: seen.append(split) or real(split, *a))
+    results = []
+    for split in (None, 3):
+        layer = small_layer(-5.0, conv_bias=True)
+        layer.split = split
+        torch.manual_seed(4)
+        x = torch.randn(1, 150, 32, dtype=torch.float64, requires_grad=True)
+        y, S = layer(x, cu_seqlens=torch.tensor([0, 20, 150]), output_final_state=True)
+        grads = torch.autograd.grad((y * torch.randn_like(y)).sum() + S.sum(), [x, *layer.parameters()])
+        results.append((y, S, *grads))
+    assert seen[-1] == 3 and None in seen
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-10
+    with pytest.raises(ValueError, match="split must be 'auto', a positive int"):
+        KimiDeltaAttention(32, 2, head_k_dim=16, head_v_dim=16, split=0)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_v_heads"):
         KimiDeltaAttention(32, 2, 3, head_k_dim=16, head_v_dim=16)

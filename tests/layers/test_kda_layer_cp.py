@@ -135,6 +135,27 @@ def _check_cases(rank, world_size, cases, refs, checkpoint_modes):
     if world_size == 2:
         _check_bad_arguments()
         _check_row_plan_checked_once(rank, world_size)
+        _check_split_setting(rank, world_size, cases[1], refs[1])
+
+
+def _check_split_setting(rank, world_size, case, ref):
+    """``ContextParallel(split=...)`` reaches every layer's recurrence (over the layer's own), exact as uncut."""
+    import kdacp.cp.schedule
+    mode, ulysses_size, H, HV, B, T_local, cu, *kind = case
+    seen, real = [], kdacp.cp.schedule.chunks_per_piece
+    kdacp.cp.schedule.chunks_per_piece = lambda split, *a: seen.append(split) or real(split, *a)
+    try:
+        layer = _layer(H, HV)
+        layer.split = 2
+        layer.cp = ContextParallel(mode, split=3)
+        assert "split=3" in repr(layer.cp)
+        _check_rank(layer, ref, slice(rank * T_local, (rank + 1) * T_local), torch.tensor(cu), rank, world_size,
+                    f"split=3 rank {rank}")
+    finally:
+        kdacp.cp.schedule.chunks_per_piece = real
+    assert seen and set(seen) == {3}, seen
+    with pytest.raises(ValueError, match="split must be"):
+        ContextParallel("state", split="fast")
 
 
 def _check_bad_arguments():

@@ -26,6 +26,7 @@ from ..choices import MODES
 from ..compile import hold_for_regions
 from .groups import new_group as new_cp_group
 from .layout import TokenLayout, check_layout
+from .split import check_split
 from .autograd_collectives import heads_to_time, time_to_heads
 from .batch_context import CPContext, build_cp_context
 from .hooks import CPHooks
@@ -36,6 +37,7 @@ class _SingleDevice(CPHooks):
     """The layer's hooks without context parallelism: every exchange is the identity."""
 
     backend = None  # the layer's own backend
+    split = None  # the layer's own split inside the device
     layout = "contiguous"
 
     def __init__(self):
@@ -111,6 +113,8 @@ class ContextParallel(_SingleDevice):
         strategy: state-exchange strategy for ``chunk_kda`` (one of ``kdacp.cp.STRATEGIES``:
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
+        split: the recurrence's split inside the device on every layer (as :func:`kdacp.chunk_kda`'s ``split``:
+            ``"auto"`` or an int), or None for each layer's own (default: no split).
         layout: how the global batch is split over the ranks: ``"contiguous"``, ``"zigzag"`` (rank ``r``
             holds chunks ``r`` and ``2P-1-r`` of ``2P``), ``"document_zigzag"`` (the same per document of a
             packed row), ``"balanced_documents"`` (a packed row's long documents so, its short ones whole:
@@ -127,10 +131,11 @@ class ContextParallel(_SingleDevice):
     """
 
     def __init__(self, mode: str, group=None, *, ulysses_size: int | None = None, strategy: str = "p2p",
-                 backend: str | None = None, layout: str | TokenLayout = "contiguous"):
+                 backend: str | None = None, layout: str | TokenLayout = "contiguous", split=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_layout(layout, mode)
+        check_split(split)
         group = dist.group.WORLD if group is None else group
         ranks = dist.get_process_group_ranks(group)
         P = len(ranks)
@@ -156,23 +161,23 @@ class ContextParallel(_SingleDevice):
                 sub = new_cp_group(ranks[u::U])
                 if u == rank % U:
                     state_group = sub
-        self._setup(mode, group, U, ulysses_group, state_group, strategy, backend, layout)
+        self._setup(mode, group, U, ulysses_group, state_group, strategy, backend, layout, split)
 
     @classmethod
     def from_mesh(cls, mesh, *, strategy: str = "p2p", backend: str | None = None,
-                  layout: str | TokenLayout = "contiguous") -> ContextParallel:
+                  layout: str | TokenLayout = "contiguous", split=None) -> ContextParallel:
         """The context over a ``DeviceMesh`` (best one from :func:`kdacp.init_device_mesh`: high-priority NCCL
         streams): a 1-D mesh runs ``"state"`` mode over its group; a 2-D one ``(state, ulysses)`` runs Ulysses
         inside each group of its last dim (consecutive ranks) and the state exchange across them (``"hybrid"``;
         ``"ulysses"`` or ``"state"`` where a dim has size 1), the two flattened into the whole group
-        (``mesh._flatten()``). ``strategy``, ``backend``, ``layout``: as the constructor's.
+        (``mesh._flatten()``). ``strategy``, ``backend``, ``layout``, ``split``: as the constructor's.
 
         Raises:
             ValueError: a mesh of another dimensionality, a 2-D one without ``mesh_dim_names``, or one whose
                 flattened ranks are not in ``(state, ulysses)`` order.
         """
         if mesh.ndim == 1:
-            return cls("state", mesh.get_group(), strategy=strategy, backend=backend, layout=layout)
+            return cls("state", mesh.get_group(), strategy=strategy, backend=backend, layout=layout, split=split)
         if mesh.ndim != 2:
             raise ValueError(f"a context-parallel mesh has 1 dim (state) or 2 (state, ulysses), got {mesh.ndim}")
         if not mesh.mesh_dim_names:
@@ -184,15 +189,17 @@ class ContextParallel(_SingleDevice):
             raise ValueError("the flattened mesh's ranks are not in (state, ulysses) order")
         mode = "ulysses" if S == 1 else "state" if U == 1 else "hybrid"
         _check_layout(layout, mode)
+        check_split(split)
         self = cls.__new__(cls)
-        self._setup(mode, group, U, mesh.get_group(1), mesh.get_group(0), strategy, backend, layout)
+        self._setup(mode, group, U, mesh.get_group(1), mesh.get_group(0), strategy, backend, layout, split)
         return self
 
-    def _setup(self, mode: str, group, U: int, ulysses_group, state_group, strategy: str, backend, layout) -> None:
+    def _setup(self, mode: str, group, U: int, ulysses_group, state_group, strategy: str, backend, layout,
+               split) -> None:
         """Hold the groups: ``group`` of ``P`` ranks, Ulysses groups of ``U`` consecutive ranks of it, state
         groups of the ranks with one index in their Ulysses group."""
         _SingleDevice.__init__(self)
-        self.mode, self.strategy, self.backend, self.layout = mode, strategy, backend, layout
+        self.mode, self.strategy, self.backend, self.layout, self.split = mode, strategy, backend, layout, split
         self.group = group
         P, rank = dist.get_world_size(group), dist.get_rank(group)
         self.ulysses_size, self.state_size = U, P // U
@@ -203,7 +210,8 @@ class ContextParallel(_SingleDevice):
     def __repr__(self) -> str:
         layout = self.layout if not isinstance(self.layout, TokenLayout) else "TokenLayout(...)"
         return (f"ContextParallel(mode={self.mode!r}, ulysses_size={self.ulysses_size}, "
-                f"state_size={self.state_size}, strategy={self.strategy!r}, layout={layout!r})")
+                f"state_size={self.state_size}, strategy={self.strategy!r}, layout={layout!r}"
+                + ("" if self.split is None else f", split={self.split!r}") + ")")
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         """Raise ``ValueError`` unless both head counts split evenly over the Ulysses group."""

@@ -24,9 +24,12 @@ class CPHooks(Protocol):
 
     Attributes:
         backend: the recurrence's backend (``"auto"``, ``"torch"``, ``"fla"``), or None for the layer's own.
+        split: the recurrence's split inside the device (``"auto"`` or an int, as :func:`kdacp.chunk_kda`'s
+            ``split``), or None for the layer's own.
     """
 
     backend: str | None
+    split: str | int | None
 
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         """Raise ``ValueError`` unless the head counts suit this mode (a layer calls it when given the mode)."""

@@ -19,6 +19,7 @@ from ..compile import run_opaque
 from ..reference.gates import compute_dtype
 from ..validation import check_hidden_states, check_layer_sizes
 from ..cp.context import SINGLE_DEVICE, ContextParallel
+from ..cp.split import check_split
 from .norm import RMSNormGated, rms_norm_gated
 from .short_conv import ShortConvolution
 
@@ -82,7 +83,7 @@ class MixerParts(Protocol):
 
 
 def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, backend: str,
-               initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+               initial_state: torch.Tensor | None = None, output_final_state: bool = False, split=None):
     """Run a gated delta-rule token mixer on this rank's tokens::
 
         q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   # depthwise causal, halo before each range
@@ -101,6 +102,7 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
             ``"attn_gym"``); ``"fla"`` and ``"attn_gym"`` also run the convolution and the norm as FLA's fused kernels.
         initial_state: ``[N, HV, K, V]`` per (global) sequence, the same on every rank.
         output_final_state: also return the final states.
+        split: the recurrence's split inside the device when ``cp.split`` is None (:func:`kdacp.chunk_kda`'s).
 
     Returns:
         ``(y [B, T, hidden], final_state [N, HV, K, V] float32 or wider, on every rank, or None)``.
@@ -119,7 +121,8 @@ def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tens
     gate_options = tuple((name, a) for name, a in gate_arguments.items() if name not in gate_tensors)
     # under torch.compile one opaque op: it reads the batch's boundaries on the host (kdacp.compile)
     o, *final_state = run_opaque(
-        _ConvolveAndRecur, (cp, parts.op, K, V, backend, fused, tuple(gate_tensors), gate_options, output_final_state),
+        _ConvolveAndRecur, (cp, parts.op, K, V, backend, fused, tuple(gate_tensors), gate_options, output_final_state,
+                            split),
         q, k, v, beta, cu_seqlens, None if initial_state is None else initial_state[:, v_heads].contiguous(),
         *(w for pair in parts.conv_weights(heads, v_heads) for w in pair), *gate_tensors.values())
     o, final_state = cp.to_sequence(o, final_state[0] if output_final_state else None)
@@ -134,7 +137,7 @@ class _ConvolveAndRecur:
     their halo, then the recurrence, through the hooks of ``cp``, on the head-sharded tokens (an
     :class:`kdacp.compile.OpaqueRegion`). Settings: ``op``, the head dims ``K``, ``V``, the recurrence's
     ``backend``, ``fused`` convolutions, the names of the gate's tensor keywords and its other keywords
-    ``(name, value)``, and whether the final states are returned."""
+    ``(name, value)``, whether the final states are returned, and the recurrence's ``split`` (``cp.split`` first)."""
 
     cp: object
     op: Callable
@@ -145,6 +148,7 @@ class _ConvolveAndRecur:
     gate_names: tuple
     gate_options: tuple
     output_final_state: bool
+    split: str | int | None = None
 
     def __call__(self, q, k, v, beta, cu_seqlens, initial_state, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
                  *gate_tensors) -> tuple[torch.Tensor, ...]:
@@ -157,7 +161,8 @@ class _ConvolveAndRecur:
                                             fused=self.fused)
         o, final_state = context.recurrence(
             self.op, q.unflatten(-1, (-1, K)), k.unflatten(-1, (-1, K)), v.unflatten(-1, (-1, V)), beta=beta,
-            backend=cp.backend or self.backend, initial_state=initial_state,
+            backend=cp.backend or self.backend, split=self.split if cp.split is None else cp.split,
+            initial_state=initial_state,
             output_final_state=self.output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             **dict(zip(self.gate_names, gate_tensors)), **dict(self.gate_options))
         return (o, final_state) if self.output_final_state else (o,)
@@ -186,6 +191,8 @@ class DeltaRuleLayer(nn.Module):
         backend: ``"auto"``, ``"torch"``, ``"fla"`` or ``"attn_gym"``; ``"fla"`` and ``"attn_gym"`` (``auto`` on
             CUDA with FLA installed) also run the short convolution and the norm as FLA's fused kernels.
         cp: a :class:`ContextParallel`, or None for one device; may be set later.
+        split: the recurrence's split inside the device (:func:`kdacp.chunk_kda`'s: ``"auto"``, an int, or None
+            for none), unless ``cp.split`` sets one.
 
     Raises:
         TypeError, ValueError: a size that is not a positive int, or ``num_v_heads`` not a multiple of
@@ -194,14 +201,15 @@ class DeltaRuleLayer(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None, head_k_dim: int, head_v_dim: int,
                  conv_size: int, conv_bias: bool, norm_eps: float, norm_activation: str, backend: str,
-                 cp: ContextParallel | None, device=None, dtype=None):
+                 cp: ContextParallel | None, device=None, dtype=None, split=None):
         super().__init__()
+        check_split(split)
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         check_layer_sizes(hidden_size=hidden_size, num_heads=num_heads, num_v_heads=num_v_heads,
                           head_k_dim=head_k_dim, head_v_dim=head_v_dim, conv_size=conv_size)
         self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_size = head_k_dim, head_v_dim, conv_size
-        self.backend = backend
+        self.backend, self.split = backend, split
         key_dim, value_dim = num_heads * head_k_dim, num_v_heads * head_v_dim
         f = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(hidden_size, key_dim, bias=False, **f)
@@ -281,4 +289,5 @@ class DeltaRuleLayer(nn.Module):
         """
         check_hidden_states(hidden_states, self.hidden_size, self.o_proj.weight.dtype, cu_seqlens)
         return mix_tokens(self, SINGLE_DEVICE if self.cp is None else self.cp, hidden_states, cu_seqlens=cu_seqlens,
-                          backend=self.backend, initial_state=initial_state, output_final_state=output_final_state)
+                          backend=self.backend, initial_state=initial_state, output_final_state=output_final_state,
+                          split=self.split)

@@ -23,15 +23,15 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     Args:
         hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias, norm_eps,
-        backend, cp: as :class:`~kdacp.layers.KimiDeltaAttention` (defaults: Qwen3-Next's 16 q/k heads
+        backend, cp, split: as :class:`~kdacp.layers.KimiDeltaAttention` (defaults: Qwen3-Next's 16 q/k heads
         and 32 value heads of 128 are ``num_heads=16, num_v_heads=32, head_k_dim=head_v_dim=128``).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, conv_bias: bool = False, norm_eps: float = 1e-5,
-                 backend: str = "auto", cp: ContextParallel | None = None, device=None, dtype=None):
+                 backend: str = "auto", cp: ContextParallel | None = None, device=None, dtype=None, split=None):
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
-                         norm_eps, "swish", backend, cp, device=device, dtype=dtype)
+                         norm_eps, "swish", backend, cp, device=device, dtype=dtype, split=split)
         HV = self.num_v_heads
         f = {"device": device, "dtype": dtype}
         self.a_proj = nn.Linear(hidden_size, HV, bias=False, **f)

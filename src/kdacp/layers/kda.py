@@ -35,16 +35,17 @@ class KimiDeltaAttention(DeltaRuleLayer):
         norm_eps: RMSNorm epsilon.
         backend: KDA backend handed to ``chunk_kda`` (``"auto"``, ``"torch"``, ``"fla"``).
         cp: a :class:`ContextParallel`, or None for one device; may be set later (``layer.cp = ...``).
+        split: the recurrence's split inside the device (``chunk_kda``'s ``split``), unless ``cp.split`` sets one.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, gate_lower_bound: float | None = -5.0,
                  conv_bias: bool = False, norm_eps: float = 1e-5, backend: str = "auto",
-                 cp: ContextParallel | None = None, device=None, dtype=None):
+                 cp: ContextParallel | None = None, device=None, dtype=None, split=None):
         if gate_lower_bound is not None and not -5 <= gate_lower_bound < 0:
             raise ValueError(f"gate_lower_bound must be in [-5, 0) or None, got {gate_lower_bound!r}")
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
-                         norm_eps, "sigmoid", backend, cp, device=device, dtype=dtype)
+                         norm_eps, "sigmoid", backend, cp, device=device, dtype=dtype, split=split)
         self.gate_lower_bound = gate_lower_bound
         HV = self.num_v_heads
         gate_dim, value_dim = HV * head_k_dim, HV * head_v_dim

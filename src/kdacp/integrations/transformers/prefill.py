@@ -225,6 +225,10 @@ class LayerPrefill(CPHooks):
     def backend(self) -> str | None:
         return self.cp.backend
 
+    @property
+    def split(self):
+        return self.cp.split
+
     def validate_heads(self, num_heads: int, num_v_heads: int) -> None:
         self.cp.validate_heads(num_heads, num_v_heads)
 
