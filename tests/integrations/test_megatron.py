@@ -169,6 +169,8 @@ def _layer_worker(rank, P, check_removal, results):
         assert worst < TOL, f"{case}, cp={P}: {name} off by {worst:.2e} (rank {rank})"
         if rank == 0:
             results.append((case, "kdacp", name, worst))
+        if P == 1 and case == "thd":
+            _check_split(ours, ref, index, x, weight, psp)
         if not check_removal:
             continue
         # Each mechanism removed in turn: the state exchange through the zigzag chain and the halo from whichever
@@ -186,6 +188,20 @@ def _layer_worker(rank, P, check_removal, results):
             assert worst > 100 * TOL, f"{case}: removing the {what} went unnoticed at cp={P}"
             if rank == 0:
                 results.append((case, f"without {what}", name, worst))
+
+
+def _check_split(ours, ref, index, x, weight, psp):
+    """``split=`` reaches the recurrence (the schedule sees it) and the layer stays within tolerance, cut."""
+    import kdacp.cp.schedule
+    seen, real = [], kdacp.cp.schedule.chunks_per_piece
+    kdacp.cp.schedule.chunks_per_piece = lambda split, *a: seen.append(split) or real(split, *a)
+    ours.split = 3
+    try:
+        errs = _errors(ours, ref, index, x, weight, psp)
+    finally:
+        kdacp.cp.schedule.chunks_per_piece, ours.split = real, None
+    name, worst = max(errs.items(), key=lambda kv: kv[1])
+    assert worst < TOL and set(seen) == {3}, (name, worst, seen)
 
 
 @pytest.mark.parametrize("P", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
@@ -370,11 +386,12 @@ def test_hybrid_specs_swap_the_gdn_mixers():
 
     from kdacp.integrations import megatron as km
     cfg = config(2, num_layers=4)
-    specs = km.get_hybrid_layer_specs(cfg, LocalSpecProvider(), strategy="scan")
+    specs = km.get_hybrid_layer_specs(cfg, LocalSpecProvider(), strategy="scan", split="auto")
     assert len(specs) == 4
     for spec in specs:
         mixer = spec.submodules.self_attention
         assert mixer.module is km.KdacpGatedDeltaNet and mixer.params["strategy"] == "scan"
+        assert mixer.params["split"] == "auto"
         assert mixer.submodules.in_proj is not None and spec.submodules.input_layernorm is not IdentityOp
     assert len(km.get_hybrid_block_spec(cfg, LocalSpecProvider(), pp_rank=0).layer_specs) == 4
     cfg.linear_attention_freq = 4

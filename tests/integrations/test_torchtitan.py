@@ -107,6 +107,18 @@ def test_swapped_modules_match_torchtitan_per_document():
     oracle = torch.cat([recurrent_gated_delta_rule(expand[0][:, s:e], expand[1][:, s:e], v[:, s:e], decay[:, s:e],
                                                    beta[:, s:e])[0] for s, e in zip(cu, cu[1:])], dim=1)
     assert rel_err(o, oracle) < 1e-10
+    # split inside the device: the schedule sees it, and the kernel's output stays the oracle's
+    import kdacp.cp.schedule
+    seen, real = [], kdacp.cp.schedule.chunks_per_piece
+    net.kernel.context.split = 3
+    kdacp.cp.schedule.chunks_per_piece = lambda split, *a: seen.append(split) or real(split, *a)
+    try:
+        o_split = net.kernel(q, k, v, decay, beta, cu_seqlens=cu_cpu.clone(), cu_seqlens_cpu=cu_cpu)
+    finally:
+        kdacp.cp.schedule.chunks_per_piece = real
+    assert set(seen) == {3} and rel_err(o_split, oracle) < 1e-10
+    with pytest.raises(ValueError, match="split must be"):
+        kt.GatedDeltaContext(split=-1)
 
 
 def test_refusals_name_the_setting():

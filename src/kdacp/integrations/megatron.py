@@ -52,6 +52,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ..backends import backend_fuses
 from ..caches import TensorKey
 from ..cp.context import SINGLE_DEVICE, ContextParallel
+from ..cp.split import check_split
 from ..ops.gdn import chunk_gated_delta_rule
 
 __all__ = ["KdacpGatedDeltaNet", "KdacpTransformerConfig", "cpu_stand_ins", "fla_stand_ins",
@@ -145,6 +146,8 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
             pg_collection, name, cp_comm_type: Megatron's (``cp_comm_type`` ignored, as Megatron's GDN does).
         strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
         backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA where FLA is installed, PyTorch on CPU).
+        split: the recurrence's split inside the device (:func:`kdacp.chunk_gated_delta_rule`'s ``split``:
+            ``"auto"``, an int, or None for none).
 
     Forward (Megatron's contract): ``hidden_states [s, b, hidden_size]``, this rank's zigzag shard of ``s * cp``
     tokens; ``packed_seq_params`` with ``qkv_format="thd"`` (``b == 1``; ``cu_seqlens_q_padded`` or
@@ -162,12 +165,13 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                  bias: bool = False, conv_bias: bool = False, conv_init: float | None = None,
                  use_qk_l2norm: bool = True, A_init_range: tuple[float, float] = (1, 16), pg_collection=None, *,
                  name: str | None = None, cp_comm_type: str | None = None, strategy: str = "p2p",
-                 backend: str = "auto"):
+                 backend: str = "auto", split=None):
         _check_supported(config, pg_collection)
+        check_split(split)
         with _fla_check_skipped():
             super().__init__(config, submodules, layer_number, bias, conv_bias, conv_init, use_qk_l2norm,
                              A_init_range, pg_collection, name=name, cp_comm_type=cp_comm_type)
-        self.strategy, self.backend = strategy, backend
+        self.strategy, self.backend, self.split = strategy, backend, split
         cp = pg_collection.cp
         # Megatron's zigzag shards as they come: kdacp's state chain runs through each rank's two chunks
         self.contexts = {packed: SINGLE_DEVICE if cp.size() == 1 else
@@ -181,7 +185,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                                self.num_v_heads_local_tp, self.num_v_heads_local_tp)
 
     def extra_repr(self) -> str:
-        return f"context={self.contexts[False]!r}, backend={self.backend!r}"
+        return f"context={self.contexts[False]!r}, backend={self.backend!r}, split={self.split!r}"
 
     def _global_cu_seqlens(self, packed_seq_params: PackedSeqParams | None, batch: int,
                            total: int) -> torch.Tensor | None:
@@ -219,7 +223,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         v = v.unflatten(-1, (-1, self.value_head_dim))                                  # [B, T, HV / tp, V]
         # g: raw logits, turned into -exp(A_log) softplus(g + dt_bias) inside kdacp's op (in float32)
         o, _ = batch.recurrence(self.gated_delta_rule, q, k, v, alpha.contiguous(), beta.sigmoid(),
-                                backend=self.backend, use_gate_in_kernel=True, A_log=self.A_log,
+                                backend=self.backend, split=self.split, use_gate_in_kernel=True, A_log=self.A_log,
                                 dt_bias=self.dt_bias, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
         norm = self._apply_gated_norm(o, gate.reshape(B, T, -1, self.value_head_dim))  # [B T HV / tp, V]
         out, out_bias = self.out_proj(norm.reshape(B, T, -1).transpose(0, 1).contiguous())
@@ -246,7 +250,7 @@ def _check_thd_boundaries(key: TensorKey, total: int, cp_size: int) -> None:
 
 
 def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
-                                    strategy: str = "p2p", kdacp_backend: str = "auto") -> ModuleSpec:
+                                    strategy: str = "p2p", kdacp_backend: str = "auto", split=None) -> ModuleSpec:
     """Megatron's GDN mixer spec (``get_gated_delta_net_module_spec``) with :class:`KdacpGatedDeltaNet`.
 
     Args:
@@ -256,7 +260,7 @@ def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendS
             has no fused layer-norm + linear (the local one), ``in_proj`` is a plain column-parallel linear and
             ``metainfo["fuse_input_layernorm"]`` is False: the layer then needs its own input norm, which
             :func:`get_hybrid_layer_specs` gives it.
-        strategy, kdacp_backend: :class:`KdacpGatedDeltaNet`'s ``strategy`` and ``backend``.
+        strategy, kdacp_backend, split: :class:`KdacpGatedDeltaNet`'s ``strategy``, ``backend`` and ``split``.
     """
     backend = _spec_provider(config) if backend is None else backend
     spec = mcore_specs.get_gated_delta_net_module_spec(config=config, backend=backend)
@@ -265,7 +269,7 @@ def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendS
     if not fused:
         submodules = dataclasses.replace(submodules, in_proj=backend.column_parallel_linear())
     return ModuleSpec(module=KdacpGatedDeltaNet, submodules=submodules,
-                      params={**spec.params, "strategy": strategy, "backend": kdacp_backend},
+                      params={**spec.params, "strategy": strategy, "backend": kdacp_backend, "split": split},
                       metainfo={**spec.metainfo, "fuse_input_layernorm": fused})
 
 
@@ -276,7 +280,7 @@ def _spec_provider(config: TransformerConfig) -> BackendSpecProvider:
 
 
 def get_hybrid_layer_specs(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
-                           strategy: str = "p2p", kdacp_backend: str = "auto") -> list[ModuleSpec]:
+                           strategy: str = "p2p", kdacp_backend: str = "auto", split=None) -> list[ModuleSpec]:
     """Megatron's Qwen3-Next / Qwen3.5 layer specs (``get_transformer_layer_with_experimental_attention_variant_
     spec``: GDN and attention layers after ``config.linear_attention_freq``, dense or MoE MLPs after
     ``config.moe_layer_freq``), every GDN mixer replaced by :func:`get_gated_delta_net_module_spec`'s.
@@ -294,7 +298,7 @@ def get_hybrid_layer_specs(config: TransformerConfig, backend: BackendSpecProvid
         raise NotImplementedError(f"linear_attention_freq={config.linear_attention_freq!r} has attention layers: "
                                   f"Megatron builds them for its hybrid stack from Transformer Engine's spec only, "
                                   f"got {type(backend).__name__}")
-    gdn = get_gated_delta_net_module_spec(config, backend, strategy=strategy, kdacp_backend=kdacp_backend)
+    gdn = get_gated_delta_net_module_spec(config, backend, strategy=strategy, kdacp_backend=kdacp_backend, split=split)
     rms_norm = config.normalization == "RMSNorm"
     with _fla_check_skipped():  # Megatron's GDN spec is only read here, never built
         layers = mcore_specs.get_transformer_layer_with_experimental_attention_variant_spec(config, backend)

@@ -17,6 +17,7 @@ from torchtitan.models.qwen3_5.model import GatedDeltaNet
 from ...backends import backend_fuses
 from ...compile import hold_for_regions, run_opaque
 from ...cp.batch_context import CPContext, build_cp_context
+from ...cp.split import check_split
 from ...ops.gdn import chunk_gated_delta_rule
 from .layout import CACHED_BATCHES, BalancedLayout
 
@@ -36,18 +37,21 @@ class GatedDeltaContext:
             from here, so the GDN layers and the attention follow one token order).
         strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
         backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA, PyTorch on CPU).
+        split: the recurrence's split inside the device (:func:`kdacp.chunk_gated_delta_rule`'s ``split``:
+            ``"auto"``, an int, or None for none).
     """
 
     def __init__(self, group=None, *, layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
-                 backend: str = "auto"):
-        self.group, self.layout, self.strategy, self.backend = group, layout, strategy, backend
+                 backend: str = "auto", split=None):
+        check_split(split)
+        self.group, self.layout, self.strategy, self.backend, self.split = group, layout, strategy, backend, split
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self._contexts = lru_cache(maxsize=CACHED_BATCHES)(self._build_context)
         hold_for_regions(self)  # a setting of its opaque regions under torch.compile
 
     def __repr__(self) -> str:
         return (f"GatedDeltaContext(cp={self.world_size}, layout={self.layout!r}, strategy={self.strategy!r}, "
-                f"backend={self.backend!r})")
+                f"backend={self.backend!r}, split={self.split!r})")
 
     def batch_context(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
                       local_length: int) -> CPContext:
@@ -122,7 +126,7 @@ class _GatedDeltaRecurrence:
         """:meth:`GatedDeltaContext.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
         batch = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
         o, _ = batch.recurrence(chunk_gated_delta_rule, q, k, v, g, beta, backend=self.context.backend,
-                                use_qk_l2norm_in_kernel=True)
+                                split=self.context.split, use_qk_l2norm_in_kernel=True)
         return (o,)
 
     def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
@@ -156,13 +160,13 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
 
 def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, *,
                                   layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
-                                  backend: str = "auto") -> GatedDeltaContext:
+                                  backend: str = "auto", split=None) -> GatedDeltaContext:
     """Swap every torchtitan ``GatedDeltaNet`` of ``model`` to kdacp's recurrence and convolution.
 
     Args:
         model: a built torchtitan Qwen3.5 (before FSDP, compile and activation checkpointing).
         cp_mesh: the 1-D ``cp`` mesh axis, or None for one device.
-        layout, strategy, backend: see :class:`GatedDeltaContext` (``layout``: torchtitan's default
+        layout, strategy, backend, split: see :class:`GatedDeltaContext` (``layout``: torchtitan's default
             head-tail load balancer unless given).
 
     Returns:
@@ -177,7 +181,7 @@ def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, 
     if any(isinstance(m, KdacpGatedDeltaNet) for m in nets):
         raise ValueError("model's GatedDeltaNet modules already run kdacp's (apply once)")
     context = GatedDeltaContext(None if cp_mesh is None else cp_mesh.get_group(), layout=layout, strategy=strategy,
-                                backend=backend)
+                                backend=backend, split=split)
     for net in nets:
         net.kernel = KdacpGatedDeltaKernel(context)
         net.__class__ = KdacpGatedDeltaNet
