@@ -110,7 +110,7 @@ def test_swapped_modules_match_torchtitan_per_document():
     # split inside the device: the schedule sees it, and the kernel's output stays the oracle's
     import kdacp.cp.schedule
     seen, real = [], kdacp.cp.schedule.chunks_per_piece
-    net.kernel.context.split = 3
+    net.kernel.parallel.split = 3
     kdacp.cp.schedule.chunks_per_piece = lambda split, *a: seen.append(split) or real(split, *a)
     try:
         o_split = net.kernel(q, k, v, decay, beta, cu_seqlens=cu_cpu.clone(), cu_seqlens_cpu=cu_cpu)
@@ -118,7 +118,15 @@ def test_swapped_modules_match_torchtitan_per_document():
         kdacp.cp.schedule.chunks_per_piece = real
     assert set(seen) == {3} and rel_err(o_split, oracle) < 1e-10
     with pytest.raises(ValueError, match="split must be"):
-        kt.GatedDeltaContext(split=-1)
+        kt.GatedDeltaParallel(split=-1)
+
+
+def test_the_old_name_of_gated_delta_parallel_warns_and_gives_it():
+    import kdacp.integrations.torchtitan as kt
+    with pytest.warns(DeprecationWarning, match="GatedDeltaParallel"):
+        assert kt.GatedDeltaContext is kt.GatedDeltaParallel
+    with pytest.raises(AttributeError):
+        kt.no_such_name
 
 
 def test_refusals_name_the_setting():
@@ -257,15 +265,15 @@ def _parallel_step(model, cp_mesh, gdn_layout=None):
     inputs, labels, kwargs = kt.shard_batch(model, input_dict, labels, cp_mesh)
     assert inputs.shape == (1, total // cp_mesh.size())
     kernels = [m for m in model.modules() if isinstance(m, kt.KdacpGatedDeltaKernel)]
-    real = kernels[0].context
+    real = kernels[0].parallel
     if gdn_layout is not None:
         for kernel in kernels:
-            kernel.context = kt.GatedDeltaContext(real.group, layout=gdn_layout, backend=real.backend)
+            kernel.parallel = kt.GatedDeltaParallel(real.group, layout=gdn_layout, backend=real.backend)
     try:
         loss, grads = loss_and_grads(model, inputs, labels, kwargs, total)
     finally:
         for kernel in kernels:
-            kernel.context = real
+            kernel.parallel = real
     dist.all_reduce(loss)
     for grad in grads.values():
         dist.all_reduce(grad)

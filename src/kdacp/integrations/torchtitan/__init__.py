@@ -51,13 +51,23 @@ from __future__ import annotations
 
 from .attention import DenseFlexAttention, apply_dense_attention
 from .batch import local_document_mask, shard_batch
-from .gated_delta import GatedDeltaContext, KdacpGatedDeltaKernel, KdacpGatedDeltaNet, apply_kdacp_to_gated_deltanet
+from .gated_delta import GatedDeltaParallel, KdacpGatedDeltaKernel, KdacpGatedDeltaNet, apply_kdacp_to_gated_deltanet
 from .layout import LOAD_BALANCERS, BalancedLayout
 from .parallelize import SPEC_NAME, parallelize_qwen3_5_kdacp
 from .spec import (TEXT_ONLY_TOKENS, KdacpTrainer, model_registry, qwen35_kdacp_0_8b, qwen35_kdacp_debugmodel,
                    qwen35_titan_0_8b, text_config)
 
-__all__ = ["BalancedLayout", "DenseFlexAttention", "GatedDeltaContext", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet",
+__all__ = ["BalancedLayout", "DenseFlexAttention", "GatedDeltaParallel", "KdacpGatedDeltaKernel", "KdacpGatedDeltaNet",
            "KdacpTrainer", "LOAD_BALANCERS", "SPEC_NAME", "TEXT_ONLY_TOKENS", "apply_dense_attention",
            "apply_kdacp_to_gated_deltanet", "local_document_mask", "model_registry", "parallelize_qwen3_5_kdacp",
            "qwen35_kdacp_0_8b", "qwen35_kdacp_debugmodel", "qwen35_titan_0_8b", "shard_batch", "text_config"]
+
+
+def __getattr__(name: str):
+    # the old name, for one release: "context" is the per-batch CPContext's word
+    if name == "GatedDeltaContext":
+        import warnings
+        warnings.warn("kdacp.integrations.torchtitan.GatedDeltaContext is now GatedDeltaParallel; the old name goes "
+                      "in the next release", DeprecationWarning, stacklevel=2)
+        return GatedDeltaParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ from torchtitan.models.common.attention import (FlexAttention, create_attention_
 
 from ...cp.layout import TokenLayout
 from ...cp.sharding import shard_tokens
-from .gated_delta import GatedDeltaContext, KdacpGatedDeltaKernel
+from .gated_delta import GatedDeltaParallel, KdacpGatedDeltaKernel
 from .layout import document_mask_mod
 
 # Batch keys of torchtitan's multimodal loader: their tokens must be scattered before any cut.
@@ -37,10 +37,10 @@ def local_document_mask(model: nn.Module, positions: torch.Tensor, layout: Token
                                  separate_full_blocks=not is_in_batch_invariant_mode())
 
 
-def _gated_delta_context(model: nn.Module) -> GatedDeltaContext:
+def _gated_delta_parallel(model: nn.Module) -> GatedDeltaParallel:
     for module in model.modules():
         if isinstance(module, KdacpGatedDeltaKernel):
-            return module.context
+            return module.parallel
     raise ValueError("context parallelism with kdacp needs the model's GatedDeltaNet modules swapped first "
                      "(apply_kdacp_to_gated_deltanet, or the qwen3_5_kdacp spec)")
 
@@ -86,7 +86,7 @@ def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor, cp_mes
         positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
     deltanet = create_varlen_metadata_for_document(positions, include_host_offsets=True)
     batch = shard_tokens(inputs, labels, positions, torch.tensor(deltanet.cu_seq_q_host), rank=rank, world_size=P,
-                         layout=_gated_delta_context(model).layout, labels_shifted=True)
+                         layout=_gated_delta_parallel(model).layout, labels_shifted=True)
     kwargs = {key: value for key, value in input_dict.items() if key != "input"}
     kwargs["positions"] = batch.position_ids
     kwargs["attention_masks"] = {

@@ -22,7 +22,7 @@ from ...ops.gdn import chunk_gated_delta_rule
 from .layout import CACHED_BATCHES, BalancedLayout
 
 
-class GatedDeltaContext:
+class GatedDeltaParallel:
     """How the swapped GDN modules of one model run: on one device, or over the ``cp`` process group
     by kdacp's state exchange (recurrence) and halo (short convolution), in the token order of ``layout``.
 
@@ -50,7 +50,7 @@ class GatedDeltaContext:
         hold_for_regions(self)  # a setting of its opaque regions under torch.compile
 
     def __repr__(self) -> str:
-        return (f"GatedDeltaContext(cp={self.world_size}, layout={self.layout!r}, strategy={self.strategy!r}, "
+        return (f"GatedDeltaParallel(cp={self.world_size}, layout={self.layout!r}, strategy={self.strategy!r}, "
                 f"backend={self.backend!r}, split={self.split!r})")
 
     def batch_context(self, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
@@ -99,16 +99,16 @@ def _check_offsets(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor
 
 @dataclass(frozen=True)
 class _HaloConvolution:
-    """:meth:`GatedDeltaContext.causal_conv` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets on
+    """:meth:`GatedDeltaParallel.causal_conv` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets on
     the host and exchanges the halo)."""
 
-    context: GatedDeltaContext
+    parallel: GatedDeltaParallel
 
     def __call__(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """``x [1, T, D]``, ``weight [D, 1, W]``, the global offsets -> ``(silu(conv(x)) [1, T, D],)``."""
-        batch = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
+        batch = self.parallel.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
         return tuple(batch.short_convolution([x], [weight[:, 0]], [None],
-                                             fused=bool(backend_fuses(self.context.backend, x.device,
+                                             fused=bool(backend_fuses(self.parallel.backend, x.device,
                                                                       scalar_gate=True))))
 
     def fake(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
@@ -117,16 +117,16 @@ class _HaloConvolution:
 
 @dataclass(frozen=True)
 class _GatedDeltaRecurrence:
-    """:meth:`GatedDeltaContext.gated_delta_rule` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets
+    """:meth:`GatedDeltaParallel.gated_delta_rule` (an :class:`kdacp.compile.OpaqueRegion`: it reads the offsets
     on the host and exchanges states)."""
 
-    context: GatedDeltaContext
+    parallel: GatedDeltaParallel
 
     def __call__(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
-        """:meth:`GatedDeltaContext.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
-        batch = self.context.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
-        o, _ = batch.recurrence(chunk_gated_delta_rule, q, k, v, g, beta, backend=self.context.backend,
-                                split=self.context.split, use_qk_l2norm_in_kernel=True)
+        """:meth:`GatedDeltaParallel.gated_delta_rule`'s arguments (``g`` in ``q``'s dtype) -> ``(o,)``."""
+        batch = self.parallel.batch_context(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        o, _ = batch.recurrence(chunk_gated_delta_rule, q, k, v, g, beta, backend=self.parallel.backend,
+                                split=self.parallel.split, use_qk_l2norm_in_kernel=True)
         return (o,)
 
     def fake(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
@@ -136,17 +136,17 @@ class _GatedDeltaRecurrence:
 class KdacpGatedDeltaKernel(nn.Module):
     """Drop-in for torchtitan's ``GatedDeltaKernel`` (same call, no parameters) running kdacp's GDN op."""
 
-    def __init__(self, context: GatedDeltaContext):
+    def __init__(self, parallel: GatedDeltaParallel):
         super().__init__()
-        self.context = context
+        self.parallel = parallel
 
     def extra_repr(self) -> str:
-        return repr(self.context)
+        return repr(self.parallel)
 
     def forward(self, xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, *, cu_seqlens=None, cu_seqlens_cpu=None):
         """torchtitan's ``GatedDeltaKernel.forward`` contract: ``[1, T, H, K]`` q, k (grouped heads are
         not repeated: kdacp maps them), ``[1, T, HV, V]`` v, ``[1, T, HV]`` g and beta -> ``[1, T, HV, V]``."""
-        return self.context.gated_delta_rule(xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, cu_seqlens, cu_seqlens_cpu)
+        return self.parallel.gated_delta_rule(xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, cu_seqlens, cu_seqlens_cpu)
 
 
 class KdacpGatedDeltaNet(GatedDeltaNet):
@@ -155,22 +155,22 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
 
     def _causal_conv(self, x_BLD, conv, cu_seqlens=None, cu_seqlens_cpu=None):
         # conv.weight is looked up per call: FSDP2 replaces the parameters after this class is set.
-        return self.kernel.context.causal_conv(x_BLD, conv.weight, cu_seqlens, cu_seqlens_cpu)
+        return self.kernel.parallel.causal_conv(x_BLD, conv.weight, cu_seqlens, cu_seqlens_cpu)
 
 
 def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, *,
                                   layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
-                                  backend: str = "auto", split=None) -> GatedDeltaContext:
+                                  backend: str = "auto", split=None) -> GatedDeltaParallel:
     """Swap every torchtitan ``GatedDeltaNet`` of ``model`` to kdacp's recurrence and convolution.
 
     Args:
         model: a built torchtitan Qwen3.5 (before FSDP, compile and activation checkpointing).
         cp_mesh: the 1-D ``cp`` mesh axis, or None for one device.
-        layout, strategy, backend, split: see :class:`GatedDeltaContext` (``layout``: torchtitan's default
+        layout, strategy, backend, split: see :class:`GatedDeltaParallel` (``layout``: torchtitan's default
             head-tail load balancer unless given).
 
     Returns:
-        The context the swapped modules share.
+        The :class:`GatedDeltaParallel` the swapped modules share.
 
     Raises:
         ValueError: the model has no ``GatedDeltaNet``, or one was already swapped.
@@ -180,9 +180,9 @@ def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, 
         raise ValueError(f"model has no torchtitan GatedDeltaNet to swap (got {type(model).__name__})")
     if any(isinstance(m, KdacpGatedDeltaNet) for m in nets):
         raise ValueError("model's GatedDeltaNet modules already run kdacp's (apply once)")
-    context = GatedDeltaContext(None if cp_mesh is None else cp_mesh.get_group(), layout=layout, strategy=strategy,
-                                backend=backend, split=split)
+    parallel = GatedDeltaParallel(None if cp_mesh is None else cp_mesh.get_group(), layout=layout, strategy=strategy,
+                                  backend=backend, split=split)
     for net in nets:
-        net.kernel = KdacpGatedDeltaKernel(context)
+        net.kernel = KdacpGatedDeltaKernel(parallel)
         net.__class__ = KdacpGatedDeltaNet
-    return context
+    return parallel
