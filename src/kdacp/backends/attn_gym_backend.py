@@ -40,8 +40,8 @@ from ..affine import AffineMap
 from ..caches import ATTN_GYM_BOUNDARIES
 from ..host_copies import to_device
 from .attn_gym_adapter import load_attn_gym
-from .base import BackwardStates, KDAInputs, KDAOptions, LocalGrads, LocalStates, Span, tma_aligned
-from .fla_backend import FlaBackend
+from .base import BackwardStates, KDAInputs, KDAOptions, LocalStates, Span, tma_aligned
+from .fla_backend import FlaBackend, FusedBackwardStates, FusedStates
 from .fla_gdn_backend import FlaGDNBackend
 
 CHUNK_SIZE = 64  # attention-gym's only chunk size
@@ -159,13 +159,6 @@ class AttnGymChunks:
 
 
 @dataclass
-class AttnGymStates(LocalStates):
-    """A span's state pass, with the output ``o [1, T_span, HV, V]`` that attention-gym's ``run`` makes with it."""
-
-    o: torch.Tensor | None = None
-
-
-@dataclass
 class AttnGymBackward:
     """One span's backward before the gradient pass: its saved record cut to the span, attention-gym's backward
     ``handle``, and ``ran``: whether the handle's ``run`` was called (it releases its tensors as it goes, so a
@@ -177,15 +170,6 @@ class AttnGymBackward:
     initial_state: torch.Tensor | None
     handle: object
     ran: bool = False
-
-
-@dataclass(frozen=True)
-class AttnGymBackwardStates(BackwardStates):
-    """After the gradient pass: attention-gym's ``(dq, dk, dv, dgate, dbeta)`` and the saved record they need
-    (for the gate and L2-norm backward)."""
-
-    saved: AttnGymSaved
-    grads: tuple
 
 
 class AttnGymBackend(FlaBackend):
@@ -273,16 +257,14 @@ class AttnGymBackend(FlaBackend):
         return affine_map_of(maps, with_transition)
 
     def state_pass(self, chunks: AttnGymChunks, span: Span, initial_state: torch.Tensor | None,
-                   output_final_state: bool) -> AttnGymStates:
+                   output_final_state: bool) -> FusedStates:
+        # attention-gym's run makes the output with the states
         o, final_state = self._handle_on(chunks, span).run(_to_vk(initial_state), output_final_state=output_final_state)
-        return AttnGymStates(_to_kv(final_state) if output_final_state else None, o=o)
+        return FusedStates(_to_kv(final_state) if output_final_state else None, o=o)
 
     def output(self, chunks: AttnGymChunks, span: Span, initial_state: torch.Tensor | None,
-               states: AttnGymStates) -> torch.Tensor:
-        if not isinstance(states, AttnGymStates) or states.o is None or states.o.shape[1] != span.end - span.start:
-            raise ValueError("the attn_gym backend's output is made by its state pass over the same span: pass "
-                             "that pass's result")
-        return states.o.to(chunks.prepared.saved.v.dtype)
+               states: FusedStates) -> torch.Tensor:
+        return self._fused_output(span, states, chunks.prepared.saved.v.dtype)
 
     def to_saved(self, chunks: AttnGymChunks) -> AttnGymSaved:
         return self.saved_type(**vars(chunks.extra), **chunks.prepared.saved._asdict())
@@ -327,19 +309,9 @@ class AttnGymBackend(FlaBackend):
         handle = self._handle(local)
         local.ran = True
         *grads, dh0 = handle.run(_to_vk(dht))  # attention-gym reads it as float32
-        if dh0 is None:  # attention-gym gives none where the forward had no initial states: they were zero
-            n, (HV, V), K = local.span.num_segments, local.saved.v.shape[2:], local.saved.q.shape[-1]
-            dh0 = local.do.new_zeros(n, HV, K, V, dtype=torch.float32)
-        else:
-            dh0 = _to_kv(dh0)
-        return AttnGymBackwardStates(local.span, dh0, local.saved, tuple(grads))
+        return FusedBackwardStates.of(local.span, _to_kv(dh0), local.saved, grads, local.do)
 
-    def backward_inputs(self, states: BackwardStates) -> LocalGrads:
-        if not isinstance(states, AttnGymBackwardStates):
-            raise ValueError("backward_inputs needs the gradient pass over the whole span (backward_states without "
-                             "segments)")
-        dq, dk, dv, dgate, dbeta = states.grads
-        return self._token_input_gradients(states.saved, dq, dk, dv, dgate, dbeta)
+    backward_inputs = FlaBackend._fused_backward_inputs
 
 
 class AttnGymGDNBackend(AttnGymBackend):

@@ -85,6 +85,34 @@ class FlaBackwardStates(BackwardStates):
 
 
 @dataclass
+class FusedStates(LocalStates):
+    """A span's state pass on a fused core (attention-gym's, FlashQLA's), with the output ``o [1, T_span, HV, V]``
+    the core makes with it (:meth:`FlaBackend._fused_output`)."""
+
+    o: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FusedBackwardStates(BackwardStates):
+    """After a fused gradient pass (attention-gym's, FlashQLA's: the input gradients with the initial states'):
+    its ``grads = (dq, dk, dv, dgate, dbeta)`` before the gate and L2-norm backward, and the ``saved`` record they
+    need (:meth:`FlaBackend._fused_backward_inputs`)."""
+
+    saved: object
+    grads: tuple
+
+    @classmethod
+    def of(cls, span: Span, dinitial_state: torch.Tensor | None, saved, grads: tuple,
+           do: torch.Tensor) -> "FusedBackwardStates":
+        """The states of ``span``; ``dinitial_state`` None (a fused core gives none where the forward had no initial
+        states: they were zero) is zeros ``[n, HV, K, V]`` float32, shaped by ``saved``'s ``q, v``."""
+        if dinitial_state is None:
+            n, (HV, V), K = span.num_segments, saved.v.shape[2:], saved.q.shape[-1]
+            dinitial_state = do.new_zeros(n, HV, K, V, dtype=torch.float32)
+        return cls(span, dinitial_state, saved, tuple(grads))
+
+
+@dataclass
 class FlaChunks:
     """Forward chunk data: the saved part plus ``gc``, ``w``, ``kg [1, T, HV, K]`` and ``u [1, T, HV, V]``."""
 
@@ -199,6 +227,22 @@ class FlaBackend:
             dq = fla.l2norm_bwd(x.q, x.q_rstd, dq)
             dk = fla.l2norm_bwd(x.k, x.k_rstd, dk)
         return LocalGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)
+
+    def _fused_output(self, span: Span, states: LocalStates, dtype: torch.dtype) -> torch.Tensor:
+        """``output`` of a backend on a fused core: the output its state pass over ``span``'s tokens made
+        (:class:`FusedStates`), in ``dtype``."""
+        if not isinstance(states, FusedStates) or states.o is None or states.o.shape[1] != span.end - span.start:
+            raise ValueError(f"the {self.name} backend's output is made by its state pass over the same tokens: pass "
+                             "that pass's result")
+        return states.o.to(dtype)
+
+    def _fused_backward_inputs(self, states: BackwardStates) -> LocalGrads:
+        """``backward_inputs`` of a backend on a fused core: the gate and L2-norm backward of its
+        :class:`FusedBackwardStates`."""
+        if not isinstance(states, FusedBackwardStates):
+            raise ValueError(f"the {self.name} backend's backward_inputs needs the gradient pass over the whole span "
+                             "(backward_states without segments)")
+        return self._token_input_gradients(states.saved, *states.grads)
 
     def _normalized_inputs(self, inputs: KDAInputs, span: Span) -> FlaPrepared:
         """What both FLA backends' ``prepare`` forms first: see :class:`FlaPrepared`."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import BackwardStates, KDAInputs, KDAOptions, LocalBackend, LocalGrads, LocalStates, Span, tma_aligned
-from .fla_backend import FlaBackend
+from .base import BackwardStates, KDAInputs, KDAOptions, LocalBackend, LocalStates, Span, tma_aligned
+from .fla_backend import FlaBackend, FusedBackwardStates, FusedStates
 from .fla_gdn_backend import FlaGDNBackend
 from .flashqla_adapter import load_flashqla
 
@@ -75,13 +75,6 @@ class FlashQLAChunks:
         return self._summaries.prepare(self.saved.summary_inputs(), self.span)
 
 
-@dataclass
-class FlashQLAStates(LocalStates):
-    """A span's state pass, with the output ``o [1, T_span, HV, V]`` that FlashQLA's forward makes with it."""
-
-    o: torch.Tensor | None = None
-
-
 class FlashQLABackward:
     """One span's backward before the gradient pass: its saved record cut to the span, ``do``, the initial
     states, and the summaries' backend's backward over the same span, formed at first use
@@ -92,20 +85,16 @@ class FlashQLABackward:
         self.saved, self.span, self.do, self.initial_state = saved, span, do, initial_state
         self._summaries = summaries
 
+    @property
+    def own_span(self) -> Span:
+        """:attr:`span` as a span of :attr:`saved` (which holds its tokens only)."""
+        return Span(0, self.span.end - self.span.start, self.span.cu_seqlens)
+
     @functools.cached_property
     def summary_local(self):
-        whole = Span(0, self.span.end - self.span.start, self.span.cu_seqlens)
-        chunks = self._summaries.prepare(self.saved.summary_inputs(), whole)
-        return self._summaries.backward_local(self._summaries.to_saved(chunks), whole, self.do, self.initial_state)
-
-
-@dataclass(frozen=True)
-class FlashQLABackwardStates(BackwardStates):
-    """After FlashQLA's backward: ``(dq, dk, dv, dgate, dbeta)`` and the saved record they need (for the gate and
-    L2-norm backward)."""
-
-    saved: FlashQLASaved
-    grads: tuple
+        chunks = self._summaries.prepare(self.saved.summary_inputs(), self.own_span)
+        return self._summaries.backward_local(self._summaries.to_saved(chunks), self.own_span, self.do,
+                                              self.initial_state)
 
 
 class FlashQLAGDNBackend(FlaBackend):
@@ -161,20 +150,17 @@ class FlashQLAGDNBackend(FlaBackend):
                                             chunks_per_piece=chunks_per_piece)
 
     def state_pass(self, chunks: FlashQLAChunks, span: Span, initial_state: torch.Tensor | None,
-                   output_final_state: bool) -> FlashQLAStates:
+                   output_final_state: bool) -> FusedStates:
         x = chunks.saved.narrow(span)
         _, _, o, _, final_state, _ = self.qla.forward(
             q=x.q, k=x.k, v=x.v, g=x.gate, beta=x.beta, scale=self.options.scale, initial_state=initial_state,
             cu_seqlens=self._boundaries(span, x.q.device), output_final_state=output_final_state, output_h=False,
             auto_cp=True, enable_fwd_cp_cache=False, is_train=False)
-        return FlashQLAStates(final_state if output_final_state else None, o=o)
+        return FusedStates(final_state if output_final_state else None, o=o)
 
     def output(self, chunks: FlashQLAChunks, span: Span, initial_state: torch.Tensor | None,
-               states: FlashQLAStates) -> torch.Tensor:
-        if not isinstance(states, FlashQLAStates) or states.o is None or states.o.shape[1] != span.end - span.start:
-            raise ValueError("the flashqla backend's output is made by its state pass over the same tokens: pass "
-                             "that pass's result")
-        return states.o.to(chunks.saved.v.dtype)
+               states: FusedStates) -> torch.Tensor:
+        return self._fused_output(span, states, chunks.saved.v.dtype)
 
     def to_saved(self, chunks: FlashQLAChunks) -> FlashQLASaved:
         return chunks.saved
@@ -196,23 +182,13 @@ class FlashQLAGDNBackend(FlaBackend):
             states = self.summaries.backward_states(local.summary_local, dht, segments=segments)
             return BackwardStates(local.span.prefix(segments), states.dinitial_state)
         qla, x, o = self.qla, local.saved, self.options
-        cu_seqlens = self._boundaries(Span(0, local.span.end - local.span.start, local.span.cu_seqlens),
-                                      x.q.device)
-        gate_cumsum = qla.chunk_local_cumsum(x.gate.contiguous(), chunk_size=CHUNK_SIZE,
-                                             cu_seqlens=cu_seqlens)
+        cu_seqlens = self._boundaries(local.own_span, x.q.device)
+        gate_cumsum = qla.chunk_local_cumsum(x.gate, chunk_size=CHUNK_SIZE, cu_seqlens=cu_seqlens)
         A = qla.kkt_solve(k=x.k, b=x.beta, chunk_size=CHUNK_SIZE, cu_seqlens=cu_seqlens)
         dq, dk, dv, dbeta, dgate, dh0 = qla.backward(
             q=x.q, k=x.k, v=x.v, g=gate_cumsum, beta=x.beta, A=A, do=local.do.contiguous(),
             dht=None if dht is None else dht.contiguous(), scale=o.scale,
             initial_state=local.initial_state, cu_seqlens=cu_seqlens, auto_cp=True)
-        if dh0 is None:  # FlashQLA gives none where the forward had no initial states: they were zero
-            n, (HV, V), K = local.span.num_segments, x.v.shape[2:], x.q.shape[-1]
-            dh0 = local.do.new_zeros(n, HV, K, V, dtype=torch.float32)
-        return FlashQLABackwardStates(local.span, dh0, x, (dq, dk, dv, dgate.to(x.gate.dtype), dbeta))
+        return FusedBackwardStates.of(local.span, dh0, x, (dq, dk, dv, dgate.to(x.gate.dtype), dbeta), local.do)
 
-    def backward_inputs(self, states: BackwardStates) -> LocalGrads:
-        if not isinstance(states, FlashQLABackwardStates):
-            raise ValueError("backward_inputs needs the gradient pass over the whole span (backward_states without "
-                             "segments)")
-        dq, dk, dv, dgate, dbeta = states.grads
-        return self._token_input_gradients(states.saved, dq, dk, dv, dgate, dbeta)
+    backward_inputs = FlaBackend._fused_backward_inputs
