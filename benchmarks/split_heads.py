@@ -79,13 +79,11 @@ def _flashqla():
 
 def _attn_gym_runs() -> bool:
     """Whether kdacp's ``attn_gym`` backend runs here (said once where it does not)."""
-    from kdacp.backends import resolve_backend
-    try:
-        resolve_backend("attn_gym", torch.device("cuda"))
-    except (ImportError, ValueError) as error:
-        print(f"# attention-gym left out: {error}")
-        return False
-    return True
+    from kdacp.backends import BACKEND_SPECS
+    runs, reason = BACKEND_SPECS["attn_gym"].availability(torch.device("cuda"))
+    if not runs:
+        print(f"# attention-gym left out: {reason}")
+    return runs
 
 
 def plots(rows: list[dict]) -> dict[str, PlotSpec]:
