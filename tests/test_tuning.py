@@ -284,3 +284,137 @@ def test_shipped_state_pass_runs_sequence_lists_at_bv_64():
     # H, HV, K, V, BT, STATE_V_FIRST; then k, v, w, v_new, gk, h, h0, cu_seqlens, chunk_offsets
     key = [32, 32, 128, 128, 64, False, bf16, bf16, bf16, bf16, f32, bf16, f32, i64, i64]
     assert data["autotune_entries"][fla_key_hash(key)]["config"]["kwargs"] == {"BV": 64}
+
+
+def _entry(key, bv):
+    return {"autotune_key": key, "config": _config(64, 4) | {"kwargs": {"BV": bv}}}
+
+
+_NAMES = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]  # FLA's state pass; its tensor dtypes follow
+_BF16 = "torch.bfloat16"
+
+
+def test_an_entry_is_lent_only_across_head_counts_to_the_nearest():
+    from kdacp.backends.fla_configs import nearest_heads_entry
+    at = {h: _entry([h, h, 128, 128, 64, False, _BF16], h) for h in (2, 8, 32)}
+    key = [4, 4, 128, 128, 64, False, _BF16]
+    assert nearest_heads_entry(_NAMES, key, at.values()) is at[8]  # 2x from both 2 and 8: more heads
+    assert nearest_heads_entry(_NAMES, [24, 24, 128, 128, 64, False, _BF16], at.values()) is at[32]
+    assert nearest_heads_entry(_NAMES, [32, 32, 128, 128, 64, False, _BF16], at.values()) is at[32]  # its own
+    for other in ([4, 4, 64, 128, 64, False, _BF16],  # another head dimension: tiles differ
+                  [4, 4, 128, 128, 64, True, _BF16],  # another flag
+                  [4, 4, 128, 128, 64, False, "torch.float32"],  # another dtype
+                  [4, 4, 128, 128, 64, False, _BF16, "torch.int64"]):  # another argument list
+        assert nearest_heads_entry(_NAMES, other, at.values()) is None, other
+    assert nearest_heads_entry(["K", "V", "BT", "H2", "X"], key, at.values()) is None  # no head count named
+    grouped = [_entry([4, 8, 128, 128, 64, False, _BF16], 1), _entry([4, 4, 128, 128, 64, False, _BF16], 2)]
+    assert nearest_heads_entry(_NAMES, [2, 4, 128, 128, 64, False, _BF16], grouped) is grouped[0]  # HV / H kept
+
+
+class _FlaKey:
+    """FLA's ``AutotuneKey``: the key's values."""
+
+    def __init__(self, autotune_key):
+        self.autotune_key = tuple(autotune_key)
+
+
+class _FlaAutotuner:
+    """FLA's ``CachedAutotuner`` in strict mode: a key's exact entry of its file into ``cache``, except the
+    configurations its pruning refuses (``BV`` in ``refused``)."""
+
+    keys, kernel_name = _NAMES, "a_kernel"
+
+    def __init__(self, folder, refused=()):
+        self.cache, self.folder, self.refused = {}, folder, refused
+
+    def maybe_load_cached_config(self, key, nargs, runtime_kwargs):
+        for entry in json.loads((self.folder / "a_kernel.json").read_text())["autotune_entries"].values():
+            if tuple(entry["autotune_key"]) == key.autotune_key and entry["config"]["kwargs"]["BV"] not in self.refused:
+                self.cache[key.autotune_key] = entry["config"]["kwargs"]
+
+
+def _ask(autotuner, key):
+    """What FLA's autotuner does before tuning a key missing from its cache; the configuration it then runs."""
+    nargs = dict(zip(_NAMES, key))  # the key's leading values are arguments by these names
+    autotuner.maybe_load_cached_config(_FlaKey(key), nargs, {})
+    return autotuner.cache.get(tuple(key))
+
+
+def test_fla_takes_a_lent_configuration_instead_of_autotuning(tmp_path, caplog):
+    import logging
+
+    from kdacp.backends.fla_configs import lend_configs_across_heads
+
+    class Autotuner(_FlaAutotuner):
+        pass
+    entries = [_entry([h, h, 128, 128, 64, False, _BF16], bv) for h, bv in ((8, 32), (32, 64))]
+    (tmp_path / "a_kernel.json").write_text(json.dumps(
+        {"kernel_name": "a_kernel", "autotune_entries": {fla_key_hash(e["autotune_key"]): e for e in entries}}))
+    four, three_k = [4, 4, 128, 128, 64, False, _BF16], [4, 4, 64, 128, 64, False, _BF16]
+    assert _ask(Autotuner(tmp_path), four) is None  # FLA alone: a miss, then minutes of autotuning
+    reading = [True]
+    assert lend_configs_across_heads(Autotuner, lambda: tmp_path, lambda: reading[0])
+    assert not lend_configs_across_heads(Autotuner, lambda: tmp_path, lambda: reading[0])  # once
+    with caplog.at_level(logging.INFO, logger="kdacp.backends.fla_configs"):
+        assert _ask(Autotuner(tmp_path), four) == {"BV": 32}  # the 8-head entry's
+        assert _ask(Autotuner(tmp_path), [32, 32, 128, 128, 64, False, _BF16]) == {"BV": 64}  # its own
+    assert [r.getMessage() for r in caplog.records if "using the one tuned at" in r.getMessage()] == [
+        f"kdacp: FLA's a_kernel has no configuration for the key {four}; using the one tuned at "
+        f"{[8, 8, 128, 128, 64, False, _BF16]} (`kdacp tune --heads` tunes it)"]
+    assert _ask(Autotuner(tmp_path), three_k) is None  # not across head dimensions
+    assert _ask(Autotuner(tmp_path, refused=(32,)), four) is None  # FLA's pruning has the last word
+    reading[0] = False  # kdacp tune: FLA reads no files, so nothing is lent either
+    assert _ask(Autotuner(tmp_path), four) is None
+
+
+def test_the_shipped_state_pass_entries_lend_to_tensor_parallel_head_counts():
+    """The H200's shipped entries of FLA's state pass serve the head counts tensor parallelism leaves (2 to 16 of
+    a 32-head layer), one sequence and several, without autotuning."""
+    from kdacp.backends.fla_configs import nearest_heads_entry
+    data = json.loads((SHIPPED_CONFIGS / "NVIDIA_H200" / "chunk_gated_delta_rule_fwd_kernel_h_blockdim64.json").read_text())
+    entries = data["autotune_entries"].values()
+    bf16, f32, i64 = _BF16, "torch.float32", "torch.int64"
+    for heads in (2, 4, 16):
+        for tail in ([bf16, bf16, bf16, bf16, f32, bf16, f32], [bf16, bf16, bf16, bf16, f32, bf16, f32, i64, i64]):
+            key = [heads, heads, 128, 128, 64, False, *tail]
+            assert nearest_heads_entry(_NAMES, key, entries) is not None, key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core importable")
+def test_flas_autotuner_runs_a_lent_configuration_without_tuning(tmp_path, monkeypatch):
+    import torch
+    import triton
+    import triton.language as tl
+    from fla.ops.utils import cache
+
+    from kdacp.backends.fla_configs import lend_configs_across_heads
+    monkeypatch.setattr(cache.CachedAutotuner, "maybe_load_cached_config",
+                        cache.CachedAutotuner.maybe_load_cached_config)  # restored afterwards
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.STRICT)
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path))
+
+    @cache.fla_cache_autotune(configs=[triton.Config({"BT": bt}, num_warps=1) for bt in (4, 8)], key=["H", "D"])
+    @triton.jit
+    def lent_kernel(x, y, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.arange(0, H * D)
+        mask = (rows < T)[:, None]
+        v = tl.load(x + rows[:, None] * H * D + cols[None, :], mask=mask, other=0.0)
+        tl.store(y + rows[:, None] * H * D + cols[None, :], v * 3, mask=mask)
+
+    f32 = "torch.float32"
+    entry = _entry([8, 4, f32, f32], 0)
+    entry["config"]["kwargs"] = {"BT": 8}
+    (tmp_path / "lent_kernel.json").write_text(json.dumps(
+        {"kernel_name": "lent_kernel", "autotune_entries": {fla_key_hash(entry["autotune_key"]): entry}}))
+    assert lend_configs_across_heads(cache.CachedAutotuner, cache.get_fla_config_dir,
+                                     lambda: cache.FLA_CACHE_MODE is not cache.FlaCacheMode.DISABLED)
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("a key that differs from a shipped one only in its heads was autotuned")
+    lent_kernel._bench = no_tuning
+    x = torch.randn(20, 2 * 4)
+    y = torch.empty_like(x)
+    lent_kernel[lambda meta: (triton.cdiv(20, meta["BT"]),)](x, y, 20, H=2, D=4)
+    assert lent_kernel.best_config.kwargs == {"BT": 8}
+    torch.testing.assert_close(y, 3 * x)

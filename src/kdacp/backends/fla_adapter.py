@@ -69,6 +69,7 @@ def _load() -> tuple[SimpleNamespace | None, str | None]:
         return None, f"fla-core is not importable ({type(e).__name__}: {e}); install fla-core=={REQUIRED_FLA_VERSION}"
     if shipped is not None:
         _reread_cache_mode()
+        _lend_configs_across_heads()
     version = getattr(fla, "__version__", "unknown")
     if version != REQUIRED_FLA_VERSION:
         return None, (f"kdacp needs fla-core=={REQUIRED_FLA_VERSION} (its stage functions are internal API), "
@@ -86,6 +87,16 @@ def _reread_cache_mode() -> None:
     shipped configurations and autotune. Its configuration directory it reads at each lookup."""
     from fla.ops.utils import cache
     cache.FLA_CACHE_MODE = cache.FlaCacheMode.from_env()
+
+
+def _lend_configs_across_heads() -> None:
+    """A kernel shape kdacp's files lack but for its head counts takes the nearest head count's entry instead
+    of autotuning (:func:`kdacp.backends.fla_configs.lend_configs_across_heads`), while FLA reads its files."""
+    from fla.ops.utils import cache
+
+    from .fla_configs import lend_configs_across_heads
+    lend_configs_across_heads(cache.CachedAutotuner, cache.get_fla_config_dir,
+                              lambda: cache.FLA_CACHE_MODE is not cache.FlaCacheMode.DISABLED)
 
 
 # FLA modules whose kernels use Triton's plain autotuner, not FLA's configuration-reading one

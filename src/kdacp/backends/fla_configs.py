@@ -16,6 +16,13 @@ H200 entry of the state pass (``chunk_gated_delta_rule_fwd_kernel_h_blockdim64``
 incoming states, a context-parallel rank's pass, is set from a measurement of rank shapes (``BV = 64``;
 benchmarks/RESULTS.md, Per-rank overhead) and guarded by a test, since a re-export would overwrite it.
 
+FLA's key also holds the head counts (``H``, ``HV``), which tensor parallelism changes (a 32-head layer at TP 8
+holds 4) and which only size a kernel's grid, never a program's tiles. Where kdacp points FLA at its files, a kernel
+shape they lack that differs from an entry only in its head counts takes that entry's configuration (the nearest
+head count), logged once, rather than autotuning: :func:`lend_configs_across_heads`. On one H100, FLA's autotuning
+of the shapes of 4 heads at 64K tokens took 336 s of a 370 s benchmark run (benchmarks/RESULTS.md, Demo cold
+start); ``kdacp tune --heads`` tunes a GPU's own.
+
 A few FLA kernels (the gated norm of ``fla.modules.norm.fused_norm_gate``) use Triton's plain autotuner,
 which never reads those files; :func:`seed_autotuner` gives such an autotuner the file's entries as
 already-tuned results, which is what FLA's own autotuner does on an exact key match.
@@ -202,3 +209,80 @@ def seed_autotuner(autotuner, config_dir: str | Path) -> int:
         autotuner.cache[key] = triton.Config(dict(config.get("kwargs") or {}), **options)
         added += 1
     return added
+
+
+# The names FLA's kernels give their head counts in an autotune key: they size the grid, not a program's tiles or
+# stages, so a configuration tuned at other head counts fits these.
+HEAD_KEY_NAMES = frozenset({"H", "HV"})
+
+
+def nearest_heads_entry(names, key, entries) -> dict | None:
+    """The entry of ``entries`` (FLA autotune entries: ``{"autotune_key": [...], "config": {...}}``) lent to the
+    autotune ``key`` of a kernel whose leading key values are named ``names`` (the tensor dtypes follow them): one
+    whose key equals ``key`` everywhere but at the head counts (:data:`HEAD_KEY_NAMES`), with the same ratio of
+    value heads to heads, nearest in head count (by ratio; a tie goes to more heads; ``key``'s own entry where it
+    has one). None where there is none or ``key`` names no head count."""
+    heads = [i for i, name in enumerate(names) if name in HEAD_KEY_NAMES]
+    if not heads:
+        return None
+    key = list(key)
+    best, best_rank = None, None
+    for entry in entries:
+        other = list(entry["autotune_key"])
+        if len(other) != len(key) or any(
+                a != b for i, (a, b) in enumerate(zip(other, key)) if i not in heads):
+            continue
+        counts = [(other[i], key[i]) for i in heads]
+        if any(type(a) is not int or type(b) is not int or a <= 0 or b <= 0 for a, b in counts):
+            continue
+        if any(a * counts[0][1] != b * counts[0][0] for a, b in counts):  # another value heads / heads ratio
+            continue
+        theirs, ours = counts[0]
+        rank = (max(theirs, ours) / min(theirs, ours), -theirs)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = entry, rank
+    return best
+
+
+def _entries(config_dir, kernel_name: str) -> list[dict]:
+    """The autotune entries of ``kernel_name``'s file in ``config_dir`` (none where either is missing)."""
+    path = Path(config_dir or "") / f"{kernel_name}.json"
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("autotune_entries", {}).values())
+
+
+def lend_configs_across_heads(autotuner_cls, config_dir, enabled) -> bool:
+    """Make FLA's configuration-reading autotuner class (``fla.ops.utils.cache.CachedAutotuner``) take, for a
+    kernel shape its files lack, the entry :func:`nearest_heads_entry` lends from the file of that kernel in
+    ``config_dir()`` (a folder), through FLA's own lookup and pruning (as if the lending entry's key had been
+    asked), instead of autotuning; only while ``enabled()`` (FLA reads its files: not while ``kdacp tune`` tunes
+    afresh). Once per class; returns whether it was installed now."""
+    original = autotuner_cls.maybe_load_cached_config
+    if getattr(original, "lends_across_heads", False):
+        return False
+    lent: set = set()
+
+    def maybe_load_cached_config(self, key, nargs, runtime_kwargs):
+        original(self, key, nargs, runtime_kwargs)
+        if key.autotune_key in self.cache or not enabled():
+            return
+        asked = {**nargs, **runtime_kwargs}
+        names = [name for name in self.keys if name in asked]  # as FLA builds the key's leading values
+        entry = nearest_heads_entry(names, key.autotune_key, _entries(config_dir(), self.kernel_name))
+        if entry is None:
+            return
+        lender = type(key)(autotune_key=tuple(entry["autotune_key"]))
+        if lender.autotune_key not in self.cache:
+            original(self, lender, nargs, runtime_kwargs)
+            if lender.autotune_key not in self.cache:  # FLA's pruning refused it for these arguments
+                return
+        self.cache[key.autotune_key] = self.cache[lender.autotune_key]
+        if (self.kernel_name, key.autotune_key) not in lent:
+            lent.add((self.kernel_name, key.autotune_key))
+            log.info(f"kdacp: FLA's {self.kernel_name} has no configuration for the key {list(key.autotune_key)}; "
+                     f"using the one tuned at {list(entry['autotune_key'])} (`kdacp tune --heads` tunes it)")
+
+    maybe_load_cached_config.lends_across_heads = True
+    autotuner_cls.maybe_load_cached_config = maybe_load_cached_config
+    return True
