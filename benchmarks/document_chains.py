@@ -34,7 +34,7 @@ def document_lengths(P: int, docs: int) -> list[int]:
     return [2 * P * PIECE * (d % 3 + 1) for d in range(docs)]
 
 
-def _rank(ctx, doc_counts, rounds):
+def _rank(worker, doc_counts, rounds):
     import torch.distributed as dist
     P, rows = dist.get_world_size(), []
     for docs in doc_counts:
@@ -51,7 +51,7 @@ def _rank(ctx, doc_counts, rounds):
             role.backward(role.forward(), do)
         ms = median_times({s: (lambda p=plans[s]: step(p)) for s in STRATEGIES}, torch.device("cpu"), rounds,
                           group=dist.group.WORLD)
-        rows.append(dict(P=P, docs=docs, positions_a_rank=len(plans["p2p"].rank_layouts[ctx.rank].positions),
+        rows.append(dict(P=P, docs=docs, positions_a_rank=len(plans["p2p"].rank_layouts[worker.rank].positions),
                          **{f"{s}_ms": round(ms[s] * 1e3, 3) for s in STRATEGIES}))
     return rows
 

@@ -39,7 +39,7 @@ from kdacp.integrations.transformers import load_kimi_linear, own_forwards, para
 from kdacp.integrations.transformers.prefill import cache_tensors
 from kdacp.bench.errors import rel_err
 from kdacp.bench.timing import Clock, sync
-from kdacp.workers import RankContext, launch
+from kdacp.workers import WorkerRank, launch
 
 GIB = 2.0 ** 30
 
@@ -64,10 +64,10 @@ def _measure(device: torch.device, fn):
     return result, seconds, peak
 
 
-def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
-    size = GPU_SIZE if ctx.device.type == "cuda" else CPU_SIZE
-    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-    model = build_model(size, args["seed"], ctx.device, dtype)
+def prefill_worker(worker: WorkerRank, args: dict) -> list[dict]:
+    size = GPU_SIZE if worker.device.type == "cuda" else CPU_SIZE
+    dtype = torch.bfloat16 if worker.device.type == "cuda" else torch.float32
+    model = build_model(size, args["seed"], worker.device, dtype)
     params = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / GIB
     cp = ContextParallel("state", new_cp_group(), strategy="p2p")
@@ -91,20 +91,20 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
         return out.cache, out.logits[:, -1]
 
-    plain = args["plain"] and ctx.world_size == 1
-    warm = torch.randint(3, size["vocab"], (1, args["warmup"]), generator=gen).to(ctx.device)
+    plain = args["plain"] and worker.world_size == 1
+    warm = torch.randint(3, size["vocab"], (1, args["warmup"]), generator=gen).to(worker.device)
     run_kdacp(warm)  # compiles (and, for shapes not shipped, autotunes) the kernels
     if plain:
         run_plain(warm)
     del warm
-    if args["profile"] and ctx.world_size == 1:  # one pass of each at the first length, before the timed ones
-        prompt = torch.randint(3, size["vocab"], (1, args["seq_lens"][0]), generator=gen).to(ctx.device)
+    if args["profile"] and worker.world_size == 1:  # one pass of each at the first length, before the timed ones
+        prompt = torch.randint(3, size["vocab"], (1, args["seq_lens"][0]), generator=gen).to(worker.device)
         for run, fn in [("kdacp", run_kdacp)] + ([("transformers", run_plain)] if plain else []):
-            ctx.report(f"profile {run} T={prompt.shape[1]}: "
-                       + top_ops(lambda p=prompt: fn(p), ctx.device.type == "cuda"))
+            worker.report(f"profile {run} T={prompt.shape[1]}: "
+                          + top_ops(lambda p=prompt: fn(p), worker.device.type == "cuda"))
         del prompt
     for T in args["seq_lens"]:
-        prompt = torch.randint(3, size["vocab"], (1, T), generator=gen).to(ctx.device)
+        prompt = torch.randint(3, size["vocab"], (1, T), generator=gen).to(worker.device)
         results = {}
         first = len(rows)  # this prompt's rows start there
         runs = [("kdacp", run_kdacp)]
@@ -114,21 +114,22 @@ def prefill_worker(ctx: RankContext, args: dict) -> list[dict]:
             times, peak, out = [], None, None
             for _ in range(args["repeats"]):
                 out = None  # the previous run's cache freed before the next
-                out, seconds, peak_run = _measure(ctx.device, lambda p=prompt: fn(p))
+                out, seconds, peak_run = _measure(worker.device, lambda p=prompt: fn(p))
                 if out is None:
                     break
                 times.append(seconds)
                 peak = peak_run if peak is None or peak_run is None else max(peak, peak_run)
-            row = dict(run=run, ranks=ctx.world_size, rank=ctx.rank, tokens=T, params=params, weights_gib=weights,
-                       status="ok" if out is not None else "OOM", first_s=times[0] if times else None,
-                       best_s=min(times) if times else None, peak_gib=peak)
+            row = dict(run=run, ranks=worker.world_size, rank=worker.rank, tokens=T, params=params,
+                       weights_gib=weights, status="ok" if out is not None else "OOM",
+                       first_s=times[0] if times else None, best_s=min(times) if times else None, peak_gib=peak)
             if out is not None:
                 cache, logits = out
                 tensors = cache_tensors(cache)
                 row["cache_gib"] = sum(t.numel() * t.element_size() for t in tensors.values()) / GIB
                 results[run] = (tensors, logits)
             rows.append(row)
-            ctx.report(f"rank {ctx.rank} {run} T={T}: {row['status']} {row['best_s']} s, peak {row['peak_gib']} GiB")
+            worker.report(f"rank {worker.rank} {run} T={T}: {row['status']} {row['best_s']} s, "
+                          f"peak {row['peak_gib']} GiB")
         # each kdacp run against transformers' (or, without it, the pieces against the one pass)
         against = "transformers" if "transformers" in results else "kdacp"
         for row in rows[first:]:

@@ -34,7 +34,7 @@ from kdacp.demo import demo_step
 from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
 from kdacp.integrations.transformers import load_kimi_linear, parallelize
-from kdacp.workers import RankContext, launch
+from kdacp.workers import WorkerRank, launch
 
 # A few hundred million parameters: Kimi Linear's 3:1 KDA:MLA pattern over 12 layers; KDA with Kimi Linear's
 # 32 heads of 128 (the shapes kdacp's shipped H200 kernel configurations were tuned at, so FLA does not
@@ -97,10 +97,10 @@ def _plain_step(model, ids, cu):
     return loss.detach()
 
 
-def train_worker(ctx: RankContext, run: str, args: dict) -> list[dict]:
-    size = GPU_SIZE if ctx.device.type == "cuda" else CPU_SIZE
-    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-    model = build_model(size, args["seed"], ctx.device, dtype)
+def train_worker(worker: WorkerRank, run: str, args: dict) -> list[dict]:
+    size = GPU_SIZE if worker.device.type == "cuda" else CPU_SIZE
+    dtype = torch.bfloat16 if worker.device.type == "cuda" else torch.float32
+    model = build_model(size, args["seed"], worker.device, dtype)
     params = sum(p.numel() for p in model.parameters())
     if run.endswith("_nudged"):
         nudge_by_one_ulp(model, args["seed"] + 1)
@@ -113,25 +113,25 @@ def train_worker(ctx: RankContext, run: str, args: dict) -> list[dict]:
     rows = []
     for step in range(args["steps"]):
         ids, cu = make_batch(step, args["seq_lens"], size["vocab"], args["seed"])
-        ids, cu = ids.to(ctx.device), cu.to(ctx.device)
-        if ctx.device.type == "cuda":
+        ids, cu = ids.to(worker.device), cu.to(worker.device)
+        if worker.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         if run == "plain":
             loss = _plain_step(model, ids, cu)
         else:
             if step == 0:
-                precompile(lambda: demo_step(model, ids, cu, group), device=ctx.device)
+                precompile(lambda: demo_step(model, ids, cu, group), device=worker.device)
                 model.zero_grad(set_to_none=True)
             loss = demo_step(model, ids, cu, group)[1]  # the logits dropped at once (64K x vocab)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.item()
-        rows.append(dict(run=run, ranks=ctx.world_size, step=step, loss=loss, step_s=time.perf_counter() - start,
+        rows.append(dict(run=run, ranks=worker.world_size, step=step, loss=loss, step_s=time.perf_counter() - start,
                          params=params, tokens=sum(args["seq_lens"])))
-        if ctx.rank == 0:
-            ctx.report(f"{run} step {step}: loss {loss:.4f}, {rows[-1]['step_s']:.3f} s")
+        if worker.rank == 0:
+            worker.report(f"{run} step {step}: loss {loss:.4f}, {rows[-1]['step_s']:.3f} s")
     return rows
 
 

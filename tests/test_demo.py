@@ -16,16 +16,16 @@ from tests.multiprocess import run_ranks
 def _worker(rank, world_size, results):
     from kdacp.demo import demo_config, demo_worker
     from kdacp.cp import batch_context
-    from kdacp.workers import RankContext
+    from kdacp.workers import WorkerRank
 
     cfg = demo_config(world_size, seq_lens=(100, 156), steps=2)
-    ctx = RankContext(rank, world_size, torch.device("cpu"), lambda message: None)
+    worker = WorkerRank(rank, world_size, torch.device("cpu"), lambda message: None)
     worst = {}
-    worst["intact"] = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in demo_worker(ctx, cfg))
+    worst["intact"] = max(max(r["output_err"], r["loss_err"], r["grad_err"]) for r in demo_worker(worker, cfg))
     real = batch_context.CPContext.left_halos
     batch_context.CPContext.left_halos = lambda self, xs, width: [None] * len(xs)
     try:
-        worst["no halo"] = max(r["grad_err"] for r in demo_worker(ctx, cfg))
+        worst["no halo"] = max(r["grad_err"] for r in demo_worker(worker, cfg))
     finally:
         batch_context.CPContext.left_halos = real
     if rank == 0:

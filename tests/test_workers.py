@@ -27,19 +27,19 @@ def _prepare():
     _BEFORE_GROUP.append(not dist.is_initialized())
 
 
-def _rank(ctx):
-    return ctx.rank, os.getpid(), list(_BEFORE_GROUP)
+def _rank(worker):
+    return worker.rank, os.getpid(), list(_BEFORE_GROUP)
 
 
-def _sleep(ctx, seconds=120.0):
+def _sleep(worker, seconds=120.0):
     time.sleep(seconds)
 
 
-def _abort_at_exit(ctx):
+def _abort_at_exit(worker):
     """Returns its result, then the process aborts at exit (as gloo's teardown once did)."""
-    if ctx.rank == 1:
+    if worker.rank == 1:
         atexit.register(os.kill, os.getpid(), signal.SIGABRT)
-    return ctx.rank
+    return worker.rank
 
 
 def test_prepare_runs_in_each_rank_before_its_group():
@@ -56,9 +56,9 @@ def test_one_rank_runs_in_this_process_with_its_group_and_deadline(no_spawn):
     _BEFORE_GROUP.clear()
     reports = []
 
-    def one(ctx):
-        ctx.report("hello")
-        return ctx.rank, os.getpid(), list(_BEFORE_GROUP), dist.get_world_size()
+    def one(worker):
+        worker.report("hello")
+        return worker.rank, os.getpid(), list(_BEFORE_GROUP), dist.get_world_size()
     try:
         assert launch(one, 1, prepare=_prepare, on_report=lambda r, m: reports.append((r, m))) == [
             (0, os.getpid(), [True], 1)]
@@ -137,8 +137,8 @@ def _no_prepare():
     pass
 
 
-def _sleep_ranks(ctx, cfg):
-    open(os.path.join(os.environ["KDACP_TEST_DIR"], f"rank{ctx.rank}"), "w").close()
+def _sleep_ranks(worker, cfg):
+    open(os.path.join(os.environ["KDACP_TEST_DIR"], f"rank{worker.rank}"), "w").close()
     time.sleep(120)
 
 
@@ -238,9 +238,9 @@ def test_stopped_names_the_signal():
     assert isinstance(Stopped(signal.SIGINT), WorkerError)
 
 
-def _log_info(ctx):
-    logging.getLogger("kdacp.test_workers").info(f"rank {ctx.rank} logs")
-    return ctx.rank
+def _log_info(worker):
+    logging.getLogger("kdacp.test_workers").info(f"rank {worker.rank} logs")
+    return worker.rank
 
 
 def test_workers_log_at_the_launchers_level(capfd):

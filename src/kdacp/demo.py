@@ -35,7 +35,7 @@ from .cp import ContextParallel
 from .cp.context import MODES, hybrid_ulysses_size
 from .integrations.transformers import global_token_mean_loss, load_kimi_linear, parallelize, shard_batch, torch_fallbacks
 from .precompilation import precompile
-from .workers import RankContext
+from .workers import WorkerRank
 
 __all__ = ["DTYPES", "DemoConfig", "PHASES", "demo_batch", "demo_config", "demo_model", "demo_step", "demo_worker",
            "plural"]
@@ -322,7 +322,7 @@ def _strategy(cfg: DemoConfig, cp: ContextParallel) -> str:
     return plan.strategy if plan.strategy_reason == "given" else f"{plan.strategy} ({plan.strategy_reason})"
 
 
-def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
+def demo_worker(worker: WorkerRank, cfg: DemoConfig) -> list[dict]:
     """One rank of the demo; returns every rank's row (gathered), so rank 0 can print the table.
 
     A row: ``rank, device, tokens, sequences``; ``first_s`` (the first step, its ``precompile_s`` and
@@ -333,20 +333,20 @@ def demo_worker(ctx: RankContext, cfg: DemoConfig) -> list[dict]:
     started_at, start = time.time(), time.perf_counter()
     spent = dict.fromkeys(("build", "steps", "reference", "checks", "precompile", "autotune"), 0.0)
     with _autotune_clock(spent):
-        row = _train_and_check(ctx, cfg, spent)
+        row = _train_and_check(worker, cfg, spent)
     row.update({f"{name}_s": spent[name] for name in spent}, worker_s=time.perf_counter() - start,
                started_at=started_at)
-    rows: list = [None] * ctx.world_size
+    rows: list = [None] * worker.world_size
     dist.all_gather_object(rows, row)
     return rows
 
 
-def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
+def _train_and_check(worker: WorkerRank, cfg: DemoConfig, spent: dict) -> dict:
     """:func:`demo_worker`'s run: this rank's row, less its times, which go into ``spent`` (seconds)."""
     t0 = time.perf_counter()
     from transformers.utils import logging
     logging.set_verbosity_error()  # the reference's notices that it runs transformers' PyTorch fallbacks
-    model = demo_model(cfg, ctx.device)
+    model = demo_model(cfg, worker.device)
     reference = copy.deepcopy(model)  # float32, the same initial weights
     model.to(getattr(torch, cfg.dtype))
     cp = ContextParallel(cfg.mode, new_cp_group(), strategy=cfg.strategy, ulysses_size=cfg.ulysses_size,
@@ -354,33 +354,33 @@ def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
     parallelize(model, cp)
     strategy = _strategy(cfg, cp)
     optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (model, reference)]
-    _sync(ctx.device)
+    _sync(worker.device)
     spent["build"] = time.perf_counter() - t0
     T = sum(cfg.seq_lens)
-    T_local = T // ctx.world_size
-    shard = slice(ctx.rank * T_local, (ctx.rank + 1) * T_local)
+    T_local = T // worker.world_size
+    shard = slice(worker.rank * T_local, (worker.rank + 1) * T_local)
     errors = dict(output_err=0.0, loss_err=0.0, grad_err=0.0)
     times, losses = [], []
     compiled = 0
     for step in range(cfg.steps):
-        ids, cu = demo_batch(cfg, step, ctx.device)
-        _sync(ctx.device)
+        ids, cu = demo_batch(cfg, step, worker.device)
+        _sync(worker.device)
         t0 = time.perf_counter()
         if step == 0 and cfg.precompile:  # part of the first step's time
-            compiled = precompile(lambda: demo_step(model, ids, cu, cp.group), device=ctx.device)
+            compiled = precompile(lambda: demo_step(model, ids, cu, cp.group), device=worker.device)
             model.zero_grad(set_to_none=True)  # the dry run's garbage
-            _sync(ctx.device)
+            _sync(worker.device)
             spent["precompile"] = time.perf_counter() - t0
         logits, loss = demo_step(model, ids, cu, cp.group)
-        _sync(ctx.device)
+        _sync(worker.device)
         times.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        ref_logits = torch.empty(1, T, cfg.vocab_size, device=ctx.device)
-        ref_loss = torch.empty((), device=ctx.device)
-        if ctx.rank == 0:
+        ref_logits = torch.empty(1, T, cfg.vocab_size, device=worker.device)
+        ref_loss = torch.empty((), device=worker.device)
+        if worker.rank == 0:
             ref_logits, ref_loss = _reference_step(reference, ids, cu.tolist())
-            _sync(ctx.device)
+            _sync(worker.device)
             spent["reference"] += time.perf_counter() - t0
             t0 = time.perf_counter()
         else:
@@ -398,14 +398,14 @@ def _train_and_check(ctx: RankContext, cfg: DemoConfig, spent: dict) -> dict:
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        _sync(ctx.device)
+        _sync(worker.device)
         spent["checks"] += time.perf_counter() - t0
-        ctx.report(("step", step + 1))
+        worker.report(("step", step + 1))
     spent["steps"] = sum(times)
 
     cu_list = [0, *torch.tensor(cfg.seq_lens).cumsum(0).tolist()]
     pieces = sum(1 for a, b in zip(cu_list[:-1], cu_list[1:]) if a < shard.stop and b > shard.start)
     later = times[1:]
-    return dict(rank=ctx.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompiled=compiled,
+    return dict(rank=worker.rank, tokens=T_local, sequences=pieces, first_s=times[0], precompiled=compiled,
                 later_ms=1e3 * sum(later) / len(later) if later else None, **errors, losses=losses,
-                device=str(ctx.device), strategy=strategy)
+                device=str(worker.device), strategy=strategy)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import resource_tracker, spawn
 
-__all__ = ["RankContext", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "configure_logging",
+__all__ = ["WorkerRank", "WorkerError", "Stopped", "launch", "check_launch", "check_memory", "configure_logging",
            "deadline", "exit_cause", "free_port", "under_torchrun", "pick_backend"]
 
 # CPU ranks (gloo, one thread each) allowed per core: past it each rank gets under an eighth of a core,
@@ -79,7 +79,7 @@ class Stopped(WorkerError):
 
 
 @dataclass(frozen=True)
-class RankContext:
+class WorkerRank:
     """What a worker function receives: its rank, the world size, its device, and a ``report``
     callable that sends a picklable message to the launching process."""
 
@@ -251,7 +251,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float
         if prepare is not None:
             prepare()
         dev = _init_group(rank, world_size, device, timeout_s)
-        result = fn(RankContext(rank, world_size, dev, lambda m: messages.put(("report", rank, m))), *args)
+        result = fn(WorkerRank(rank, world_size, dev, lambda m: messages.put(("report", rank, m))), *args)
         messages.put(("result", rank, result))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
@@ -306,7 +306,7 @@ def _rank_here(fn: Callable, args: tuple, rank: int, world_size: int, device: st
         prepare()
     try:
         dev = _init_group(rank, world_size, device, timeout_s, init_method)
-        return [fn(RankContext(rank, world_size, dev, lambda m: on_report and on_report(rank, m)), *args)]
+        return [fn(WorkerRank(rank, world_size, dev, lambda m: on_report and on_report(rank, m)), *args)]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -399,13 +399,13 @@ def check_launch(world_size: int, device: str, port: int = 0) -> None:
 def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", port: int = 0,
            timeout_s: float = 600.0, on_report: Callable[[int, Any], None] | None = None,
            prepare: Callable[[], Any] | None = None) -> list[Any]:
-    """Run ``fn(ctx: RankContext, *args)`` on ``world_size`` ranks and return their results by rank.
+    """Run ``fn(worker: WorkerRank, *args)`` on ``world_size`` ranks and return their results by rank.
 
     Under torchrun, runs this process's rank only and returns ``[result]``; ``world_size == 1`` runs in
     this process too (its process group of one rank is destroyed at the end). Otherwise checks the world
     size (:func:`check_world_size`) and spawns the ranks (``gloo`` on CPU, ``nccl`` with one GPU per
     rank; each logs through the ``kdacp`` logger at this process's level, :func:`configure_logging`);
-    ``on_report(rank, message)`` sees each ``ctx.report`` message as it arrives. ``timeout_s``
+    ``on_report(rank, message)`` sees each ``worker.report`` message as it arrives. ``timeout_s``
     counts from the call: starting the workers, the run, and their exit. ``prepare()`` (picklable) runs in
     each rank's process before its process group exists: imports that must precede the group go there
     (transformers' model modules imported after it keep the default group alive until interpreter

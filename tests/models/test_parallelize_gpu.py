@@ -43,12 +43,12 @@ def _family(name: str):
     return _model, _transformers_recurrent_gdn
 
 
-def _worker(ctx, name: str) -> dict:
+def _worker(worker, name: str) -> dict:
     import kdacp
     from kdacp.integrations.transformers import install  # the linear-attention layers' forward reads the documents there
     make_model, context = _family(name)
-    ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(ctx.device), context())
-    model = make_model(**HEAD_SHAPES[name]).to(ctx.device, torch.bfloat16)
+    ref = one_document_at_a_time(make_model(**HEAD_SHAPES[name]).to(worker.device), context())
+    model = make_model(**HEAD_SHAPES[name]).to(worker.device, torch.bfloat16)
     model = kdacp.parallelize(model, kdacp.ContextParallel("state"))
     errs = errors(model, ref, 0, 1)
     real = install.global_cu_seqlens

@@ -51,16 +51,16 @@ def _make(name: str, make_model):
     return model
 
 
-def _worker(ctx, name: str) -> dict:
+def _worker(worker, name: str) -> dict:
     import kdacp
     from kdacp.integrations.transformers.prefill import PrefillCache
     make_model, context = _family(name)
-    prompt = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    reference = _make(name, make_model).to(ctx.device)
+    prompt = torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)).to(worker.device)
+    reference = _make(name, make_model).to(worker.device)
     with context(), torch.no_grad():
         out = reference(input_ids=prompt, use_cache=True)
     want = _tensors(out.cache, out.logits[:, -1])
-    model = kdacp.parallelize(_make(name, make_model).to(ctx.device, torch.bfloat16),
+    model = kdacp.parallelize(_make(name, make_model).to(worker.device, torch.bfloat16),
                               kdacp.ContextParallel("state"))
 
     def prefill(pieces):

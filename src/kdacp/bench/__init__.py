@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Callable
 
 from ..choices import CPU_SUITES, SUITES
-from ..workers import RankContext, deadline, launch
+from ..workers import WorkerRank, deadline, launch
 
 __all__ = ["SUITES", "CPU_SUITES", "load_suite", "run_suite"]
 
@@ -41,10 +41,10 @@ def _prepare(name: str) -> None:
         prepare()
 
 
-def _rank_worker(ctx: RankContext, name: str, options: dict) -> list[dict]:
+def _rank_worker(worker: WorkerRank, name: str, options: dict) -> list[dict]:
     suite = load_suite(name)
-    report = ctx.report if ctx.rank == 0 else None
-    return suite.run(**options, device=str(ctx.device), report=report)
+    report = worker.report if worker.rank == 0 else None
+    return suite.run(**options, device=str(worker.device), report=report)
 
 
 def run_suite(name: str, options: dict, *, device: str = "cuda", world_size: int = 1, port: int = 0,
