@@ -8,7 +8,9 @@ sequence) and, for GDN where it is installed (``benchmarks/flashqla_prep.sh``), 
 intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), and
 kdacp's op on it (``kdacp_flashqla``: ``backend="flashqla"``, no split), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`); and kdacp's op on
 attention-gym's cores (``kdacp_attn_gym``: ``backend="attn_gym"``, no split) where they are installed on a Hopper
-GPU (its forward-only calls run FLA's kernels). Prints one line per case (ms, and each contender over FLA) and,
+GPU (its forward-only calls run FLA's kernels). The forward is timed as inference, under ``torch.no_grad()``:
+kdacp's GDN then runs FLA's GDN kernels even where FLA refuses its GDN backward (which a training forward
+prepares for by running FLA's KDA kernels on the broadcast gate instead). Prints one line per case (ms, and each contender over FLA) and,
 with ``--out DIR``, writes ``split_heads.json`` and ``.md`` (one row per case and contender, the card named) and one
 plot per family and mode (time against heads, one line per contender, one panel per token count and batch).
 
@@ -32,11 +34,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def _split(name: str):
+def split_setting(name: str):
     return None if name == "none" else name if name == "auto" else int(name)
 
 
-def _op_inputs(family: str, T: int, H: int, cu) -> tuple[dict, dict]:
+def op_inputs(family: str, T: int, H: int, cu) -> tuple[dict, dict]:
     """``(tensors, options)`` for both ops, the tensors leaves that require grad."""
     x = random_inputs(T, H, H, 128, 128, gate=family)
     options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True,
@@ -51,15 +53,18 @@ def _op_inputs(family: str, T: int, H: int, cu) -> tuple[dict, dict]:
     return {n: t.detach().requires_grad_() for n, t in tensors.items()}, options
 
 
-def _calls(op, tensors: dict, options: dict, backward: bool):
+def timed_call(op, tensors: dict, options: dict, backward: bool):
     do = torch.randn_like(tensors["v"])
 
     def call():
+        if not backward:  # a forward alone is inference (prefill): no graph, and no backward to prepare for
+            with torch.no_grad():
+                op(**tensors, **options)
+            return
         o, _ = op(**tensors, **options)
-        if backward:
-            o.backward(do)
-            for t in tensors.values():
-                t.grad = None
+        o.backward(do)
+        for t in tensors.values():
+            t.grad = None
     return call
 
 
@@ -127,20 +132,23 @@ def main() -> None:
             for batch in args.batches.split(","):
                 cu = None if batch == "one_sequence" else cu_seqlens_of(document_lengths(batch, T))
                 for H in args.heads:
-                    tensors, options = _op_inputs(family, T, H, cu)
+                    tensors, options = op_inputs(family, T, H, cu)
                     for mode in args.modes.split(","):
                         backward = mode == "forward_backward"
                         fns = {}
                         if family == "kda" or not backward or fla_gdn_backward:
-                            fns["fla"] = _calls(fla_op, tensors, options, backward)
+                            fns["fla"] = timed_call(fla_op, tensors, options, backward)
                         for name in args.splits.split(","):
-                            fns[f"split={name}"] = _calls(ours, tensors, dict(options, split=_split(name)), backward)
+                            fns[f"split={name}"] = timed_call(ours, tensors, dict(options, split=split_setting(name)),
+                                                              backward)
                         if family == "gdn" and flashqla is not None:
                             for name, auto_cp in (("flashqla", True), ("flashqla_nocp", False)):
-                                fns[name] = _calls(flashqla, tensors, dict(options, auto_cp=auto_cp), backward)
-                            fns["kdacp_flashqla"] = _calls(ours, tensors, dict(options, backend="flashqla"), backward)
+                                fns[name] = timed_call(flashqla, tensors, dict(options, auto_cp=auto_cp), backward)
+                            fns["kdacp_flashqla"] = timed_call(ours, tensors, dict(options, backend="flashqla"),
+                                                               backward)
                         if attn_gym:
-                            fns["kdacp_attn_gym"] = _calls(ours, tensors, dict(options, backend="attn_gym"), backward)
+                            fns["kdacp_attn_gym"] = timed_call(ours, tensors, dict(options, backend="attn_gym"),
+                                                               backward)
                         seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
                         ms = {n: s * 1e3 for n, s in seconds.items()}
                         fla = ms.get("fla")

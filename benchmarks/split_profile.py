@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from split_heads import _calls, _op_inputs, _split
+from split_heads import op_inputs, split_setting, timed_call
 
 
 def kernel_ms(call, calls: int) -> dict[str, tuple[float, float]]:
@@ -51,10 +51,11 @@ def main() -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     from fla.ops.kda import chunk_kda as fla_kda
     fla_op, ours = (fla_kda, kdacp.chunk_kda) if args.family == "kda" else (fla_gdn, kdacp.chunk_gated_delta_rule)
-    tensors, options = _op_inputs(args.family, args.tokens, args.heads, None)
-    contenders = {"fla": _calls(fla_op, tensors, options, args.backward)}
+    tensors, options = op_inputs(args.family, args.tokens, args.heads, None)
+    contenders = {"fla": timed_call(fla_op, tensors, options, args.backward)}
     for name in args.splits.split(","):
-        contenders[f"split={name}"] = _calls(ours, tensors, dict(options, split=_split(name)), args.backward)
+        contenders[f"split={name}"] = timed_call(ours, tensors, dict(options, split=split_setting(name)),
+                                                 args.backward)
     mode = "forward + backward" if args.backward else "forward"
     print(f"# {torch.cuda.get_device_name()}: {args.family} {mode}, {args.heads} heads, {args.tokens} tokens")
     totals = {}

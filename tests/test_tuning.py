@@ -329,8 +329,9 @@ class _FlaAutotuner:
 
     def maybe_load_cached_config(self, key, nargs, runtime_kwargs):
         for entry in json.loads((self.folder / "a_kernel.json").read_text())["autotune_entries"].values():
-            if tuple(entry["autotune_key"]) == key.autotune_key and entry["config"]["kwargs"]["BV"] not in self.refused:
-                self.cache[key.autotune_key] = entry["config"]["kwargs"]
+            config = entry["config"]["kwargs"]
+            if tuple(entry["autotune_key"]) == key.autotune_key and config["BV"] not in self.refused:
+                self.cache[key.autotune_key] = config
 
 
 def _ask(autotuner, key):
@@ -371,8 +372,8 @@ def test_the_shipped_state_pass_entries_lend_to_tensor_parallel_head_counts():
     """The H200's shipped entries of FLA's state pass serve the head counts tensor parallelism leaves (2 to 16 of
     a 32-head layer), one sequence and several, without autotuning."""
     from kdacp.backends.fla_configs import nearest_heads_entry
-    data = json.loads((SHIPPED_CONFIGS / "NVIDIA_H200" / "chunk_gated_delta_rule_fwd_kernel_h_blockdim64.json").read_text())
-    entries = data["autotune_entries"].values()
+    path = SHIPPED_CONFIGS / "NVIDIA_H200" / "chunk_gated_delta_rule_fwd_kernel_h_blockdim64.json"
+    entries = json.loads(path.read_text())["autotune_entries"].values()
     bf16, f32, i64 = _BF16, "torch.float32", "torch.int64"
     for heads in (2, 4, 16):
         for tail in ([bf16, bf16, bf16, bf16, f32, bf16, f32], [bf16, bf16, bf16, bf16, f32, bf16, f32, i64, i64]):

@@ -70,4 +70,5 @@ def test_split_error_within_fla_error(family, packed):
         ours = _run(ours_op, tensors, dict(options, split=pieces, backend="fla"), do, dfinal)
         for name, t, f, o in zip(names, truth, theirs, ours):
             e_fla, e_ours = rel_err(f, t), rel_err(o, t)
-            assert e_ours <= 1.05 * e_fla + 1e-6, f"{name} at {pieces} pieces: {e_ours:.3e} against {baseline_name} {e_fla:.3e}"
+            assert e_ours <= 1.05 * e_fla + 1e-6, \
+                f"{name} at {pieces} pieces: {e_ours:.3e} against {baseline_name} {e_fla:.3e}"
