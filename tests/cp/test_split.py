@@ -102,6 +102,17 @@ def test_pieces_of_the_longest_segment():
     assert chunks_per_piece("auto", backend, span, 2, 16, 16, cpu) is None  # auto cuts on a GPU only
 
 
+@pytest.mark.parametrize("heads, pieces", [(2, 16), (4, 16), (8, 8), (16, 4), (32, None)])
+def test_auto_pieces_on_an_h100_where_they_measured_best(heads, pieces):
+    """``split="auto"`` for one sequence of 64K tokens (K = V = 128) on the 132 SMs of an H100: the piece counts
+    that measured best or within 5% of it there (benchmarks/RESULTS.md, Split inside one GPU), none at 32 heads,
+    where the state pass fills the GPU; at 2 heads capped at 16 pieces (32 measured slower)."""
+    length = split_module.auto_chunks_per_piece(Span(0, 65536, (0, 65536)), heads, 128, 128, 64, sms=132)
+    assert (None if length is None else -(-1024 // length)) == pieces
+    uneven = split_module.auto_chunks_per_piece(Span(0, 65000, (0, 100, 65000)), heads, 128, 128, 64, sms=132)
+    assert (None if uneven is None else -(-1015 // uneven)) == pieces  # the longest segment is cut the same
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "on", True])
 def test_split_refused_by_name(bad):
     with pytest.raises(ValueError, match="split must be"):

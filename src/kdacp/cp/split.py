@@ -23,12 +23,18 @@ import torch
 from ..affine import AffineMap, chain_states
 from ..backends.base import LocalBackend, LocalStates, Span
 from ..host_copies import take_rows
-from ..kernels.subsegments import pick_chunks_per_program
+from ..kernels.subsegments import pick_chunks_per_program, sm_count
 
 # ``split="auto"`` cuts only where the longest segment's serial walk gets at least this many times shorter: the
 # summaries and the chain cost about one more walk of a piece, and a state pass that already fills the GPU (many
 # heads, or many sequences) gains nothing from more programs.
 AUTO_MIN_PIECES = 4
+# ... and into at most this many: the chain carries the states along a segment's pieces one after another (about
+# 14 us a piece at 4 heads of 128 on an H100, twice in a forward + backward), so past 16 pieces it costs more than
+# the wider pass saves. On one H100 at 64K tokens and 2 heads, 32 pieces took 1.07x (KDA forward) and 1.04x
+# (forward + backward) the time of 16, and 1.21x / 1.05x in an earlier run (benchmarks/RESULTS.md, Split inside one
+# GPU); at 4 to 16 heads the summary kernels' own choice (2 programs per SM) was within 5% of the best count.
+AUTO_MAX_PIECES = 16
 # state columns per program of the summary kernels (their default ``block_v``)
 _SUMMARY_BLOCK_V = 64
 
@@ -46,24 +52,33 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     """The length in chunks of the pieces ``span``'s segments are cut into, or ``None`` for no cut.
 
     ``split`` as :func:`check_split`; an int ``S`` cuts the longest segment into ``S`` pieces (others into as
-    many pieces of the same length as they need); ``"auto"`` takes the summary kernels' own choice, about two
-    programs per SM of ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where it cuts
-    the longest segment into at least :data:`AUTO_MIN_PIECES` on a CUDA device. Backends that cannot summarise
-    pieces (``summary_pieces`` false) never cut; the chunk length is the backend's (``options.chunk_size``)."""
+    many pieces of the same length as they need); ``"auto"``, on a CUDA device, :func:`auto_chunks_per_piece`.
+    Backends that cannot summarise pieces (``summary_pieces`` false) never cut; the chunk length is the
+    backend's (``options.chunk_size``)."""
     if split is None or split == 1 or span.empty or not backend.summary_pieces:
         return None
     chunk_size = backend.options.chunk_size
     lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     longest = -(-max(lengths) // chunk_size)
     if split == "auto":
-        if device.type != "cuda":
-            return None
-        bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
-        block_v = min(_SUMMARY_BLOCK_V, K, V)
-        length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, device)
-        return length if -(-longest // length) >= AUTO_MIN_PIECES else None
+        return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device)) if device.type == "cuda" else None
     length = -(-longest // split)
     return length if length < longest else None
+
+
+def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
+    """``split="auto"``'s pieces of ``span``'s segments on a GPU of ``sms`` SMs, in chunks of ``chunk_size``
+    tokens, or ``None`` for no cut: the summary kernels' own choice, about two programs per SM of
+    ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where that cuts the longest segment
+    into at least :data:`AUTO_MIN_PIECES`, and into no more than :data:`AUTO_MAX_PIECES`."""
+    lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
+    longest = -(-max(lengths) // chunk_size)
+    bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
+    block_v = min(_SUMMARY_BLOCK_V, K, V)
+    length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
+    if -(-longest // length) < AUTO_MIN_PIECES:
+        return None
+    return max(length, -(-longest // AUTO_MAX_PIECES))
 
 
 @dataclass(frozen=True)

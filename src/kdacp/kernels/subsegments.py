@@ -40,13 +40,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def pick_chunks_per_program(bounds, programs_per_subsegment: int, chunk_size: int, device,
-                            serial_programs: int | None = None) -> int:
+                            serial_programs: int | None = None, sms: int | None = None) -> int:
     """Chunks per program: sequences are cut so that the grid holds about ``_WAVES`` programs per SM.
 
     ``serial_programs``: the grid without cutting (when cutting adds transition columns); if that
-    already fills the GPU, nothing is cut.
+    already fills the GPU, nothing is cut. ``sms``: the SM count to fill (default: ``device``'s).
     """
-    sms = sm_count(device)
+    sms = sm_count(device) if sms is None else sms
     chunks = [-(-(e - s) // chunk_size) for _, s, e in bounds]
     longest = max(chunks)
     if serial_programs is not None and serial_programs * len(bounds) >= sms:
