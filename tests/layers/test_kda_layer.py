@@ -275,3 +275,32 @@ def test_forward_names_a_bad_input_before_any_kernel(layer_class):
         layer(torch.randn(1, 32, 64), cu_seqlens=torch.tensor([0, 10, 40]))
     with pytest.raises(ValueError, match="^with cu_seqlens the batch size B must be 1"):
         layer(torch.randn(2, 16, 64), cu_seqlens=torch.tensor([0, 10, 32]))
+
+
+def test_the_layers_split_compiles_as_one_graph_and_matches_eager(monkeypatch):
+    """``torch.compile(layer, fullgraph=True)`` of a layer whose recurrence is cut inside the device: one graph
+    (the recurrence an opaque region, the cut inside it), the eager layer's outputs, final states and gradients,
+    and the cut seen running under the compiled call."""
+    import kdacp.cp.schedule
+    from torch._dynamo.testing import CompileCounterWithBackend
+    seen = []
+    real = kdacp.cp.schedule.chunks_per_piece
+    monkeypatch.setattr(kdacp.cp.schedule, "chunks_per_piece", lambda split, *a: seen.append(split) or real(split, *a))
+    layer = small_layer(-5.0, conv_bias=True)
+    layer.split = 3
+    torch.manual_seed(6)
+    x = torch.randn(1, 150, 32, dtype=torch.float64)
+    cu = torch.tensor([0, 20, 150])
+    results = []
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    for call in (layer, torch.compile(layer, backend=counter, fullgraph=True)):
+        seen.clear()
+        leaf = x.clone().requires_grad_()
+        y, S = call(leaf, cu_seqlens=cu, output_final_state=True)
+        grads = torch.autograd.grad((y * torch.sin(y)).sum() + S.sum(), [leaf, *layer.parameters()])
+        results.append((y, S, *grads))
+        assert 3 in seen  # the cut ran in this call
+    assert counter.frame_count == 1
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-12
