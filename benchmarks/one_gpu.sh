@@ -190,8 +190,8 @@ split)
     step split_heads 330 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,32 --tokens 65536 \
         --splits none,auto,8,16 --rounds 5 --out "$out"
     grep -h " ms |" "$out/split_heads.log"
-    step split_tests 240 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
-    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
+    step split_tests 240 python3 -m pytest -v -s -m gpu tests/cp/test_split_gpu.py tests/test_tuning_gpu.py
+    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|autotuned at" "$out/split_tests.log" | tail -12
     ;;
 flashqla)
     wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here

@@ -322,7 +322,8 @@ class _FlaAutotuner:
     """FLA's ``CachedAutotuner`` in strict mode: a key's exact entry of its file into ``cache``, except the
     configurations its pruning refuses (``BV`` in ``refused``)."""
 
-    keys, kernel_name = _NAMES, "a_kernel"
+    keys = arg_names = _NAMES
+    kernel_name = "a_kernel"
 
     def __init__(self, folder, refused=()):
         self.cache, self.folder, self.refused = {}, folder, refused

@@ -267,8 +267,8 @@ def lend_configs_across_heads(autotuner_cls, config_dir, enabled) -> bool:
         original(self, key, nargs, runtime_kwargs)
         if key.autotune_key in self.cache or not enabled():
             return
-        asked = {**nargs, **runtime_kwargs}
-        names = [name for name in self.keys if name in asked]  # as FLA builds the key's leading values
+        asked = {**nargs, **runtime_kwargs}  # the key's leading values, named as FLA's AutotuneKey.build takes them
+        names = [name for name in self.keys if name in asked and name in self.arg_names]
         entry = nearest_heads_entry(names, key.autotune_key, _entries(config_dir(), self.kernel_name))
         if entry is None:
             return
