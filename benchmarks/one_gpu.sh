@@ -41,8 +41,9 @@
 #                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
-#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: KDA and GDN against FLA's ops at 2..32 heads
-#                                             # and 64K tokens, one sequence, each split setting
+#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: a first run at 4 heads autotuning nothing the
+#                                             # shipped files lend to; KDA and GDN against FLA's ops at 2..32 heads and
+#                                             # 64K tokens, one sequence and packed, each split setting
 #                                             # (benchmarks/split_heads.py), FlashQLA beside GDN where .whl/flashqla
 #                                             # holds its wheels (benchmarks/flashqla_prep.sh download); then the
 #                                             # split's GPU error tests
@@ -185,13 +186,18 @@ split)
     if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
         eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
     fi
-    # the figures first (FLA leaves GDN's forward + backward out
-    # where it refuses its GDN backward, unless FlashQLA's wheels brought tilelang), then the split's error tests
-    step split_heads 330 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,32 --tokens 65536 \
-        --splits none,auto,8,16 --rounds 5 --out "$out"
+    # a first run at 4 heads on an empty cache (FLA autotunes none of the kernels kdacp's files lend to), then
+    # the figures (FLA leaves GDN's forward + backward out where it refuses its GDN backward, unless FlashQLA's
+    # wheels brought tilelang; a forward alone is inference), then the split's error tests; the log, tables and
+    # plots packed into one file as each step ends (a call brings back a few files only)
+    export ARCHIVE="$out/split.tgz"
+    step first_run_heads 200 python3 -m pytest -v -s -m gpu tests/test_tuning_gpu.py
+    grep -h "PASSED\|FAILED\|autotuned at" "$out/first_run_heads.log"
+    step split_heads 330 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,16,32 --tokens 65536 \
+        --batches one_sequence,lognormal --splits none,auto,8,16 --rounds 3 --out "$out"
     grep -h " ms |" "$out/split_heads.log"
-    step split_tests 240 python3 -m pytest -v -s -m gpu tests/cp/test_split_gpu.py tests/test_tuning_gpu.py
-    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|autotuned at" "$out/split_tests.log" | tail -12
+    step split_tests 240 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
+    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
     ;;
 flashqla)
     wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here
