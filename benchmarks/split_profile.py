@@ -5,12 +5,14 @@ each ``--splits`` setting (one family, head count, token count, one sequence, th
 
     python benchmarks/split_profile.py --family kda --heads 4 --tokens 65536 --splits none,8 [--backward]
 
-Prints, per contender, its total and its ``--top`` kernels (ms per call, calls per call), then one line per
-contender with the total.
+Prints, per contender, its kernels' total, its host time per call (:func:`host_ms`) and its ``--top`` kernels (ms
+per call, launches per call), then one line per contender with both totals.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -36,6 +38,22 @@ def kernel_ms(call, calls: int) -> dict[str, tuple[float, float]]:
     return {name: (ms / calls, n / calls) for name, (ms, n) in per.items()}
 
 
+def host_ms(call, calls: int) -> float:
+    """The host's milliseconds per call of ``call``: the median time for a call to return, the device synchronised
+    before each (its queue empty, so no launch waits for room), after two warm-up calls. Where it exceeds the
+    call's kernel time, the device idles waiting for the host."""
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="kda", choices=("kda", "gdn"))
@@ -58,15 +76,17 @@ def main() -> None:
                                                  args.backward)
     mode = "forward + backward" if args.backward else "forward"
     print(f"# {torch.cuda.get_device_name()}: {args.family} {mode}, {args.heads} heads, {args.tokens} tokens")
-    totals = {}
+    totals, hosts = {}, {}
     for name, call in contenders.items():
         per = kernel_ms(call, args.calls)
-        totals[name] = sum(ms for ms, _ in per.values())
-        print(f"## {name}: {totals[name]:.3f} ms of kernels per call, {sum(n for _, n in per.values()):.0f} launches")
+        totals[name], hosts[name] = sum(ms for ms, _ in per.values()), host_ms(call, args.calls)
+        print(f"## {name}: {totals[name]:.3f} ms of kernels per call, {sum(n for _, n in per.values()):.0f} launches, "
+              f"{hosts[name]:.3f} ms of host time")
         for kernel, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"  {ms:8.3f} ms  x{n:<4.0f} {kernel[:110]}")
+    print("| family | heads | mode | contender | kernels ms | host ms |")
     for name, ms in totals.items():
-        print(f"| {args.family} | {args.heads} | {mode} | {name} | {ms:.3f} |")
+        print(f"| {args.family} | {args.heads} | {mode} | {name} | {ms:.3f} | {hosts[name]:.3f} |")
 
 
 if __name__ == "__main__":
