@@ -3,7 +3,8 @@ and packed documents, forward and backward, against the float64 reference of the
 (forced to 8 and 32 pieces) at most 1.05x that of FLA's own op on the same inputs (outputs, final states and
 every input gradient). Where FLA refuses its GDN backward (FLA 0.6.0 on Hopper with Triton < 3.7.1 and no tilelang:
 :func:`~kdacp.backends.fla_adapter.fla_gated_gdn_backward_supported`), GDN's baseline is kdacp's op without the
-split, which then trains on FLA's KDA kernels."""
+split, which then trains on FLA's KDA kernels. A forward alone (``torch.no_grad()``, as prefill runs it) is checked
+against FLA's forward too: there GDN runs FLA's GDN kernels and their summaries."""
 from __future__ import annotations
 
 import functools
@@ -72,3 +73,26 @@ def test_split_error_within_fla_error(family, packed):
             e_fla, e_ours = rel_err(f, t), rel_err(o, t)
             assert e_ours <= 1.05 * e_fla + 1e-6, \
                 f"{name} at {pieces} pieces: {e_ours:.3e} against {baseline_name} {e_fla:.3e}"
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_split_inference_error_within_fla_error(family, packed):
+    """A forward alone (``torch.no_grad()``: prefill), which runs GDN on FLA's GDN kernels even where FLA refuses
+    its GDN backward: the output and final states cut into 8 and 32 pieces within 1.05x of FLA's own error."""
+    fla = pytest.importorskip("fla.ops.kda" if family == "kda" else "fla.ops.gated_delta_rule")
+    fla_op = fla.chunk_kda if family == "kda" else fla.chunk_gated_delta_rule
+    ours_op = chunk_kda if family == "kda" else chunk_gated_delta_rule
+    tensors, options = _case(family, packed)
+    ref_options = {n: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                   for n, v in options.items()}
+    ref_op = reference.chunk_kda if family == "kda" else reference_gdn
+    with torch.no_grad():
+        truth = ref_op(**{n: t.double() for n, t in tensors.items()}, **ref_options)
+        theirs = fla_op(**tensors, **options)
+        for pieces in (8, 32):
+            ours = ours_op(**tensors, **dict(options, split=pieces, backend="fla"))
+            for name, t, f, o in zip(("o", "final_state"), truth, theirs, ours):
+                e_fla, e_ours = rel_err(f, t), rel_err(o, t)
+                assert e_ours <= 1.05 * e_fla + 1e-6, \
+                    f"{name} at {pieces} pieces: {e_ours:.3e} against FLA's {e_fla:.3e}"
