@@ -2,7 +2,7 @@
 
 On CPU (the interpreter) it must not run the step at all; on a GPU the dry run must skip every launch
 that needed a compile, leave the kernels compiled for the real run (no compile then), skip untuned
-autotuners without caching a choice, catch launches from autograd's backward thread, and restore
+autotuners without caching a choice (compiling all their configurations where asked), catch launches from autograd's backward thread, and restore
 Triton's hooks afterwards, also when the step raises."""
 import random
 
@@ -143,6 +143,29 @@ def test_untuned_autotuner_is_skipped_and_tuned_later():
     assert torch.equal(y, torch.full_like(x, -1.0))
     launch(other)
     torch.testing.assert_close(y, x * other)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_configs_of_an_untuned_autotuner_compile_ahead():
+    """``configs=True``: the dry run compiles every configuration of an untuned autotuner (none timed, none
+    chosen), and the real run's autotuning then times them without compiling any."""
+    factor = _fresh_factor()
+    n = random.randrange(20_000, 30_000)  # a tuning key no earlier run cached
+    x = torch.randn(n, device="cuda")
+    y = torch.full_like(x, -1.0)
+
+    def launch():
+        _scale_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n, FACTOR=factor)
+
+    assert precompile(launch, device="cuda", configs=True) == 2  # both configurations
+    assert torch.equal(y, torch.full_like(x, -1.0)), "the dry run launched the kernel"
+    assert not any(k[0] == n for k in _scale_tuned.cache), "the dry run cached a tuning choice"
+    with _CompileCounter() as compiles:
+        launch()
+    assert compiles.count == 0, "the autotuning compiled a configuration again"
+    assert any(k[0] == n for k in _scale_tuned.cache)
+    torch.testing.assert_close(y, x * factor)
 
 
 @pytest.mark.gpu

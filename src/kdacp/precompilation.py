@@ -15,7 +15,11 @@ The dry run's numbers are garbage: a skipped kernel writes nothing, so everythin
 left behind (``model.zero_grad(set_to_none=True)``) and must not let it take an optimizer step.
 Non-Triton operations (PyTorch, cuBLAS, NCCL) run for real, so a step that indexes memory with values
 computed by a Triton kernel cannot be dry-run. An autotuned kernel whose tuning is not cached is skipped
-without compiling (timing skipped launches would cache a meaningless choice); the real step tunes it.
+(timing skipped launches would cache a meaningless choice); the real step tunes it. With ``configs=True`` the dry
+run compiles every configuration of such a kernel in the pool first, so that the real step's autotuning only
+times them: Triton's autotuner compiles its configurations one after another as it first times each (a kernel
+of FLA's KDA backward with 20 of them took 64 s to tune on an H100, most of it compiling), which is what makes
+``kdacp tune`` take minutes.
 """
 from __future__ import annotations
 
@@ -42,11 +46,13 @@ def _compiles_kernels(device: torch.device | str | None) -> bool:
 
 
 def precompile(step: Callable[[], Any], *, threads: int | None = None,
-               device: torch.device | str | None = None) -> int:
+               device: torch.device | str | None = None, configs: bool = False) -> int:
     """Dry-run ``step()`` (see the module docstring) and compile, ``threads`` at a time (default: the
-    CPU count, at most 32), every Triton kernel its launches would compile; returns the number of
-    kernels compiled. Returns 0 without running ``step`` where no kernels are compiled (``device`` not
-    CUDA, no GPU, or ``TRITON_INTERPRET=1``). Re-raises the first compilation error.
+    CPU count, at most 32), every Triton kernel its launches would compile, and with ``configs`` every
+    configuration of each autotuned kernel not yet tuned; returns the number of kernels compiled. Returns 0
+    without running ``step`` where no kernels are compiled (``device`` not CUDA, no GPU, or
+    ``TRITON_INTERPRET=1``). Re-raises the first compilation error, except a configuration's (the real step's
+    autotuning meets it again, and drops that configuration as it does).
 
     Launches from every thread are intercepted (autograd runs CUDA backward on a thread of its own), so
     run nothing else that launches Triton kernels meanwhile. Call it on every rank of a distributed
@@ -55,7 +61,7 @@ def precompile(step: Callable[[], Any], *, threads: int | None = None,
         return 0
     threads = threads or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(threads, thread_name_prefix="kdacp-precompile") as pool:
-        with _dry_launches(pool) as futures:
+        with _dry_launches(pool, configs) as futures:
             step()
         for future in futures:
             future.result()
@@ -63,9 +69,10 @@ def precompile(step: Callable[[], Any], *, threads: int | None = None,
 
 
 @contextlib.contextmanager
-def _dry_launches(pool: ThreadPoolExecutor):
+def _dry_launches(pool: ThreadPoolExecutor, configs: bool = False):
     """Within: a launch (from any thread) that would compile submits the compilation to ``pool`` and is
-    skipped; untuned autotuners are skipped. Yields the list of submitted compilations."""
+    skipped; untuned autotuners are skipped, each of their configurations' launches submitted first where
+    ``configs``. Yields the list of submitted compilations."""
     from triton import knobs
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.driver import driver
@@ -81,6 +88,14 @@ def _dry_launches(pool: ThreadPoolExecutor):
         driver.active.launcher_cls(kernel.src, kernel.metadata)  # builds and caches the C launcher
         return kernel
 
+    tuning = threading.local()  # .active: the launches of an untuned autotuner's configurations, on this thread
+
+    def compile_config(jit_function, compile_args):
+        try:
+            return compile_and_build_launcher(jit_function, compile_args)
+        except Exception:  # noqa: BLE001 - a configuration that does not compile is the real autotuning's to drop
+            return None
+
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if user_hook is not None and user_hook(key=key, repr=repr, fn=fn, compile=compile,
                                                is_manual_warmup=is_manual_warmup,
@@ -92,7 +107,8 @@ def _dry_launches(pool: ThreadPoolExecutor):
         with lock:
             if marker not in submitted:
                 submitted.add(marker)
-                futures.append(pool.submit(compile_and_build_launcher, fn.jit_function, compile))
+                job = compile_config if getattr(tuning, "active", False) else compile_and_build_launcher
+                futures.append(pool.submit(job, fn.jit_function, compile))
         return True  # skip this launch
 
     real_run, real_bench = Autotuner.run, Autotuner._bench
@@ -103,7 +119,17 @@ def _dry_launches(pool: ThreadPoolExecutor):
         except _Untuned:
             return None
 
-    def bench(self, *args, **kwargs):
+    def bench(self, *args, config, **meta):
+        if configs:  # each configuration's launch, as the autotuner's own timing makes it: compiled, skipped
+            tuning.active = True
+            try:
+                for each in self.configs:
+                    try:
+                        self.fn.run(*args, **dict(meta, **each.all_kwargs()))
+                    except Exception:  # noqa: BLE001 - one that cannot launch is the real autotuning's to drop
+                        pass
+            finally:
+                tuning.active = False
         raise _Untuned
 
     knobs.runtime.jit_cache_hook = hook

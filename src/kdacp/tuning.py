@@ -68,6 +68,7 @@ def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim
     import torch
 
     from .backends.fla_adapter import autotuned_kernel_names
+    from .precompilation import precompile
     from .bench.batches import cu_seqlens_of, document_lengths
     from .bench.layer import layer_step
     from .layers import KimiDeltaAttention
@@ -77,6 +78,9 @@ def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim
                                                    batches):
         cu = cu_seqlens_of(document_lengths(batch, tokens))
         x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        layer_step(layer, x, torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None)
+        dy, cu = torch.randn_like(x), torch.tensor(cu, device="cuda") if len(cu) > 2 else None
+        # every configuration of the kernels still to tune compiled at once, so that the tuning only times them
+        precompile(lambda: layer_step(layer, x, dy, cu), device="cuda", configs=True)
+        layer_step(layer, x, dy, cu)
     torch.cuda.synchronize()
     return export_fla_configs(cache, out, kernels=autotuned_kernel_names())
