@@ -55,7 +55,7 @@
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
 #                                             # at the layer's; the GPU's files (the tuned entries, the sibling's for
-#                                             # the shapes not tuned) copied to OUT/fla-configs/<GPU> (copy them into
+#                                             # the shapes not tuned) packed in OUT/fla-configs.tgz (unpack them into
 #                                             # src/kdacp/configs/<GPU> and name the GPU in SHIPPED_CAPABILITY to ship)
 #
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
@@ -220,8 +220,8 @@ first_run)
     step tune_demo 180 python3 -m kdacp_command tune --gates softplus --batches docs7 --seq-lens 2048
     step first_run_own 90 env TRITON_CACHE_DIR="$(mktemp -d)" "${demo[@]}"
     step tune_layer 200 python3 -m kdacp_command tune --gates safe --batches one_sequence,docs7 --seq-lens 16384
-    cp -r "${XDG_CACHE_HOME:-$HOME/.cache}/kdacp/fla-configs" "$out/"
-    tar czf "$out/fla-configs.tgz" -C "$out" fla-configs  # one file: a device call brings back a few files only
+    # one file: a device call brings back a few files only
+    tar czf "$out/fla-configs.tgz" -C "${XDG_CACHE_HOME:-$HOME/.cache}/kdacp" fla-configs
     grep -h "^time: \|kdacp: no FLA\|^wrote" "$out"/first_run_*.log "$out"/tune_*.log
     ;;
 *)
