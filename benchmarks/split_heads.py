@@ -4,15 +4,22 @@ For each family (KDA with Kimi Linear's gate: in kernel, safe, lower bound -5, q
 Qwen3-Next's log-decay gate given, q/k L2 norm in kernel), head count (``H = HV``, K = V = 128, bf16), token count
 and batch (one sequence, or log-normal packed documents of median 2,048 tokens), times forward and forward +
 backward of FLA's op beside kdacp's with each ``split`` setting (``none``, ``auto``, or pieces of the longest
-sequence) and, for GDN where it is installed (``benchmarks/flashqla_prep.sh``), FlashQLA's op with its own
-intra-card context parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), and
-kdacp's op on it (``kdacp_flashqla``: ``backend="flashqla"``, no split), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`); and kdacp's op on
-attention-gym's cores (``kdacp_attn_gym``: ``backend="attn_gym"``, no split) where they are installed on a Hopper
-GPU (its forward-only calls run FLA's kernels). The forward is timed as inference, under ``torch.no_grad()``:
-kdacp's GDN then runs FLA's GDN kernels even where FLA refuses its GDN backward (which a training forward
-prepares for by running FLA's KDA kernels on the broadcast gate instead). Prints one line per case (ms, and each contender over FLA) and,
-with ``--out DIR``, writes ``split_heads.json`` and ``.md`` (one row per case and contender, the card named) and one
-plot per family and mode (time against heads, one line per contender, one panel per token count and batch).
+sequence), the contenders taking turns on the device clock (:func:`kdacp.bench.timing.median_times`); and beside
+them:
+
+- for GDN where it is installed (``benchmarks/flashqla_prep.sh``), FlashQLA's op with its own intra-card context
+  parallelism (``flashqla``: ``auto_cp=True``, its default) and without (``flashqla_nocp``), and kdacp's op on it
+  (``kdacp_flashqla``: ``backend="flashqla"``, no split);
+- kdacp's op on attention-gym's cores (``kdacp_attn_gym``: ``backend="attn_gym"``, no split) where they are
+  installed on a Hopper GPU (its forward-only calls run FLA's kernels);
+- with ``--graphs``, FLA's op and each split setting replayed from a CUDA graph (``"<name> graph"``: the
+  device's time without the host's launches between kernels).
+
+The forward is timed as inference, under ``torch.no_grad()``: kdacp's GDN then runs FLA's GDN kernels even where
+FLA refuses its GDN backward (which a training forward prepares for by running FLA's KDA kernels on the broadcast
+gate instead). Prints one line per case (ms, and each contender over FLA) and, with ``--out DIR``, writes
+``split_heads.json`` and ``.md`` (one row per case and contender, the card named) and one plot per family and mode
+(time against heads, one line per contender, one panel per token count and batch).
 
     python benchmarks/split_heads.py --heads 2,4,8,16,32 --tokens 16384,65536,262144 \
         --batches one_sequence,lognormal --out DIR
@@ -28,6 +35,8 @@ from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.harness import PlotSpec, write_results
 from kdacp.bench.inputs import random_inputs
 from kdacp.bench.timing import median_times
+
+from cuda_graph import capture
 
 
 def _ints(text: str) -> list[int]:
@@ -110,6 +119,8 @@ def main() -> None:
     parser.add_argument("--splits", default="none,auto,8,16,32")
     parser.add_argument("--modes", default="forward,forward_backward")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--graphs", action="store_true",
+                        help="also FLA's op and each split setting captured in a CUDA graph and replayed")
     parser.add_argument("--out", default=None, help="folder for split_heads.json, .md and the plots")
     args = parser.parse_args()
 
@@ -149,6 +160,10 @@ def main() -> None:
                         if attn_gym:
                             fns["kdacp_attn_gym"] = timed_call(ours, tensors, dict(options, backend="attn_gym"),
                                                                backward)
+                        if args.graphs:  # FLA's op and each cut replayed from a CUDA graph: no host between kernels
+                            for name in ["fla", *(f"split={n}" for n in args.splits.split(","))]:
+                                if name in fns:
+                                    fns[f"{name} graph"] = capture(fns[name])[0].replay
                         seconds = median_times(fns, torch.device("cuda"), rounds=args.rounds, warmup=2)
                         ms = {n: s * 1e3 for n, s in seconds.items()}
                         fla = ms.get("fla")

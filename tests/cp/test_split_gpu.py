@@ -96,3 +96,34 @@ def test_split_inference_error_within_fla_error(family, packed):
                 e_fla, e_ours = rel_err(f, t), rel_err(o, t)
                 assert e_ours <= 1.05 * e_fla + 1e-6, \
                     f"{name} at {pieces} pieces: {e_ours:.3e} against FLA's {e_fla:.3e}"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_split_replays_from_a_cuda_graph(packed):
+    """KDA's forward and backward cut into 8 pieces, captured in a CUDA graph once and replayed: eager's outputs,
+    final states and input gradients (the cut's plan and the pieces' boundaries were made in the warm-up, before
+    the capture; a host sync or a copy from pageable memory inside would fail the capture)."""
+    pytest.importorskip("fla.ops.kda")
+    tensors, options = _case("kda", packed)
+    leaves = {n: t.detach().requires_grad_() for n, t in tensors.items()}
+    do = torch.randn(tensors["v"].shape, generator=torch.Generator("cuda").manual_seed(2), device="cuda",
+                     dtype=torch.bfloat16)
+
+    def step():
+        o, final = chunk_kda(**leaves, **dict(options, split=8, backend="fla"))
+        return (o, final, *torch.autograd.grad(o, list(leaves.values()), do))
+
+    eager = [t.clone() for t in step()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(["o", "final_state", *leaves], replayed, eager):
+        assert rel_err(got, want) < 1e-6, f"{name}: {rel_err(got, want):.2e}"
