@@ -199,6 +199,8 @@ split)
     step split_graphs 200 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4 --tokens 65536 \
         --splits none,auto,8 --rounds 3 --graphs  # the same calls replayed from CUDA graphs: no host time
     grep -h " ms |" "$out/split_graphs.log"
+    step chain_kernel 120 python3 benchmarks/chain_kernel.py  # the chain's tilings: us a piece
+    grep -h "^|" "$out/chain_kernel.log"
     for mode in "" --backward; do  # each kernel's device time and the host's time per call, at 4 heads
         step "split_profile${mode:+_backward}" 120 python3 benchmarks/split_profile.py --family kda --heads 4 \
             --splits none,8,auto $mode

@@ -47,7 +47,7 @@ def _chain_kernel(a, m, x0, seqs, entries, out, HV, s_an, s_ah, s_ak, s_mn, s_mh
 
 
 def chain_states(offsets: torch.Tensor, transitions: torch.Tensor, seqs: torch.Tensor, initial: torch.Tensor | None,
-                 reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 reverse: bool, block_v: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The states entering each piece, and leaving each sequence, along chains of pieces.
 
     Args:
@@ -57,6 +57,9 @@ def chain_states(offsets: torch.Tensor, transitions: torch.Tensor, seqs: torch.T
         initial: ``[N, HV, K, V]`` float32, the state entering each sequence (``reverse``: its final state's
             gradient), or ``None`` for zeros.
         reverse: walk each sequence from its last piece.
+        block_v: the state columns a program walks (a power of two; default ``min(64, V)`` rounded up to one),
+            so ``N x HV x V / block_v`` programs in all; ``num_warps`` each. For timing other tilings
+            (``benchmarks/chain_kernel.py``).
 
     Returns:
         ``(entries [NW, HV, K, V], out [N, HV, K, V])`` float32: the state entering each piece (``reverse``: the
@@ -74,10 +77,13 @@ def chain_states(offsets: torch.Tensor, transitions: torch.Tensor, seqs: torch.T
             raise ValueError(f"initial must have shape {(N, HV, K, V)}, got {tuple(initial.shape)}")
     entries = offsets.new_empty(NW, HV, K, V)
     out = offsets.new_empty(N, HV, K, V)
-    block_v = min(64, triton.next_power_of_2(V))
+    if block_v is None:
+        block_v = min(64, triton.next_power_of_2(V))
+    elif block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
     grid = (triton.cdiv(V, block_v), N, HV)
     _chain_kernel[grid](offsets, transitions, out if initial is None else initial, seqs, entries, out, HV,
                         offsets.stride(0), offsets.stride(1), offsets.stride(2),
                         *transitions.stride(), K=K, V=V, BV=block_v, HAS_X0=initial is not None,
-                        REVERSE=reverse, num_warps=4)
+                        REVERSE=reverse, num_warps=num_warps)
     return entries, out
