@@ -42,11 +42,14 @@
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
 #   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: a first run at 4 heads autotuning nothing the
-#                                             # shipped files lend to; KDA and GDN against FLA's ops at 2..32 heads and
-#                                             # 64K tokens, one sequence and packed, each split setting
-#                                             # (benchmarks/split_heads.py), FlashQLA beside GDN where .whl/flashqla
-#                                             # holds its wheels (benchmarks/flashqla_prep.sh download); then the
-#                                             # split's GPU error tests
+#                                             # shipped files lend to; the split's GPU error and CUDA-graph tests; KDA
+#                                             # and GDN against FLA's ops at 2..32 heads and 64K tokens, one sequence
+#                                             # and packed, each split setting (benchmarks/split_heads.py), FlashQLA
+#                                             # beside GDN where .whl/flashqla holds its wheels
+#                                             # (benchmarks/flashqla_prep.sh download)
+#   bash benchmarks/one_gpu.sh split_detail OUT  # the split's calls replayed from CUDA graphs at 2 and 4 heads, the
+#                                             # chain kernel's tilings, each kernel's device time and the host's time
+#                                             # per call at 4 heads
 #   bash benchmarks/one_gpu.sh flashqla OUT [WHEELS]  # backend="flashqla" (FlashQLA's wheels in WHEELS, default
 #                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error,
 #                                             # then GDN at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
@@ -61,7 +64,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, flashqla or first_run"
+PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla or first_run"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -182,20 +185,25 @@ demo)
     step gpu_tests 400 python3 -m pytest -q -m gpu tests/test_determinism_gpu.py tests/test_long_sequence_gpu.py \
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
-split)
+split)  # at most 560 s: one device call
     if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
         eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
     fi
-    # a first run at 4 heads on an empty cache (FLA autotunes none of the kernels kdacp's files lend to), then
-    # the figures (FLA leaves GDN's forward + backward out where it refuses its GDN backward, unless FlashQLA's
-    # wheels brought tilelang; a forward alone is inference), then the split's error tests; the log, tables and
+    # a first run at 4 heads on an empty cache (FLA autotunes none of the kernels kdacp's files lend to), the
+    # split's error tests, then the figures (FLA leaves GDN's forward + backward out where it refuses its GDN
+    # backward, unless FlashQLA's wheels brought tilelang; a forward alone is inference); the logs, tables and
     # plots packed into one file as each step ends (a call brings back a few files only)
     export ARCHIVE="$out/split.tgz"
-    step first_run_heads 200 python3 -m pytest -v -s -m gpu tests/test_tuning_gpu.py
+    step first_run_heads 120 python3 -m pytest -v -s -m gpu tests/test_tuning_gpu.py
     grep -h "PASSED\|FAILED\|autotuned at" "$out/first_run_heads.log"
-    step split_heads 330 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,16,32 --tokens 65536 \
+    step split_tests 180 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
+    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
+    step split_heads 260 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,16,32 --tokens 65536 \
         --batches one_sequence,lognormal --splits none,auto,8,16 --rounds 3 --out "$out"
     grep -h " ms |" "$out/split_heads.log"
+    ;;
+split_detail)  # at most 560 s: one device call
+    export ARCHIVE="$out/split_detail.tgz"
     step split_graphs 200 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4 --tokens 65536 \
         --splits none,auto,8 --rounds 3 --graphs  # the same calls replayed from CUDA graphs: no host time
     grep -h " ms |" "$out/split_graphs.log"
@@ -206,8 +214,6 @@ split)
             --splits none,8,auto $mode
         grep -h "^| kda" "$out/split_profile${mode:+_backward}.log"
     done
-    step split_tests 240 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
-    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
     ;;
 flashqla)
     wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here
