@@ -68,10 +68,10 @@ def _tune_into(cache: str, out: Path, t_local, hidden: int, heads: int, head_dim
     import torch
 
     from .backends.fla_adapter import autotuned_kernel_names
-    from .precompilation import precompile
     from .bench.batches import cu_seqlens_of, document_lengths
     from .bench.layer import layer_step
     from .layers import KimiDeltaAttention
+    from .precompilation import precompile
     layers = [KimiDeltaAttention(hidden, heads, head_k_dim=head_dim, head_v_dim=head_dim, backend="fla",
                                  gate_lower_bound=gate, device="cuda", dtype=torch.bfloat16) for gate in gates]
     for layer, tokens, batch in itertools.product(layers, (t_local,) if isinstance(t_local, int) else t_local,

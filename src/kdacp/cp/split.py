@@ -58,12 +58,16 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     if split is None or split == 1 or span.empty or not backend.summary_pieces:
         return None
     chunk_size = backend.options.chunk_size
-    lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
-    longest = -(-max(lengths) // chunk_size)
     if split == "auto":
         return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device)) if device.type == "cuda" else None
+    longest = _longest_in_chunks(span, chunk_size)
     length = -(-longest // split)
     return length if length < longest else None
+
+
+def _longest_in_chunks(span: Span, chunk_size: int) -> int:
+    """The chunks of ``span``'s longest segment."""
+    return -(-max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])) // chunk_size)
 
 
 def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
@@ -71,8 +75,7 @@ def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, 
     tokens, or ``None`` for no cut: the summary kernels' own choice, about two programs per SM of
     ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where that cuts the longest segment
     into at least :data:`AUTO_MIN_PIECES`, and into no more than :data:`AUTO_MAX_PIECES`."""
-    lengths = [e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
-    longest = -(-max(lengths) // chunk_size)
+    longest = _longest_in_chunks(span, chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
     length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
