@@ -188,6 +188,14 @@ def autotuner_kernel_name(autotuner) -> str:
     return getattr(fn, "fn", fn).__name__
 
 
+def _entries(config_dir, kernel_name: str) -> list[dict]:
+    """The autotune entries of ``kernel_name``'s file in ``config_dir`` (none where either is missing)."""
+    path = None if not config_dir else Path(config_dir) / f"{kernel_name}.json"
+    if path is None or not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("autotune_entries", {}).values())
+
+
 def seed_autotuner(autotuner, config_dir: str | Path) -> int:
     """Give a Triton ``Autotuner`` the entries of ``config_dir/<kernel name>.json`` as tuned results
     (its ``cache``, keyed like FLA's entries: key values, then tensor dtypes); keys it has already
@@ -195,12 +203,9 @@ def seed_autotuner(autotuner, config_dir: str | Path) -> int:
     import inspect
 
     import triton
-    path = Path(config_dir) / f"{autotuner_kernel_name(autotuner)}.json"
-    if not path.is_file():
-        return 0
     accepted = set(inspect.signature(triton.Config).parameters)
     added = 0
-    for entry in json.loads(path.read_text()).get("autotune_entries", {}).values():
+    for entry in _entries(config_dir, autotuner_kernel_name(autotuner)):
         key, config = tuple(entry["autotune_key"]), entry["config"]
         if key in autotuner.cache:
             continue
@@ -242,14 +247,6 @@ def nearest_heads_entry(names, key, entries) -> dict | None:
         if best_rank is None or rank < best_rank:
             best, best_rank = entry, rank
     return best
-
-
-def _entries(config_dir, kernel_name: str) -> list[dict]:
-    """The autotune entries of ``kernel_name``'s file in ``config_dir`` (none where either is missing)."""
-    path = Path(config_dir or "") / f"{kernel_name}.json"
-    if not path.is_file():
-        return []
-    return list(json.loads(path.read_text()).get("autotune_entries", {}).values())
 
 
 def lend_configs_across_heads(autotuner_cls, config_dir, enabled) -> bool:
