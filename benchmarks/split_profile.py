@@ -11,13 +11,12 @@ per call, launches per call), then one line per contender with both totals.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kdacp.bench.timing import host_and_wall_times
 from split_heads import op_inputs, split_setting, timed_call
 
 
@@ -39,19 +38,12 @@ def kernel_ms(call, calls: int) -> dict[str, tuple[float, float]]:
 
 
 def host_ms(call, calls: int) -> float:
-    """The host's milliseconds per call of ``call``: the median time for a call to return, the device synchronised
-    before each (its queue empty, so no launch waits for room), after two warm-up calls. Where it exceeds the
-    call's kernel time, the device idles waiting for the host."""
+    """The host's milliseconds per call of ``call`` over ``calls`` calls back to back after two warm-up calls
+    (:func:`kdacp.bench.timing.host_and_wall_times`). Where it exceeds the call's kernel time, the device idles
+    waiting for the host."""
     for _ in range(2):
         call()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_and_wall_times(call, calls, torch.device("cuda"))[0] * 1e3
 
 
 def main() -> None:
