@@ -28,15 +28,32 @@ pytestmark = pytest.mark.gpu
 K = V = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def attn_gym_here():
+def skip_unless_usable(backend: str, **call) -> None:
+    """Skip unless ``backend`` resolves on this machine's GPU for a call of ``call`` (``resolve_backend``'s)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from kdacp.backends import resolve_backend
     try:
-        resolve_backend("attn_gym", torch.device("cuda"))
+        resolve_backend(backend, torch.device("cuda"), **call)
     except (ImportError, ValueError) as e:
-        pytest.skip(f"the attn_gym backend is not usable here: {e}")
+        pytest.skip(f"the {backend} backend is not usable here: {e}")
+
+
+def assert_as_accurate_as_fla(ref: dict, fla: dict, ours: dict, label: str) -> None:
+    """Each result of ``ours`` (:func:`_run`'s) within 3x ``fla``'s error against the float64 ``ref`` and within
+    2e-2 of ``fla``'s; the errors printed under ``label``."""
+    rows = []
+    for name, want in ref.items():
+        e_fla, e_ours, e_pair = rel_err(fla[name], want), rel_err(ours[name], want), rel_err(ours[name], fla[name])
+        rows.append(f"{name} {e_ours:.2e} / {e_fla:.2e} (vs fla {e_pair:.2e})")
+        assert e_ours <= 3 * e_fla + 1e-4, (name, e_ours, e_fla)
+        assert e_pair < 2e-2, (name, e_pair)
+    print(f"\n[{label}] error vs float64, ours / fla: " + "; ".join(rows))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def attn_gym_here():
+    skip_unless_usable("attn_gym")
 
 
 def _inputs(args: dict) -> KDAInputs:
@@ -158,13 +175,7 @@ def test_op_at_real_size_is_as_accurate_as_fla(family, batch):
     ref = _run(family, args, do, dht, None)
     fla = _run(family, args, do, dht, "fla")
     ours = _run(family, args, do, dht, "attn_gym")
-    rows = []
-    for name, want in ref.items():
-        e_fla, e_ours, e_pair = rel_err(fla[name], want), rel_err(ours[name], want), rel_err(ours[name], fla[name])
-        rows.append(f"{name} {e_ours:.2e} / {e_fla:.2e} (vs fla {e_pair:.2e})")
-        assert e_ours <= 3 * e_fla + 1e-4, (name, e_ours, e_fla)
-        assert e_pair < 2e-2, (name, e_pair)
-    print(f"\n[{family} {batch}] error vs float64, attn_gym / fla: " + "; ".join(rows))
+    assert_as_accurate_as_fla(ref, fla, ours, f"attn_gym, {family} {batch}")
 
 
 def test_training_runs_attention_gym_and_inference_fla():

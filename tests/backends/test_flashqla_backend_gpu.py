@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
-from tests.backends.test_attn_gym_backend_gpu import _run
-from tests.helpers import rel_err
+from tests.backends.test_attn_gym_backend_gpu import _run, assert_as_accurate_as_fla, skip_unless_usable
 
 pytestmark = pytest.mark.gpu
 
@@ -22,13 +21,7 @@ K = V = 128
 
 @pytest.fixture(scope="module", autouse=True)
 def flashqla_here():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from kdacp.backends import resolve_backend
-    try:
-        resolve_backend("flashqla", torch.device("cuda"), scalar_gate=True)
-    except (ImportError, ValueError) as e:
-        pytest.skip(f"the flashqla backend is not usable here: {e}")
+    skip_unless_usable("flashqla", scalar_gate=True)
 
 
 def _case(batch: str, HV: int, T: int = 4096):
@@ -59,10 +52,4 @@ def test_op_at_real_size_is_as_accurate_as_fla(batch, HV, split):
     ref = _run("gdn", args, do, dht, None)
     fla = _run("gdn", args, do, dht, "fla")
     ours = _run("gdn", {**args, "split": split}, do, dht, "flashqla")
-    rows = []
-    for name, want in ref.items():
-        e_fla, e_ours, e_pair = rel_err(fla[name], want), rel_err(ours[name], want), rel_err(ours[name], fla[name])
-        rows.append(f"{name} {e_ours:.2e} / {e_fla:.2e} (vs fla {e_pair:.2e})")
-        assert e_ours <= 3 * e_fla + 1e-4, (name, e_ours, e_fla)
-        assert e_pair < 2e-2, (name, e_pair)
-    print(f"\n[{batch} HV={HV} split={split}] error vs float64, flashqla / fla: " + "; ".join(rows))
+    assert_as_accurate_as_fla(ref, fla, ours, f"flashqla, {batch} HV={HV} split={split}")
