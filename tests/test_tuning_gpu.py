@@ -24,9 +24,10 @@ from triton.runtime.autotuner import Autotuner
 tuned = {}
 bench = Autotuner._bench
 def recording(self, *args, config, **meta):
-    tracked = {k: v for k, v in {**dict(zip(self.arg_names, args)), **meta}.items() if k in self.arg_names}
-    names = [n for n in self.keys if n in tracked]
-    key = [tracked[n] for n in names] + [str(v.dtype) for v in tracked.values() if hasattr(v, "dtype")]
+    from fla.ops.utils.cache import AutotuneKey
+    from kdacp.backends.fla_configs import autotune_key_names
+    names = autotune_key_names(self, {**dict(zip(self.arg_names, args)), **meta})
+    key = list(AutotuneKey.build(self.arg_names, self.keys, args, meta).autotune_key)
     tuned[json.dumps([getattr(self.fn, "fn", self.fn).__name__, names, key])] = True
     return bench(self, *args, config=config, **meta)
 Autotuner._bench = recording

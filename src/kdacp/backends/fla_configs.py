@@ -249,6 +249,13 @@ def nearest_heads_entry(names, key, entries) -> dict | None:
     return best
 
 
+def autotune_key_names(autotuner, named_args: dict) -> list[str]:
+    """The names of the leading values of ``autotuner``'s key for a launch with ``named_args`` (positional and
+    keyword arguments by name): its key names among the kernel's arguments that the launch passes, as Triton and
+    FLA's ``AutotuneKey.build`` take them (the tensor dtypes follow them in the key)."""
+    return [name for name in autotuner.keys if name in named_args and name in autotuner.arg_names]
+
+
 def lend_configs_across_heads(autotuner_cls, config_dir, enabled) -> bool:
     """Make FLA's configuration-reading autotuner class (``fla.ops.utils.cache.CachedAutotuner``) take, for a
     kernel shape its files lack, the entry :func:`nearest_heads_entry` lends from the file of that kernel in
@@ -264,8 +271,7 @@ def lend_configs_across_heads(autotuner_cls, config_dir, enabled) -> bool:
         original(self, key, nargs, runtime_kwargs)
         if key.autotune_key in self.cache or not enabled():
             return
-        asked = {**nargs, **runtime_kwargs}  # the key's leading values, named as FLA's AutotuneKey.build takes them
-        names = [name for name in self.keys if name in asked and name in self.arg_names]
+        names = autotune_key_names(self, {**nargs, **runtime_kwargs})
         entry = nearest_heads_entry(names, key.autotune_key, _entries(config_dir(), self.kernel_name))
         if entry is None:
             return
