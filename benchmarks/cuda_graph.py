@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.errors import rel_err
-from kdacp.bench.timing import host_and_wall_times
+from kdacp.bench.timing import capture, host_and_wall_times
 from kdacp.cp import new_cp_group
 from kdacp.cp import ContextParallel
 from kdacp.layers import KimiDeltaAttention
@@ -41,21 +41,6 @@ from kdacp.workers import free_port
 
 CAPTURES = ("step", "prefill")
 BATCHES = ("one_sequence", "lognormal")
-
-
-def capture(fn, warmup: int = 3):
-    """``(graph, static outputs)`` of ``fn()`` captured after ``warmup`` eager calls on a side stream (FLA's
-    autotuning and kdacp's per-batch context are built there, before the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 def host_and_wall_ms(fn, iters: int, device: torch.device) -> tuple[float, float]:

@@ -34,9 +34,7 @@ import torch.nn.functional as F
 from kdacp.bench.batches import cu_seqlens_of, document_lengths
 from kdacp.bench.harness import PlotSpec, write_results
 from kdacp.bench.inputs import random_inputs
-from kdacp.bench.timing import median_times
-
-from cuda_graph import capture
+from kdacp.bench.timing import capture, median_times
 
 
 def _ints(text: str) -> list[int]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kdacp import reference
 from kdacp.backends.fla_adapter import fla_gated_gdn_backward_supported
 from kdacp.bench.inputs import random_inputs
+from kdacp.bench.timing import capture
 from kdacp.ops.gdn import chunk_gated_delta_rule
 from kdacp.ops.kda import chunk_kda
 from kdacp.reference.gdn import chunk_gated_delta_rule as reference_gdn
@@ -114,15 +115,7 @@ def test_split_replays_from_a_cuda_graph(packed):
         return (o, final, *torch.autograd.grad(o, list(leaves.values()), do))
 
     eager = [t.clone() for t in step()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = step()
+    graph, replayed = capture(step, warmup=2)
     graph.replay()
     torch.cuda.synchronize()
     for name, got, want in zip(["o", "final_state", *leaves], replayed, eager):

@@ -3,7 +3,8 @@ events on a GPU, the wall clock on the CPU): contenders round-robin in one run, 
 process's, without a group); the mean of calls queued back to back (:func:`time_round_robin`, behind a device
 sleep with the queued-ahead check: :func:`sleep_then_mark`, :func:`check_queued_ahead`) or the median of single
 calls each started on an idle device (:func:`median_times`); and where the host limits a call, the host's time
-per call beside the wall time of calls back to back (:func:`host_and_wall_times`)."""
+per call beside the wall time of calls back to back (:func:`host_and_wall_times`), and a call captured in a CUDA
+graph to replay without the host (:func:`capture`)."""
 from __future__ import annotations
 
 import statistics
@@ -200,6 +201,21 @@ def host_and_wall_times(fn, iters: int, device: torch.device) -> tuple[float, fl
         host += time.perf_counter() - t
     sync(device)
     return host / iters, (time.perf_counter() - start) / iters
+
+
+def capture(fn, warmup: int = 3):
+    """``(graph, static outputs)`` of ``fn()`` captured in a CUDA graph after ``warmup`` eager calls on a side
+    stream (FLA's autotuning and kdacp's per-batch context are built there, before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
 
 
 def timed_columns(fns: dict, names, base: str, warmup: int, rounds: int, iters: int, group,
