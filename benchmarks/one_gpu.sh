@@ -8,7 +8,8 @@
 #   bash benchmarks/one_gpu.sh model    OUT   # the 346M Kimi Linear step with and without FSDP2, and prefill
 #   bash benchmarks/one_gpu.sh compile  OUT   # the 346M Kimi Linear step compiled against eager at 16K and 64K
 #   bash benchmarks/one_gpu.sh graph    OUT   # CUDA-graph replay of the layer's CP step and of prefill pieces at
-#                                             # 2K tokens, host and wall time against eager
+#                                             # 2K tokens, host and wall time against eager; the step at 2K..16K
+#                                             # tokens a rank beside FLA's layer's host time
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
@@ -97,6 +98,10 @@ compile)  # one variant a process at 64K: both models and their activations do n
 graph)
     step cuda_graph 200 python3 benchmarks/cuda_graph.py --tokens 2048 --iters 30
     grep '^|' "$out/cuda_graph.log"
+    # the step at 2K..16K tokens a rank beside FLA's layer: kdacp's host time against FLA's and the device's
+    step layer_host 240 python3 benchmarks/cuda_graph.py --captures step --batches one_sequence \
+        --tokens 2048,4096,8192,16384 --iters 20
+    grep '^|' "$out/layer_host.log"
     ;;
 overhead)
     step overhead 500 "${bench[@]}" --suite overhead --seq-lens 16384 --batches one_sequence,docs7,lognormal \

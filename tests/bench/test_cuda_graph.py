@@ -19,7 +19,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, named", [(("--captures", "step,replay"), "--captures"),
                                          (("--batches", "docs9"), "--batches"),
-                                         (("--tokens", "3"), "--tokens")])
+                                         (("--tokens", "3"), "--tokens"),
+                                         (("--tokens", "2048,4k"), "--tokens")])
 def test_cuda_graph_refuses_bad_arguments_by_name(args, named):
     run = _run(*args)
     assert run.returncode == 2 and named in run.stderr, run.stderr
