@@ -96,6 +96,14 @@ def step_rows(args, tokens: int, group, device) -> list[dict]:
                    eager_host_ms=eager_host, eager_wall_ms=eager_wall, graph_host_ms=graph_host,
                    graph_wall_ms=graph_wall, vs_eager=largest_difference(replayed, eager))
         del graph, static
+        if args.compiled:
+            compiled = torch.compile(layer, mode="reduce-overhead")
+            compiled_step = lambda: step(compiled)  # noqa: E731
+            for _ in range(3):  # compilation, then the CUDA graphs' recording
+                compiled_step()
+            got = [t.clone() for t in compiled_step()]  # a replay overwrites its outputs
+            row["compiled_host_ms"], row["compiled_wall_ms"] = host_and_wall_ms(compiled_step, args.iters, device)
+            row["compiled_vs_eager"] = largest_difference(got, step())
         if fla is not None and P == 1:  # FLA's layer holds the whole sequence: one rank's figures only
             fla_step = lambda: step(fla)  # noqa: E731
             fla_step()  # FLA's autotuning and compilation, before the timing
@@ -180,6 +188,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--conv-size", type=int, default=4)
     parser.add_argument("--captures", default=",".join(CAPTURES), help=f"comma-separated, from {CAPTURES}")
+    parser.add_argument("--compiled", action="store_true",
+                        help="step: also the layer under torch.compile(mode='reduce-overhead')")
     parser.add_argument("--batches", default=",".join(BATCHES), help=f"step: comma-separated, from {BATCHES}")
     args = parser.parse_args()
     args.captures, args.batches = args.captures.split(","), args.batches.split(",")
@@ -213,14 +223,17 @@ def main() -> None:
             print(f"{torch.cuda.get_device_name()}, KDA layer, hidden {args.hidden}, {args.heads} heads of "
                   f"{args.head_dim}, bf16, P = {P}")
             print("| capture | batch | tokens a rank | eager host ms | graph host ms | eager wall ms | graph wall ms "
-                  "| replay vs eager | replay vs one pass | FLA layer host ms | FLA layer wall ms |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| replay vs eager | replay vs one pass | FLA layer host ms | FLA layer wall ms "
+                  "| compiled host ms | compiled wall ms | compiled vs eager |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for r in rows:
                 one_pass = f"{r['vs_one_pass']:.1e}" if "vs_one_pass" in r else ""
                 fla = (f"{r['fla_host_ms']:.3f} | {r['fla_wall_ms']:.3f}" if "fla_host_ms" in r else " | ")
+                compiled = (f"{r['compiled_host_ms']:.3f} | {r['compiled_wall_ms']:.3f} | {r['compiled_vs_eager']:.1e}"
+                            if "compiled_host_ms" in r else " | | ")
                 print(f"| {r['capture']} | {r['batch']} ({r['docs']} docs) | {r['tokens_per_rank']} | "
                       f"{r['eager_host_ms']:.3f} | {r['graph_host_ms']:.3f} | {r['eager_wall_ms']:.3f} | "
-                      f"{r['graph_wall_ms']:.3f} | {r['vs_eager']:.1e} | {one_pass} | {fla} |")
+                      f"{r['graph_wall_ms']:.3f} | {r['vs_eager']:.1e} | {one_pass} | {fla} | {compiled} |")
     finally:
         dist.destroy_process_group()
 
