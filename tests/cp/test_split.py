@@ -113,6 +113,16 @@ def test_auto_pieces_on_an_h100_where_they_measured_best(heads, pieces):
     assert (None if uneven is None else -(-1015 // uneven)) == pieces  # the longest segment is cut the same
 
 
+@pytest.mark.parametrize("tokens, cut", [(8192, False), (16383, False), (16384, True), (32768, True)])
+def test_auto_leaves_short_segments_whole(tokens, cut):
+    """Below ``AUTO_MIN_TOKENS`` (16K) the cut's fixed cost is not paid back: at 4 heads on an H100, where 64K
+    tokens are cut into 16 pieces, 8K tokens (4 pieces of the summary kernels' 8-chunk minimum) stay whole, in one
+    segment or as the longest of a packed batch."""
+    for bounds in ((0, tokens), (0, 100, 100 + tokens)):
+        length = split_module.auto_chunks_per_piece(Span(0, bounds[-1], bounds), 4, 128, 128, 64, sms=132)
+        assert (length is not None) == cut, (bounds, length)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "on", True])
 def test_split_refused_by_name(bad):
     with pytest.raises(ValueError, match="split must be"):

@@ -10,9 +10,9 @@ from those entering states, the gradient summaries ``G`` of every piece, the gra
 pieces with ``M^T``, and one gradient pass over all pieces. Outputs, final states and gradients are those of
 the uncut span, to rounding (the summaries' precision policy, as for context parallelism).
 
-The cut is chosen per span by :func:`chunks_per_piece`: ``split="auto"`` (on a GPU, when the pieces the summary
-kernels pick to fill it cut the longest segment into at least :data:`AUTO_MIN_PIECES`), an int (pieces of the
-longest segment), or ``None`` (no cut).
+The cut is chosen per span by :func:`chunks_per_piece`: ``split="auto"`` (on a GPU, when the longest segment holds
+at least :data:`AUTO_MIN_TOKENS` and the pieces the summary kernels pick to fill it cut it into at least
+:data:`AUTO_MIN_PIECES`), an int (pieces of the longest segment), or ``None`` (no cut).
 """
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ AUTO_MIN_PIECES = 4
 # (forward + backward) the time of 16, and 1.21x / 1.05x in an earlier run (benchmarks/RESULTS.md, Split inside one
 # GPU); at 4 to 16 heads the summary kernels' own choice (2 programs per SM) was within 5% of the best count.
 AUTO_MAX_PIECES = 16
+# ... and only a segment of at least this many tokens: the cut's fixed cost (three more launches and their host time,
+# about 0.1 ms, where a short call is host-bound) is paid back at about 13 us per 1K tokens at 4 heads of 128 on an
+# H100 (forward: FLA's state pass walks 64K tokens in 1.47 ms, the cut's pass at 8 pieces in 0.27 ms, its summaries
+# and chain add 0.37 ms; benchmarks/RESULTS.md, Split inside one GPU), about 8K tokens to break even; twice that.
+AUTO_MIN_TOKENS = 16384
 # state columns per program of the summary kernels (their default ``block_v``)
 _SUMMARY_BLOCK_V = 64
 
@@ -65,16 +70,24 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     return length if length < longest else None
 
 
+def _longest_tokens(span: Span) -> int:
+    """The tokens of ``span``'s longest segment."""
+    return max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]))
+
+
 def _longest_in_chunks(span: Span, chunk_size: int) -> int:
     """The chunks of ``span``'s longest segment."""
-    return -(-max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])) // chunk_size)
+    return -(-_longest_tokens(span) // chunk_size)
 
 
 def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
     """``split="auto"``'s pieces of ``span``'s segments on a GPU of ``sms`` SMs, in chunks of ``chunk_size``
     tokens, or ``None`` for no cut: the summary kernels' own choice, about two programs per SM of
     ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where that cuts the longest segment
-    into at least :data:`AUTO_MIN_PIECES`, and into no more than :data:`AUTO_MAX_PIECES`."""
+    into at least :data:`AUTO_MIN_PIECES`, and into no more than :data:`AUTO_MAX_PIECES`; no cut where the longest
+    segment is shorter than :data:`AUTO_MIN_TOKENS`."""
+    if _longest_tokens(span) < AUTO_MIN_TOKENS:
+        return None
     longest = _longest_in_chunks(span, chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
