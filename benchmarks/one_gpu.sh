@@ -9,7 +9,8 @@
 #   bash benchmarks/one_gpu.sh compile  OUT   # the 346M Kimi Linear step compiled against eager at 16K and 64K
 #   bash benchmarks/one_gpu.sh graph    OUT   # CUDA-graph replay of the layer's CP step and of prefill pieces at
 #                                             # 2K tokens, host and wall time against eager; the step at 2K..16K
-#                                             # tokens a rank beside FLA's layer's host time
+#                                             # tokens a rank beside FLA's layer's host time; the step under
+#                                             # torch.compile(mode="reduce-overhead"), its GPU test and times
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
@@ -102,6 +103,11 @@ graph)
     step layer_host 240 python3 benchmarks/cuda_graph.py --captures step --batches one_sequence \
         --tokens 2048,4096,8192,16384 --iters 20
     grep '^|' "$out/layer_host.log"
+    # the same step under torch.compile(mode="reduce-overhead"): its GPU test, then its host and wall time at 4K
+    step reduce_overhead_test 200 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py -k reduce_overhead
+    step layer_compiled 150 python3 benchmarks/cuda_graph.py --captures step --batches one_sequence --tokens 4096 \
+        --iters 20 --compiled
+    grep '^|' "$out/layer_compiled.log"
     ;;
 overhead)
     step overhead 500 "${bench[@]}" --suite overhead --seq-lens 16384 --batches one_sequence,docs7,lognormal \
