@@ -9,8 +9,9 @@
 #   bash benchmarks/one_gpu.sh compile  OUT   # the 346M Kimi Linear step compiled against eager at 16K and 64K
 #   bash benchmarks/one_gpu.sh graph    OUT   # CUDA-graph replay of the layer's CP step and of prefill pieces at
 #                                             # 2K tokens, host and wall time against eager; the step at 2K..16K
-#                                             # tokens a rank beside FLA's layer's host time; the step under
-#                                             # torch.compile(mode="reduce-overhead"), its GPU test and times
+#                                             # tokens a rank beside FLA's layer's host time
+#   bash benchmarks/one_gpu.sh compiled OUT   # the step under torch.compile(mode="reduce-overhead"): its GPU test,
+#                                             # then its host and wall time at 4K tokens a rank
 #   bash benchmarks/one_gpu.sh overhead OUT   # per-rank overhead (every batch, KDA and GDN) and the scaling
 #                                             # model's predictions from the measured stages
 #   bash benchmarks/one_gpu.sh zigzag   OUT   # a zigzag rank's step under CUDA's sync-debug mode (GPU test), then the
@@ -66,7 +67,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla or first_run"
+PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla or first_run"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -103,7 +104,8 @@ graph)
     step layer_host 240 python3 benchmarks/cuda_graph.py --captures step --batches one_sequence \
         --tokens 2048,4096,8192,16384 --iters 20
     grep '^|' "$out/layer_host.log"
-    # the same step under torch.compile(mode="reduce-overhead"): its GPU test, then its host and wall time at 4K
+    ;;
+compiled)  # the step under torch.compile(mode="reduce-overhead"): its GPU test, then its host and wall time at 4K
     step reduce_overhead_test 200 python3 -m pytest -q -m gpu tests/layers/test_kda_layer_gpu.py -k reduce_overhead
     step layer_compiled 150 python3 benchmarks/cuda_graph.py --captures step --batches one_sequence --tokens 4096 \
         --iters 20 --compiled
