@@ -57,6 +57,10 @@
 #                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error,
 #                                             # then GDN at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
 #                                             # FlashQLA's op with and without its own split, kdacp on FlashQLA
+#   bash benchmarks/one_gpu.sh versus OUT DIR # the kernels suite once, the layer (16K, one sequence) and the contiguous
+#                                             # roles' overhead twice, another tree's library (DIR/src, made with
+#                                             # git archive REV src | tar x -C DIR) and this one's in turns: a
+#                                             # change's before and after on one card
 #   bash benchmarks/one_gpu.sh first_run OUT  # as a new user on a GPU without configurations of its own: the demo
 #                                             # on an empty Triton cache (the shipped ones, or a sibling's), kdacp
 #                                             # tune at the demo's shapes, the demo again (the GPU's own), kdacp tune
@@ -67,7 +71,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla or first_run"
+PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla, first_run or versus"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -247,6 +251,24 @@ first_run)
     # one file: a device call brings back a few files only
     tar czf "$out/fla-configs.tgz" -C "${XDG_CACHE_HOME:-$HOME/.cache}/kdacp" fla-configs
     grep -h "^time: \|kdacp: no FLA\|^wrote" "$out"/first_run_*.log "$out"/tune_*.log
+    ;;
+versus)  # another tree's library beside this one's, in turns on one card
+    other=${3:?versus OUT DIR: DIR holds the src folder of another commit (git archive REV src | tar x -C DIR)}
+    [ -d "$other/src/kdacp" ] || { echo "versus: $other/src/kdacp is not there" >&2; exit 2; }
+    for round in 1 2; do
+        for tree in other this; do
+            src=$PWD/src; [ "$tree" = other ] && src=$(cd "$other" && pwd)/src
+            run=(env PYTHONPATH="$src:${PYTHONPATH:-}" python3 -m kdacp.cli bench --device cuda)
+            [ "$round" = 1 ] && step "kernels_$tree" 60 "${run[@]}" --suite kernels --out "$out/kernels_$tree"
+            step "layer_${tree}_$round" 50 "${run[@]}" --suite layer --world-size 1 --seq-lens 16384 \
+                --batches one_sequence --out "$out/layer_${tree}_$round"
+            step "overhead_${tree}_$round" 60 "${run[@]}" --suite overhead --seq-lens 16384 --layouts contiguous \
+                --batches one_sequence --rounds 2 --iters 3 --out "$out/overhead_${tree}_$round"
+        done
+    done
+    for f in "$out"/kernels_*.log "$out"/layer_*.log "$out"/overhead_*.log; do
+        echo "== $f"; grep -h "^|" "$f" | grep -v "^|--" | head -8
+    done
     ;;
 *)
     echo "part must be $PARTS, got $part" >&2
