@@ -219,3 +219,26 @@ def test_p2p_advances_side_by_side_chains_together(P, docs, monkeypatch):
         wire = _Wire(P)
         run_exchange("p2p", h, e, a, _random_messages(e, a, gen), monkeypatch, wire=wire)
         assert wire.hops == 2 * P - 2
+
+
+def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
+    """``allgather`` folds every chain a rank needs in steps, each one ``M x + S`` over all chains still going: a
+    rank's products follow its longest chain, not the sum of its chains (a per-document rank holds a position per
+    document piece), with every value as the sequential fold's (the shared check above)."""
+    from kdacp import affine
+    holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
+    messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(5))
+    want = _sequential(messages, sends)
+    products = []
+    apply = affine.apply_state_summary
+    monkeypatch.setattr(affine, "apply_state_summary", lambda S, M, x: (products.append(x.shape[0]), apply(S, M, x))[1])
+    got = run_exchange("allgather", holders, sends, affine_flags, messages, monkeypatch)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    route = exchanges.Route(0, None, holders, sends, affine_flags, (1, 2, 3, 4), torch.float64, torch.device("cpu"))
+    lengths = {i: len(exchanges.allgather.fold_chain(route, i)) for i in range(len(holders))}
+    per_position = sum(max(n - 1, 0) for n in lengths.values())
+    longest = sum(max(max(lengths[i] for i in range(len(holders)) if holders[i] == r) - 1, 0)
+                  for r in set(holders))
+    assert len(products) == longest < per_position, (products, longest, per_position)
+    assert max(products) > 1  # several chains in one product

@@ -4,8 +4,46 @@ from __future__ import annotations
 import torch
 
 from ...affine import AffineMap
+from ...host_copies import take_rows
 from .. import collectives
 from .base import ModelRoute, Pending, Route, register_exchange
+
+
+def fold_chain(route: Route, i: int) -> list[int]:
+    """The positions whose messages make position ``i``'s incoming value, first applied first: back from ``i - 1``
+    to the chain's start (a constant message, or a position nothing enters); empty where nothing comes in."""
+    chain = []
+    j = i - 1 if route.source(i) is not None else None
+    while j is not None:
+        chain.append(j)
+        if not route.affine[j] or j == 0 or not route.emits[j - 1]:
+            break
+        j -= 1
+    return chain[::-1]
+
+
+def fold_chains(rows: torch.Tensor, chains: list[list[int]], V: int) -> list[torch.Tensor | None]:
+    """Each chain's value folded from ``rows [R, n, HV, K, V (+K)]`` (a message a row: ``S`` in the first ``V``
+    columns, ``M`` after them where it has one): ``chains[c]`` the rows applied, first applied first, the first a
+    constant message. All chains advance together, one message each per step: a step is one
+    ``M x + S`` over every chain still going (:meth:`~kdacp.affine.AffineMap.apply` over the rows gathered for
+    it by host indices, :func:`~kdacp.host_copies.take_rows`: no device sync), so the launches follow the longest
+    chain, not the sum of their lengths. Returns per chain a dense
+    ``[n, HV, K, V]`` value, or ``None`` for an empty chain."""
+    order = sorted(range(len(chains)), key=lambda c: -len(chains[c]))  # the chains still going: a prefix
+    live = [chains[c] for c in order if chains[c]]
+    out: list[torch.Tensor | None] = [None] * len(chains)
+    if not live:
+        return out
+    # [chains, n, HV, K, V], apart from ``rows`` (the steps write into it)
+    x = take_rows(rows, [chain[0] for chain in live])[..., :V].clone(memory_format=torch.contiguous_format)
+    for step in range(1, len(live[0])):
+        going = sum(len(chain) > step for chain in live)
+        message = take_rows(rows, [chain[step] for chain in live[:going]])
+        x[:going] = AffineMap(message[..., :V], message[..., V:]).apply(x[:going])
+    for k, c in enumerate(order[:len(live)]):
+        out[c] = x[k]
+    return out
 
 
 @register_exchange("allgather", auto_priority=2)
@@ -43,29 +81,19 @@ class AllGatherExchange:
         route = pending.route
         if pending.recv_work is None:
             return [None] * len(route.positions)
-        V = route.shape[-1]
         pending.recv_work.wait()
         gathered = torch.stack(pending.gathered)                      # [P, slots, n, HV, K, V (+K)]
-        out = []
-        for i in route.positions:
-            chain = []
-            j = i - 1 if route.source(i) is not None else None
-            while j is not None:
-                chain.append(j)
-                if not route.affine[j] or j == 0 or not route.emits[j - 1]:
-                    break
-                j -= 1
-            x = None
-            for j in reversed(chain):
-                row = gathered[route.order[j], route.slots[j]]
-                x = AffineMap(row[..., :V], row[..., V:] if route.affine[j] else None).apply(x)
-            # a column slice of the gathered buffer: kernels downstream need a dense state
-            out.append(None if x is None else x.contiguous())
-        return out
+        rows = gathered.flatten(0, 1)                                 # row of position j: order[j] * slots + slot
+        chains = {i: [route.order[j] * gathered.shape[1] + route.slots[j] for j in fold_chain(route, i)]
+                  for i in route.positions}
+        folded = fold_chains(rows, [chains[i] for i in route.positions], route.shape[-1])
+        return [folded[k] for k in range(len(route.positions))]
 
     def program(self, route: ModelRoute) -> list[list[tuple]]:
         """``gather(key, summary, with M when any position is through); compute(between); wait(key);
-        compute(stack of the gathered summaries + (chain before i - 1) x apply)``."""
+        compute(stack of the gathered summaries + the folds)``: the folds a step per message of the rank's longest
+        chain (one ``apply_s`` each), and the bytes of every further chain's ``M x + S`` in those steps (its row of
+        the gathered stack, its state in and out) at ``copy_s_per_byte``."""
         emits, affine, times = route.emits, route.affine, route.times
         # chain[i]: the messages position i's incoming value is folded from
         chain = [0] * route.length
@@ -82,6 +110,9 @@ class AllGatherExchange:
             if any(emits):
                 prog.append(("wait", route.gather_key))
                 folds = sum(max(chain[i] - 1, 0) for i in mine)
-                prog.append(("compute", route.ranks * nbytes * times.copy_s_per_byte + folds * times.apply_s))
+                steps = max((chain[i] - 1 for i in mine), default=0)
+                further = (folds - max(steps, 0)) * (times.summary_bytes + 2 * times.state_bytes)
+                prog.append(("compute", (route.ranks * nbytes + further) * times.copy_s_per_byte
+                             + max(steps, 0) * times.apply_s))
             out.append(prog)
         return out
