@@ -230,8 +230,8 @@ def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
     messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(5))
     want = _sequential(messages, sends)
     products = []
-    apply = affine.apply_state_summary
-    monkeypatch.setattr(affine, "apply_state_summary", lambda S, M, x: (products.append(x.shape[0]), apply(S, M, x))[1])
+    form = affine._products
+    monkeypatch.setattr(affine, "_products", lambda A, x, *rest: (products.append(x.shape[0]), form(A, x, *rest))[1])
     got = run_exchange("allgather", holders, sends, affine_flags, messages, monkeypatch)
     for g, w in zip(got, want):
         assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))

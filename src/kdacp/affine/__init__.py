@@ -50,10 +50,11 @@ class AffineMap(NamedTuple):
 
     def apply(self, x: torch.Tensor | None) -> torch.Tensor:
         """``transition @ x + offset`` (``x [..., K, V]``; the offset itself for a constant map, whose ``x`` may
-        be ``None``)."""
+        be ``None``). Unchecked: an exchange applies a map per message it passes on, to maps and states kdacp
+        formed itself; :func:`apply_state_summary` checks a caller's."""
         if self.transition is None:
             return self.offset
-        return apply_state_summary(self.offset, self.transition, x)
+        return _products(self.transition, x, self.offset)[0]
 
     def compose(self, earlier: AffineMap) -> AffineMap:
         """``self o earlier``, the map of ``earlier`` then ``self``: ``(A2, b2) o (A1, b1) = (A2 A1, A2 b1 + b2)``
