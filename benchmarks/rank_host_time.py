@@ -10,10 +10,14 @@ ReadyExchange`: the products of ``p2p``), so what is timed is kdacp's Python and
 (``--heads`` heads of ``--head-dim``). The roles and batches are the overhead suite's (contiguous roles of a
 3-rank plan; zigzag roles at each ``P``).
 
-    python benchmarks/rank_host_time.py [--t-local 16384] [--ranks 2,8] [--rounds 21] [--profile ROLE]
+    python benchmarks/rank_host_time.py [--t-local 16384] [--ranks 2,8] [--rounds 21] [--profile ROLE] [--no-products]
+
+With ``--no-products`` the ``M x + S`` products return their input at once: what is timed is kdacp's own Python
+alone (a GPU's host pays that, plus one product launch per message).
 
 Prints one row per role: its positions and the median milliseconds of a forward + backward, of this process's CPU
-time (``cpu_ms``: what kdacp's host work costs, steadier than the wall clock on a shared machine; one torch thread)
+time (``cpu_ms``: what kdacp's host work costs, steadier than the wall clock on a shared machine; one torch thread;
+``cpu_min_ms`` the least of the rounds, the steadiest where other jobs share the CPU)
 and of the wall clock (``wall_ms``); with
 ``--profile "document_zigzag lognormal 8 middle"`` the cProfile top functions of that role by own time.
 """
@@ -54,6 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--no-products", action="store_true", help="the products return their input at once")
     parser.add_argument("--profile", default=None, help='a role to profile, as its row names it ("layout batch P role")')
     args = parser.parse_args(argv)
     try:
@@ -64,6 +69,9 @@ def main(argv=None) -> int:
     if args.profile is not None and args.profile not in plans:
         parser.error(f"--profile must name a row, one of {sorted(plans)}; got {args.profile!r}")
     torch.set_num_threads(1)  # the CPU time of this thread's work, not of idle intra-op workers
+    if args.no_products:
+        import kdacp.affine
+        kdacp.affine._products = lambda A, x, b=None, x2=None: (x, None if x2 is None else x2)
     call, do = role_call("kda", "torch", args.t_local, args.heads, args.head_dim, torch.float32, torch.device("cpu"))
     rows = []
     for name, plan in plans.items():
@@ -80,7 +88,8 @@ def main(argv=None) -> int:
         layout, batch, P, role = name.split()
         rows.append(dict(layout=layout, batch=batch, P=int(P), role=role,
                          positions=len(plan.rank_layouts[plan.rank].positions),
-                         cpu_ms=round(statistics.median(cpu), 3), wall_ms=round(statistics.median(wall), 3)))
+                         cpu_ms=round(statistics.median(cpu), 3), cpu_min_ms=round(min(cpu), 3),
+                         wall_ms=round(statistics.median(wall), 3)))
         if name == args.profile:
             profile = cProfile.Profile()
             profile.runcall(lambda: [(forward(), backward()) for _ in range(args.rounds)])
