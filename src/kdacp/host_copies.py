@@ -36,7 +36,7 @@ def _index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def _as_slice(rows: tuple[int, ...]) -> slice | None:
     """``rows`` as a slice when they are consecutive and ascending, else None."""
-    if rows and all(b == a + 1 for a, b in zip(rows, rows[1:])):
+    if rows and rows == tuple(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[-1] + 1)
     return None
 
@@ -44,6 +44,9 @@ def _as_slice(rows: tuple[int, ...]) -> slice | None:
 def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """``t[rows]`` along dim 0 (``rows``: host integers, non-negative): a view for consecutive ascending rows,
     else a gather by an index tensor made once per ``(rows, device)``; no device sync either way."""
+    if len(rows) == 1:  # a rank of many positions takes one row a message: the common call, kept short
+        row = int(rows[0])
+        return t[row:row + 1]
     rows = tuple(int(r) for r in rows)
     as_slice = _as_slice(rows)
     if as_slice is not None:
