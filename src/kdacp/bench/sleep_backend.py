@@ -39,7 +39,9 @@ class SleepBackend:
             raise ValueError(f"stages must give seconds for exactly {sorted(SLEEP_STAGES)}, got {sorted(self.stages)}")
 
     def _sleep(self, stage: str, span) -> None:
-        time.sleep(self.stages[stage] * (span.end - span.start) / self.tokens)
+        seconds = self.stages[stage] * (span.end - span.start) / self.tokens
+        if seconds > 0:  # a zero sleep still yields the CPU (tens of us): none at all where a stage takes no time
+            time.sleep(seconds)
 
     def _zeros(self, n: int, *shape):
         """Zeros ``[n, *shape]``: one tensor per shape, made once and handed out again (a caller must not write
