@@ -28,8 +28,8 @@ def fold_chains(rows: torch.Tensor, chains: list[list[int]], V: int) -> list[tor
     constant message. All chains advance together, one message each per step: a step is one
     ``M x + S`` over every chain still going (:meth:`~kdacp.affine.AffineMap.apply` over the rows gathered for
     it by host indices, :func:`~kdacp.host_copies.take_rows`: no device sync), so the launches follow the longest
-    chain, not the sum of their lengths. Returns per chain a dense
-    ``[n, HV, K, V]`` value, or ``None`` for an empty chain."""
+    chain, not the sum of their lengths. Returns per chain a dense ``[n, HV, K, V]`` value (rows of one tensor),
+    or ``None`` for an empty chain."""
     order = sorted(range(len(chains)), key=lambda c: -len(chains[c]))  # the chains still going: a prefix
     live = [chains[c] for c in order if chains[c]]
     out: list[torch.Tensor | None] = [None] * len(chains)
@@ -84,10 +84,9 @@ class AllGatherExchange:
         pending.recv_work.wait()
         gathered = torch.stack(pending.gathered)                      # [P, slots, n, HV, K, V (+K)]
         rows = gathered.flatten(0, 1)                                 # row of position j: order[j] * slots + slot
-        chains = {i: [route.order[j] * gathered.shape[1] + route.slots[j] for j in fold_chain(route, i)]
-                  for i in route.positions}
-        folded = fold_chains(rows, [chains[i] for i in route.positions], route.shape[-1])
-        return [folded[k] for k in range(len(route.positions))]
+        chains = [[route.order[j] * gathered.shape[1] + route.slots[j] for j in fold_chain(route, i)]
+                  for i in route.positions]
+        return fold_chains(rows, chains, route.shape[-1])
 
     def program(self, route: ModelRoute) -> list[list[tuple]]:
         """``gather(key, summary, with M when any position is through); compute(between); wait(key);
