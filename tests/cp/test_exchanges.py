@@ -235,8 +235,7 @@ def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
     got = run_exchange("allgather", holders, sends, affine_flags, messages, monkeypatch)
     for g, w in zip(got, want):
         assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
-    route = exchanges.Route(0, None, holders, sends, affine_flags, (1, 2, 3, 4), torch.float64, torch.device("cpu"))
-    lengths = {i: len(exchanges.allgather.fold_chain(route, i)) for i in range(len(holders))}
+    lengths = dict(enumerate(exchanges.chain_depths(sends, affine_flags)))  # the messages each value folds
     per_position = sum(max(n - 1, 0) for n in lengths.values())
     longest = sum(max(max(lengths[i] for i in range(len(holders)) if holders[i] == r) - 1, 0)
                   for r in set(holders))

@@ -6,20 +6,7 @@ import torch
 from ...affine import AffineMap
 from ...host_copies import take_rows
 from .. import collectives
-from .base import ModelRoute, Pending, Route, register_exchange
-
-
-def fold_chain(route: Route, i: int) -> list[int]:
-    """The positions whose messages make position ``i``'s incoming value, first applied first: back from ``i - 1``
-    to the chain's start (a constant message, or a position nothing enters); empty where nothing comes in."""
-    chain = []
-    j = i - 1 if route.source(i) is not None else None
-    while j is not None:
-        chain.append(j)
-        if not route.affine[j] or j == 0 or not route.emits[j - 1]:
-            break
-        j -= 1
-    return chain[::-1]
+from .base import ModelRoute, Pending, Route, chain_depths, register_exchange
 
 
 def fold_chains(rows: torch.Tensor, chains: list[list[int]], V: int) -> list[torch.Tensor | None]:
@@ -84,7 +71,9 @@ class AllGatherExchange:
         pending.recv_work.wait()
         gathered = torch.stack(pending.gathered)                      # [P, slots, n, HV, K, V (+K)]
         rows = gathered.flatten(0, 1)                                 # row of position j: order[j] * slots + slot
-        chains = [[route.order[j] * gathered.shape[1] + route.slots[j] for j in fold_chain(route, i)]
+        # position i's value folds the messages of the chain_depths[i] positions before it
+        depths = chain_depths(route.emits, route.affine)
+        chains = [[route.order[j] * gathered.shape[1] + route.slots[j] for j in range(i - depths[i], i)]
                   for i in route.positions]
         return fold_chains(rows, chains, route.shape[-1])
 
@@ -94,10 +83,7 @@ class AllGatherExchange:
         chain (one ``apply_s`` each), and the bytes of every further chain's ``M x + S`` in those steps (its row of
         the gathered stack, its state in and out) at ``copy_s_per_byte``."""
         emits, affine, times = route.emits, route.affine, route.times
-        # chain[i]: the messages position i's incoming value is folded from
-        chain = [0] * route.length
-        for i in range(1, route.length):
-            chain[i] = 0 if not route.incoming[i] else 1 if not affine[i - 1] else chain[i - 1] + 1
+        chain = chain_depths(emits, affine)  # the messages position i's incoming value is folded from
         out = []
         for r, mine in enumerate(route.own):
             prog: list[tuple] = []
@@ -109,9 +95,9 @@ class AllGatherExchange:
             if any(emits):
                 prog.append(("wait", route.gather_key))
                 folds = sum(max(chain[i] - 1, 0) for i in mine)
-                steps = max((chain[i] - 1 for i in mine), default=0)
-                further = (folds - max(steps, 0)) * (times.summary_bytes + 2 * times.state_bytes)
+                steps = max([0, *(chain[i] - 1 for i in mine)])
+                further = (folds - steps) * (times.summary_bytes + 2 * times.state_bytes)
                 prog.append(("compute", (route.ranks * nbytes + further) * times.copy_s_per_byte
-                             + max(steps, 0) * times.apply_s))
+                             + steps * times.apply_s))
             out.append(prog)
         return out
