@@ -103,7 +103,7 @@ def step_rows(args, tokens: int, group, device) -> list[dict]:
                 compiled_step()
             got = [t.clone() for t in compiled_step()]  # a replay overwrites its outputs
             row["compiled_host_ms"], row["compiled_wall_ms"] = host_and_wall_ms(compiled_step, args.iters, device)
-            row["compiled_vs_eager"] = largest_difference(got, step())
+            row["compiled_vs_eager"] = largest_difference(got, eager)
         if fla is not None and P == 1:  # FLA's layer holds the whole sequence: one rank's figures only
             fla_step = lambda: step(fla)  # noqa: E731
             fla_step()  # FLA's autotuning and compilation, before the timing

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # the CPU time of this thread's work, not of idle intra-op workers
     if args.no_products:
         import kdacp.affine
-        kdacp.affine._products = lambda A, x, b=None, x2=None: (x, None if x2 is None else x2)
+        kdacp.affine._products = lambda A, x, b=None, x2=None: (x, x2)
     call, do = role_call("kda", "torch", args.t_local, args.heads, args.head_dim, torch.float32, torch.device("cpu"))
     rows = []
     for name, plan in plans.items():
