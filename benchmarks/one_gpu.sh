@@ -258,7 +258,7 @@ versus)  # another tree's library beside this one's, in turns on one card
     for round in 1 2; do
         for tree in other this; do
             src=$PWD/src; [ "$tree" = other ] && src=$(cd "$other" && pwd)/src
-            run=(env PYTHONPATH="$src:${PYTHONPATH:-}" python3 -m kdacp.cli bench --device cuda)
+            run=(env PYTHONPATH="$src:${PYTHONPATH:-}" "${bench[@]}")
             [ "$round" = 1 ] && step "kernels_$tree" 60 "${run[@]}" --suite kernels --out "$out/kernels_$tree"
             step "layer_${tree}_$round" 50 "${run[@]}" --suite layer --world-size 1 --seq-lens 16384 \
                 --batches one_sequence --out "$out/layer_${tree}_$round"
