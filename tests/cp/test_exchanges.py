@@ -241,3 +241,24 @@ def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
                   for r in set(holders))
     assert len(products) == longest < per_position, (products, longest, per_position)
     assert max(products) > 1  # several chains in one product
+
+
+def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
+    """``scan`` composes what a rank's positions send in a round, and what they receive in it, in one product per
+    kind of pair (open after open, open after closed), the maps stacked along their rows: a per-document rank's
+    launches follow the rounds, not its positions (every value as the sequential fold's: the shared check)."""
+    from kdacp import affine
+    holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
+    messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(7))
+    want = _sequential(messages, sends)
+    rows = []
+    form = affine._products
+    monkeypatch.setattr(affine, "_products", lambda A, x, *rest: (rows.append(x.shape[0]), form(A, x, *rest))[1])
+    got = run_exchange("scan", holders, sends, affine_flags, messages, monkeypatch)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    n = max(sends)
+    pairs = sum(rows) // n  # the compositions formed, one per pair of maps
+    rounds = len(exchanges.scan.scan_schedule(sends, affine_flags).rounds)
+    assert len(rows) <= len(set(holders)) * rounds * 4 and len(rows) < pairs, (len(rows), rounds, pairs)
+    assert max(rows) > n  # several pairs in one product

@@ -13,12 +13,33 @@ from .. import collectives
 from .base import ModelOutbox, ModelRoute, OrderedSends, Pending, Route, register_exchange
 
 
-def _compose(later: AffineMap | None, earlier: AffineMap | None) -> AffineMap | None:
-    """``later o earlier`` of composed runs of consecutive positions, ``None`` the empty run (the
-    identity). A constant map holds a chain start: nothing earlier can change its outgoing value."""
-    if later is None:
-        return earlier
-    return later if earlier is None else later.compose(earlier)
+def _compose_pairs(pairs: list[tuple[AffineMap | None, AffineMap | None]]) -> list[AffineMap | None]:
+    """``later o earlier`` for each pair ``(later, earlier)`` of composed runs of consecutive positions,
+    ``None`` the empty run (the identity). A constant map holds a chain start: nothing earlier can change its
+    outgoing value. Every map has the route's ``n`` rows; the products of one kind (open after open: a
+    composition; open after closed: an ``M x + S``) are one product over all their pairs, their maps stacked
+    along the rows, so a round's launches do not grow with the positions a rank holds."""
+    out: list[AffineMap | None] = [None] * len(pairs)
+    kinds: dict[bool, list[int]] = {True: [], False: []}  # earlier still open -> the pairs needing a product
+    for k, (later, earlier) in enumerate(pairs):
+        if later is None or earlier is None:
+            out[k] = earlier if later is None else later
+        elif later.constant:
+            out[k] = later
+        else:
+            kinds[not earlier.constant].append(k)
+    for is_open, members in kinds.items():
+        if not members:
+            continue
+        later = AffineMap(*(torch.cat([getattr(pairs[k][0], f) for k in members]) for f in AffineMap._fields))
+        earlier_parts = [pairs[k][1] for k in members]
+        earlier = AffineMap(torch.cat([e.offset for e in earlier_parts]),
+                            torch.cat([e.transition for e in earlier_parts]) if is_open else None)
+        both = later.compose(earlier)
+        rows = pairs[members[0]][0].offset.shape[0]
+        for j, k in enumerate(members):
+            out[k] = AffineMap(*(None if x is None else x[j * rows:(j + 1) * rows] for x in both))
+    return out
 
 
 def _element(message: AffineMap | None, emits: int, shape: tuple[int, ...], dtype: torch.dtype, device
@@ -189,27 +210,43 @@ class ScanExchange:
         route, schedule = pending.route, pending.schedule
         held = dict.fromkeys(route.positions)
         for d, transfers in enumerate(schedule.rounds):
-            for src, dst, is_open in transfers:
-                if src in held and d > 0 and not schedule.absolute[src]:
-                    payload = _pack(_compose(pending.own[src], held[src]), is_open, route.dtype)
-                    pending.post((d, dst), src, route.order[dst], payload)
-            for src, dst, is_open in transfers:
-                if dst in held:
-                    held[dst] = _compose(held[dst], _unpack(pending.take((d, dst)), is_open, route.shape[-1]))
+            sending = [(src, dst, is_open) for src, dst, is_open in transfers
+                       if src in held and d > 0 and not schedule.absolute[src]]
+            payloads = _compose_pairs([(pending.own[src], held[src]) for src, _, _ in sending])
+            for (src, dst, is_open), payload in zip(sending, payloads):
+                pending.post((d, dst), src, route.order[dst], _pack(payload, is_open, route.dtype))
+            arriving = [(dst, _unpack(pending.take((d, dst)), is_open, route.shape[-1]))
+                        for _, dst, is_open in transfers if dst in held]
+            for (dst, _), value in zip(arriving, _compose_pairs([(held[dst], message) for dst, message in arriving])):
+                held[dst] = value
         return [held[i].offset.to(route.dtype).contiguous() if schedule.incoming[i] else None
                 for i in route.positions]
 
     def program(self, route: ModelRoute) -> list[list[tuple]]:
         """The rounds of :func:`scan_schedule`, ``ceil(log2 L)`` of them: own payloads sent at once (every
         round's if the map is constant, else round 0's); ``compute(between)``; then per round ``d``:
-        ``[affine, sends in round d > 0: compute(compose, once anything has arrived); send(i + 2**d, payload)]``
-        then ``[receives in round d: recv(i - 2**d); compute(compose or apply; nothing for the first)]``."""
+        ``[compute(the sends' compositions); send(i + 2**d, payload) for each affine position sending in round
+        d > 0]`` then ``[recv(i - 2**d) for each receiving position; compute(their compositions)]``. The
+        compositions of one step are :func:`_compose_pairs`' products, one per kind (``compose_s`` for open after
+        open, ``apply_s`` for open after closed) plus each further pair's two maps at ``copy_s_per_byte``
+        twice (written by the stack, read by the product); nothing for a position that has composed nothing yet."""
         emits, affine, holders, times = route.emits, route.affine, route.holders, route.times
         schedule = scan_schedule(tuple(emits), tuple(affine))
         sends, receives = [{} for _ in range(route.length)], [{} for _ in range(route.length)]
         for d, transfers in enumerate(schedule.rounds):
             for src, dst, is_open in transfers:
                 sends[src][d], receives[dst][d] = (dst, is_open), (src, is_open)
+
+        def products(opens: list[bool]) -> list[tuple]:  # the step's pairs, by whether the earlier map is open
+            cost = 0.0
+            for is_open in (True, False):
+                count = opens.count(is_open)
+                if count:
+                    further = (times.summary_bytes if is_open else times.state_bytes) + times.summary_bytes
+                    cost += ((times.compose_s if is_open else times.apply_s)
+                             + (count - 1) * 2 * further * times.copy_s_per_byte)
+            return [("compute", cost)] if cost else []
+
         out = []
         for r, mine in enumerate(route.own):
             outbox = ModelOutbox([((d, dst), holders[dst], times.summary_bytes if is_open else times.state_bytes)
@@ -228,19 +265,16 @@ class ScanExchange:
             prog.append(("compute", route.between[r]))
             held = {i: (False, True) for i in mine}  # what each position has composed so far, and whether open
             for d in range(len(schedule.rounds)):
-                for i in mine:
-                    if d in sends[i] and d > 0 and affine[i] and emits[i]:
-                        dst, _ = sends[i][d]
-                        if held[i][0]:  # own o held: nothing to compose while nothing has arrived
-                            prog.append(("compute", times.compose_s if held[i][1] else times.apply_s))
-                        prog += post(d, dst)
-                for i in mine:
-                    if d in receives[i]:
-                        src, is_open = receives[i][d]
-                        if holders[src] != r:
-                            prog.append(("recv", holders[src]))
-                        if held[i][0]:
-                            prog.append(("compute", times.compose_s if is_open else times.apply_s))
-                        held[i] = (True, held[i][1] and is_open)
+                sending = [i for i in mine if d in sends[i] and d > 0 and affine[i] and emits[i]]
+                prog += products([held[i][1] for i in sending if held[i][0]])
+                for i in sending:
+                    prog += post(d, sends[i][d][0])
+                arriving = [i for i in mine if d in receives[i]]
+                for i in arriving:
+                    if holders[receives[i][d][0]] != r:
+                        prog.append(("recv", holders[receives[i][d][0]]))
+                prog += products([receives[i][d][1] for i in arriving if held[i][0]])
+                for i in arriving:
+                    held[i] = (True, held[i][1] and receives[i][d][1])
             out.append(prog)
         return out
