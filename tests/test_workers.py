@@ -2,6 +2,7 @@
 a rank that dies after its result, and no process left behind after a signal or a killed launcher, also one
 killed while its workers are still starting."""
 import atexit
+import functools
 import logging
 import os
 import signal
@@ -50,6 +51,37 @@ def test_prepare_runs_in_each_rank_before_its_group():
     assert _BEFORE_GROUP == []  # not in the launching process
     # without it nothing runs
     assert [r[2] for r in launch(_rank, 2, timeout_s=120)] == [[], []]
+
+
+def _fail_the_first_start(marker):
+    """``prepare``: on the first start's port (the first one written to ``marker``) the group fails to form as
+    gloo's does when its loopback connections drop."""
+    port = os.environ["MASTER_PORT"]
+    if not os.path.exists(marker):  # both ranks of the first start may write it: the same port
+        with open(f"{marker}.{os.getpid()}", "w") as f:
+            f.write(port)
+        os.replace(f"{marker}.{os.getpid()}", marker)
+    with open(marker) as f:
+        if f.read() == port:
+            def refuse(*args, **kwargs):
+                raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (a test)")
+            dist.init_process_group = refuse
+
+
+def _port(worker):
+    return int(os.environ["MASTER_PORT"])
+
+
+def test_a_group_that_fails_to_form_starts_once_more_on_another_port(tmp_path):
+    marker = str(tmp_path / "first")
+    ports = launch(_port, 2, prepare=functools.partial(_fail_the_first_start, marker), timeout_s=120)
+    with open(marker) as f:
+        first = int(f.read())
+    assert ports[0] == ports[1] != first
+    # on a port the caller chose the failure is the run's, named
+    with pytest.raises(WorkerError, match=r"process group did not form: RuntimeError: Gloo connectFullMesh failed"):
+        launch(_port, 2, port=workers.free_port(), prepare=functools.partial(_fail_the_first_start, f"{marker}2"),
+               timeout_s=120)
 
 
 def test_one_rank_runs_in_this_process_with_its_group_and_deadline(no_spawn):

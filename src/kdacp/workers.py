@@ -44,6 +44,8 @@ RANK_MEMORY_MB = 1000
 # The signals that stop a run: Ctrl-C, kill, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What gloo's error says when a group's loopback connections fail while forming: launch starts the workers once more.
+_GLOO_MESH_FAILED = "Gloo connectFullMesh failed"
 
 
 class _Stderr(logging.Handler):
@@ -93,10 +95,14 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(exclude: int | None = None) -> int:
+    """A TCP port free on 127.0.0.1 now, other than ``exclude``."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != exclude:
+            return port
 
 
 def _check_port(port: int) -> None:
@@ -250,7 +256,13 @@ def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float
     try:
         if prepare is not None:
             prepare()
-        dev = _init_group(rank, world_size, device, timeout_s)
+        try:
+            dev = _init_group(rank, world_size, device, timeout_s)
+        except RuntimeError as e:
+            if _GLOO_MESH_FAILED not in str(e):
+                raise
+            messages.put(("group_failed", rank, f"{type(e).__name__}: {e}"))
+            raise SystemExit(1) from None
         result = fn(WorkerRank(rank, world_size, dev, lambda m: messages.put(("report", rank, m))), *args)
         messages.put(("result", rank, result))
         dist.destroy_process_group()
@@ -414,7 +426,9 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
 
     Raises:
         WorkerError: the machine cannot hold ``world_size`` workers (before any starts); a worker raised,
-            died (e.g. was killed, also after returning its result) or the run passed ``timeout_s``.
+            died (e.g. was killed, also after returning its result) or the run passed ``timeout_s``; a gloo
+            group failed to connect twice (on a port left to kdacp, a first failure starts the workers once more
+            on another, said at INFO; never once ``fn`` has run).
         Stopped: the launching process got SIGINT, SIGTERM or SIGHUP.
         In every case all workers are stopped first.
     """
@@ -425,7 +439,33 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
     if world_size == 1:
         return _run_here(fn, args, device, port, timeout_s, on_report, prepare)
     deadline = time.monotonic() + timeout_s
-    port = port or free_port()
+    tried = None
+    while True:
+        try:
+            return _spawn(fn, world_size, args, device, port or free_port(exclude=tried), deadline, timeout_s,
+                          on_report, prepare)
+        except _GroupNotFormed as e:
+            if port or tried is not None:  # a port the caller chose, or the second time
+                raise WorkerError(str(e)) from None
+            tried = e.port
+            logging.getLogger("kdacp").info("%s; starting the workers again on another port", e)
+
+
+class _GroupNotFormed(WorkerError):
+    """A rank's gloo group failed to connect its full mesh before anything ran: on one machine a passing
+    failure of the loopback connections (gloo's own tests see it too), worth one more start on a new port."""
+
+    def __init__(self, message: str, port: int):
+        super().__init__(message)
+        self.port = port
+
+
+def _spawn(fn, world_size, args, device, port, deadline, timeout_s, on_report, prepare) -> list[Any]:
+    """One start of :func:`launch`'s workers on ``port``, the run, and their stop (see :func:`launch`).
+
+    Raises:
+        _GroupNotFormed: a rank's group failed to connect (all workers stopped; nothing of ``fn`` ran).
+    """
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
     started: list = []
@@ -451,6 +491,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cp
                     if time.monotonic() > deadline:
                         raise late from None
                     continue
+                if kind == "group_failed":
+                    raise _GroupNotFormed(f"worker rank {rank}'s process group did not form: {payload}", port)
                 if kind == "error":
                     # A peer killed mid-collective makes the others fail with connection errors:
                     # give the dead one a moment to show up, and name it as the cause.
