@@ -246,7 +246,8 @@ def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
 def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
     """``scan`` composes what a rank's positions send in a round, and what they receive in it, in one product per
     kind of pair (open after open, open after closed), the maps stacked along their rows: a per-document rank's
-    launches follow the rounds, not its positions (every value as the sequential fold's: the shared check)."""
+    launches follow the rounds, not its positions (every value as the sequential fold's: the shared check); maps
+    over ``STACK_MAX_BYTES`` a product a pair."""
     from kdacp import affine
     holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
     messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(7))
@@ -262,3 +263,10 @@ def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
     rounds = len(exchanges.scan.scan_schedule(sends, affine_flags).rounds)
     assert len(rows) <= len(set(holders)) * rounds * 4 and len(rows) < pairs, (len(rows), rounds, pairs)
     assert max(rows) > n  # several pairs in one product
+    # maps too large to stack (STACK_MAX_BYTES): a product a pair, the same values
+    monkeypatch.setattr(exchanges.scan, "STACK_MAX_BYTES", 0)
+    rows.clear()
+    got = run_exchange("scan", holders, sends, affine_flags, messages, monkeypatch)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    assert len(rows) == pairs and max(rows) == n

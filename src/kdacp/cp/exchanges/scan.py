@@ -13,28 +13,45 @@ from .. import collectives
 from .base import ModelOutbox, ModelRoute, OrderedSends, Pending, Route, register_exchange
 
 
-def _compose_pairs(pairs: list[tuple[AffineMap | None, AffineMap | None]]) -> list[AffineMap | None]:
-    """``later o earlier`` for each pair ``(later, earlier)`` of composed runs of consecutive positions,
-    ``None`` the empty run (the identity). A constant map holds a chain start: nothing earlier can change its
-    outgoing value. Every map has the route's ``n`` rows; the products of one kind (open after open: a
-    composition; open after closed: an ``M x + S``) are one product over all their pairs, their maps stacked
-    along the rows, so a round's launches do not grow with the positions a rank holds."""
+# A rank's pairs of a round are stacked into one product per kind when a pair's maps hold at most this many bytes:
+# stacking copies them twice (written, then read), which at the cost model's 1e12 B/s costs under the ~2 us of
+# device time (and the host's launch) that each product saved would; larger maps (32 heads of 128: 4 MB a summary)
+# keep a product a pair, each formed as its message arrives.
+STACK_MAX_BYTES = 1 << 20
+
+
+def stacks(summary_bytes: int) -> bool:
+    """Whether a route whose open maps hold ``summary_bytes`` bytes each stacks its rounds' pairs."""
+    return 2 * summary_bytes <= STACK_MAX_BYTES
+
+
+def _compose(later: AffineMap | None, earlier: AffineMap | None) -> AffineMap | None:
+    """``later o earlier`` of composed runs of consecutive positions, ``None`` the empty run (the
+    identity). A constant map holds a chain start: nothing earlier can change its outgoing value."""
+    if later is None:
+        return earlier
+    return later if earlier is None else later.compose(earlier)
+
+
+def _compose_stacked(pairs: list[tuple[AffineMap | None, AffineMap | None]]) -> list[AffineMap | None]:
+    """:func:`_compose` of each pair ``(later, earlier)``, every map of the route's ``n`` rows: the pairs of one
+    kind (open after open: a composition; open after closed: an ``M x + S``) in one product over all of them,
+    their maps stacked along the rows, so a round's launches do not grow with the positions a rank holds."""
     out: list[AffineMap | None] = [None] * len(pairs)
     kinds: dict[bool, list[int]] = {True: [], False: []}  # earlier still open -> the pairs needing a product
     for k, (later, earlier) in enumerate(pairs):
-        if later is None or earlier is None:
-            out[k] = earlier if later is None else later
-        elif later.constant:
-            out[k] = later
+        if later is None or earlier is None or later.constant or len(pairs) == 1:
+            out[k] = _compose(later, earlier)
         else:
             kinds[not earlier.constant].append(k)
     for is_open, members in kinds.items():
-        if not members:
+        if len(members) == 1:
+            out[members[0]] = _compose(*pairs[members[0]])
+        if len(members) < 2:
             continue
         later = AffineMap(*(torch.cat([getattr(pairs[k][0], f) for k in members]) for f in AffineMap._fields))
-        earlier_parts = [pairs[k][1] for k in members]
-        earlier = AffineMap(torch.cat([e.offset for e in earlier_parts]),
-                            torch.cat([e.transition for e in earlier_parts]) if is_open else None)
+        earlier = AffineMap(torch.cat([pairs[k][1].offset for k in members]),
+                            torch.cat([pairs[k][1].transition for k in members]) if is_open else None)
         both = later.compose(earlier)
         rows = pairs[members[0]][0].offset.shape[0]
         for j, k in enumerate(members):
@@ -208,28 +225,39 @@ class ScanExchange:
 
     def receive(self, pending: Pending) -> list:
         route, schedule = pending.route, pending.schedule
+        n, HV, K, V = route.shape
+        stacked = stacks(n * HV * K * (K + V) * route.dtype.itemsize)
         held = dict.fromkeys(route.positions)
         for d, transfers in enumerate(schedule.rounds):
             sending = [(src, dst, is_open) for src, dst, is_open in transfers
                        if src in held and d > 0 and not schedule.absolute[src]]
-            payloads = _compose_pairs([(pending.own[src], held[src]) for src, _, _ in sending])
+            if stacked:
+                payloads = _compose_stacked([(pending.own[src], held[src]) for src, _, _ in sending])
+            else:  # each payload sent as soon as it is formed
+                payloads = (_compose(pending.own[src], held[src]) for src, _, _ in sending)
             for (src, dst, is_open), payload in zip(sending, payloads):
                 pending.post((d, dst), src, route.order[dst], _pack(payload, is_open, route.dtype))
-            arriving = [(dst, _unpack(pending.take((d, dst)), is_open, route.shape[-1]))
-                        for _, dst, is_open in transfers if dst in held]
-            for (dst, _), value in zip(arriving, _compose_pairs([(held[dst], message) for dst, message in arriving])):
-                held[dst] = value
+            arriving = [(dst, is_open) for _, dst, is_open in transfers if dst in held]
+            if stacked:
+                messages = [_unpack(pending.take((d, dst)), is_open, V) for dst, is_open in arriving]
+                for (dst, _), value in zip(arriving, _compose_stacked([(held[dst], m) for (dst, _), m
+                                                                        in zip(arriving, messages)])):
+                    held[dst] = value
+            else:  # each formed as its message arrives
+                for dst, is_open in arriving:
+                    held[dst] = _compose(held[dst], _unpack(pending.take((d, dst)), is_open, V))
         return [held[i].offset.to(route.dtype).contiguous() if schedule.incoming[i] else None
                 for i in route.positions]
 
     def program(self, route: ModelRoute) -> list[list[tuple]]:
         """The rounds of :func:`scan_schedule`, ``ceil(log2 L)`` of them: own payloads sent at once (every
-        round's if the map is constant, else round 0's); ``compute(between)``; then per round ``d``:
-        ``[compute(the sends' compositions); send(i + 2**d, payload) for each affine position sending in round
-        d > 0]`` then ``[recv(i - 2**d) for each receiving position; compute(their compositions)]``. The
-        compositions of one step are :func:`_compose_pairs`' products, one per kind (``compose_s`` for open after
-        open, ``apply_s`` for open after closed) plus each further pair's two maps at ``copy_s_per_byte``
-        twice (written by the stack, read by the product); nothing for a position that has composed nothing yet."""
+        round's if the map is constant, else round 0's); ``compute(between)``; then per round ``d``, for the affine
+        positions sending in it (``d > 0``) ``compute(own o held); send(i + 2**d, payload)`` each, then for the
+        receiving ones ``recv(i - 2**d); compute(held o payload)`` each (``compose_s`` where the earlier map is
+        open, ``apply_s`` where closed; nothing for a position that has composed nothing yet). Where the route's
+        maps are small enough to stack (:func:`stacks`) the step's compositions are one ``compute`` before its
+        sends and one after its receives: a product per kind, plus each further pair's two maps at
+        ``copy_s_per_byte`` twice (written by the stack, read by the product)."""
         emits, affine, holders, times = route.emits, route.affine, route.holders, route.times
         schedule = scan_schedule(tuple(emits), tuple(affine))
         sends, receives = [{} for _ in range(route.length)], [{} for _ in range(route.length)]
@@ -237,14 +265,18 @@ class ScanExchange:
             for src, dst, is_open in transfers:
                 sends[src][d], receives[dst][d] = (dst, is_open), (src, is_open)
 
-        def products(opens: list[bool]) -> list[tuple]:  # the step's pairs, by whether the earlier map is open
+        stacked = stacks(times.summary_bytes)
+
+        def product(is_open: bool) -> float:  # one pair's: the earlier map open (a composition) or closed
+            return times.compose_s if is_open else times.apply_s
+
+        def stacked_products(opens: list[bool]) -> list[tuple]:  # a step's pairs in one product per kind
             cost = 0.0
             for is_open in (True, False):
                 count = opens.count(is_open)
+                pair_bytes = (times.summary_bytes if is_open else times.state_bytes) + times.summary_bytes
                 if count:
-                    further = (times.summary_bytes if is_open else times.state_bytes) + times.summary_bytes
-                    cost += ((times.compose_s if is_open else times.apply_s)
-                             + (count - 1) * 2 * further * times.copy_s_per_byte)
+                    cost += product(is_open) + (count - 1) * 2 * pair_bytes * times.copy_s_per_byte
             return [("compute", cost)] if cost else []
 
         out = []
@@ -266,14 +298,21 @@ class ScanExchange:
             held = {i: (False, True) for i in mine}  # what each position has composed so far, and whether open
             for d in range(len(schedule.rounds)):
                 sending = [i for i in mine if d in sends[i] and d > 0 and affine[i] and emits[i]]
-                prog += products([held[i][1] for i in sending if held[i][0]])
+                if stacked:
+                    prog += stacked_products([held[i][1] for i in sending if held[i][0]])
                 for i in sending:
+                    if not stacked and held[i][0]:  # own o held: nothing to compose while nothing has arrived
+                        prog.append(("compute", product(held[i][1])))
                     prog += post(d, sends[i][d][0])
                 arriving = [i for i in mine if d in receives[i]]
                 for i in arriving:
-                    if holders[receives[i][d][0]] != r:
-                        prog.append(("recv", holders[receives[i][d][0]]))
-                prog += products([receives[i][d][1] for i in arriving if held[i][0]])
+                    src, is_open = receives[i][d]
+                    if holders[src] != r:
+                        prog.append(("recv", holders[src]))
+                    if not stacked and held[i][0]:
+                        prog.append(("compute", product(is_open)))
+                if stacked:
+                    prog += stacked_products([receives[i][d][1] for i in arriving if held[i][0]])
                 for i in arriving:
                     held[i] = (True, held[i][1] and receives[i][d][1])
             out.append(prog)
