@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 
+from kdacp.backends import fla_configs
 from kdacp.backends.fla_configs import (SHIPPED_CONFIGS, choose_config_dir, export_fla_configs, fla_key_hash,
                                         gpu_dir_name, use_configs_for_this_gpu, use_shipped_configs)
 
@@ -39,8 +40,12 @@ def test_export_picks_the_fastest_config_per_key(tmp_path):
     assert fla_key_hash([128, True, "torch.bfloat16"]) == hashlib.md5(b'[128,true,"torch.bfloat16"]').hexdigest()
 
 
-def test_shipped_files_are_consistent():
-    files = sorted((SHIPPED_CONFIGS / "NVIDIA_H200").glob("*.json"))
+@pytest.mark.parametrize("gpu", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"])
+def test_shipped_files_are_consistent(gpu):
+    """Each shipped GPU's folder holds FLA's files, each entry under its key's hash, and is named in
+    SHIPPED_CAPABILITY (which lends it to the GPUs of its capability without files of their own)."""
+    assert sorted(d.name for d in SHIPPED_CONFIGS.iterdir() if d.is_dir()) == sorted(fla_configs.SHIPPED_CAPABILITY)
+    files = sorted((SHIPPED_CONFIGS / gpu).glob("*.json"))
     assert len(files) >= 10
     for path in files:
         data = json.loads(path.read_text())
@@ -76,7 +81,6 @@ def _fake_gpu(monkeypatch, tmp_path, name, capability, shipped=("NVIDIA_H200",))
     only (all sm_90) and no files of the user's."""
     import torch
 
-    from kdacp.backends import fla_configs
     for gpu in shipped:
         (tmp_path / "shipped" / gpu).mkdir(parents=True)
     monkeypatch.setattr(fla_configs, "SHIPPED_CONFIGS", tmp_path / "shipped")

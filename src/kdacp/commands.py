@@ -164,8 +164,8 @@ def _demo(args: argparse.Namespace) -> int:
     if device == "cuda" and show:
         # Without tuned configurations FLA autotunes each new shape in the first step: minutes on a GPU.
         print("kdacp demo: on a GPU the first step includes compiling the Triton kernels and FLA's autotuning "
-              "of any kernel shape without a tuned configuration (kdacp ships the H200's, which other "
-              "Hopper GPUs take when they have none of their own); the whole command's time and what it "
+              "of any kernel shape without a tuned configuration (kdacp ships the H100 80GB's and the "
+              "H200's, which other Hopper GPUs take when they have none of their own); the whole command's time and what it "
               "went to are printed at the end", file=sys.stderr)
     launched_at = time.time()
     try:

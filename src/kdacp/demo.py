@@ -180,7 +180,7 @@ class DemoConfig:
 
 
 # Head sizes by device: small on CPU (seconds per step); on CUDA Kimi Linear's own (32 heads of 128), the
-# sizes the FLA kernel configurations shipped for the H200 were tuned at, so that the first step can find
+# sizes the FLA kernel configurations shipped for the H100 and the H200 were tuned at, so that the first step can find
 # them instead of autotuning (whether every kernel's key matches shows in that step's time).
 HEADS = {"cpu": (4, 16), "cuda": (32, 128)}
 

@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Autotune FLA's kernels for kdacp's KimiDeltaAttention layer at the given "
                                       "sizes on this GPU and save the configurations. By default they go to "
                                       f"{USER_CONFIGS}/<GPU name>, where kdacp looks first: it then uses them "
-                                      "instead of the ones it ships (tuned on the H200, and taken "
-                                      "by other GPUs of its architecture), so a first run on this GPU no "
+                                      "instead of the ones it ships (tuned on the H100 80GB and the "
+                                      "H200, and taken by other GPUs of their architecture), so a first run on this GPU no "
                                       "longer autotunes these shapes; the shapes it does not tune keep the "
                                       "configurations used before. Running it again adds to the files there. "
                                       "Needs a CUDA GPU and a fresh process.")

@@ -43,9 +43,11 @@ SHIPPED_CONFIGS = Path(__file__).parent.parent / "configs"
 
 # The CUDA compute capability of each GPU kdacp ships configurations for. A GPU without files of its own
 # takes those of a shipped GPU of its capability: a configuration is sized to the chip's shared memory,
-# registers and units, which the capability fixes, so a sibling's runs (an H100 takes the H200's) and
-# saves the minutes of autotuning; one of another capability is never taken (it may not even launch).
-SHIPPED_CAPABILITY = {"NVIDIA_H200": (9, 0)}
+# registers and units, which the capability fixes, so a sibling's runs (an H100 PCIe takes the H100 80GB's) and
+# saves the minutes of autotuning; one of another capability is never taken (it may not even launch). The H100's
+# were tuned on an H100 80GB HBM3 by `kdacp tune` at the demo's and the layer suite's shapes (the H200's entries
+# for the rest): benchmarks/RESULTS.md, First run.
+SHIPPED_CAPABILITY = {"NVIDIA_H100_80GB_HBM3": (9, 0), "NVIDIA_H200": (9, 0)}
 
 log = logging.getLogger(__name__)
 
