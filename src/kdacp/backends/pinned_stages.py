@@ -10,6 +10,8 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 
+import torch
+
 __all__ = ["PinnedStages", "import_stages", "installed_version", "load_pinned"]
 
 Loaded = tuple[SimpleNamespace | None, str | None]
@@ -80,22 +82,35 @@ class PinnedStages:
         load: returns ``(namespace, None)`` when the dependency is usable, else ``(None, reason)``; the
             adapter memoises it (``functools.cache``), so this object asks it each time and tests may
             clear it.
+
+    Inside ``torch.compile``'s tracing the load runs as plain Python (:func:`_run_load`), once per trace: the
+    dependency's import and version checks are never traced (a layer compiled before the dependency was imported
+    would trace its import, and a lookup traced through the memo breaks the graph).
     """
 
     def __init__(self, load: Callable[[], Loaded]):
         self._load = load
+        self.loaded: Loaded = (None, None)  # the last load's answer, set by _run_load
 
     def available(self) -> bool:
         """Whether the stages can be used here."""
-        return self._load()[0] is not None
+        return _run_load(self) is None
 
     def require(self) -> None:
         """Raise ImportError saying what is missing unless the stages can be used."""
-        namespace, reason = self._load()
-        if namespace is None:
+        reason = _run_load(self)
+        if reason is not None:
             raise ImportError(reason)
 
     def load(self) -> SimpleNamespace:
         """The stage functions by name; raises ImportError when unusable."""
         self.require()
-        return self._load()[0]
+        return self.loaded[0]
+
+
+@torch.compiler.assume_constant_result
+def _run_load(stages: PinnedStages) -> str | None:
+    """Run ``stages``' load, keep its answer in ``stages.loaded`` and return its reason (None: usable). Under
+    ``torch.compile`` this runs at trace time as plain Python and its result is a constant of the graph."""
+    stages.loaded = stages._load()
+    return stages.loaded[1]
