@@ -40,14 +40,14 @@ def _compose_stacked(pairs: list[tuple[AffineMap | None, AffineMap | None]]) -> 
     out: list[AffineMap | None] = [None] * len(pairs)
     kinds: dict[bool, list[int]] = {True: [], False: []}  # earlier still open -> the pairs needing a product
     for k, (later, earlier) in enumerate(pairs):
-        if later is None or earlier is None or later.constant or len(pairs) == 1:
+        if later is None or earlier is None or later.constant:
             out[k] = _compose(later, earlier)
         else:
             kinds[not earlier.constant].append(k)
     for is_open, members in kinds.items():
-        if len(members) == 1:
-            out[members[0]] = _compose(*pairs[members[0]])
-        if len(members) < 2:
+        if len(members) < 2:  # nothing to stack
+            for k in members:
+                out[k] = _compose(*pairs[k])
             continue
         later = AffineMap(*(torch.cat([getattr(pairs[k][0], f) for k in members]) for f in AffineMap._fields))
         earlier = AffineMap(torch.cat([pairs[k][1].offset for k in members]),
