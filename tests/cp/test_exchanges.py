@@ -12,6 +12,7 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
+from kdacp import affine as affine_module
 from kdacp.cp import collectives, exchanges
 from kdacp.cp.layout import document_zigzag_layout, zigzag_layout
 from kdacp.cp.plan import chain_links, layout_rank_layouts
@@ -221,20 +222,30 @@ def test_p2p_advances_side_by_side_chains_together(P, docs, monkeypatch):
         assert wire.hops == 2 * P - 2
 
 
+_PRODUCTS = affine_module._products  # the real product, which the counting below wraps
+
+
+def _documents_products(strategy: str, seed: int, monkeypatch) -> tuple[tuple, list[int]]:
+    """Run ``strategy`` over the P = 4 six-document ``document_zigzag`` route (forward), every value checked against
+    the sequential fold; ``((holders, sends, affine), rows)``: ``rows`` the leading size of each ``M x + S``
+    product formed (:func:`kdacp.affine._products`), in order."""
+    holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
+    messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(seed))
+    want = _sequential(messages, sends)  # before the count begins
+    rows = []
+    monkeypatch.setattr(affine_module, "_products",
+                        lambda A, x, *rest: (rows.append(x.shape[0]), _PRODUCTS(A, x, *rest))[1])
+    got = run_exchange(strategy, holders, sends, affine_flags, messages, monkeypatch)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    return (holders, sends, affine_flags), rows
+
+
 def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
     """``allgather`` folds every chain a rank needs in steps, each one ``M x + S`` over all chains still going: a
     rank's products follow its longest chain, not the sum of its chains (a per-document rank holds a position per
-    document piece), with every value as the sequential fold's (the shared check above)."""
-    from kdacp import affine
-    holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
-    messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(5))
-    want = _sequential(messages, sends)
-    products = []
-    form = affine._products
-    monkeypatch.setattr(affine, "_products", lambda A, x, *rest: (products.append(x.shape[0]), form(A, x, *rest))[1])
-    got = run_exchange("allgather", holders, sends, affine_flags, messages, monkeypatch)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    document piece), with every value as the sequential fold's."""
+    (holders, sends, affine_flags), products = _documents_products("allgather", 5, monkeypatch)
     lengths = dict(enumerate(exchanges.chain_depths(sends, affine_flags)))  # the messages each value folds
     per_position = sum(max(n - 1, 0) for n in lengths.values())
     longest = sum(max(max(lengths[i] for i in range(len(holders)) if holders[i] == r) - 1, 0)
@@ -246,18 +257,9 @@ def test_allgather_folds_a_rank_s_chains_together(monkeypatch):
 def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
     """``scan`` composes what a rank's positions send in a round, and what they receive in it, in one product per
     kind of pair (open after open, open after closed), the maps stacked along their rows: a per-document rank's
-    launches follow the rounds, not its positions (every value as the sequential fold's: the shared check); maps
-    over ``STACK_MAX_BYTES`` a product a pair."""
-    from kdacp import affine
-    holders, sends, _, affine_flags = _document_zigzag_route(4, (8, 16, 24, 8, 40, 16))
-    messages = _random_messages(sends, affine_flags, torch.Generator().manual_seed(7))
-    want = _sequential(messages, sends)
-    rows = []
-    form = affine._products
-    monkeypatch.setattr(affine, "_products", lambda A, x, *rest: (rows.append(x.shape[0]), form(A, x, *rest))[1])
-    got = run_exchange("scan", holders, sends, affine_flags, messages, monkeypatch)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    launches follow the rounds, not its positions (every value as the sequential fold's); maps over
+    ``STACK_MAX_BYTES`` a product a pair."""
+    (holders, sends, affine_flags), rows = _documents_products("scan", 7, monkeypatch)
     n = max(sends)
     pairs = sum(rows) // n  # the compositions formed, one per pair of maps
     rounds = len(exchanges.scan.scan_schedule(sends, affine_flags).rounds)
@@ -265,8 +267,5 @@ def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
     assert max(rows) > n  # several pairs in one product
     # maps too large to stack (STACK_MAX_BYTES): a product a pair, the same values
     monkeypatch.setattr(exchanges.scan, "STACK_MAX_BYTES", 0)
-    rows.clear()
-    got = run_exchange("scan", holders, sends, affine_flags, messages, monkeypatch)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None) and (w is None or torch.allclose(g, w, rtol=1e-12, atol=1e-12))
+    _, rows = _documents_products("scan", 7, monkeypatch)
     assert len(rows) == pairs and max(rows) == n
