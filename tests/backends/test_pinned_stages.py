@@ -39,3 +39,26 @@ def test_unusable_stages_refuse_by_name_eagerly_and_compiled():
         stages.load()
     compiled = torch.compile(lambda x: x + 1 if stages.available() else x - 1, fullgraph=True, backend="eager")
     assert torch.equal(compiled(torch.ones(2)), torch.zeros(2))
+
+
+def test_the_load_compiles_where_dynamo_takes_only_python_constants(monkeypatch):
+    """torch 2.11's Dynamo converts the arguments of an ``assume_constant_result`` function with
+    ``as_python_constant`` only (later releases also pass user objects by identity): the load must be called with
+    constants, or a compiled layer fails before its first call (seen on an H100 with torch 2.11)."""
+    functions = pytest.importorskip("torch._dynamo.variables.functions")
+    if not hasattr(functions, "invoke_and_store_as_constant"):
+        pytest.skip("this torch's Dynamo stores assume_constant_result values elsewhere")
+    stored = functions.invoke_and_store_as_constant
+
+    def constants_only(tx, fn, name, args, kwargs):
+        for arg in [*args, *kwargs.values()]:
+            arg.as_python_constant()  # raises on a user object, as torch 2.11 does
+        return stored(tx, fn, name, args, kwargs)
+
+    monkeypatch.setattr(functions, "invoke_and_store_as_constant", constants_only)
+    torch._dynamo.reset()
+    loads = []
+    stages = _stages(True, loads)
+    compiled = torch.compile(lambda x: stages.load().add(x, 1), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert loads == [1]

@@ -91,14 +91,16 @@ class PinnedStages:
     def __init__(self, load: Callable[[], Loaded]):
         self._load = load
         self.loaded: Loaded = (None, None)  # the last load's answer, set by _run_load
+        self._index = len(_ALL)  # what _run_load is called with: an int, a constant to every torch.compile
+        _ALL.append(self)
 
     def available(self) -> bool:
         """Whether the stages can be used here."""
-        return _run_load(self) is None
+        return _run_load(self._index) is None
 
     def require(self) -> None:
         """Raise ImportError saying what is missing unless the stages can be used."""
-        reason = _run_load(self)
+        reason = _run_load(self._index)
         if reason is not None:
             raise ImportError(reason)
 
@@ -108,9 +110,15 @@ class PinnedStages:
         return self.loaded[0]
 
 
+# every PinnedStages made, by its _index (one per adapter module, and those tests make)
+_ALL: list[PinnedStages] = []
+
+
 @torch.compiler.assume_constant_result
-def _run_load(stages: PinnedStages) -> str | None:
-    """Run ``stages``' load, keep its answer in ``stages.loaded`` and return its reason (None: usable). Under
-    ``torch.compile`` this runs at trace time as plain Python and its result is a constant of the graph."""
+def _run_load(index: int) -> str | None:
+    """Run the load of ``_ALL[index]``, keep its answer in its ``loaded`` and return its reason (None: usable).
+    Under ``torch.compile`` this runs at trace time as plain Python and its result is a constant of the graph.
+    Its argument is an int: torch 2.11's Dynamo takes only Python constants as such a function's arguments."""
+    stages = _ALL[index]
     stages.loaded = stages._load()
     return stages.loaded[1]
