@@ -181,3 +181,16 @@ def _cp_run(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_under_cp_matches_reference(world_size):
     run_ranks(_cp_run, world_size, timeout_s=600)
+
+
+def test_auto_is_the_default_of_the_ops_and_layers():
+    """The ops and the layers cut by ``split="auto"`` unless told otherwise (the context-parallel wrapper's None
+    defers to each layer's own)."""
+    import inspect
+
+    from kdacp.cp.context import ContextParallel
+    from kdacp.layers import GatedDeltaNet, KimiDeltaAttention
+    defaults = {f.__qualname__: inspect.signature(f).parameters["split"].default
+                for f in (chunk_kda, chunk_gated_delta_rule, KimiDeltaAttention, GatedDeltaNet)}
+    assert defaults == dict.fromkeys(defaults, "auto")
+    assert inspect.signature(ContextParallel).parameters["split"].default is None

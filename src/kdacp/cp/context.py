@@ -114,7 +114,8 @@ class ContextParallel(_SingleDevice):
             ``"p2p"``, ``"allgather"``, ``"scan"``, or ``"auto"``: the cost model's pick per plan).
         backend: KDA backend (``"auto"``, ``"torch"``, ``"fla"``); None uses the layer's.
         split: the recurrence's split inside the device on every layer (as :func:`kdacp.chunk_kda`'s ``split``:
-            ``"auto"`` or an int), or None for each layer's own (default: no split).
+            ``"auto"``, an int, or None), or None for each layer's own (default; the layers' own default is
+            ``"auto"``).
         layout: how the global batch is split over the ranks: ``"contiguous"``, ``"zigzag"`` (rank ``r``
             holds chunks ``r`` and ``2P-1-r`` of ``2P``), ``"document_zigzag"`` (the same per document of a
             packed row), ``"balanced_documents"`` (a packed row's long documents so, its short ones whole:

@@ -147,7 +147,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
         backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA where FLA is installed, PyTorch on CPU).
         split: the recurrence's split inside the device (:func:`kdacp.chunk_gated_delta_rule`'s ``split``:
-            ``"auto"``, an int, or None for none).
+            ``"auto"``, the default, an int, or None for none).
 
     Forward (Megatron's contract): ``hidden_states [s, b, hidden_size]``, this rank's zigzag shard of ``s * cp``
     tokens; ``packed_seq_params`` with ``qkv_format="thd"`` (``b == 1``; ``cu_seqlens_q_padded`` or
@@ -165,7 +165,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
                  bias: bool = False, conv_bias: bool = False, conv_init: float | None = None,
                  use_qk_l2norm: bool = True, A_init_range: tuple[float, float] = (1, 16), pg_collection=None, *,
                  name: str | None = None, cp_comm_type: str | None = None, strategy: str = "p2p",
-                 backend: str = "auto", split=None):
+                 backend: str = "auto", split="auto"):
         _check_supported(config, pg_collection)
         check_split(split)
         with _fla_check_skipped():
@@ -250,7 +250,7 @@ def _check_thd_boundaries(key: TensorKey, total: int, cp_size: int) -> None:
 
 
 def get_gated_delta_net_module_spec(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
-                                    strategy: str = "p2p", kdacp_backend: str = "auto", split=None) -> ModuleSpec:
+                                    strategy: str = "p2p", kdacp_backend: str = "auto", split="auto") -> ModuleSpec:
     """Megatron's GDN mixer spec (``get_gated_delta_net_module_spec``) with :class:`KdacpGatedDeltaNet`.
 
     Args:
@@ -280,7 +280,7 @@ def _spec_provider(config: TransformerConfig) -> BackendSpecProvider:
 
 
 def get_hybrid_layer_specs(config: TransformerConfig, backend: BackendSpecProvider | None = None, *,
-                           strategy: str = "p2p", kdacp_backend: str = "auto", split=None) -> list[ModuleSpec]:
+                           strategy: str = "p2p", kdacp_backend: str = "auto", split="auto") -> list[ModuleSpec]:
     """Megatron's Qwen3-Next / Qwen3.5 layer specs (``get_transformer_layer_with_experimental_attention_variant_
     spec``: GDN and attention layers after ``config.linear_attention_freq``, dense or MoE MLPs after
     ``config.moe_layer_freq``), every GDN mixer replaced by :func:`get_gated_delta_net_module_spec`'s.

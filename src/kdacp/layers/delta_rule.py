@@ -83,7 +83,7 @@ class MixerParts(Protocol):
 
 
 def mix_tokens(parts: MixerParts, cp, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, backend: str,
-               initial_state: torch.Tensor | None = None, output_final_state: bool = False, split=None):
+               initial_state: torch.Tensor | None = None, output_final_state: bool = False, split="auto"):
     """Run a gated delta-rule token mixer on this rank's tokens::
 
         q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   # depthwise causal, halo before each range
@@ -148,7 +148,7 @@ class _ConvolveAndRecur:
     gate_names: tuple
     gate_options: tuple
     output_final_state: bool
-    split: str | int | None = None
+    split: str | int | None = "auto"
 
     def __call__(self, q, k, v, beta, cu_seqlens, initial_state, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
                  *gate_tensors) -> tuple[torch.Tensor, ...]:
@@ -191,8 +191,8 @@ class DeltaRuleLayer(nn.Module):
         backend: ``"auto"``, ``"torch"``, ``"fla"`` or ``"attn_gym"``; ``"fla"`` and ``"attn_gym"`` (``auto`` on
             CUDA with FLA installed) also run the short convolution and the norm as FLA's fused kernels.
         cp: a :class:`ContextParallel`, or None for one device; may be set later.
-        split: the recurrence's split inside the device (:func:`kdacp.chunk_kda`'s: ``"auto"``, an int, or None
-            for none), unless ``cp.split`` sets one.
+        split: the recurrence's split inside the device (:func:`kdacp.chunk_kda`'s: ``"auto"``, the default, an
+            int, or None for none), unless ``cp.split`` sets one.
 
     Raises:
         TypeError, ValueError: a size that is not a positive int, or ``num_v_heads`` not a multiple of
@@ -201,7 +201,7 @@ class DeltaRuleLayer(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None, head_k_dim: int, head_v_dim: int,
                  conv_size: int, conv_bias: bool, norm_eps: float, norm_activation: str, backend: str,
-                 cp: ContextParallel | None, device=None, dtype=None, split=None):
+                 cp: ContextParallel | None, device=None, dtype=None, split="auto"):
         super().__init__()
         check_split(split)
         num_v_heads = num_heads if num_v_heads is None else num_v_heads

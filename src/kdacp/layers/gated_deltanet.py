@@ -29,7 +29,7 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, conv_bias: bool = False, norm_eps: float = 1e-5,
-                 backend: str = "auto", cp: ContextParallel | None = None, device=None, dtype=None, split=None):
+                 backend: str = "auto", cp: ContextParallel | None = None, device=None, dtype=None, split="auto"):
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,
                          norm_eps, "swish", backend, cp, device=device, dtype=dtype, split=split)
         HV = self.num_v_heads

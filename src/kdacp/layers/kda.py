@@ -41,7 +41,7 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int = 128, conv_size: int = 4, gate_lower_bound: float | None = -5.0,
                  conv_bias: bool = False, norm_eps: float = 1e-5, backend: str = "auto",
-                 cp: ContextParallel | None = None, device=None, dtype=None, split=None):
+                 cp: ContextParallel | None = None, device=None, dtype=None, split="auto"):
         if gate_lower_bound is not None and not -5 <= gate_lower_bound < 0:
             raise ValueError(f"gate_lower_bound must be in [-5, 0) or None, got {gate_lower_bound!r}")
         super().__init__(hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim, conv_size, conv_bias,

@@ -34,7 +34,7 @@ def gdn_gate_arguments(g, use_gate_in_kernel, A_log, dt_bias) -> dict:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None, split=None,
+                           cu_seqlens=None, cu_seqlens_cpu=None, backend="auto", cp=None, summary_precision=None, split="auto",
                            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
     """Chunk GDN, differentiable (FLA's ``chunk_gated_delta_rule`` arguments): on one device, or with
     ``cp`` over the tokens split across the ranks of ``cp.group`` (call it on every rank).

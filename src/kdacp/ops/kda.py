@@ -158,7 +158,7 @@ def run_prepared(prepared: PreparedCall, plan: CPPlan, initial_state, output_fin
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None, backend="auto",
-              check_finite=False, cp=None, summary_precision=None, split=None, use_beta_sigmoid_in_kernel=False,
+              check_finite=False, cp=None, summary_precision=None, split="auto", use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False):
     """Chunk KDA, differentiable: on one device, or with ``cp`` over the tokens split across the ranks
     of ``cp.group`` (then call it on every rank, each with its own tokens).
@@ -205,11 +205,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         split: the split inside the device (:mod:`kdacp.cp.split`): each long sequence (under ``cp``:
             each long local segment of a rank that runs its state pass whole) cut into pieces whose state passes
             run at once, from states carried between them by their summaries, forward and backward; exact to
-            the summaries' precision (``summary_precision``). ``None`` (default): no split; ``"auto"``: on a GPU
-            where the pieces that fill it cut the longest sequence at least 4 times (few heads, long sequences);
-            an int ``S``: the longest sequence in ``S`` pieces (1: none). Ranks may differ. On one H100 at 64K
-            tokens and 2-8 heads ``"auto"`` runs KDA in 0.68-0.81x of FLA's op (benchmarks/RESULTS.md); the
-            default stays off until the split's bf16 error is measured on a GPU (tests/cp/test_split_gpu.py).
+            the summaries' precision (``summary_precision``). ``"auto"`` (default): on a GPU, where the longest
+            sequence holds at least 16K tokens and the pieces that fill the GPU cut it at least 4 times (few
+            heads, long sequences; :func:`kdacp.cp.split.auto_chunks_per_piece`), else no cut; ``None`` or 1: no
+            cut; an int ``S``: the longest sequence in ``S`` pieces. Ranks may differ. On one H100 at 64K
+            tokens, one sequence, ``"auto"`` ran KDA's forward in 0.82-0.94x of FLA's op at 2-8 heads and its
+            forward + backward in 0.87-0.90x at 4-8 heads (1.07x at 2 heads in that run, 0.85x in an earlier
+            one); at 32 heads, and on a packed batch of 64K tokens, it declines the cut, within 1% of no cut
+            (benchmarks/RESULTS.md, Split inside one GPU).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's names, taken at FLA's default only (False; True
             raises ``ValueError``): ``beta`` is the write strength in ``[0, 1]``, after its sigmoid.
 

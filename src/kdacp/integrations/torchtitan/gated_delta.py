@@ -38,11 +38,11 @@ class GatedDeltaParallel:
         strategy: kdacp's state exchange (``"p2p"``, ``"allgather"``, ``"scan"``, ``"auto"``).
         backend: kdacp's local backend (``"auto"``: FLA's kernels on CUDA, PyTorch on CPU).
         split: the recurrence's split inside the device (:func:`kdacp.chunk_gated_delta_rule`'s ``split``:
-            ``"auto"``, an int, or None for none).
+            ``"auto"``, the default, an int, or None for none).
     """
 
     def __init__(self, group=None, *, layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
-                 backend: str = "auto", split=None):
+                 backend: str = "auto", split="auto"):
         check_split(split)
         self.group, self.layout, self.strategy, self.backend, self.split = group, layout, strategy, backend, split
         self.world_size = 1 if group is None else dist.get_world_size(group)
@@ -160,7 +160,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
 
 def apply_kdacp_to_gated_deltanet(model: nn.Module, cp_mesh: DeviceMesh | None, *,
                                   layout: BalancedLayout = BalancedLayout(), strategy: str = "p2p",
-                                  backend: str = "auto", split=None) -> GatedDeltaParallel:
+                                  backend: str = "auto", split="auto") -> GatedDeltaParallel:
     """Swap every torchtitan ``GatedDeltaNet`` of ``model`` to kdacp's recurrence and convolution.
 
     Args:
