@@ -44,18 +44,23 @@
 #                                             # and GDN, one sequence and log-normal) with BACKEND as the local one
 #   bash benchmarks/one_gpu.sh demo     OUT   # the whole demo on an empty Triton cache, then the GPU tests
 #                                             # of determinism, 1M tokens, the models and prefill
-#   bash benchmarks/one_gpu.sh split    OUT   # the split inside one GPU: a first run at 4 heads autotuning nothing the
-#                                             # shipped files lend to; the split's GPU error and CUDA-graph tests; KDA
-#                                             # and GDN against FLA's ops at 2..32 heads and 64K tokens, one sequence
-#                                             # and packed, each split setting (benchmarks/split_heads.py), FlashQLA
-#                                             # beside GDN where .whl/flashqla holds its wheels
-#                                             # (benchmarks/flashqla_prep.sh download)
+#   bash benchmarks/one_gpu.sh split_tests OUT  # a first run at 4 heads autotuning nothing the shipped files lend
+#                                             # to, then the split's GPU error and CUDA-graph tests (first use
+#                                             # compiles for minutes: the whole call's time)
+#   bash benchmarks/one_gpu.sh split    OUT [FAMILY]  # the split inside one GPU: FAMILY (kda or gdn, default kda)
+#                                             # against FLA's op at 2..32 heads and 64K tokens, one sequence and
+#                                             # packed, each split setting (benchmarks/split_heads.py; one family
+#                                             # fills a call), FlashQLA beside GDN where .whl/flashqla holds its
+#                                             # wheels (benchmarks/flashqla_prep.sh download)
 #   bash benchmarks/one_gpu.sh split_detail OUT  # the split's calls replayed from CUDA graphs at 2 and 4 heads, the
 #                                             # chain kernel's tilings, each kernel's device time and the host's time
 #                                             # per call at 4 heads
 #   bash benchmarks/one_gpu.sh flashqla OUT [WHEELS]  # backend="flashqla" (FlashQLA's wheels in WHEELS, default
-#                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error,
-#                                             # then GDN at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
+#                                             # .whl/flashqla): its GPU tests against float64 beside FLA's error
+#                                             # (TileLang compiles FlashQLA's kernels at first use: over 5 minutes
+#                                             # on an H100, the whole call)
+#   bash benchmarks/one_gpu.sh flashqla_heads OUT [WHEELS]  # then, on the same machine (TileLang's cache warm), GDN
+#                                             # at 2..32 heads and 64K tokens: FLA, kdacp's split settings,
 #                                             # FlashQLA's op with and without its own split, kdacp on FlashQLA
 #   bash benchmarks/one_gpu.sh versus OUT DIR # the kernels suite once, the layer (16K, one sequence) and the contiguous
 #                                             # roles' overhead twice, another tree's library (DIR/src, made with
@@ -71,7 +76,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split, split_detail, flashqla, first_run or versus"
+PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split_tests, split, split_detail, flashqla, flashqla_heads, first_run or versus"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -202,21 +207,24 @@ demo)
     step gpu_tests 400 python3 -m pytest -q -m gpu tests/test_determinism_gpu.py tests/test_long_sequence_gpu.py \
         tests/models/test_prefill_gpu.py tests/models/test_parallelize_gpu.py
     ;;
-split)  # at most 560 s: one device call
+split_tests)  # at most 560 s: one device call
+    export ARCHIVE="$out/split_tests.tgz"
+    step first_run_heads 120 python3 -m pytest -v -s -m gpu tests/test_tuning_gpu.py
+    grep -h "PASSED\|FAILED\|autotuned at" "$out/first_run_heads.log"
+    step split_tests 430 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
+    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
+    ;;
+split)  # at most 560 s: one device call; a family's sweep took 290 s for its first 16 rows on an H100
+    family=${3:-kda}
     if compgen -G ".whl/flashqla/*.whl*" > /dev/null; then  # FlashQLA beside the split where its wheels were carried
         eval "$(bash benchmarks/flashqla_prep.sh install .whl/flashqla /tmp/flashqla | tail -1)"
     fi
-    # a first run at 4 heads on an empty cache (FLA autotunes none of the kernels kdacp's files lend to), the
-    # split's error tests, then the figures (FLA leaves GDN's forward + backward out where it refuses its GDN
-    # backward, unless FlashQLA's wheels brought tilelang; a forward alone is inference); the logs, tables and
-    # plots packed into one file as each step ends (a call brings back a few files only)
+    # FLA leaves GDN's forward + backward out where it refuses its GDN backward, unless FlashQLA's wheels brought
+    # tilelang (a forward alone is inference); the log, table and plots packed into one file (a call brings back a
+    # few files only)
     export ARCHIVE="$out/split.tgz"
-    step first_run_heads 120 python3 -m pytest -v -s -m gpu tests/test_tuning_gpu.py
-    grep -h "PASSED\|FAILED\|autotuned at" "$out/first_run_heads.log"
-    step split_tests 180 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
-    grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
-    step split_heads 260 python3 benchmarks/split_heads.py --families kda,gdn --heads 2,4,8,16,32 --tokens 65536 \
-        --batches one_sequence,lognormal --splits none,auto,8,16 --rounds 3 --out "$out"
+    step split_heads 550 python3 benchmarks/split_heads.py --families "$family" --heads 2,4,8,32 --tokens 65536 \
+        --batches one_sequence,lognormal --splits none,auto,16 --rounds 3 --out "$out"
     grep -h " ms |" "$out/split_heads.log"
     ;;
 split_detail)  # at most 560 s: one device call
@@ -232,14 +240,17 @@ split_detail)  # at most 560 s: one device call
         grep -h "^| kda" "$out/split_profile${mode:+_backward}.log"
     done
     ;;
-flashqla)
+flashqla|flashqla_heads)
     wheels=${3:-.whl/flashqla}  # FlashQLA's wheels (benchmarks/flashqla_prep.sh download), joined here
     eval "$(bash benchmarks/flashqla_prep.sh install "$wheels" /tmp/flashqla | tail -1)"
-    step flashqla_tests 300 python3 -m pytest -q -s -m gpu tests/backends/test_flashqla_backend_gpu.py
-    grep -h "error vs float64\|passed\|failed" "$out/flashqla_tests.log"
-    step flashqla_heads 280 python3 benchmarks/split_heads.py --families gdn --heads 2,4,8,32 --tokens 65536 \
-        --splits none,auto,8 --out "$out/flashqla_heads"
-    grep -h " ms |" "$out/flashqla_heads.log"
+    if [ "$part" = flashqla ]; then
+        step flashqla_tests 550 python3 -m pytest -q -s -m gpu tests/backends/test_flashqla_backend_gpu.py
+        grep -h "error vs float64\|passed\|failed" "$out/flashqla_tests.log"
+    else
+        step flashqla_heads 550 python3 benchmarks/split_heads.py --families gdn --heads 2,4,8,32 --tokens 65536 \
+            --splits none,auto,8 --out "$out/flashqla_heads"
+        grep -h " ms |" "$out/flashqla_heads.log"
+    fi
     ;;
 first_run)
     nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader

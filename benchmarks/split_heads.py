@@ -27,6 +27,8 @@ gate instead). Prints one line per case (ms, and each contender over FLA) and, w
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +137,21 @@ def main() -> None:
     rows = []
     card = torch.cuda.get_device_name()
     print(f"# {card}, torch {torch.__version__}")
+    # a run stopped by its time limit (SIGTERM, as timeout sends) still writes the rows it finished
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    complete = False
+    try:
+        _sweep(args, rows, card, flashqla, attn_gym, fla_gdn_backward, fla_kda, fla_gdn)
+        complete = True
+    finally:
+        if args.out and rows:
+            for path in write_results("split_heads", rows, args.out, plots=plots(rows), complete=complete):
+                print(f"# wrote {path}")
+
+
+def _sweep(args, rows: list, card: str, flashqla, attn_gym, fla_gdn_backward, fla_kda, fla_gdn) -> None:
+    """Time every contender of ``args``' grid, appending a row per contender to ``rows`` as each call set ends."""
+    import kdacp
     for family in args.families.split(","):
         fla_op, ours = (fla_kda, kdacp.chunk_kda) if family == "kda" else (fla_gdn, kdacp.chunk_gated_delta_rule)
         for T in args.tokens:
@@ -175,9 +192,6 @@ def main() -> None:
                         print(f"{family} T={T} {batch} H={H} {mode}: {head} ms | {ratios}", flush=True)
                     del tensors
                     torch.cuda.empty_cache()
-    if args.out:
-        for path in write_results("split_heads", rows, args.out, plots=plots(rows)):
-            print(f"# wrote {path}")
 
 
 if __name__ == "__main__":
