@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from kdacp.bench.overhead import layout_role_plans
 from kdacp.bench.rank_role import RankRole, StandInExchange
-from kdacp.host_copies import put_rows, take_rows
+from kdacp.host_copies import host_boundaries, put_rows, take_rows
+from kdacp.ops.kda import chunk_kda
 from tests.helpers import ListIndexing, make_kda_inputs
 
 ROWS = [(2, 3, 4), (0,), (4, 1, 3), (5, 0), (), (1, 2, 5)]
@@ -86,3 +87,28 @@ def test_a_rank_of_several_ranges_queues_its_step_without_a_host_sync(layout, ba
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_boundaries_are_read_to_the_host_once_per_tensor(monkeypatch):
+    """The op called again with the same ``cu_seqlens`` (as every layer of a step calls it) reads it on the host
+    no more: on a GPU each read is a device sync that stops the host queueing ahead. A new tensor, or the same one
+    changed in place, is read afresh, and the results stay the op's."""
+    cu = torch.tensor([0, 5, 17, 40])
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        if self is cu:
+            reads.append(1)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    x = make_kda_inputs(1, 40, 2, 2, 8, 8, cu_seqlens=cu, requires_grad=False, seed=4)
+    first = chunk_kda(**x, backend="torch")[0]
+    assert len(reads) == 1
+    for _ in range(3):
+        torch.testing.assert_close(chunk_kda(**x, backend="torch")[0], first, rtol=0, atol=0)
+    assert len(reads) == 1
+    cu[2] = 20  # in place: other boundaries, read again
+    assert host_boundaries(cu) == (0, 5, 20, 40) and len(reads) == 2
+    assert host_boundaries(torch.tensor([0, 5, 20, 40])) == (0, 5, 20, 40)

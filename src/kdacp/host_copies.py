@@ -1,5 +1,5 @@
 """Host-side facts (boundaries, row indices) on the device without a device sync, and row gathers and
-scatters by host indices that need none.
+scatters by host indices that need none; boundaries given on the device read to the host once per tensor.
 
 A copy from pageable host memory to a GPU makes the host wait for everything queued before it
 (PyTorch synchronises the stream), and so does indexing a CUDA tensor with a Python list (the list
@@ -14,9 +14,22 @@ from collections.abc import Sequence
 
 import torch
 
-from .caches import ROW_INDICES
+from .caches import HOST_BOUNDARIES, ROW_INDICES, TensorKey
 
-__all__ = ["to_device", "take_rows", "put_rows"]
+__all__ = ["to_device", "host_boundaries", "take_rows", "put_rows"]
+
+
+def host_boundaries(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """The values of ``cu_seqlens`` (a 1-D int tensor on any device) as Python ints, read once per tensor and
+    kept while it lives unchanged (:class:`~kdacp.caches.TensorKey`): on a GPU the first read is a device sync,
+    and the next call with the same tensor (every layer of a step passes the same boundaries) reads nothing, so
+    the host stays ahead of the GPU, as FLA's own ops do with their per-tensor caches."""
+    return _read_once(TensorKey(cu_seqlens))
+
+
+@functools.lru_cache(maxsize=HOST_BOUNDARIES)
+def _read_once(key: TensorKey) -> tuple[int, ...]:
+    return tuple(int(c) for c in key.tensor.tolist())
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

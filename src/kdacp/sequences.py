@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_copies import host_boundaries
 from .validation import check_cu_seqlens
 
 
@@ -19,7 +20,7 @@ def sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None = None) -> t
     if cu_seqlens is None:
         return tuple((b, 0, T) for b in range(B))
     check_cu_seqlens(cu_seqlens, B, T)
-    cu = cu_seqlens.tolist()
+    cu = host_boundaries(cu_seqlens)
     return tuple((0, cu[n], cu[n + 1]) for n in range(len(cu) - 1))
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copies import host_boundaries
+
 
 @dataclass(frozen=True)
 class KDADims:
@@ -108,7 +110,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
         raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size B must be 1 (packed sequences), got B={B}")
-    cu = cu_seqlens.tolist()
+    cu = host_boundaries(cu_seqlens)
     check_boundaries(cu, T)
     return len(cu) - 1
 

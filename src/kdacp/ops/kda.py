@@ -22,6 +22,7 @@ from ..cp.checks import check_cp_call
 from ..cp.schedule import cp_backward, cp_forward
 from ..cp.plan import CPPlan, one_rank_plan
 from ..cp.split import SplitPieces, check_split
+from ..host_copies import host_boundaries
 from ..kernels.precision import resolve_precision
 from ..reference.gates import compute_dtype
 from ..validation import check_finite_inputs, check_fla_only_options, check_kda_inputs
@@ -131,7 +132,7 @@ def check_and_prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_i
         name = choose(backend, q.device).name
         resolve_precision(summary_precision, q.dtype, name="summary_precision")
         plan = cp if context is not None else \
-            one_rank_plan(None if cu_seqlens is None else tuple(cu_seqlens.tolist()), dims.B, dims.T)
+            one_rank_plan(None if cu_seqlens is None else host_boundaries(cu_seqlens), dims.B, dims.T)
     else:
         name = check_cp_call(cp, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                              backend=backend, resolve_backend=lambda b, d: choose(b, d).name,
