@@ -179,7 +179,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             safe_gate: as FLA's ``chunk_kda``. Under ``cp`` the ``A_log``/``dt_bias`` gradients are
             this rank's share (sum them over the group, as for any parameter).
         cu_seqlens: ``[N+1]`` int64 boundaries of packed sequences (``B == 1``), one device only
-            (under ``cp`` the plan holds the global boundaries).
+            (under ``cp`` the plan holds the global boundaries); read back from the device once per tensor
+            (one sync; later calls with the same unchanged tensor read nothing).
         cu_seqlens_cpu: the same boundaries on the host, as in FLA: with it, ``cu_seqlens`` is not
             read back from the device (no sync); it must hold the same values.
         backend: ``"auto"`` (on CUDA: attention-gym's cores for training on a Hopper GPU where installed and
