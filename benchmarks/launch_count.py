@@ -1,0 +1,98 @@
+"""What kdacp's op launches beside FLA's own, counted on the CPU: Triton kernels by name, PyTorch operations, and
+reads of a tensor's values back to the host (each a device sync on a GPU).
+
+FLA's and kdacp's Triton kernels run under Triton's interpreter with their bodies skipped (a launch is counted, not
+run), FLA's autotuners keep their first configuration, and kdacp's ``fla`` backend is let run on the CPU. The
+outputs are then meaningless; the host's control flow, which decides what is launched, is the one a GPU call takes
+(it reads boundaries and shapes, not values). Each call runs twice and the second is counted, so that per-batch and
+per-tensor caches are warm as in a training loop. Needs fla-core importable (``pip install fla-core==0.6.0``).
+
+    python benchmarks/launch_count.py [--tokens 384] [--heads 2] [--head-dim 32]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import triton.runtime.autotuner as autotuner  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+READ_METHODS = ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__")
+
+
+class Counts(TorchDispatchMode):
+    """Within the block: PyTorch operations, Triton launches (by kernel name) and host reads (by method)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.launches, self.reads = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def instrument(counts_of) -> None:
+    """Route every Triton launch, autotuner and host read through ``counts_of()`` (the active :class:`Counts`)."""
+    def launch(self, *args, **kwargs):  # counted, not run
+        counts_of().launches[self.fn.__name__] += 1
+    interpreter.InterpretedFunction.run = launch
+
+    first_config = autotuner.Autotuner.run
+
+    def run(self, *args, **kwargs):
+        self.configs = self.configs[:1]  # no benchmarking on the interpreter
+        return first_config(self, *args, **kwargs)
+    autotuner.Autotuner.run = run
+
+    for name in READ_METHODS:
+        def read(self, *args, _method=getattr(torch.Tensor, name), _name=name, **kwargs):
+            counts_of().reads[_name] += 1
+            return _method(self, *args, **kwargs)
+        setattr(torch.Tensor, name, read)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    args = parser.parse_args()
+
+    import kdacp
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kdacp.backends.registry import BackendSpec
+    from kdacp.bench.inputs import random_inputs
+
+    BackendSpec.runs_on = lambda self, device_type: True  # the fla backend on the CPU's interpreter
+    active = [Counts()]
+    instrument(lambda: active[0])
+    T, H, D = args.tokens, args.heads, args.head_dim
+    x = random_inputs(T, H, H, D, D, gate="kda", seed=1, device="cpu")
+    batches = {"one sequence": None, "3 documents": torch.tensor([0, T // 4, T // 2 + 10, T])}
+    print(f"| batch | mode | op | Triton launches | PyTorch operations | host reads |\n|---|---|---|---|---|---|")
+    for batch, cu in batches.items():
+        options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                       A_log=x["A_log"].float(), dt_bias=x["dt_bias"].float(), cu_seqlens=cu, output_final_state=True)
+        for mode in ("forward", "forward + backward"):
+            for name, op, extra in (("FLA", fla_kda, {}), ("kdacp", kdacp.chunk_kda, dict(backend="fla"))):
+                for _ in range(2):  # the second call counted: caches warm
+                    leaves = {n: x[n].detach().requires_grad_(mode != "forward")
+                              for n in ("q", "k", "v", "g", "beta")}
+                    active[0] = Counts()
+                    with torch.set_grad_enabled(mode != "forward"), active[0]:
+                        o, _ = op(**leaves, **options, **extra)
+                        if mode != "forward":
+                            o.backward(torch.ones_like(o))
+                c = active[0]
+                print(f"| {batch} | {mode} | {name} | {sum(c.launches.values())} | {sum(c.ops.values())} | "
+                      f"{sum(c.reads.values())} |")
+
+
+if __name__ == "__main__":
+    main()
