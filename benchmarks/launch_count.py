@@ -1,5 +1,7 @@
-"""What kdacp's op launches beside FLA's own, counted on the CPU: Triton kernels by name, PyTorch operations, and
-reads of a tensor's values back to the host (each a device sync on a GPU).
+"""What kdacp's op and layer launch beside FLA's own, counted on the CPU: Triton kernels, PyTorch operations, and
+reads of a tensor's values back to the host (each a device sync on a GPU). The layers: kdacp's ``KimiDeltaAttention``
+alone and under ``ContextParallel("state")`` over one rank (the CP step of benchmarks/cuda_graph.py), FLA's with the
+same weights (``flash-linear-attention`` installed), each a forward + backward to the input and every parameter.
 
 FLA's and kdacp's Triton kernels run under Triton's interpreter with their bodies skipped (a launch is counted, not
 run), FLA's autotuners keep their first configuration, and kdacp's ``fla`` backend is let run on the CPU. The
@@ -89,9 +91,42 @@ def main() -> None:
                         o, _ = op(**leaves, **options, **extra)
                         if mode != "forward":
                             o.backward(torch.ones_like(o))
-                c = active[0]
-                print(f"| {batch} | {mode} | {name} | {sum(c.launches.values())} | {sum(c.ops.values())} | "
-                      f"{sum(c.reads.values())} |")
+                _row(batch, mode, name, active[0])
+    _layers(args, batches, active)
+
+
+def _row(batch: str, mode: str, name: str, c: Counts) -> None:
+    print(f"| {batch} | {mode} | {name} | {sum(c.launches.values())} | {sum(c.ops.values())} | "
+          f"{sum(c.reads.values())} |")
+
+
+def _layers(args, batches: dict, active: list) -> None:
+    """The layers' rows (module docstring), the second of two steps counted."""
+    import torch.distributed as dist
+    from kdacp.bench.layer import fla_layer_like, layer_step
+    from kdacp.cp.context import ContextParallel
+    from kdacp.layers import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    hidden = args.heads * args.head_dim
+    ours = KimiDeltaAttention(hidden, args.heads, head_k_dim=args.head_dim, head_v_dim=args.head_dim, backend="fla",
+                              dtype=torch.bfloat16)
+    fla = fla_layer_like(ours)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    layers = {"kdacp layer": (ours, None), "kdacp layer, CP over one rank": (ours, ContextParallel("state")),
+              **({} if fla is None else {"FLA layer": (fla, None)})}
+    for batch, cu in batches.items():
+        x = torch.randn(1, args.tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        for name, (layer, cp) in layers.items():
+            if layer is ours:
+                layer.cp = cp
+            for _ in range(2):
+                active[0] = Counts()
+                with active[0]:
+                    layer_step(layer, x, torch.ones_like(x), cu)
+            _row(batch, "layer step", name, active[0])
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
