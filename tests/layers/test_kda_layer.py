@@ -304,3 +304,23 @@ def test_the_layers_split_compiles_as_one_graph_and_matches_eager(monkeypatch):
     assert counter.frame_count == 1
     for a, b in zip(*results):
         assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_a_layer_holding_every_head_takes_no_slice_of_its_parameters(family):
+    """On one device every head is the layer's own: its gate parameters and convolution biases reach the recurrence
+    as the parameters themselves and its convolution weights as views (no slice, whose backward allocates the whole
+    gradient and copies into it: two launches a parameter on a GPU); a head shard (Ulysses) still gets its rows."""
+    from kdacp.layers.delta_rule import head_rows
+    layer = small_layer() if family == "kda" else kdacp.layers.GatedDeltaNet(
+        32, 2, 4, head_k_dim=8, head_v_dim=8, conv_bias=True, backend="torch")
+    HV, K = layer.num_v_heads, layer.head_k_dim
+    gate = torch.zeros(1, 3, HV * K if family == "kda" else HV)
+    arguments = layer.gate_arguments(gate, slice(0, HV))
+    assert arguments["A_log"] is layer.A_log and arguments["dt_bias"] is layer.dt_bias
+    for (weight, bias), conv in zip(layer.conv_weights(slice(0, layer.num_heads), slice(0, HV)),
+                                    (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)):
+        assert weight._base is conv.weight and weight.shape == conv.weight.shape[::2]
+        assert bias is conv.bias
+    shard = layer.gate_arguments(gate, slice(1, 2))["A_log"]
+    assert torch.equal(shard, layer.A_log[1:2]) and torch.equal(head_rows(layer.A_log, slice(1, 2)), shard)

@@ -32,6 +32,14 @@ def initial_dt_bias(n: int, device=None) -> torch.Tensor:
     return dt + torch.log(-torch.expm1(-dt))
 
 
+def head_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``t[rows]``, a head shard's rows of a parameter (``rows`` a step-1 slice of its first dim), or ``t`` itself
+    where the shard holds every row: a slice's backward allocates the whole gradient and copies into it (two
+    launches a parameter), which one device and the state-passing modes, holding every head, need not pay."""
+    start, stop, _ = rows.indices(t.shape[0])
+    return t if (start, stop) == (0, t.shape[0]) else t[rows]
+
+
 def beta_from_logits(b: torch.Tensor) -> torch.Tensor:
     """The delta rule's write strength ``sigmoid(b)``, in float32 (or wider), as FLA's layers compute it
     inside their kernels; ``b [B, T, HV]`` logits in any float dtype."""
@@ -257,7 +265,7 @@ class DeltaRuleLayer(nn.Module):
     def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         K, V = self.head_k_dim, self.head_v_dim
         channels = (slice(heads.start * K, heads.stop * K),) * 2 + (slice(v_heads.start * V, v_heads.stop * V),)
-        return [(conv.weight[c, 0], None if conv.bias is None else conv.bias[c])
+        return [(head_rows(conv.weight.squeeze(1), c), None if conv.bias is None else head_rows(conv.bias, c))
                 for conv, c in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), channels)]
 
     def norm_arguments(self) -> tuple[torch.Tensor, float, str]:

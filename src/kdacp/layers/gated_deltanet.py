@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from ..ops.gdn import chunk_gated_delta_rule
 from ..cp.context import ContextParallel
-from .delta_rule import DeltaRuleLayer, initial_dt_bias
+from .delta_rule import DeltaRuleLayer, head_rows, initial_dt_bias
 
 
 class GatedDeltaNet(DeltaRuleLayer):
@@ -48,4 +48,4 @@ class GatedDeltaNet(DeltaRuleLayer):
     op = staticmethod(chunk_gated_delta_rule)
 
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
-        return dict(g=gate, A_log=self.A_log[v_heads], dt_bias=self.dt_bias[v_heads])
+        return dict(g=gate, A_log=head_rows(self.A_log, v_heads), dt_bias=head_rows(self.dt_bias, v_heads))

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from ..ops.kda import chunk_kda
 from ..cp.context import ContextParallel
-from .delta_rule import DeltaRuleLayer, initial_dt_bias
+from .delta_rule import DeltaRuleLayer, head_rows, initial_dt_bias
 
 
 class KimiDeltaAttention(DeltaRuleLayer):
@@ -76,6 +76,7 @@ class KimiDeltaAttention(DeltaRuleLayer):
 
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         K = self.head_k_dim
-        return dict(g=gate.unflatten(-1, (-1, K)), A_log=self.A_log[v_heads],
-                    dt_bias=self.dt_bias[v_heads.start * K:v_heads.stop * K], lower_bound=self.gate_lower_bound,
+        return dict(g=gate.unflatten(-1, (-1, K)), A_log=head_rows(self.A_log, v_heads),
+                    dt_bias=head_rows(self.dt_bias, slice(v_heads.start * K, v_heads.stop * K)),
+                    lower_bound=self.gate_lower_bound,
                     safe_gate=self.gate_lower_bound is not None)
