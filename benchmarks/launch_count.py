@@ -112,7 +112,8 @@ def _layers(args, batches: dict, active: list) -> None:
     ours = KimiDeltaAttention(hidden, args.heads, head_k_dim=args.head_dim, head_v_dim=args.head_dim, backend="fla",
                               dtype=torch.bfloat16)
     fla = fla_layer_like(ours)
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()
+    if own_group:  # ContextParallel's group: this process alone
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     layers = {"kdacp layer": (ours, None), "kdacp layer, CP over one rank": (ours, ContextParallel("state")),
               **({} if fla is None else {"FLA layer": (fla, None)})}
@@ -126,7 +127,8 @@ def _layers(args, batches: dict, active: list) -> None:
                 with active[0]:
                     layer_step(layer, x, torch.ones_like(x), cu)
             _row(batch, "layer step", name, active[0])
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
