@@ -69,7 +69,8 @@ def test_million_tokens_virtual_ranks(P, gate_logit):
     x = _inputs(gate_logit)
     settings = dict(SETTINGS, safe_gate=True)
     with torch.no_grad():
-        o_ref, final_ref = chunk_kda(**x, output_final_state=True, backend="fla", **settings)
+        # split=None: this test is about the exchange's error (the split's own: tests/cp/test_split_gpu.py)
+        o_ref, final_ref = chunk_kda(**x, output_final_state=True, backend="fla", split=None, **settings)
         backend = make_backend("fla", KDAOptions(scale=K ** -0.5, **settings))
         n = T // P
         state = None
@@ -81,7 +82,8 @@ def test_million_tokens_virtual_ranks(P, gate_logit):
             state = summary.offset if state is None else summary.offset + summary.transition @ state
         last = slice((P - 1) * n, T)
         o_last, final = chunk_kda(**{name: t[:, last] if t.dim() > 1 else t for name, t in x.items()},
-                                  initial_state=state, output_final_state=True, backend="fla", **settings)
+                                  initial_state=state, output_final_state=True, backend="fla", split=None,
+                                  **settings)
     truth = _truth(gate_logit)
     e_cp, e_fla, e_out = rel_err(final, truth), rel_err(final_ref, truth), rel_err(o_last, o_ref[:, last])
     print(f"1M tokens, P={P}, gate logit {gate_logit}: final state against float64: virtual ranks {e_cp:.2e}, "
