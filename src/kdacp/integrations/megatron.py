@@ -216,7 +216,7 @@ class KdacpGatedDeltaNet(GatedDeltaNet):
         batch = self.contexts[cu is not None].context(*qkv.shape[:2], cu, qkv.device)
         # the taps of each of this rank's zigzag chunks reach back to whichever rank holds the tokens before it
         weight = self.conv1d.weight  # looked up per call: wrappers may replace parameters after build
-        qkv, = batch.short_convolution([qkv], [weight[:, 0]], [self.conv1d.bias],
+        qkv, = batch.short_convolution([qkv], [weight.squeeze(1)], [self.conv1d.bias],
                                        fused=bool(backend_fuses(self.backend, qkv.device, scalar_gate=True)))
         q, k, v = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         q, k = (t.unflatten(-1, (-1, self.key_head_dim)) for t in (q, k))               # [B, T, H / tp, K]

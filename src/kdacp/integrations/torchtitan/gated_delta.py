@@ -107,7 +107,7 @@ class _HaloConvolution:
     def __call__(self, x, weight, cu_seqlens, cu_seqlens_cpu) -> tuple[torch.Tensor]:
         """``x [1, T, D]``, ``weight [D, 1, W]``, the global offsets -> ``(silu(conv(x)) [1, T, D],)``."""
         batch = self.parallel.batch_context(cu_seqlens, cu_seqlens_cpu, x.shape[1])
-        return tuple(batch.short_convolution([x], [weight[:, 0]], [None],
+        return tuple(batch.short_convolution([x], [weight.squeeze(1)], [None],
                                              fused=bool(backend_fuses(self.parallel.backend, x.device,
                                                                       scalar_gate=True))))
 

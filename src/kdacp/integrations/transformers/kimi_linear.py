@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ...cp.context import ContextParallel
-from ...layers.delta_rule import Projected
+from ...layers.delta_rule import Projected, head_rows
 from ...ops.kda import chunk_kda
 from .attention import ATTENTION_NAME, check_attention, document_causal_mask
 from .checks import SILU_NAMES, token_mixers
@@ -105,7 +105,7 @@ class KimiDeltaParts:
 
     def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         conv, H, K = self.module.conv1d, self.num_heads, self.head_k_dim
-        weight, bias = conv.weight[:, 0], conv.bias
+        weight, bias = conv.weight.squeeze(1), conv.bias
         # part i's channels start at i * H * K
         channels = [slice(part * H * K + heads.start * K, part * H * K + heads.stop * K) for part in range(3)]
         return [(weight[c], None if bias is None else bias[c]) for c in channels]
@@ -113,8 +113,9 @@ class KimiDeltaParts:
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         # The model's gate, -exp(A_log) * softplus(f + dt_bias), computed inside the KDA kernel.
         f, K = self.module.forget_gate, self.head_k_dim
-        return dict(g=gate.unflatten(-1, (-1, K)), A_log=f.A_log.view(-1)[v_heads],
-                    dt_bias=f.dt_bias[v_heads.start * K:v_heads.stop * K], lower_bound=None, safe_gate=False)
+        return dict(g=gate.unflatten(-1, (-1, K)), A_log=head_rows(f.A_log.view(-1), v_heads),
+                    dt_bias=head_rows(f.dt_bias, slice(v_heads.start * K, v_heads.stop * K)), lower_bound=None,
+                    safe_gate=False)
 
     def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
         return self.module.o_norm.weight, self.module.o_norm.variance_epsilon, "sigmoid"

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ...cp.context import ContextParallel
-from ...layers.delta_rule import Projected
+from ...layers.delta_rule import Projected, head_rows
 from ...ops.gdn import chunk_gated_delta_rule
 from .attention import check_attention
 from .checks import SILU_NAMES, token_mixers
@@ -87,7 +87,7 @@ class GatedDeltaNetParts:
 
     def conv_weights(self, heads: slice, v_heads: slice) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         conv, kd, K, V = self.module.conv1d, self.module.key_dim, self.head_k_dim, self.head_v_dim
-        weight, bias = conv.weight[:, 0], conv.bias
+        weight, bias = conv.weight.squeeze(1), conv.bias
         channels = [slice(heads.start * K, heads.stop * K), slice(kd + heads.start * K, kd + heads.stop * K),
                     slice(2 * kd + v_heads.start * V, 2 * kd + v_heads.stop * V)]
         return [(weight[c], None if bias is None else bias[c]) for c in channels]
@@ -96,7 +96,8 @@ class GatedDeltaNetParts:
 
     def gate_arguments(self, gate: torch.Tensor, v_heads: slice) -> dict:
         # The model's gate, -exp(A_log) * softplus(a + dt_bias), computed inside the kernel.
-        return dict(g=gate, A_log=self.module.A_log[v_heads], dt_bias=self.module.dt_bias[v_heads])
+        m = self.module
+        return dict(g=gate, A_log=head_rows(m.A_log, v_heads), dt_bias=head_rows(m.dt_bias, v_heads))
 
     def norm_arguments(self) -> tuple[torch.Tensor, float, str]:
         return self.module.norm.weight, self.module.norm.variance_epsilon, "swish"
