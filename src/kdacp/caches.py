@@ -7,7 +7,7 @@ device sync on later calls; none holds a tensor a caller passed.
 | memo | kept in | entries | bound |
 |---|---|---|---|
 | row indices of a rank's segments on the device | ``host_copies`` | ``(rows, device)`` | :data:`ROW_INDICES` (LRU) |
-| host copies of boundaries passed on a GPU (``cu_seqlens=``) | ``host_copies`` | boundaries tensor | :data:`HOST_BOUNDARIES` (LRU) |
+| host copies of boundaries passed on a GPU (``cu_seqlens=`` to the ops, the layers' per-batch contexts and a parallelised model) | ``host_copies`` | boundaries tensor | :data:`HOST_BOUNDARIES` (LRU) |
 | piece tables of the chain kernel | ``affine`` | ``(pieces per sequence, device)`` | :data:`CHAIN_TABLES` (LRU) |
 | sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
 | pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
@@ -20,7 +20,6 @@ device sync on later calls; none holds a tensor a caller passed.
 | a plan's forward and backward routes | ``cp.schedule`` | ``(plan, tokens per row, state shape, dtype, device)`` | :data:`ROUTES` (LRU) |
 | call signatures every rank verified | ``cp.checks`` | per live plan (:func:`~kdacp.cp.checks.verified_plans`) | freed with its plan |
 | a layer context's per-batch contexts (:class:`~kdacp.cp.CPContext`: plan, boundaries, positions) | ``cp.context`` | ``(boundaries tensor, rows, tokens, device)`` per context | :data:`CP_CONTEXTS` (LRU) |
-| the longest document of boundaries passed as ``cu_seqlens=`` to a parallelised model | ``integrations.transformers.checks`` | boundaries tensor | :data:`CALL_BOUNDARIES` (LRU) |
 | Megatron THD boundaries checked against the zigzag layout | ``integrations.megatron`` | ``(boundaries tensor, tokens, cp)`` | ``CACHED_LAYOUTS`` there (LRU) |
 | convolution halo routes | ``cp.batch_context`` | ``(layout, boundaries, rank, width, device)`` | :data:`HALO_ROUTES` (LRU) |
 | boundaries of the convolution's input with its halos in line | ``kernels.short_conv.convolution`` | ``(local boundaries, range starts, width, rows, device)`` | :data:`HALO_BOUNDARIES` (LRU) |
@@ -43,7 +42,6 @@ HALO_ROUTES = 64          # (batch, width) pairs whose convolution halo route is
 HALO_BOUNDARIES = 64      # (batch, width) pairs whose in-line halo boundaries are kept
 RANK_LAYOUTS = 64         # batches whose rank layouts are kept (every layer of a step asks for the same)
 ROUTES = 64               # (plan, shape) pairs whose routes are kept
-CALL_BOUNDARIES = 8       # boundaries tensors passed as cu_seqlens= to a parallelised model whose longest document is kept
 HOST_BOUNDARIES = 16      # device boundaries tensors whose host copy is kept (one per batch in flight; every layer passes the same)
 
 

@@ -66,7 +66,9 @@ def test_parallelized_model_takes_cu_seqlens_and_refuses_what_it_would_drop():
 
 def test_cu_seqlens_is_read_on_the_host_once_per_tensor():
     """The hook reads the longest document of a ``cu_seqlens=`` tensor on the host (a device sync) on the first
-    forward that passes it, not on every one; a second set of boundaries is read once too."""
+    forward that passes it, not on every one; a second set of boundaries is read once too; the layers' per-batch
+    context of those boundaries reads nothing more."""
+    from kdacp.cp import build_cp_context
     from kdacp.integrations.transformers.checks import CallCheck
     from tests.helpers import HostReads
 
@@ -83,4 +85,8 @@ def test_cu_seqlens_is_read_on_the_host_once_per_tensor():
             _, kwargs = check(None, (), dict(cu_seqlens=boundaries, cu_seq_lens_q=boundaries))
             counts.append(len(mode.found) - before)
             assert kwargs["max_length_q"] == int((boundaries[1:] - boundaries[:-1]).max())
+        # the layers' per-batch context of the same boundaries takes the hook's host copy: no second sync a step
+        before = len(mode.found)
+        assert build_cp_context(cu, local_length=64).local_cu_seqlens_cpu.tolist() == [0, 5, 40, 64]
+        assert len(mode.found) == before, mode.found[before:]
     assert counts == [1, 0, 0, 1, 0], counts

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import HALO_ROUTES
-from ..host_copies import to_device
+from ..host_copies import host_boundaries, to_device
 from ..kernels.short_conv import causal_conv1d
 from ..validation import check_boundaries
 from .autograd_collectives import exchange_rows
@@ -270,7 +270,7 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
     device = torch.device(device)
     cu = None
     if cu_seqlens is not None:
-        cu = tuple(int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
+        cu = host_boundaries(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else tuple(int(c) for c in cu_seqlens)
         batch_size = 1
         if P == 1 and not isinstance(layout, TokenLayout):  # the whole batch here: the op's own message
             check_boundaries(cu, local_length)

@@ -3,14 +3,12 @@ mask, one set of global boundaries, and which modules ``parallelize`` takes."""
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
-
 import torch
 import torch.nn as nn
 
-from ...caches import CALL_BOUNDARIES, TensorKey
 from ...cp.context import ContextParallel
 from ...cp.sharding import LAYOUT_KWARG
+from ...host_copies import host_boundaries
 
 # the activation names of SiLU in transformers' configs: what kdacp's short convolution and gated norm apply
 SILU_NAMES = ("silu", "swish")
@@ -62,17 +60,10 @@ class CallCheck:
                 given = kwargs.get(name)  # the same tensor needs no comparison (a device sync)
                 if given is not None and given is not cu and not torch.equal(given, cu):
                     raise ValueError(f"cu_seqlens and {name} are the same global boundaries; they differ")
-            longest = _longest_document(TensorKey(cu))
+            bounds = host_boundaries(cu)  # once per tensor: the layers' per-batch contexts read the same copy
+            longest = max(b - a for a, b in zip(bounds, bounds[1:]))
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return args, kwargs
-
-
-@lru_cache(maxsize=CALL_BOUNDARIES)
-def _longest_document(key: TensorKey) -> int:
-    """The longest document of the boundaries ``key`` stands for, read on the host once per tensor (a device sync)
-    rather than on every forward that passes it."""
-    cu = key.tensor
-    return int((cu[1:] - cu[:-1]).max())
 
 
 def global_cu_seqlens(kwargs: dict) -> torch.Tensor | None:
