@@ -104,23 +104,3 @@ def test_grouped_operands_read_where_they_lie():
     with pytest.raises(ValueError, match="A's leading dims must merge without a copy"):
         affine_product(torch.zeros(HV, 2, K, K, device=DEVICE).transpose(0, 1), torch.zeros(2, HV, K, V, device=DEVICE),
                        groups=2, group_strides=(0, 0, 0, 0))
-
-
-@pytest.mark.gpu
-def test_apply_maps_at_kimi_linear_sizes_on_gpu(monkeypatch):
-    """32 heads of 128, eight messages that are every other row of a rank's summaries (the backward's ``M^T``) and
-    states in rows of one receive buffer: one launch, each value bitwise its map's own apply and within float32
-    rounding of float64."""
-    m, HV, K, V = 8, 32, 128, 128
-    M = (_rand(2 * m, 1, HV, K, K, seed=31, device="cuda") / K ** 0.5).float()
-    S = _rand(2 * m, 1, HV, K, V, seed=32, device="cuda").float()
-    x = _rand(m, 1, HV, K, V, seed=33, device="cuda").float()
-    maps = [affine.AffineMap(S[2 * j], M[2 * j].transpose(-1, -2)) for j in range(m)]
-    calls = []
-    real = affine.affine_product
-    monkeypatch.setattr(affine, "affine_product", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    got = affine.apply_maps(maps, list(x))
-    assert len(calls) == 1 and calls[0]["groups"] == m
-    for mp, xj, g in zip(maps, x, got):
-        assert torch.equal(g, mp.apply(xj))
-        assert rel_err(g.double(), mp.transition.double() @ xj.double() + mp.offset.double()) < 1e-5
