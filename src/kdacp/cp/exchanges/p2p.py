@@ -57,11 +57,11 @@ class P2PExchange:
         (:attr:`Route.handling_steps`): [i > 0: recv(i-1)] for each of its positions; [any through: compute(its
         products); send(i+1, state) each]`` in :func:`handling_order`: after the through positions' ``ready`` the
         chain is one hop (link + apply) per step. A step's products are one ``apply_s`` and, for each further
-        through position, the bytes its product moves where its rows lie (``M`` and ``S`` read, its state read and
-        written: ``summary_bytes + 2 state_bytes``) at ``copy_s_per_byte``."""
+        through position, the bytes its rows are stacked and multiplied in (``M`` and ``S`` copied and read, its
+        state copied, read and written: ``3 summary_bytes + 4 state_bytes``) at ``copy_s_per_byte``."""
         emits, affine, holders, L, times = route.emits, route.affine, route.holders, route.length, route.times
         depths = chain_depths(emits, affine)
-        further_bytes = times.summary_bytes + 2 * times.state_bytes
+        further_bytes = 3 * times.summary_bytes + 4 * times.state_bytes
         out = []
         for r, mine in enumerate(route.own):
             mine = handling_order(mine, emits, affine)
