@@ -69,33 +69,3 @@ def test_apply_maps_forms_each_shape_s_products_together(monkeypatch):
         if m.transition is not None:
             assert rel_err(g, m.transition @ x + m.offset) < 1e-14
     assert apply_maps([], []) == []
-
-
-def test_apply_maps_reads_rows_of_one_buffer_where_they_lie(monkeypatch):
-    """On the kernel's path (float32 on a GPU; here the Triton interpreter with the path forced) maps that are rows
-    of one buffer spaced evenly (every other row, as a rank's messages among its summaries) and states in rows of
-    one buffer reach the kernel where they lie, one launch; states not so spaced are stacked first. Every value
-    as its map's own apply."""
-    import kdacp.affine as affine_module
-    from kdacp.affine import apply_maps
-
-    m, HV, K, V = 4, 2, 16, 8
-    S = _rand(2 * m, 1, HV, K, V, seed=50, dtype=torch.float32)
-    M = _rand(2 * m, 1, HV, K, K, seed=51, dtype=torch.float32)
-    maps = [AffineMap(S[2 * j], M[2 * j].transpose(-1, -2)) for j in range(m)]
-    rows = _rand(m, 1, HV, K, V, seed=52, dtype=torch.float32)
-    apart = [_rand(1, HV, K, V, seed=60 + j, dtype=torch.float32) for j in range(m)]
-    real, calls = affine_module.affine_product, []
-    monkeypatch.setattr(affine_module, "_kernel_path", lambda *xs: True)
-    monkeypatch.setattr(affine_module, "affine_product",
-                        lambda *a, **kw: (calls.append((a[0].data_ptr(), a[1].data_ptr(), kw)), real(*a, **kw))[1])
-    for xs, in_place in ((list(rows), True), (apart, False)):
-        calls.clear()
-        got = apply_maps(maps, xs)
-        assert len(calls) == 1 and calls[0][2]["groups"] == m
-        a_ptr, x_ptr, kw = calls[0]
-        assert a_ptr == M[0].data_ptr() and kw["group_strides"][0] == 2 * M.stride(0)  # the maps where they lie
-        assert (x_ptr == rows.data_ptr()) == in_place
-        for mp, x, g in zip(maps, xs, got):
-            want = mp.transition.double() @ x.double() + mp.offset.double()
-            assert rel_err(g.double(), want) < 2e-6

@@ -83,24 +83,3 @@ def test_affine_takes_the_kernel_on_gpu(n, monkeypatch):
     assert len(calls) == 3  # one launch each, the composition's two products included
     # float64 operands keep the float64 products
     assert affine.apply_state_summary(S1, M1, x).dtype == torch.float64 and len(calls) == 3
-
-
-def test_grouped_operands_read_where_they_lie():
-    """``groups``: sets of operands spaced evenly in memory (rows of one buffer, every other row, in reverse, a
-    transposed ``A``), multiplied where they lie, each set as its own product; a leading dim that cannot merge
-    without a copy is refused."""
-    m, HV, K, V = 3, 2, 16, 24
-    M = _rand(2 * m, HV, K, K, seed=21).float()       # every other row: spaced two rows apart
-    S = _rand(m, HV, K, V, seed=22).float()
-    X = _rand(m, HV, K, V, seed=23).float()
-    rows = M[0::2].transpose(-1, -2)                   # the backward's M^T
-    first = S[m - 1]                                   # S read backwards: a negative spacing
-    out, out2 = affine_product(rows[0], X[0], first, groups=m,
-                               group_strides=(rows.stride(0), X.stride(0), -S.stride(0), 0))
-    assert out.shape == (m, HV, K, V) and out2 is None
-    for g in range(m):
-        expect = rows[g].double() @ X[g].double() + S[m - 1 - g].double()
-        assert rel_err(out[g].double(), expect) < TOL, g
-    with pytest.raises(ValueError, match="A's leading dims must merge without a copy"):
-        affine_product(torch.zeros(HV, 2, K, K, device=DEVICE).transpose(0, 1), torch.zeros(2, HV, K, V, device=DEVICE),
-                       groups=2, group_strides=(0, 0, 0, 0))

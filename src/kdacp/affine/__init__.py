@@ -66,44 +66,17 @@ class AffineMap(NamedTuple):
         return compose_state_summaries(earlier, self)
 
 
-def _spacing(ts: list[torch.Tensor]) -> int | None:
-    """Elements from each of ``ts`` (one shape, strides and dtype) to the next where they lie evenly spaced in
-    memory (rows of one buffer: a rank's summaries, the step's incoming values), else ``None``."""
-    first, size = ts[0], ts[0].element_size()
-    step = ts[1].data_ptr() - first.data_ptr()
-    if step % size or any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
-                          or t.data_ptr() != first.data_ptr() + j * step for j, t in enumerate(ts)):
-        return None
-    return step // size
-
-
-def _grouped_apply(As: list, xs: list, bs: list) -> torch.Tensor:
-    """``[m, ...]``: ``As[j] @ xs[j] + bs[j]`` for float32 GPU operands in one launch, each list read where it
-    lies when evenly spaced (:func:`_spacing`), else stacked first."""
-    firsts, strides = [], []
-    for ts in (As, xs, bs):
-        step = _spacing(ts)
-        if step is None:
-            stacked = torch.stack(ts)
-            firsts.append(stacked[0])
-            strides.append(stacked.stride(0))
-        else:
-            firsts.append(ts[0])
-            strides.append(step)
-    return affine_product(*firsts, None, groups=len(As), group_strides=(*strides, 0))[0]
-
-
 def apply_maps(maps, xs) -> list[torch.Tensor]:
-    """``[m.apply(x) for m, x in zip(maps, xs)]`` with the affine maps' products formed together: one product per
-    shape, not one a map. An exchange's rank holding many positions (a packed batch cut per document: one per
-    document piece) passes on a message per position at each chain step; one launch there replaces one a
-    position. Each row's product is formed as :meth:`AffineMap.apply` forms it (the precision rule of this
-    module). Unchecked, as :meth:`AffineMap.apply`.
+    """``[m.apply(x) for m, x in zip(maps, xs)]`` with the affine maps' products formed together: one batched
+    product per shape (``transition``, ``x`` and ``offset`` stacked), not one each. An exchange's rank holding
+    many positions (a packed batch cut per document: one per document piece) passes on a message per
+    position at each chain step; one launch there replaces one a position. Each row's product is formed as
+    :meth:`AffineMap.apply` forms it (the precision rule of this module). Unchecked, as :meth:`AffineMap.apply`.
 
-    On the kernel's path the maps and states are read where they lie when they are rows of one buffer spaced
-    evenly (a rank's messages are rows of its summaries), and stacked otherwise; elsewhere they are stacked. Not
-    bounded by size as ``scan``'s stacked pairs are (:data:`kdacp.cp.exchanges.scan.STACK_MAX_BYTES`): one apply at
-    32 heads of 128 took 8.2 us of device time on an H200 for its 8 MiB (about 1 TB/s, a grid of 128 programs).
+    Stacked at any size (unlike ``scan``'s pairs, :data:`kdacp.cp.exchanges.scan.STACK_MAX_BYTES`): one apply at
+    32 heads of 128 took 8.2 us of device time on an H200 for its 8 MiB (about 1 TB/s, a grid of 128 programs),
+    where stacking a further row copies 6 MiB and its product then runs in a grid wide enough for the memory's
+    full rate.
     """
     out: list = [m.offset if m.transition is None else None for m in maps]
     batches: dict = {}
@@ -115,11 +88,8 @@ def apply_maps(maps, xs) -> list[torch.Tensor]:
         if len(rows) == 1:
             out[rows[0]] = maps[rows[0]].apply(xs[rows[0]])
             continue
-        As, bs, ins = [maps[j].transition for j in rows], [maps[j].offset for j in rows], [xs[j] for j in rows]
-        if _kernel_path(As[0], ins[0], bs[0]):
-            stacked = _grouped_apply(As, ins, bs)
-        else:
-            stacked = _products(torch.stack(As), torch.stack(ins), torch.stack(bs))[0]
+        stacked = _products(torch.stack([maps[j].transition for j in rows]), torch.stack([xs[j] for j in rows]),
+                            torch.stack([maps[j].offset for j in rows]))[0]
         for j, value in zip(rows, stacked.unbind(0)):
             out[j] = value
     return out

@@ -16,9 +16,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(a, x, b, out, n, n_out, i_m, i_c, K, C, sa_n, sa_r, sa_c, sx_n, sx_r, sx_c, sb_n, sb_r, sb_c,
+def _tile(a, x, b, out, n, i_m, i_c, K, C, sa_n, sa_r, sa_c, sx_n, sx_r, sx_c, sb_n, sb_r, sb_c,
           HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One ``[BM, BN]`` tile of ``out[n_out] = a[n] @ x[n] (+ b[n])``, ``out [N, K, C]`` contiguous."""
+    """One ``[BM, BN]`` tile of ``out[n] = a[n] @ x[n] (+ b[n])``, ``out [N, K, C]`` contiguous."""
     o_m = i_m * BM + tl.arange(0, BM)
     o_c = i_c * BN + tl.arange(0, BN)
     m_m, m_c = o_m < K, o_c < C
@@ -35,23 +35,21 @@ def _tile(a, x, b, out, n, n_out, i_m, i_c, K, C, sa_n, sa_r, sa_c, sx_n, sx_r, 
     m_out = m_m[:, None] & m_c[None, :]
     if HAS_B:
         acc += tl.load(b + n * sb_n + o_m[:, None] * sb_r + o_c[None, :] * sb_c, mask=m_out, other=0.0)
-    tl.store(out + (n_out * K + o_m[:, None]) * C + o_c[None, :], acc, mask=m_out)
+    tl.store(out + (n * K + o_m[:, None]) * C + o_c[None, :], acc, mask=m_out)
 
 
 @triton.jit
-def _affine_product_kernel(a, x1, b1, out1, x2, out2, K, C1, C2, NT1, R, ga, g1, gb, g2,
+def _affine_product_kernel(a, x1, b1, out1, x2, out2, K, C1, C2, NT1,
                            sa_n, sa_r, sa_c, s1_n, s1_r, s1_c, sb_n, sb_r, sb_c, s2_n, s2_r, s2_c,
                            HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``out1 = a @ x1 (+ b1)`` on column tiles ``< NT1``, ``out2 = a @ x2`` on the others; output row ``r`` is row
-    ``r % R`` of group ``r // R``, whose operands start ``g*`` elements a group after the first's."""
-    r, i_c, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    group, n = r // R, r % R
+    """``out1 = a @ x1 (+ b1)`` on column tiles ``< NT1``, ``out2 = a @ x2`` on the others."""
+    n, i_c, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     if i_c < NT1:
-        _tile(a + group * ga, x1 + group * g1, b1 + group * gb, out1, n, r, i_m, i_c, K, C1, sa_n, sa_r, sa_c,
-              s1_n, s1_r, s1_c, sb_n, sb_r, sb_c, HAS_B, BM, BN, BK)
+        _tile(a, x1, b1, out1, n, i_m, i_c, K, C1, sa_n, sa_r, sa_c, s1_n, s1_r, s1_c, sb_n, sb_r, sb_c,
+              HAS_B, BM, BN, BK)
     else:
-        _tile(a + group * ga, x2 + group * g2, x2, out2, n, r, i_m, i_c - NT1, K, C2, sa_n, sa_r, sa_c,
-              s2_n, s2_r, s2_c, 0, 0, 0, False, BM, BN, BK)
+        _tile(a, x2, x2, out2, n, i_m, i_c - NT1, K, C2, sa_n, sa_r, sa_c, s2_n, s2_r, s2_c, 0, 0, 0,
+              False, BM, BN, BK)
 
 
 def _batched(name: str, t: torch.Tensor, lead: tuple, K: int, C: int | None = None) -> torch.Tensor:
@@ -65,14 +63,8 @@ def _batched(name: str, t: torch.Tensor, lead: tuple, K: int, C: int | None = No
 
 
 def affine_product(A: torch.Tensor, X1: torch.Tensor, B1: torch.Tensor | None = None,
-                   X2: torch.Tensor | None = None, *, groups: int | None = None,
-                   group_strides: tuple[int, int, int, int] = (0, 0, 0, 0)) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   X2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(A @ X1 + B1, A @ X2)`` over the leading dims, float32 in and out, in one launch.
-
-    With ``groups``, over that many sets of operands laid out alike, set ``g``'s starting ``g * group_strides[i]``
-    elements (any sign) after the given ``A``, ``X1``, ``B1``, ``X2`` (``i`` in that order): rows of one allocation
-    spaced evenly, multiplied where they lie, without a stack's copies (:func:`kdacp.affine.apply_maps`). The
-    caller vouches that every set lies in its tensor's memory. The results then lead with ``[groups]``.
 
     Args:
         A: ``[..., K, K]`` float32, any strides (a transposed view is fine).
@@ -81,8 +73,7 @@ def affine_product(A: torch.Tensor, X1: torch.Tensor, B1: torch.Tensor | None = 
         X2: ``[..., K, C2]`` float32, or ``None`` (then the second result is ``None``).
 
     Returns:
-        New contiguous float32 tensors ``[..., K, C1]`` and ``[..., K, C2]`` (or ``None``), ``[groups, ...]`` with
-        ``groups``.
+        New contiguous float32 tensors ``[..., K, C1]`` and ``[..., K, C2]`` (or ``None``).
     """
     if A.dim() < 2 or A.shape[-1] != A.shape[-2]:
         raise ValueError(f"A must be square in its last two dims [..., K, K], got {tuple(A.shape)}")
@@ -95,29 +86,17 @@ def affine_product(A: torch.Tensor, X1: torch.Tensor, B1: torch.Tensor | None = 
     for name, t in (("X1", X1), ("B1", B1), ("X2", X2)):
         if t is not None and t.device != A.device:
             raise ValueError(f"{name} is on {t.device} but A is on {A.device}")
-    sets = () if groups is None else (groups,)
-    if groups is not None:
-        if groups < 1 or len(group_strides) != 4:
-            raise ValueError(f"groups must be >= 1 with 4 group_strides, got {groups} and {group_strides}")
-        for name, t, merged in (("A", A, a), ("X1", X1, x1), ("B1", B1, b1), ("X2", X2, x2)):
-            if t is not None and merged.data_ptr() != t.data_ptr():  # a copy: the groups' offsets would miss
-                raise ValueError(f"{name}'s leading dims must merge without a copy when groups are given, "
-                                 f"got strides {t.stride()}")
     C2 = 0 if x2 is None else x2.shape[-1]
-    out1 = torch.empty(*sets, *lead, K, C1, dtype=torch.float32, device=A.device)
-    out2 = None if x2 is None else torch.empty(*sets, *lead, K, C2, dtype=torch.float32, device=A.device)
+    out1 = torch.empty(*lead, K, C1, dtype=torch.float32, device=A.device)
+    out2 = None if x2 is None else torch.empty(*lead, K, C2, dtype=torch.float32, device=A.device)
     if a.shape[0] == 0 or K == 0 or C1 + C2 == 0:
-        if groups is not None:
-            raise ValueError("groups need operands with rows")
         return out1.zero_() if B1 is None else out1.copy_(B1), None if out2 is None else out2.zero_()
     bm = bk = min(64, max(16, triton.next_power_of_2(K)))
     bn = min(64, max(16, triton.next_power_of_2(max(C1, C2))))
     nt1 = triton.cdiv(C1, bn)
-    grid = (a.shape[0] * (groups or 1), nt1 + triton.cdiv(C2, bn), triton.cdiv(K, bm))
-    ga, g1, gb, g2 = group_strides if groups is not None else (0, 0, 0, 0)
+    grid = (a.shape[0], nt1 + triton.cdiv(C2, bn), triton.cdiv(K, bm))
     _affine_product_kernel[grid](
         a, x1, a if b1 is None else b1, out1, a if x2 is None else x2, out1 if out2 is None else out2, K, C1, C2, nt1,
-        a.shape[0], ga, g1, gb, g2,
         *a.stride(), *x1.stride(), *(b1.stride() if b1 is not None else (0, 0, 0)),
         *(x2.stride() if x2 is not None else (0, 0, 0)), HAS_B=b1 is not None, BM=bm, BN=bn, BK=bk, num_warps=4)
     return out1, out2

@@ -22,13 +22,11 @@ class P2PExchange:
 
     def begin(self, route: Route) -> Pending:
         pending = Pending(route)
-        for step in route.handling_steps:  # a step's values arrive in rows of one buffer: read where they lie
-            remote = [i for i in step if route.source(i) not in (None, route.rank)]
-            if not remote:
-                continue
-            buffers = torch.empty((len(remote), *route.shape), dtype=route.dtype, device=route.device)
-            for i, buffer in zip(remote, buffers):
-                pending.receives[i] = (buffer, collectives.post_recv(buffer, route.source(i), route.group))
+        for i in route.handling:
+            src = route.source(i)
+            if src is not None and src != route.rank:
+                buffer = torch.empty(route.shape, dtype=route.dtype, device=route.device)
+                pending.receives[i] = (buffer, collectives.post_recv(buffer, src, route.group))
         pending.outbox = OrderedSends(route.outgoing, route.group)  # a value keyed by the position it enters
         return pending
 
