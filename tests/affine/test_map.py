@@ -44,28 +44,3 @@ def test_float32_maps_compose_to_float32():
     assert both.offset.dtype == both.transition.dtype == torch.float32
     exact = b.transition.double() @ a.offset.double() + b.offset.double()
     assert torch.equal(both.offset, exact.float())
-
-
-def test_apply_maps_forms_each_shape_s_products_together(monkeypatch):
-    """``apply_maps`` gives each map's own ``apply`` (constant maps their offset, transposed transitions as
-    views), with the affine maps of one shape in one product; two shapes, two products."""
-    import kdacp.affine as affine_module
-    from kdacp.affine import apply_maps
-
-    HV, K, V = 3, 5, 4
-    maps = [AffineMap(_rand(1, HV, K, V, seed=10 + j), _rand(1, HV, K, K, seed=20 + j).transpose(-1, -2))
-            for j in range(4)]
-    maps.insert(2, AffineMap(_rand(1, HV, K, V, seed=30)))  # a constant map among them
-    maps.append(AffineMap(_rand(2, HV, K, V, seed=31), _rand(2, HV, K, K, seed=32)))  # two rows: its own product
-    xs = [_rand(*m.offset.shape, seed=40 + j) for j, m in enumerate(maps)]
-    xs[2] = None
-    real, products = affine_module._products, []
-    monkeypatch.setattr(affine_module, "_products",
-                        lambda A, x, *rest: (products.append(A.shape), real(A, x, *rest))[1])
-    got = apply_maps(maps, xs)
-    assert len(products) == 2 and products[0][0] == 4, products
-    assert got[2] is maps[2].offset
-    for m, x, g in zip(maps, xs, got):
-        if m.transition is not None:
-            assert rel_err(g, m.transition @ x + m.offset) < 1e-14
-    assert apply_maps([], []) == []

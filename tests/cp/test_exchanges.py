@@ -269,15 +269,3 @@ def test_scan_composes_a_rank_s_round_in_one_product_per_kind(monkeypatch):
     monkeypatch.setattr(exchanges.scan, "STACK_MAX_BYTES", 0)
     _, rows = _documents_products("scan", 7, monkeypatch)
     assert len(rows) == pairs and max(rows) == n
-
-
-def test_p2p_forms_a_rank_s_products_a_chain_step_at_a_time(monkeypatch):
-    """``p2p`` forms the ``M x + S`` of a rank's positions of one chain depth in one product (a per-document rank
-    holds a position per document piece, each passing a message on at the same step): a rank's products follow
-    its steps, not its positions, with every value as the sequential fold's."""
-    (holders, sends, affine_flags), rows = _documents_products("p2p", 9, monkeypatch)
-    depths = exchanges.chain_depths(sends, affine_flags)
-    through = [i for i in range(len(holders)) if affine_flags[i] and sends[i] and i + 1 < len(holders)]
-    steps = {(holders[i], depths[i]) for i in through}
-    assert len(rows) == len(steps) < len(through), (len(rows), len(steps), len(through))
-    assert sum(rows) == len(through) * max(sends) and max(rows) > max(sends)  # several positions in one product

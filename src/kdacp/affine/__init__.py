@@ -27,7 +27,7 @@ from ..host_copies import to_device
 from .chain import chain_states as chain_kernel
 from .product import affine_product
 
-__all__ = ["AffineMap", "SummaryParts", "apply_maps", "apply_state_summary", "apply_state_gradient_summary",
+__all__ = ["AffineMap", "SummaryParts", "apply_state_summary", "apply_state_gradient_summary",
            "chain_states", "compose_state_summaries", "entry_states"]
 
 
@@ -64,35 +64,6 @@ class AffineMap(NamedTuple):
         if earlier.transition is None:
             return AffineMap(apply_state_summary(self.offset, self.transition, earlier.offset))
         return compose_state_summaries(earlier, self)
-
-
-def apply_maps(maps, xs) -> list[torch.Tensor]:
-    """``[m.apply(x) for m, x in zip(maps, xs)]`` with the affine maps' products formed together: one batched
-    product per shape (``transition``, ``x`` and ``offset`` stacked), not one each. An exchange's rank holding
-    many positions (a packed batch cut per document: one per document piece) passes on a message per
-    position at each chain step; one launch there replaces one a position. Each row's product is formed as
-    :meth:`AffineMap.apply` forms it (the precision rule of this module). Unchecked, as :meth:`AffineMap.apply`.
-
-    Stacked at any size (unlike ``scan``'s pairs, :data:`kdacp.cp.exchanges.scan.STACK_MAX_BYTES`): one apply at
-    32 heads of 128 took 8.2 us of device time on an H200 for its 8 MiB (about 1 TB/s, a grid of 128 programs),
-    where stacking a further row copies 6 MiB and its product then runs in a grid wide enough for the memory's
-    full rate.
-    """
-    out: list = [m.offset if m.transition is None else None for m in maps]
-    batches: dict = {}
-    for j, (m, x) in enumerate(zip(maps, xs)):
-        if m.transition is not None:
-            key = (tuple(m.transition.shape), tuple(x.shape), tuple(m.offset.shape), x.dtype, m.offset.dtype)
-            batches.setdefault(key, []).append(j)
-    for rows in batches.values():
-        if len(rows) == 1:
-            out[rows[0]] = maps[rows[0]].apply(xs[rows[0]])
-            continue
-        stacked = _products(torch.stack([maps[j].transition for j in rows]), torch.stack([xs[j] for j in rows]),
-                            torch.stack([maps[j].offset for j in rows]))[0]
-        for j, value in zip(rows, stacked.unbind(0)):
-            out[j] = value
-    return out
 
 
 class SummaryParts(NamedTuple):

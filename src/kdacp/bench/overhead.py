@@ -86,8 +86,8 @@ PLOTS = {"overhead": PlotSpec(x="label", y="ratio", bars=True, where=("source", 
 class ReadyExchange(StandInExchange):
     """A :class:`~kdacp.bench.rank_role.StandInExchange` for timing: each of the rank's positions that has a source
     gets a ready-made value, ``incoming(route, i)`` for position ``i`` of ``route`` (default: the stand-in's
-    zero state), and a position whose message is affine and goes on forms ``M x + S`` from it as ``p2p`` does,
-    one product per chain step (the products of one exchange timed together as one call of stage ``apply`` by ``timer``: a rank of many
+    zero state), and a position whose message is affine and goes on forms ``M x + S`` from it as ``p2p`` does
+    (the products of one exchange timed together as one call of stage ``apply`` by ``timer``: a rank of many
     positions records few events). ``passed``: the value each of the rank's positions passed on in the last
     exchange (position -> ``[n, HV, K, V]``)."""
 
@@ -100,25 +100,18 @@ class ReadyExchange(StandInExchange):
         incoming = [None if route.source(i) is None else
                     self.incoming_at(route, i) if self.incoming_at is not None else self._incoming(route)
                     for i in route.positions]
-        x_at = dict(zip(route.positions, incoming))
-        steps = []
-        for step in route.handling_steps:
-            affine = []
-            for i in step:
-                message = pending.messages[i]
-                if route.target(i) is not None and message is not None:
-                    if message.transition is None:
-                        self.passed[i] = message.offset
-                    else:
-                        affine.append(i)
-            if affine:
-                steps.append(affine)
+        affine = []
+        for i, x in zip(route.positions, incoming):
+            message = pending.messages[i]
+            if route.target(i) is not None and message is not None:
+                if message.transition is None:
+                    self.passed[i] = message.offset
+                else:
+                    affine.append((i, message, x))
 
         def apply():
-            for affine in steps:
-                values = self.pass_on([pending.messages[i] for i in affine], [x_at[i] for i in affine], route)
-                self.passed.update(zip(affine, values))
-        if steps:
+            self.passed.update({i: self.pass_on(message, x, route) for i, message, x in affine})
+        if affine:
             self.timer.run("apply", apply) if self.timer else apply()
         return incoming
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..affine import AffineMap, apply_maps
+from ..affine import AffineMap
 from ..backends.base import KDAInputs, LocalBackend
 from ..backends.call import choose_call_backend, prepare_call, wants_gradient
 from ..kernels.precision import resolve_precision
@@ -39,8 +39,7 @@ class StandInExchange:
     (``[n, HV, K, V]`` in the route's dtype: the route's message shape), by default zeros, made once per shape
     and handed out on every call (a timed call then times no allocation). A position whose
     message is affine (strictly inside a chain) forms its outgoing ``M x + S`` from what it received, as
-    ``p2p`` does, so the rank does the work it does in a real chain (:meth:`pass_on`, a hook for timing it:
-    the positions of one chain step together).
+    ``p2p`` does, so the rank does the work it does in a real chain (:meth:`pass_on`, a hook for timing it).
     """
 
     def __init__(self, incoming: torch.Tensor | None = None):
@@ -54,20 +53,18 @@ class StandInExchange:
         self.sent = pending.messages
 
     def receive(self, pending: Pending) -> list:
-        route, incoming = pending.route, {}
-        for step in route.handling_steps:
-            for i in step:
-                incoming[i] = None if route.source(i) is None else self._incoming(route)
-            passing = [i for i in step if incoming[i] is not None and route.target(i) is not None
-                       and pending.messages.get(i) is not None and not pending.messages[i].constant]
-            if passing:
-                self.pass_on([pending.messages[i] for i in passing], [incoming[i] for i in passing], route)
-        return [incoming[i] for i in route.positions]
+        route, out = pending.route, []
+        for i in route.positions:
+            x = None if route.source(i) is None else self._incoming(route)
+            message = pending.messages.get(i)
+            if x is not None and route.target(i) is not None and message is not None and not message.constant:
+                self.pass_on(message, x, route)
+            out.append(x)
+        return out
 
-    def pass_on(self, messages: list[AffineMap], xs: list[torch.Tensor], route: Route) -> list[torch.Tensor]:
-        """The values positions of one chain step send on, each message applied to its incoming ``x`` (together,
-        as ``p2p`` forms them: :func:`kdacp.affine.apply_maps`), rounded to the wire dtype."""
-        return [value.to(route.dtype) for value in apply_maps(messages, xs)]
+    def pass_on(self, message: AffineMap, x: torch.Tensor, route: Route) -> torch.Tensor:
+        """The value a position sends on, ``message`` applied to its incoming ``x``, rounded to the wire dtype."""
+        return message.apply(x).to(route.dtype)
 
     def _incoming(self, route: Route) -> torch.Tensor:
         if self.incoming is not None:

@@ -61,19 +61,6 @@ class Route:
         return handling_order(self.positions, self.emits, self.affine)
 
     @cached_property
-    def handling_steps(self) -> tuple[tuple[int, ...], ...]:
-        """:attr:`handling` cut into steps of one chain depth (:func:`chain_depths`): a step's incoming values are
-        made by earlier steps only, so ``p2p`` takes them all, then forms the step's outgoing values together
-        (:func:`kdacp.affine.apply_maps`: one product a step, not one a position)."""
-        depths, steps = chain_depths(self.emits, self.affine), []
-        for i in self.handling:
-            if steps and depths[steps[-1][-1]] == depths[i]:
-                steps[-1].append(i)
-            else:
-                steps.append([i])
-        return tuple(map(tuple, steps))
-
-    @cached_property
     def outgoing(self) -> tuple[tuple[int, int], ...]:
         """``p2p``'s sends from this rank to others: ``(position entered, its rank)``, in the order each receiver
         reads them (:func:`handling_order` of the positions entered)."""
