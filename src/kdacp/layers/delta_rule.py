@@ -35,9 +35,10 @@ def initial_dt_bias(n: int, device=None) -> torch.Tensor:
 def head_rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     """``t[rows]``, a head shard's rows of a parameter (``rows`` a step-1 slice of its first dim), or ``t`` itself
     where the shard holds every row: a slice's backward allocates the whole gradient and copies into it (two
-    launches a parameter), which one device and the state-passing modes, holding every head, need not pay."""
-    start, stop, _ = rows.indices(t.shape[0])
-    return t if (start, stop) == (0, t.shape[0]) else t[rows]
+    launches a parameter), which one device and the state-passing modes, holding every head, need not pay. Read
+    from the slice's fields: torch 2.11's Dynamo broke the layer's graph where this called ``slice.indices``."""
+    whole = rows.start in (None, 0) and (rows.stop is None or rows.stop >= t.shape[0]) and rows.step in (None, 1)
+    return t if whole else t[rows]
 
 
 def beta_from_logits(b: torch.Tensor) -> torch.Tensor:
