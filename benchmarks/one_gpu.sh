@@ -47,6 +47,8 @@
 #   bash benchmarks/one_gpu.sh split_tests OUT  # a first run at 4 heads autotuning nothing the shipped files lend
 #                                             # to, then the split's GPU error and CUDA-graph tests (first use
 #                                             # compiles for minutes: the whole call's time)
+#   bash benchmarks/one_gpu.sh split_graph OUT  # where the split's CUDA-graph capture fails: each mode of
+#                                             # benchmarks/split_graph_probe.py in a process of its own
 #   bash benchmarks/one_gpu.sh split    OUT [FAMILY]  # the split inside one GPU: FAMILY (kda or gdn, default kda)
 #                                             # against FLA's op at 2..32 heads and 64K tokens, one sequence and
 #                                             # packed, each split setting (benchmarks/split_heads.py; one family
@@ -76,7 +78,7 @@
 # Each step has its own time limit, prints one status line and leaves its log (and the suite's JSON,
 # Markdown and PNG files) under OUT.
 set -u
-PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split_tests, split, split_detail, flashqla, flashqla_heads, first_run or versus"
+PARTS="kernels, layer, model, compile, graph, compiled, overhead, zigzag, balanced, zigzag_tuning, gdn, megatron, megatron_triton_warm, megatron_triton, profile, attn_gym, model_backend, overhead_backend, demo, split_tests, split_graph, split, split_detail, flashqla, flashqla_heads, first_run or versus"
 part=${1:?part: $PARTS}
 out=${2:?output folder}
 mkdir -p "$out"
@@ -213,6 +215,12 @@ split_tests)  # at most 560 s: one device call
     grep -h "PASSED\|FAILED\|autotuned at" "$out/first_run_heads.log"
     step split_tests 430 python3 -m pytest -v -m gpu tests/cp/test_split_gpu.py
     grep -h "PASSED\|FAILED\|ERROR\|passed\|failed" "$out/split_tests.log" | tail -12
+    ;;
+split_graph)  # the first mode compiles the kernels (about a minute on an H100); the others reuse them
+    for mode in fb8 fb_none fb8_noeager fb8_loss fwd8; do
+        step "split_graph_$mode" 120 python3 benchmarks/split_graph_probe.py "$mode"
+        grep -h -A60 "^$mode " "$out/split_graph_$mode.log" | head -62
+    done
     ;;
 split)  # at most 560 s: one device call; a family's sweep took 290 s for its first 16 rows on an H100
     family=${3:-kda}
