@@ -112,3 +112,20 @@ def test_boundaries_are_read_to_the_host_once_per_tensor(monkeypatch):
     cu[2] = 20  # in place: other boundaries, read again
     assert host_boundaries(cu) == (0, 5, 20, 40) and len(reads) == 2
     assert host_boundaries(torch.tensor([0, 5, 20, 40])) == (0, 5, 20, 40)
+
+
+def test_a_span_s_host_boundaries_are_one_tensor_across_calls():
+    """A span's boundaries reach the host-reading launchers as one CPU tensor per distinct boundaries (host_tensor), so
+    the memo of host reads keeps one entry for them instead of a new one a call (which pushed a batch's device
+    boundaries out of it)."""
+    from kdacp.backends.base import Span
+    from kdacp.host_copies import _read_once, host_boundaries
+    span = Span(0, 96, (0, 40, 96))
+    first = span.cu_seqlens_host()
+    assert first is Span(0, 96, (0, 40, 96)).cu_seqlens_host() and first.tolist() == [0, 40, 96]
+    assert first.dtype == torch.int64 and first.device.type == "cpu"
+    assert Span(0, 96, (0, 96)).cu_seqlens_host() is None
+    before = _read_once.cache_info().currsize
+    for _ in range(5):
+        assert host_boundaries(Span(0, 96, (0, 40, 96)).cu_seqlens_host()) == (0, 40, 96)
+    assert _read_once.cache_info().currsize <= before + 1

@@ -8,6 +8,7 @@ device sync on later calls; none holds a tensor a caller passed.
 |---|---|---|---|
 | row indices of a rank's segments on the device | ``host_copies`` | ``(rows, device)`` | :data:`ROW_INDICES` (LRU) |
 | host copies of boundaries passed on a GPU (``cu_seqlens=`` to the ops, the layers' per-batch contexts and a parallelised model) | ``host_copies`` | boundaries tensor | :data:`HOST_BOUNDARIES` (LRU) |
+| boundaries of a span as a CPU tensor (for launchers that read them on the host) | ``host_copies`` | boundaries | :data:`HOST_TENSORS` (LRU) |
 | piece tables of the chain kernel | ``affine`` | ``(pieces per sequence, device)`` | :data:`CHAIN_TABLES` (LRU) |
 | sub-segment work lists of the summary kernels | ``kernels.subsegments`` | ``(bounds, chunk size, device)`` | :data:`SUMMARY_PLANS` (LRU) |
 | pipeline stages that fit in shared memory | ``kernels.pipelining`` | ``(kernel, constants, dtypes, warps)`` | the kernels and configurations a process launches |
@@ -43,6 +44,7 @@ HALO_BOUNDARIES = 64      # (batch, width) pairs whose in-line halo boundaries a
 RANK_LAYOUTS = 64         # batches whose rank layouts are kept (every layer of a step asks for the same)
 ROUTES = 64               # (plan, shape) pairs whose routes are kept
 HOST_BOUNDARIES = 16      # device boundaries tensors whose host copy is kept (one per batch in flight; every layer passes the same)
+HOST_TENSORS = 64         # spans' boundaries kept as CPU tensors (a few spans per batch: a rank's segments, pieces)
 
 
 class TensorKey:

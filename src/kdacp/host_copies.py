@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .caches import HOST_BOUNDARIES, ROW_INDICES, TensorKey
+from .caches import HOST_BOUNDARIES, HOST_TENSORS, ROW_INDICES, TensorKey
 
-__all__ = ["to_device", "host_boundaries", "take_rows", "put_rows"]
+__all__ = ["to_device", "host_boundaries", "host_tensor", "take_rows", "put_rows"]
 
 
 def host_boundaries(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
@@ -30,6 +30,15 @@ def host_boundaries(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=HOST_BOUNDARIES)
 def _read_once(key: TensorKey) -> tuple[int, ...]:
     return tuple(int(c) for c in key.tensor.tolist())
+
+
+@functools.lru_cache(maxsize=HOST_TENSORS)
+def host_tensor(values: tuple[int, ...]) -> torch.Tensor:
+    """``values`` as a 1-D int64 CPU tensor, one per distinct tuple while kept (:data:`~kdacp.caches.HOST_TENSORS`):
+    shared, so callers must not modify it. A span's boundaries reach launchers that read them on the host
+    (:func:`host_boundaries`, which keeps one read per tensor) as the same tensor on every call, where a new one
+    a call was made, read back and kept in that memo's place of a batch's device boundaries."""
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..host_copies import to_device
+from ..host_copies import host_tensor
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,9 @@ class Span:
 
     def cu_seqlens_host(self) -> torch.Tensor | None:
         """``[n+1]`` int64 on the CPU, or ``None`` for a single segment (the faster unpacked path); for
-        launchers that read the boundaries on the host (no device sync)."""
-        return None if self.num_segments == 1 else torch.tensor(self.cu_seqlens, dtype=torch.int64)
-
-    def cu_seqlens_tensor(self, device) -> torch.Tensor | None:
-        """:meth:`cu_seqlens_host` on ``device``."""
-        host = self.cu_seqlens_host()
-        return None if host is None else to_device(host, device)
+        launchers that read the boundaries on the host (no device sync). Shared between calls
+        (:func:`~kdacp.host_copies.host_tensor`): read, never modify."""
+        return None if self.num_segments == 1 else host_tensor(self.cu_seqlens)
 
 
 @dataclass
