@@ -129,3 +129,16 @@ def test_a_span_s_host_boundaries_are_one_tensor_across_calls():
     for _ in range(5):
         assert host_boundaries(Span(0, 96, (0, 40, 96)).cu_seqlens_host()) == (0, 40, 96)
     assert _read_once.cache_info().currsize <= before + 1
+
+
+def test_row_taker_takes_what_take_rows_takes():
+    """``row_taker(t)(rows)`` is ``take_rows(t, rows)``: one row a view of ``t`` (of a transposed ``t`` too), several
+    rows gathered, the same values either way."""
+    from kdacp.host_copies import row_taker, take_rows
+    t = torch.randn(6, 2, 3, 4)
+    for base in (t, t.transpose(-1, -2)):
+        take = row_taker(base)
+        for rows in ([0], [5], [1, 2], [4, 1, 3]):
+            got = take(rows)
+            assert torch.equal(got, take_rows(base, rows)) and got.shape == (len(rows), *base.shape[1:])
+        assert take([2])._base is t

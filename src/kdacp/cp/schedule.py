@@ -73,7 +73,7 @@ import torch
 from ..affine import AffineMap, apply_state_summary, entry_states
 from ..backends.base import KDAInputs, LocalBackend, LocalGrads, LocalStates
 from ..caches import ROUTES
-from ..host_copies import put_rows, take_rows
+from ..host_copies import put_rows, row_taker, take_rows
 from . import collectives
 from .plan import CPPlan, RankLayout, chain_links
 from .split import RankBackward, SplitPieces, chunks_per_piece, split_state_pass
@@ -343,13 +343,14 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
                               for s in segments[first:last]])
         offsets = backend.state_pass(chunks, span, starts, True).final_state
     messages = []
+    offset_rows = None if offsets is None else row_taker(offsets)
+    transition_rows = None if transition is None else row_taker(transition)
     for p in route.positions:
         rows = [j - first for j in layout.sending_by_position.get(p, ())]
         if not rows:
             messages.append(None)
         else:
-            messages.append(AffineMap(take_rows(offsets, rows),
-                                      take_rows(transition, rows) if route.affine[p] else None))
+            messages.append(AffineMap(offset_rows(rows), transition_rows(rows) if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
     seen = {p: 0 for p in route.positions}
@@ -408,13 +409,15 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
             dinitial = local.gradient_summary(segments=(low, receiving[-1] + 1))
         else:  # the pass with the known final-state gradients (zero where a segment sends, giving G there)
             low, dinitial = 0, local.gradient_pass(_state_rows(known)).dinitial_state
+        gradient_rows = row_taker(dinitial)
+        transposed_rows = None if transition is None else row_taker(transition.transpose(-1, -2))
         for k, i in enumerate(route.positions):
             rows = layout.receiving_by_position.get(L - 1 - i, ())
             if rows and route.affine[i]:
-                messages[k] = AffineMap(take_rows(dinitial, [j - low for j in rows]),
-                                        take_rows(transition, [j - first for j in rows]).transpose(-1, -2))
+                messages[k] = AffineMap(gradient_rows([j - low for j in rows]),
+                                        transposed_rows([j - first for j in rows]))
             elif rows:
-                messages[k] = AffineMap(take_rows(dinitial, [j - low for j in rows]))
+                messages[k] = AffineMap(gradient_rows([j - low for j in rows]))
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
     seen = {p: 0 for p in incoming}
