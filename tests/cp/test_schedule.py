@@ -287,3 +287,32 @@ def test_a_rank_of_several_positions_keeps_its_state_pass_for_the_backward():
         role.backward(fwd, torch.randn_like(fwd.o), exchange=StandInExchange())
         whole_pass = [states for span, states in backend.passes if span == (0, 80)]
         assert len(whole_pass) == 1 and backend.given == whole_pass, (rank, backend.passes, backend.given)
+
+
+def test_rows_with_incoming_takes_each_position_s_rows_in_order():
+    """A rank's entering states joined in one ``cat``: each segment that takes a value gets the next row of its
+    position's message (runs of one position as one slice, a message taken whole as itself), the others their
+    given row or zeros; every row as the one-row-at-a-time join gives it, and ``None`` where nothing enters."""
+    from kdacp.cp.schedule import _rows_with_incoming, _state_rows
+    gen = torch.Generator().manual_seed(5)
+    incoming = {3: torch.randn(2, 2, 4, 3, generator=gen), 5: torch.randn(1, 2, 4, 3, generator=gen),
+                8: torch.randn(3, 2, 4, 3, generator=gen)}
+    given = torch.randn(4, 2, 4, 3, generator=gen)
+    cases = [  # (takes, positions, other)
+        ([True, True, False, True, True, True, True], [3, 3, 0, 5, 8, 8, 8],
+         [None, None, given[1], None, None, None, None]),                               # runs of one position
+        ([True, False, True, True], [8, 0, 8, 8], [None, None, None, None]),           # a position's rows apart
+        ([False, True, False], [0, 5, 0], [given[0], None, None]),                       # a zero row among them
+        ([True], [5], [None]),                                                           # one message, whole
+    ]
+    for takes, positions, other in cases:
+        seen, naive = {}, []
+        for take, p, row in zip(takes, positions, other):
+            if take:
+                naive.append(incoming[p][seen.get(p, 0)])
+                seen[p] = seen.get(p, 0) + 1
+            else:
+                naive.append(row)
+        assert torch.equal(_rows_with_incoming(takes, positions, incoming, other), _state_rows(naive))
+    assert _rows_with_incoming([False, False], [0, 0], incoming, [None, None]) is None
+    assert torch.equal(_rows_with_incoming([False], [0], incoming, [given[2]]), given[2:3])

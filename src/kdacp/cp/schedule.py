@@ -304,6 +304,35 @@ def _state_rows(rows: list) -> torch.Tensor | None:
     return torch.stack([like.new_zeros(like.shape) if r is None else r for r in rows])
 
 
+def _rows_with_incoming(takes: list[bool], positions: list[int], incoming: dict, other: list) -> torch.Tensor | None:
+    """:func:`_state_rows` of one row per segment: where ``takes[j]``, the next row of ``incoming[positions[j]]``
+    (``[n, HV, K, V]``, each position's rows taken in order), else ``other[j]`` (``[HV, K, V]`` or ``None``: zeros).
+    A run of segments taking a position's rows is one slice of its tensor (the whole tensor where it takes them
+    all), so a rank of many positions joins its values in one ``cat``, not a view and a row a segment."""
+    runs: list = []  # (position, first row, rows) or a row of other
+    seen: dict = {}
+    for take, p, row in zip(takes, positions, other):
+        if not take:
+            runs.append(row)
+        elif runs and isinstance(runs[-1], list) and runs[-1][0] == p:
+            runs[-1][2] += 1
+            seen[p] += 1
+        else:
+            runs.append([p, seen.get(p, 0), 1])
+            seen[p] = seen.get(p, 0) + 1
+    like = next((incoming[r[0]] for r in runs if isinstance(r, list)), None)
+    if like is None:
+        return _state_rows(other)
+    parts = []
+    for r in runs:
+        if isinstance(r, list):
+            x = incoming[r[0]]
+            parts.append(x if (r[1], r[2]) == (0, x.shape[0]) else x[r[1]:r[1] + r[2]])
+        else:
+            parts.append(like.new_zeros(1, *like.shape[1:]) if r is None else r.unsqueeze(0).to(like.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _sending_span(layout: RankLayout) -> tuple[int, int]:
     """``(first, last + 1)``: the indices of the first and last segments of ``layout`` that send (``(0, 0)``:
     none); the span between them is what a rank of several positions runs its message's pass over."""
@@ -353,15 +382,8 @@ def _forward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout, 
             messages.append(AffineMap(offset_rows(rows), transition_rows(rows) if route.affine[p] else None))
     exchange.send(pending, messages)
     incoming = dict(zip(route.positions, exchange.receive(pending)))
-    seen = {p: 0 for p in route.positions}
-    starts = []
-    for s in segments:
-        if s.receives:
-            starts.append(incoming[s.position][seen[s.position]])
-            seen[s.position] += 1
-        else:
-            starts.append(None if given is None else given[s.sequence])
-    local_initial = _state_rows(starts)
+    local_initial = _rows_with_incoming([s.receives for s in segments], [s.position for s in segments], incoming,
+                                        [None if given is None or s.receives else given[s.sequence] for s in segments])
     cut = None
     if length:
         states, cut = split_state_pass(backend, chunks, layout.whole, local_initial, output_final_state, length)
@@ -420,13 +442,8 @@ def _backward_positions(backend: LocalBackend, plan: CPPlan, layout: RankLayout,
                 messages[k] = AffineMap(gradient_rows([j - low for j in rows]))
     exchange.send(pending, messages)
     incoming = {L - 1 - i: x for i, x in zip(route.positions, exchange.receive(pending))}
-    seen = {p: 0 for p in incoming}
-    dht = list(known)
-    for j, s in enumerate(segments):
-        if s.sends:
-            dht[j] = incoming[s.position][seen[s.position]]
-            seen[s.position] += 1
-    states = local.gradient_pass(_state_rows(dht))
+    dht = _rows_with_incoming([s.sends for s in segments], [s.position for s in segments], incoming, known)
+    states = local.gradient_pass(dht)
     grads = backend.backward_inputs(states)
     pending.finish_sends()
     dinitial_state = None
