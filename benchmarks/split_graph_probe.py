@@ -1,6 +1,6 @@
 """Where a CUDA-graph capture of the split op fails: KDA (8,192 tokens, 4 heads of 128, one sequence, Kimi Linear's
-gate, bf16, ``backend="fla"``) captured after two warm-up calls on a side stream, as
-``tests/cp/test_split_gpu.py::test_split_replays_from_a_cuda_graph`` captures it, in one of these modes:
+gate, bf16, ``backend="fla"``) captured by :func:`kdacp.bench.timing.capture` after two warm-up calls on a side
+stream, as ``tests/cp/test_split_gpu.py::test_split_replays_from_a_cuda_graph`` captures it, in one of these modes:
 
 - ``fb8``: forward + backward cut into 8 pieces, an eager call on the default stream first (the test's order);
 - ``fb8_noeager``: the same without the eager call (``benchmarks/cuda_graph.py``'s order for the layer);
@@ -23,6 +23,7 @@ import threading
 import torch
 
 from kdacp.bench.inputs import random_inputs
+from kdacp.bench.timing import capture
 from kdacp.ops.kda import chunk_kda
 
 MODES = ("fb8", "fb8_noeager", "fb8_loss", "fb_none", "fwd8")
@@ -60,23 +61,20 @@ def main() -> int:
         elif event == "c_call":
             trail.append(f"  c: {getattr(arg, '__qualname__', arg)}")
 
+    def traced():  # the calls entered are recorded inside the capture only
+        if not torch.cuda.is_current_stream_capturing():
+            return step()
+        sys.setprofile(profile)
+        every_thread(profile)
+        try:
+            return step()
+        finally:
+            sys.setprofile(None)
+            every_thread(None)
+
     eager = None if mode == "fb8_noeager" else [t.clone() for t in step()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            sys.setprofile(profile)
-            every_thread(profile)
-            try:
-                out = step()
-            finally:
-                sys.setprofile(None)
-                every_thread(None)
+        graph, out = capture(traced, warmup=2)
         graph.replay()
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - the probe's answer

@@ -35,9 +35,9 @@ def _read_once(key: TensorKey) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=HOST_TENSORS)
 def host_tensor(values: tuple[int, ...]) -> torch.Tensor:
     """``values`` as a 1-D int64 CPU tensor, one per distinct tuple while kept (:data:`~kdacp.caches.HOST_TENSORS`):
-    shared, so callers must not modify it. A span's boundaries reach launchers that read them on the host
-    (:func:`host_boundaries`, which keeps one read per tensor) as the same tensor on every call, where a new one
-    a call was made, read back and kept in that memo's place of a batch's device boundaries."""
+    shared, so callers must not modify it. Launchers that read boundaries on the host go through
+    :func:`host_boundaries`, whose memo is keyed by tensor: the same tensor on every call is one entry there, where
+    a new tensor a call took a new entry each time and pushed a batch's device boundaries out."""
     return torch.tensor(values, dtype=torch.int64)
 
 

@@ -329,7 +329,7 @@ def _rows_with_incoming(takes: list[bool], positions: list[int], incoming: dict,
             x = incoming[r[0]]
             parts.append(x if (r[1], r[2]) == (0, x.shape[0]) else x[r[1]:r[1] + r[2]])
         else:
-            parts.append(like.new_zeros(1, *like.shape[1:]) if r is None else r.unsqueeze(0).to(like.dtype))
+            parts.append(like.new_zeros(1, *like.shape[1:]) if r is None else r.unsqueeze(0))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
