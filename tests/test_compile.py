@@ -177,3 +177,35 @@ def test_object_settings_compile_where_dynamo_passes_constants_only(monkeypatch,
     else:
         with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="hold_for_regions"):
             compiled(x)
+
+
+def _cudagraph_blockers(fn, *args) -> list:
+    """Compile ``fn`` with AOTAutograd and run it forward and backward on ``args``: for the forward graph and the
+    backward graph, the first node Inductor would keep out of a CUDA graph (its target), or None."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    found = []
+
+    def record(gm, example_inputs):
+        node = get_first_incompatible_cudagraph_node(gm)
+        found.append(None if node is None else node.target)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(*args).backward()
+    return found
+
+
+def test_a_region_reading_boundaries_stays_out_of_cuda_graphs():
+    """A region given the boundaries launches what their values say: a CUDA graph recorded on one batch would
+    replay that batch's work on the next (``mode="reduce-overhead"``). Its forward and backward ops are the ones
+    Inductor keeps out of CUDA graphs; a region of floating tensors alone is not kept out."""
+    x, w = torch.randn(12, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    blockers = _cudagraph_blockers(_loss, x, torch.tensor([0, 5, 12]), w, None, False, True)
+    assert [str(b) for b in blockers] == ["kdacp.opaque_region_reading_values.default",
+                                          "kdacp.opaque_region_reading_values_backward.default"]
+    owner = _Owner(2.0, held=True)
+    scaled = lambda t: run_opaque(_ScaledBy, (owner,), t)[0].sum()  # noqa: E731
+    assert _cudagraph_blockers(scaled, torch.randn(4, requires_grad=True)) == [None, None]

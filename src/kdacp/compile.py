@@ -7,7 +7,9 @@ exchanges would break it. :func:`run_opaque` hands such a part to the graph as o
 ``kdacp::opaque_region``: the graph holds the region's tensors (the boundaries among them, as a tensor, never their
 values) and the region's static settings, baked once as the id of its :class:`OpaqueRegion`; the region runs in
 eager PyTorch inside the op, whatever the backend (``aot_eager``, ``inductor``), so a new batch replays the same
-graph.
+graph. A region given an integer tensor (the boundaries) is the op ``kdacp::opaque_region_reading_values`` instead,
+tagged ``torch.Tag.cudagraph_unsafe``: Inductor's CUDA graphs (``mode="reduce-overhead"``) leave it out, since a
+replay would launch the work of the batch recorded, not the one given.
 
 Autograd: the op's backward (``kdacp::opaque_region_backward``) runs the region again, this time with autograd,
 and differentiates it (as activation checkpointing does): nothing is kept between the two ops but their inputs,
@@ -126,7 +128,8 @@ def run_opaque(kind: type, settings: tuple, *inputs: torch.Tensor | None) -> tup
     # The op takes no None in its list (a None there hides every input's requires_grad from autograd).
     present = [x is not None for x in inputs]
     tensors = [x for x in inputs if x is not None]
-    return tuple(torch.ops.kdacp.opaque_region(_region_id(kind, *_setting_key(settings)), tensors, present))
+    reads_values = any(not (x.dtype.is_floating_point or x.dtype.is_complex) for x in tensors)
+    return tuple(_REGION_OPS[reads_values](_region_id(kind, *_setting_key(settings)), tensors, present))
 
 
 def _with_nones(tensors, present) -> list:
@@ -143,19 +146,6 @@ def _own(outputs, inputs) -> list[torch.Tensor]:
             else y.contiguous() for y in outputs]
 
 
-@torch.library.custom_op("kdacp::opaque_region", mutates_args=())
-def _opaque_region(region: int, inputs: list[torch.Tensor], present: list[bool]) -> list[torch.Tensor]:
-    """The region's outputs on its ``inputs`` (the non-None ones; ``present``: where they go among its
-    arguments)."""
-    with torch.no_grad():  # the backward op re-runs the region with autograd: nothing to record here
-        return _own(_REGIONS[region](*_with_nones(inputs, present)), inputs)
-
-
-@_opaque_region.register_fake
-def _(region, inputs, present):
-    return list(_REGIONS[region].fake(*_with_nones(inputs, present)))
-
-
 @contextlib.contextmanager
 def _autograd_inside_op():
     """Autograd recording inside a custom op's implementation, which the dispatcher runs with the autograd
@@ -167,38 +157,59 @@ def _autograd_inside_op():
         yield
 
 
-@torch.library.custom_op("kdacp::opaque_region_backward", mutates_args=())
-def _opaque_region_backward(region: int, inputs: list[torch.Tensor], present: list[bool], differentiable: list[bool],
-                            grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The gradients of the ``differentiable`` inputs, in order (contiguous), for the outputs' gradients
-    ``grads``."""
-    with _autograd_inside_op():
-        leaves = [x.detach().requires_grad_() if d else x for x, d in zip(inputs, differentiable)]
-        outputs = _REGIONS[region](*_with_nones(leaves, present))
-        pairs = [(y, g) for y, g in zip(outputs, grads) if g is not None and y.requires_grad]
-        wrt = [x for x, d in zip(leaves, differentiable) if d]
-        found = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs \
-            else [None] * len(wrt)
-    return [x.new_zeros(x.shape) if g is None else g.contiguous() for x, g in zip(wrt, found)]
+def _define_region_ops(name: str, tags: tuple):
+    """Register the custom op ``kdacp::<name>`` (a region's outputs) and ``kdacp::<name>_backward`` (its
+    gradients), both with ``tags``, and the first's fake implementation and autograd; return the first."""
+
+    @torch.library.custom_op(f"kdacp::{name}", mutates_args=(), tags=tags)
+    def region_op(region: int, inputs: list[torch.Tensor], present: list[bool]) -> list[torch.Tensor]:
+        """The region's outputs on its ``inputs`` (the non-None ones; ``present``: where they go among its
+        arguments)."""
+        with torch.no_grad():  # the backward op re-runs the region with autograd: nothing to record here
+            return _own(_REGIONS[region](*_with_nones(inputs, present)), inputs)
+
+    @region_op.register_fake
+    def _(region, inputs, present):
+        return list(_REGIONS[region].fake(*_with_nones(inputs, present)))
+
+    @torch.library.custom_op(f"kdacp::{name}_backward", mutates_args=(), tags=tags)
+    def backward_op(region: int, inputs: list[torch.Tensor], present: list[bool], differentiable: list[bool],
+                    grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The gradients of the ``differentiable`` inputs, in order (contiguous), for the outputs' gradients
+        ``grads``."""
+        with _autograd_inside_op():
+            leaves = [x.detach().requires_grad_() if d else x for x, d in zip(inputs, differentiable)]
+            outputs = _REGIONS[region](*_with_nones(leaves, present))
+            pairs = [(y, g) for y, g in zip(outputs, grads) if g is not None and y.requires_grad]
+            wrt = [x for x, d in zip(leaves, differentiable) if d]
+            found = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) \
+                if pairs else [None] * len(wrt)
+        return [x.new_zeros(x.shape) if g is None else g.contiguous() for x, g in zip(wrt, found)]
+
+    @backward_op.register_fake
+    def _(region, inputs, present, differentiable, grads):
+        return [x.new_empty(x.shape) for x, d in zip(inputs, differentiable) if d]
+
+    def setup_context(ctx, inputs, output):
+        ctx.region, tensors, ctx.present = inputs
+        ctx.save_for_backward(*tensors)
+
+    def backward(ctx, grads):
+        # which inputs need a gradient, as autograd saw them when the op ran (dynamo's own view of
+        # ``requires_grad`` misses a tensor that an in-place copy made differentiable)
+        differentiable = list(ctx.needs_input_grad[1])
+        found = iter(getattr(torch.ops.kdacp, f"{name}_backward")(ctx.region, list(ctx.saved_tensors), ctx.present,
+                                                                  differentiable, list(grads)))
+        return None, [next(found) if d else None for d in differentiable], None
+
+    region_op.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.kdacp, name)
 
 
-@_opaque_region_backward.register_fake
-def _(region, inputs, present, differentiable, grads):
-    return [x.new_empty(x.shape) for x, d in zip(inputs, differentiable) if d]
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.region, tensors, ctx.present = inputs
-    ctx.save_for_backward(*tensors)
-
-
-def _backward(ctx, grads):
-    # which inputs need a gradient, as autograd saw them when the op ran (dynamo's own view of ``requires_grad``
-    # misses a tensor that an in-place copy made differentiable)
-    differentiable = list(ctx.needs_input_grad[1])
-    found = iter(torch.ops.kdacp.opaque_region_backward(ctx.region, list(ctx.saved_tensors), ctx.present,
-                                                        differentiable, list(grads)))
-    return None, [next(found) if d else None for d in differentiable], None
-
-
-_opaque_region.register_autograd(_backward, setup_context=_setup_context)
+# A region given an integer tensor reads its values on the host (a batch's document boundaries) and launches
+# accordingly. Replayed from a CUDA graph (``torch.compile(mode="reduce-overhead")``) it would run with the
+# boundaries of the batch it was recorded on, whatever the batch: its ops carry ``torch.Tag.cudagraph_unsafe``,
+# which Inductor runs outside its CUDA graphs (in a partition of their own, or the graph not captured).
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+_REGION_OPS = {False: _define_region_ops("opaque_region", ()),
+               True: _define_region_ops("opaque_region_reading_values", _CUDAGRAPH_UNSAFE)}
