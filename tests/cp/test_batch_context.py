@@ -129,3 +129,15 @@ def test_halo_arguments_are_checked():
 def test_context_refuses_a_layout_that_gives_this_rank_other_tokens():
     with pytest.raises(ValueError, match="local_length=5"):
         build_cp_context(torch.tensor([0, 10]), local_length=5, layout=ranges_layout([[(0, 10)]]))
+
+
+def test_a_token_mixers_context_of_one_sequence_holds_no_device_tensor(monkeypatch):
+    """Built for one sequence on one device, the context makes no device tensor (its first use may be inside
+    Inductor's CUDA-graph pool, where a tensor it keeps would be left untracked); the token positions softmax
+    attention masks with are made at their first use, right."""
+    import kdacp.cp.batch_context as batch_context
+    made = []
+    monkeypatch.setattr(batch_context, "to_device", lambda host, device: made.append(host) or host.clone())
+    context = build_cp_context(None, local_length=12, batch_size=2)
+    assert made == []
+    assert torch.equal(context.token_index, torch.arange(12)) and len(made) == 1

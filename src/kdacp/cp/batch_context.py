@@ -3,7 +3,7 @@ the global boundaries and the token layout, read by every layer call of the step
 
 :func:`build_cp_context` makes a :class:`CPContext`: the recurrence's plan, this rank's local boundaries on
 the host and on the device (the only two forms they take on the way down), each local token's global
-position and document (what softmax attention masks with), and, per convolution width, the route of the
+position (what softmax attention masks with; made on the device at its first use), and, per convolution width, the route of the
 short convolution's halos (:meth:`CPContext.left_halos`). Its two calls are what every token mixer (the layers,
 the torchtitan and Megatron-Core modules) runs: :meth:`CPContext.short_convolution` and
 :meth:`CPContext.recurrence`. A layout is any :class:`~kdacp.cp.layout.TokenLayout`
@@ -101,8 +101,7 @@ class CPContext:
         local_cu_seqlens_cpu: ``[n+1]`` int64 on the host: this rank's local sequences (every document edge and
             every range edge is a boundary), or None for rows when the rank holds one range.
         local_cu_seqlens: the same on the device.
-        token_index: ``[T_local]`` int64 on the device: the global position of each local token (in its row).
-        document: ``[T_local]`` int64 on the device: the document of each local token (None for rows).
+        device: where the context's device tensors live.
     """
 
     layout: TokenLayout
@@ -113,8 +112,7 @@ class CPContext:
     plan: object
     local_cu_seqlens_cpu: torch.Tensor | None
     local_cu_seqlens: torch.Tensor | None
-    token_index: torch.Tensor
-    document: torch.Tensor | None
+    device: torch.device
 
     @cached_property
     def local_plan(self):
@@ -156,11 +154,19 @@ class CPContext:
                      for r in range(self.layout.world_size))
 
     @cached_property
+    def token_index(self) -> torch.Tensor:
+        """``[T_local]`` int64 on the device: the global position of each local token (in its row). Made at the
+        first use (softmax attention's), not with the context: a token mixer's context then holds no device
+        tensor for one sequence, so its first call may be inside a CUDA-graph pool (Inductor's
+        ``reduce-overhead`` warm-up) and leave no tensor there."""
+        return to_device(self.layout.local_token_index(self.rank), self.device)
+
+    @cached_property
     def all_token_index(self) -> torch.Tensor:
         """``[num_tokens]`` int64 on the device: the global position of every rank's local tokens laid end to end
         in rank order (what an all-to-all of equal time shards gathers)."""
         order = torch.cat([self.layout.local_token_index(r) for r in range(self.layout.world_size)])
-        return to_device(order, self.token_index.device)
+        return to_device(order, self.device)
 
     @cached_property
     def gather_index(self) -> torch.Tensor:
@@ -170,7 +176,7 @@ class CPContext:
         where = torch.empty(self.layout.num_tokens, dtype=torch.int64)
         for r in range(self.layout.world_size):
             where[self.layout.local_token_index(r)] = r * L + torch.arange(self.layout.local_lengths[r])
-        return to_device(where, self.token_index.device)
+        return to_device(where, self.device)
 
     def left_halos(self, xs: list[torch.Tensor], width: int) -> list[torch.Tensor | None]:
         """The ``width`` tokens before each of this rank's ranges, of each ``x [B, T_local, C_i]``:
@@ -282,10 +288,5 @@ def build_cp_context(cu_seqlens=None, *, local_length: int, batch_size: int = 1,
     local_cpu = None
     if cu is not None or len(layout.ranges[rank]) > 1:
         local_cpu = torch.tensor(layout.local_cu_seqlens(rank, cu), dtype=torch.int64)
-    token_index = layout.local_token_index(rank)
-    document = None
-    if cu is not None:
-        document = torch.searchsorted(torch.tensor(cu, dtype=torch.int64), token_index, right=True) - 1
     return CPContext(layout, rank, group if P > 1 else None, batch_size, cu, plan, local_cpu,
-                     None if local_cpu is None else to_device(local_cpu, device), to_device(token_index, device),
-                     None if document is None else to_device(document, device))
+                     None if local_cpu is None else to_device(local_cpu, device), device)
