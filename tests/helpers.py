@@ -3,12 +3,49 @@ from __future__ import annotations
 
 import contextlib
 import os
+import runpy
+import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(monkeypatch, capsys, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script>.py *args`` run in this process, without the second interpreter's start and
+    imports (seconds a call): its exit status, stdout and stderr, as ``subprocess.run(..., capture_output=True,
+    text=True)`` returns them.
+
+    The script runs as ``__main__`` (:func:`runpy.run_path`) with ``sys.argv`` set and ``benchmarks/`` first on
+    ``sys.path``, as ``python benchmarks/<script>.py`` runs it; ``monkeypatch`` puts both back after the test and
+    ``capsys`` gives what it printed. The exit status is the ``SystemExit`` it raised (``None``: 0; a message:
+    printed to stderr, 1, as Python does) or 0 when it returned; any other exception propagates.
+
+    Only for runs that leave this process as they found it, such as a refusal of bad arguments: a script that
+    changes process state at import, or a run that gets past its argument checks to set environment variables,
+    torch's thread count or Triton's interpreter, start a process group or spawn workers, runs in a subprocess.
+    """
+    path = BENCHMARKS / f"{script}.py"
+    argv = [str(path), *args]
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", argv)
+    capsys.readouterr()  # what the test printed before: not the script's
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    out, err = capsys.readouterr()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        err, code = f"{err}{code}\n", 1
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -2,31 +2,22 @@
 ``bash benchmarks/one_gpu.sh graph OUT``)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_graph.py"), *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+from tests.helpers import run_script
 
 
 @pytest.mark.parametrize("args, named", [(("--captures", "step,replay"), "--captures"),
                                          (("--batches", "docs9"), "--batches"),
                                          (("--tokens", "3"), "--tokens"),
                                          (("--tokens", "2048,4k"), "--tokens")])
-def test_cuda_graph_refuses_bad_arguments_by_name(args, named):
-    run = _run(*args)
+def test_cuda_graph_refuses_bad_arguments_by_name(monkeypatch, capsys, args, named):
+    run = run_script(monkeypatch, capsys, "cuda_graph", *args)
     assert run.returncode == 2 and named in run.stderr, run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
-def test_cuda_graph_refuses_without_a_gpu():
-    run = _run()
+def test_cuda_graph_refuses_without_a_gpu(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "cuda_graph")
     assert run.returncode == 2 and "CUDA graphs need a CUDA GPU" in run.stderr, run.stderr

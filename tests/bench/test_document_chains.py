@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import run_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "document_chains.py"
 
 
 def test_document_chains_rows():
+    # a process of its own: the script spawns its gloo ranks
     run = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "2", "--docs", "1,5", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -21,6 +24,6 @@ def test_document_chains_rows():
     assert all(float(ms) > 0 for *_, p2p, gather, scan in rows for ms in (p2p, gather, scan))
 
 
-def test_document_chains_refuses_one_rank():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "1"], capture_output=True, text=True, timeout=120)
+def test_document_chains_refuses_one_rank(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "document_chains", "--ranks", "1")
     assert run.returncode == 2 and "--ranks must be at least 2" in run.stderr, run.stderr[-2000:]

@@ -4,19 +4,12 @@ zigzag (level, a piece per document); bad arguments are refused."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "document_layouts.py"
+from tests.helpers import run_script
 
 
-def _run(*args: str):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
-
-
-def test_rows_order_the_layouts_by_balance_and_pieces():
-    run = _run("--ranks", "2,8", "--tokens", "4096", "--seeds", "2")
+def test_rows_order_the_layouts_by_balance_and_pieces(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "document_layouts", "--ranks", "2,8", "--tokens", "4096", "--seeds", "2")
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {(int(P), name): (float(att), int(rec), int(cut)) for P, name, _, att, rec, cut in
             re.findall(r"^\| (\d+) \| ([\w/]+) \| (\d+) \| ([0-9.]+) \| (\d+) \| (\d+) \|$", run.stdout, re.M)}
@@ -28,6 +21,6 @@ def test_rows_order_the_layouts_by_balance_and_pieces():
     assert rows[2, "contiguous"][2] == 1  # one document crosses the single rank boundary
 
 
-def test_bad_arguments_are_refused():
-    run = _run("--tokens", "0")
+def test_bad_arguments_are_refused(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "document_layouts", "--tokens", "0")
     assert run.returncode == 2 and "must be positive" in run.stderr

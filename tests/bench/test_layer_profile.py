@@ -3,23 +3,22 @@ whose floor is the projections' FLOPs at the peak; a backend not usable here is 
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from kdacp.bench.kernels import PEAK_FLOPS
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "layer_profile.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import layer_profile  # noqa: E402
 
 
-def test_rows_split_the_step_and_state_the_floor():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--backends", "torch,fla", "--top", "3",
-                          "--steps", "1", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+def test_rows_split_the_step_and_state_the_floor(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "layer_profile", "--device", "cpu", "--backends", "torch,fla", "--top", "3",
+                     "--steps", "1", "--warmup", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "backend 'fla' is not usable on cpu; skipped" in run.stderr
     rows = re.findall(r"^\| (kda|gdn) \| torch \| 64 \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.e-]+) \|$",

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # 20 s on 2 cores; tests/models/test_compile_cp.py checks compiled models in the default run
 def test_model_step_runs_every_variant_on_cpu():
+    # a process of its own: the script starts a gloo process group (and compiles)
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
                           "--steps", "2", "--warmup", "3", "--tokens", "128", "--documents", "lognormal",
                           "--variants", "parallelize,+fsdp2,+fsdp2 kept,+compile", "--compile-backend", "aot_eager"],
@@ -25,14 +28,13 @@ def test_model_step_runs_every_variant_on_cpu():
     assert all(float(t) > 0 for _, t in rows), run.stdout
 
 
-def test_model_step_refuses_an_unknown_variant():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
-                          "--variants", "parallelize,+fsdp3"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT / "benchmarks")
+def test_model_step_refuses_an_unknown_variant(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "model_step", "--device", "cpu", "--variants", "parallelize,+fsdp3")
     assert run.returncode == 2 and "variants must be from" in run.stderr and "+fsdp3" in run.stderr, run.stderr
 
 
 def test_model_step_times_transformers_own_model_beside_kdacp_on_cpu():
+    # a process of its own: the script starts a gloo process group
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
                           "--steps", "1", "--warmup", "0", "--tokens", "64", "--variants", "transformers,parallelize",
                           "--backend", "torch"], capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks")
@@ -44,8 +46,7 @@ def test_model_step_times_transformers_own_model_beside_kdacp_on_cpu():
     assert ratio == pytest.approx(float(rows["parallelize"]) / float(rows["transformers"]), rel=5e-3), run.stdout
 
 
-def test_model_step_refuses_packed_documents_for_transformers_own_model():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
-                          "--variants", "transformers", "--documents", "lognormal"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT / "benchmarks")
+def test_model_step_refuses_packed_documents_for_transformers_own_model(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "model_step", "--device", "cpu", "--variants", "transformers",
+                     "--documents", "lognormal")
     assert run.returncode == 2 and "--documents must be one_sequence" in run.stderr, run.stderr

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import run_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "rank_host_time.py"
 
 
 def test_rank_host_time_rows_name_each_role_and_its_positions():
+    # a process of its own: the script sets torch's thread count to 1
     run = subprocess.run([sys.executable, str(SCRIPT), "--t-local", "512", "--ranks", "2,4", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -26,7 +29,6 @@ def test_rank_host_time_rows_name_each_role_and_its_positions():
     assert all(float(wall) > 0 and float(cpu) >= float(least) >= 0 for *_, cpu, least, wall in rows)
 
 
-def test_rank_host_time_refuses_an_unknown_role_to_profile():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--t-local", "512", "--ranks", "2", "--profile", "zigzag x"],
-                         capture_output=True, text=True, timeout=300)
+def test_rank_host_time_refuses_an_unknown_role_to_profile(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "rank_host_time", "--t-local", "512", "--ranks", "2", "--profile", "zigzag x")
     assert run.returncode == 2 and "--profile must name a row" in run.stderr, run.stderr[-2000:]

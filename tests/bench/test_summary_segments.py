@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import run_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "summary_segments.py"
 
 
 def _run(*args: str):
+    """A process of its own under TRITON_INTERPRET=1: Triton takes its interpreter or not as kdacp's kernels are
+    defined, at their import, which this process may have done without it (where there is a GPU)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     return subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], capture_output=True, text=True,
                           timeout=600, env=env)
@@ -33,7 +37,7 @@ def test_every_tiling_matches_the_default_over_each_cases_segments():
         assert float(diff) == 0 if tiling == "default" else float(diff) < 1e-4, (case, tiling, diff)
 
 
-def test_a_case_of_no_such_role_is_refused():
-    run = _run("--cases", "zigzag 2 middle")
+def test_a_case_of_no_such_role_is_refused(monkeypatch, capsys):
+    run = run_script(monkeypatch, capsys, "summary_segments", "--device", "cpu", "--cases", "zigzag 2 middle")
     assert run.returncode == 2 and "--cases: role 'middle' is not one of ['ends', 'turn'] at P = 2" in run.stderr, \
         run.stderr[-2000:]
