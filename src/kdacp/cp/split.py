@@ -86,9 +86,10 @@ def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, 
     ``HV x (V + K) / 64`` programs a piece (:func:`pick_chunks_per_program`), where that cuts the longest segment
     into at least :data:`AUTO_MIN_PIECES`, and into no more than :data:`AUTO_MAX_PIECES`; no cut where the longest
     segment is shorter than :data:`AUTO_MIN_TOKENS`."""
-    if _longest_tokens(span) < AUTO_MIN_TOKENS:
+    longest_tokens = _longest_tokens(span)
+    if longest_tokens < AUTO_MIN_TOKENS:
         return None
-    longest = _longest_in_chunks(span, chunk_size)
+    longest = -(-longest_tokens // chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
     length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
