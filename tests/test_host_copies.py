@@ -142,3 +142,19 @@ def test_row_taker_takes_what_take_rows_takes():
             got = take(rows)
             assert torch.equal(got, take_rows(base, rows)) and got.shape == (len(rows), *base.shape[1:])
         assert take([2])._base is t
+
+
+def test_a_device_tensor_made_inside_a_cuda_graph_capture_is_refused_by_name(monkeypatch):
+    """A per-batch device tensor first made inside a capture (a cache miss there) is refused with what to do, before
+    the pinned copy that would invalidate the capture; outside one, made as usual."""
+    import kdacp.host_copies as host_copies
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self.clone())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture: run the captured call once"):
+        host_copies.to_device(torch.arange(3), torch.device("cuda"))
+    assert pinned == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert torch.equal(host_copies.to_device(torch.arange(3), torch.device("cuda")), torch.arange(3))
+    assert len(pinned) == 1

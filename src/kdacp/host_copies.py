@@ -44,10 +44,19 @@ def host_tensor(values: tuple[int, ...]) -> torch.Tensor:
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``; on a GPU copied from pinned memory without a device sync (the
     caller must not change ``host`` afterwards). On the CPU, a copy: the device tensor is apart from the host one
-    on every device (what the host-read checks of the tests tell apart)."""
+    on every device (what the host-read checks of the tests tell apart).
+
+    Raises:
+        RuntimeError: on a GPU whose current stream is capturing a CUDA graph. PyTorch's pinned allocator queries
+            CUDA events, which a capture forbids, and the failure would invalidate the capture; kdacp makes these
+            tensors once per batch (its memos), so a call run once on the batch before the capture makes none.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device, copy=True)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kdacp made a per-batch device tensor inside a CUDA-graph capture: run the captured "
+                           "call once on the same batch before capturing it (torch.cuda.graph's warm-up)")
     return host.pin_memory().to(device, non_blocking=True)
 
 
