@@ -19,6 +19,7 @@ import argparse
 import collections
 import sys
 import threading
+import traceback
 
 import torch
 
@@ -80,6 +81,7 @@ def main() -> int:
     except Exception as error:  # noqa: BLE001 - the probe's answer
         print(mode, "FAILED", type(error).__name__, str(error).splitlines()[0])
         print("\n".join(trail))
+        traceback.print_exc(limit=-12, file=sys.stdout)  # where it was raised: the last frames
         return 1
     worst = None if eager is None else max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, eager))
     print(mode, "OK", worst)
