@@ -9,7 +9,7 @@ stream, as ``tests/cp/test_split_gpu.py::test_split_replays_from_a_cuda_graph`` 
 
 Prints ``MODE OK largest-difference-from-eager`` or ``MODE FAILED error`` followed by the last kdacp functions and C
 calls entered during the capture, on every thread (the autograd engine runs the backward on its own), the culprit
-among the last. One mode a process: a failed capture leaves the CUDA context unusable.
+among the last, then the failure's last frames. One mode a process: a failed capture leaves the CUDA context unusable.
 
     python benchmarks/split_graph_probe.py MODE
 """
