@@ -3,12 +3,12 @@ the global boundaries and the token layout, read by every layer call of the step
 
 :func:`build_cp_context` makes a :class:`CPContext`: the recurrence's plan, this rank's local boundaries on
 the host and on the device (the only two forms they take on the way down), each local token's global
-position (what softmax attention masks with; made on the device at its first use), and, per convolution width, the route of the
-short convolution's halos (:meth:`CPContext.left_halos`). Its two calls are what every token mixer (the layers,
-the torchtitan and Megatron-Core modules) runs: :meth:`CPContext.short_convolution` and
-:meth:`CPContext.recurrence`. A layout is any :class:`~kdacp.cp.layout.TokenLayout`
-or the name of a built-in one; a rank's local tokens are its ranges concatenated in global order, and every
-range edge is a local sequence boundary.
+position (what softmax attention masks with; made on the device at its first use), and, per convolution
+width, the route of the short convolution's halos (:meth:`CPContext.left_halos`). Its two calls are what
+every token mixer (the layers, the torchtitan and Megatron-Core modules) runs:
+:meth:`CPContext.short_convolution` and :meth:`CPContext.recurrence`. A layout is any
+:class:`~kdacp.cp.layout.TokenLayout` or the name of a built-in one; a rank's local tokens are its ranges
+concatenated in global order, and every range edge is a local sequence boundary.
 """
 from __future__ import annotations
 

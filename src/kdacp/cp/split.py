@@ -65,7 +65,7 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     chunk_size = backend.options.chunk_size
     if split == "auto":
         return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device)) if device.type == "cuda" else None
-    longest = _longest_in_chunks(span, chunk_size)
+    longest = _in_chunks(_longest_tokens(span), chunk_size)
     length = -(-longest // split)
     return length if length < longest else None
 
@@ -75,9 +75,9 @@ def _longest_tokens(span: Span) -> int:
     return max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]))
 
 
-def _longest_in_chunks(span: Span, chunk_size: int) -> int:
-    """The chunks of ``span``'s longest segment."""
-    return -(-_longest_tokens(span) // chunk_size)
+def _in_chunks(tokens: int, chunk_size: int) -> int:
+    """The chunks of ``chunk_size`` tokens that ``tokens`` tokens take (the last may be partial)."""
+    return -(-tokens // chunk_size)
 
 
 def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
@@ -89,7 +89,7 @@ def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, 
     longest_tokens = _longest_tokens(span)
     if longest_tokens < AUTO_MIN_TOKENS:
         return None
-    longest = -(-longest_tokens // chunk_size)
+    longest = _in_chunks(longest_tokens, chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
     length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
