@@ -342,8 +342,7 @@ def make_layout(layout, world_size: int, num_tokens: int, cu_seqlens=None, devic
     host ints, ``world_size`` and ``device`` (where it may build what it needs; default the CPU), its layout
     checked as a given one's."""
     if is_layout_rule(layout):
-        cu = None if cu_seqlens is None else tuple(int(c) for c in (
-            cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
+        cu = None if cu_seqlens is None else tuple(_boundaries(cu_seqlens))
         made = layout(cu, world_size, torch.device("cpu") if device is None else torch.device(device))
         if not isinstance(made, TokenLayout):
             raise TypeError(f"the layout rule {layout!r} must return a TokenLayout, got {type(made).__name__}")

@@ -65,8 +65,8 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     chunk_size = backend.options.chunk_size
     if split == "auto":
         return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device)) if device.type == "cuda" else None
-    longest = _in_chunks(_longest_tokens(span), chunk_size)
-    length = -(-longest // split)
+    longest = _ceil_div(_longest_tokens(span), chunk_size)
+    length = _ceil_div(longest, split)
     return length if length < longest else None
 
 
@@ -75,9 +75,10 @@ def _longest_tokens(span: Span) -> int:
     return max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]))
 
 
-def _in_chunks(tokens: int, chunk_size: int) -> int:
-    """The chunks of ``chunk_size`` tokens that ``tokens`` tokens take (the last may be partial)."""
-    return -(-tokens // chunk_size)
+def _ceil_div(n: int, d: int) -> int:
+    """``ceil(n / d)`` for positive ints: the chunks of ``d`` tokens that ``n`` tokens take (the last may be
+    partial), or the pieces of at most ``d`` chunks that ``n`` chunks make."""
+    return -(-n // d)
 
 
 def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
@@ -89,13 +90,13 @@ def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, 
     longest_tokens = _longest_tokens(span)
     if longest_tokens < AUTO_MIN_TOKENS:
         return None
-    longest = _in_chunks(longest_tokens, chunk_size)
+    longest = _ceil_div(longest_tokens, chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
     length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
-    if -(-longest // length) < AUTO_MIN_PIECES:
+    if _ceil_div(longest, length) < AUTO_MIN_PIECES:
         return None
-    return max(length, -(-longest // AUTO_MAX_PIECES))
+    return max(length, _ceil_div(longest, AUTO_MAX_PIECES))
 
 
 @dataclass(frozen=True)
