@@ -113,6 +113,21 @@ def test_auto_pieces_on_an_h100_where_they_measured_best(heads, pieces):
     assert (None if uneven is None else -(-1015 // uneven)) == pieces  # the longest segment is cut the same
 
 
+def test_auto_never_cuts_inside_a_cuda_graph_capture(monkeypatch):
+    """A cut call's forward + backward failed to capture on an H100: inside a capture ``"auto"`` declines the cut
+    (an int still cuts: the caller's choice); outside it the same call on the same GPU is cut."""
+    backend = TorchBackend(KDAOptions(scale=0.25))
+    span = Span(0, 65536, (0, 65536))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(split_module, "sm_count", lambda device: 132)  # an H100, on a machine without one
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert chunks_per_piece("auto", backend, span, 4, 128, 128, cuda) == 64  # 16 pieces of the 1,024 chunks
+    capturing[0] = True
+    assert chunks_per_piece("auto", backend, span, 4, 128, 128, cuda) is None
+    assert chunks_per_piece(8, backend, span, 4, 128, 128, cuda) == 128
+
+
 @pytest.mark.parametrize("tokens, cut", [(8192, False), (16383, False), (16384, True), (32768, True)])
 def test_auto_leaves_short_segments_whole(tokens, cut):
     """Below ``AUTO_MIN_TOKENS`` (16K) the cut's fixed cost is not paid back: at 4 heads on an H100, where 64K

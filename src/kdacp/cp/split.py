@@ -57,14 +57,19 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
     """The length in chunks of the pieces ``span``'s segments are cut into, or ``None`` for no cut.
 
     ``split`` as :func:`check_split`; an int ``S`` cuts the longest segment into ``S`` pieces (others into as
-    many pieces of the same length as they need); ``"auto"``, on a CUDA device, :func:`auto_chunks_per_piece`.
-    Backends that cannot summarise pieces (``summary_pieces`` false) never cut; the chunk length is the
+    many pieces of the same length as they need); ``"auto"``, on a CUDA device whose current stream is not
+    capturing a CUDA graph, :func:`auto_chunks_per_piece`. Inside a capture ``"auto"`` never cuts: a cut call's
+    forward + backward captured in a CUDA graph failed on an H100 (benchmarks/RESULTS.md, GPU tests), and a
+    capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) must not be invalidated by a
+    default. Backends that cannot summarise pieces (``summary_pieces`` false) never cut; the chunk length is the
     backend's (``options.chunk_size``)."""
     if split is None or split == 1 or span.empty or not backend.summary_pieces:
         return None
     chunk_size = backend.options.chunk_size
     if split == "auto":
-        return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device)) if device.type == "cuda" else None
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None
+        return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device))
     longest = _ceil_div(_longest_tokens(span), chunk_size)
     length = _ceil_div(longest, split)
     return length if length < longest else None

@@ -215,7 +215,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             forward + backward in 0.87-0.90x at 4-8 heads (1.07x at 2 heads in that run, 0.85x in an earlier
             one); at 32 heads, and on a packed batch of 64K tokens, it declines the cut, within 1% of no cut
             (benchmarks/RESULTS.md, Split inside one GPU). Known failure: a cut call's forward + backward captured in
-            a CUDA graph failed on an H100 (torch 2.11; RESULTS, GPU tests); capture with ``split=None``.
+            a CUDA graph failed on an H100 (torch 2.11; RESULTS, GPU tests), so ``"auto"`` never cuts inside a
+            capture and an int must not be captured.
         use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's names, taken at FLA's default only (False; True
             raises ``ValueError``): ``beta`` is the write strength in ``[0, 1]``, after its sigmoid.
 
