@@ -7,15 +7,19 @@ FLA's and kdacp's Triton kernels run under Triton's interpreter with their bodie
 run), FLA's autotuners keep their first configuration, and kdacp's ``fla`` backend is let run on the CPU. The
 outputs are then meaningless; the host's control flow, which decides what is launched, is the one a GPU call takes
 (it reads boundaries and shapes, not values). Each call runs twice and the second is counted, so that per-batch and
-per-tensor caches are warm as in a training loop. Needs fla-core importable (``pip install fla-core==0.6.0``).
+per-tensor caches are warm as in a training loop. kdacp's op is counted whole and cut into 8 pieces (``split=8``),
+on the cut's GPU path (its chain of pieces one kernel launch, its pieces planned for 132 SMs): a copy to the device or
+a host read in a counted call is one a CUDA-graph capture of it would fail on. Needs fla-core importable (``pip
+install fla-core==0.6.0``).
 
-    python benchmarks/launch_count.py [--tokens 384] [--heads 2] [--head-dim 32]
+    python benchmarks/launch_count.py [--tokens 384] [--heads 2] [--head-dim 64]
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -28,11 +32,13 @@ READ_METHODS = ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__boo
 
 
 class Counts(TorchDispatchMode):
-    """Within the block: PyTorch operations, Triton launches (by kernel name) and host reads (by method)."""
+    """Within the block: PyTorch operations, Triton launches (by kernel name), host reads (by method) and kdacp's
+    host-to-device copies (:func:`kdacp.host_copies.to_device`: per-batch tensors its memos make)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.launches, self.reads = collections.Counter(), collections.Counter(), collections.Counter()
+        self.copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
@@ -52,6 +58,16 @@ def instrument(counts_of) -> None:
         return first_config(self, *args, **kwargs)
     autotuner.Autotuner.run = run
 
+    import kdacp.host_copies as host_copies
+    to_device = host_copies.to_device
+
+    def copy(host, device):
+        counts_of().copies += 1
+        return to_device(host, device)
+    for module in [m for name, m in sys.modules.items() if name.startswith("kdacp")]:
+        if getattr(module, "to_device", None) is to_device:  # host_copies itself, and its importers so far
+            module.to_device = copy
+
     for name in READ_METHODS:
         def read(self, *args, _method=getattr(torch.Tensor, name), _name=name, **kwargs):
             counts_of().reads[_name] += 1
@@ -63,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=384)
     parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=64, help="64 or 128 (the summary kernels' K, for the cut)")
     args = parser.parse_args()
 
     import kdacp
@@ -72,17 +88,20 @@ def main() -> None:
     from kdacp.bench.inputs import random_inputs
 
     BackendSpec.runs_on = lambda self, device_type: True  # the fla backend on the CPU's interpreter
+    _as_on_a_gpu()
     active = [Counts()]
     instrument(lambda: active[0])
     T, H, D = args.tokens, args.heads, args.head_dim
     x = random_inputs(T, H, H, D, D, gate="kda", seed=1, device="cpu")
     batches = {"one sequence": None, "3 documents": torch.tensor([0, T // 4, T // 2 + 10, T])}
-    print(f"| batch | mode | op | Triton launches | PyTorch operations | host reads |\n|---|---|---|---|---|---|")
+    print("| batch | mode | op | Triton launches | PyTorch operations | host reads | device copies |\n"
+          "|---|---|---|---|---|---|---|")
     for batch, cu in batches.items():
         options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
                        A_log=x["A_log"].float(), dt_bias=x["dt_bias"].float(), cu_seqlens=cu, output_final_state=True)
         for mode in ("forward", "forward + backward"):
-            for name, op, extra in (("FLA", fla_kda, {}), ("kdacp", kdacp.chunk_kda, dict(backend="fla"))):
+            for name, op, extra in (("FLA", fla_kda, {}), ("kdacp", kdacp.chunk_kda, dict(backend="fla", split=None)),
+                                    ("kdacp, split=8", kdacp.chunk_kda, dict(backend="fla", split=8))):
                 for _ in range(2):  # the second call counted: caches warm
                     leaves = {n: x[n].detach().requires_grad_(mode != "forward")
                               for n in ("q", "k", "v", "g", "beta")}
@@ -95,9 +114,24 @@ def main() -> None:
     _layers(args, batches, active)
 
 
+def _as_on_a_gpu() -> None:
+    """The split's GPU path on the CPU: the chain of pieces as one launch of its kernel (on the CPU it runs piece by
+    piece in float64) and the summary kernels' pieces planned for the 132 SMs of an H100."""
+    import kdacp.affine as affine
+    import kdacp.cp.split as split
+    import kdacp.kernels.subsegments as subsegments
+
+    def kernel_path(*xs):
+        xs = [x for x in xs if x is not None]
+        return (all(x.dtype == torch.float32 for x in xs)
+                and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
+    affine._kernel_path = kernel_path
+    subsegments.sm_count = split.sm_count = lambda device: 132
+
+
 def _row(batch: str, mode: str, name: str, c: Counts) -> None:
     print(f"| {batch} | {mode} | {name} | {sum(c.launches.values())} | {sum(c.ops.values())} | "
-          f"{sum(c.reads.values())} |")
+          f"{sum(c.reads.values())} | {c.copies} |")
 
 
 def _layers(args, batches: dict, active: list) -> None:
