@@ -8,9 +8,10 @@ run), FLA's autotuners keep their first configuration, and kdacp's ``fla`` backe
 outputs are then meaningless; the host's control flow, which decides what is launched, is the one a GPU call takes
 (it reads boundaries and shapes, not values). Each call runs twice and the second is counted, so that per-batch and
 per-tensor caches are warm as in a training loop. kdacp's op is counted whole and cut into 8 pieces (``split=8``),
-on the cut's GPU path (its chain of pieces one kernel launch, its pieces planned for 132 SMs): a copy to the device or
-a host read in a counted call is one a CUDA-graph capture of it would fail on. Needs fla-core importable (``pip
-install fla-core==0.6.0``).
+its pieces planned for the 132 SMs of an H100: a copy to the device or a host read in a counted call is one a
+CUDA-graph capture of it would fail on. On the CPU the cut carries the states along its pieces piece by piece in
+float64 (PyTorch operations) where a GPU launches the chain kernel once (with its per-batch table, made on the
+first call). Needs fla-core importable (``pip install fla-core==0.6.0``).
 
     python benchmarks/launch_count.py [--tokens 384] [--heads 2] [--head-dim 64]
 """
@@ -115,17 +116,10 @@ def main() -> None:
 
 
 def _as_on_a_gpu() -> None:
-    """The split's GPU path on the CPU: the chain of pieces as one launch of its kernel (on the CPU it runs piece by
-    piece in float64) and the summary kernels' pieces planned for the 132 SMs of an H100."""
-    import kdacp.affine as affine
+    """The cut's pieces and the summary kernels' sub-segments planned for the 132 SMs of an H100 (the CPU's stand-in
+    count is 4)."""
     import kdacp.cp.split as split
     import kdacp.kernels.subsegments as subsegments
-
-    def kernel_path(*xs):
-        xs = [x for x in xs if x is not None]
-        return (all(x.dtype == torch.float32 for x in xs)
-                and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
-    affine._kernel_path = kernel_path
     subsegments.sm_count = split.sm_count = lambda device: 132
 
 
