@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from ..affine import AffineMap, chain_states
 from ..backends.base import LocalBackend, LocalStates, Span
@@ -70,20 +71,14 @@ def chunks_per_piece(split, backend: LocalBackend, span: Span, HV: int, K: int, 
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return None
         return auto_chunks_per_piece(span, HV, K, V, chunk_size, sm_count(device))
-    longest = _ceil_div(_longest_tokens(span), chunk_size)
-    length = _ceil_div(longest, split)
+    longest = triton.cdiv(_longest_tokens(span), chunk_size)
+    length = triton.cdiv(longest, split)
     return length if length < longest else None
 
 
 def _longest_tokens(span: Span) -> int:
     """The tokens of ``span``'s longest segment."""
     return max(e - s for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:]))
-
-
-def _ceil_div(n: int, d: int) -> int:
-    """``ceil(n / d)`` for positive ints: the chunks of ``d`` tokens that ``n`` tokens take (the last may be
-    partial), or the pieces of at most ``d`` chunks that ``n`` chunks make."""
-    return -(-n // d)
 
 
 def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, sms: int) -> int | None:
@@ -95,13 +90,13 @@ def auto_chunks_per_piece(span: Span, HV: int, K: int, V: int, chunk_size: int, 
     longest_tokens = _longest_tokens(span)
     if longest_tokens < AUTO_MIN_TOKENS:
         return None
-    longest = _ceil_div(longest_tokens, chunk_size)
+    longest = triton.cdiv(longest_tokens, chunk_size)
     bounds = [(0, s, e) for s, e in zip(span.cu_seqlens[:-1], span.cu_seqlens[1:])]
     block_v = min(_SUMMARY_BLOCK_V, K, V)
     length = pick_chunks_per_program(bounds, HV * (V + K) // block_v, chunk_size, None, sms=sms)
-    if _ceil_div(longest, length) < AUTO_MIN_PIECES:
+    if triton.cdiv(longest, length) < AUTO_MIN_PIECES:
         return None
-    return max(length, _ceil_div(longest, AUTO_MAX_PIECES))
+    return max(length, triton.cdiv(longest, AUTO_MAX_PIECES))
 
 
 @dataclass(frozen=True)
